@@ -1,0 +1,12 @@
+//! `kvroute-core`: everything the filter (wasm32) and the inventory service (native) must agree on.
+//!
+//! * [`hash`] — block keys for every engine contract (vLLM `sha256_cbor`/`xxhash_cbor`, SGLang
+//!   `sha256_sglang`, TensorRT-LLM `blockhash_trtllm`) and kvroute's own content key (`tokens`).
+//! * [`tokenize`], [`chat`], [`prompt`] — HuggingFace tokenizers, chat templates and OpenAI bodies
+//!   turned into the token ids the engine would see.
+//! * [`slug`] — model name to tokenizer directory name.
+//! * [`rule`] — the load-balancer rule model and its validation.
+//!
+//! No tokio and no I/O: the crate compiles for `wasm32-unknown-unknown` and native alike.
+
+pub mod hash;
