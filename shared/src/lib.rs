@@ -9,4 +9,11 @@
 //!
 //! No tokio and no I/O: the crate compiles for `wasm32-unknown-unknown` and native alike.
 
+pub mod bpe;
+pub mod chat;
 pub mod hash;
+pub mod prompt;
+pub mod rule;
+pub mod settings;
+pub mod slug;
+pub mod tokenize;
