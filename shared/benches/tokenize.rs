@@ -1,0 +1,72 @@
+//! Tokenization cost per prompt: HF tokenizers versus the fast BPE path, cold and warm.
+//!
+//! "cold" clears the piece cache before every encode; "warm" repeats a prompt whose pieces are all
+//! cached (a multi-turn follow-up).
+//! Needs the Qwen3 fixture (`scripts/setup.sh`); without it the bench says so and exits.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::hint::black_box;
+use std::path::PathBuf;
+
+use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+use kvroute_core::bpe::FastBpe;
+
+fn fixture() -> Option<Vec<u8>> {
+    let dir = std::env::var_os("KVROUTE_TOKENIZER_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.cache/fixtures/qwen3"));
+    std::fs::read(dir.join("tokenizer.json")).ok()
+}
+
+/// English-and-code prose of roughly `words` words, deterministic.
+fn prose(words: usize, salt: u64) -> String {
+    const W: &[&str] = &[
+        "the", "router", "sends", "each", "request", "to", "backend", "whose", "cache", "already", "holds", "prefix,",
+        "so", "prefill", "is", "skipped.", "Configure", "--block-size", "16", "and", "PYTHONHASHSEED=0;", "then",
+        "compare", "keys:", "0x7f3a", "(see", "docs/contracts.md)", "for", "details.\n", "Latency", "p99", "≤", "5ms",
+    ];
+    let mut s = salt.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    let mut out = String::with_capacity(words * 7);
+    for _ in 0..words {
+        s ^= s << 13;
+        s ^= s >> 7;
+        s ^= s << 17;
+        out.push_str(W[(s % W.len() as u64) as usize]);
+        out.push(' ');
+    }
+    out
+}
+
+fn bench(c: &mut Criterion) {
+    let Some(bytes) = fixture() else {
+        eprintln!("tokenizer fixture missing: run scripts/setup.sh");
+        return;
+    };
+    let hf = tokenizers::Tokenizer::from_bytes(&bytes).unwrap();
+    for words in [700usize, 5600] {
+        let text = prose(words, 1);
+        let n = hf.encode(text.as_str(), false).unwrap().len();
+        let mut g = c.benchmark_group(format!("tokenize_{}_tokens", n));
+        g.throughput(Throughput::Elements(n as u64));
+        g.bench_function(BenchmarkId::new("hf_tokenizers", "cold"), |b| {
+            b.iter(|| hf.encode(black_box(text.as_str()), false).unwrap().len())
+        });
+        let fast = FastBpe::from_tokenizer_json(&bytes).unwrap().unwrap();
+        g.bench_function(BenchmarkId::new("fast_bpe", "cold"), |b| {
+            b.iter(|| {
+                fast.clear_cache();
+                fast.encode(black_box(&text)).len()
+            })
+        });
+        fast.encode(&text);
+        g.bench_function(BenchmarkId::new("fast_bpe", "warm"), |b| b.iter(|| fast.encode(black_box(&text)).len()));
+        g.finish();
+    }
+}
+
+criterion_group! {
+    name = benches;
+    config = Criterion::default().sample_size(10);
+    targets = bench
+}
+criterion_main!(benches);
