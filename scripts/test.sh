@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# THE test command (README, CI): installs what is missing, builds the filter .wasm and every
+# workspace binary, then runs every test in the workspace. Exits non-zero on any failure.
+#
+# Works on a clean clone: scripts/setup.sh fetches Envoy, the tokenizer fixture and (when no rustup
+# wasm32 target exists) the Debian wasm toolchain into ${KVROUTE_CACHE:-<repo>/.cache}.
+# Extra arguments go to `cargo test` (e.g. `./scripts/test.sh -p kvroute-tests envoy`).
+set -euo pipefail
+
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$REPO"
+export KVROUTE_CACHE="${KVROUTE_CACHE:-$REPO/.cache}"
+
+step() {
+    echo "test.sh: $*"
+}
+
+step "setup"
+./scripts/setup.sh
+step "building the filter .wasm"
+./scripts/build-wasm.sh
+# shellcheck source=/dev/null
+source "$KVROUTE_CACHE/env.sh"
+
+# Tests start the workspace's binaries (inventory service, engine simulator) as real processes,
+# and `cargo test` only builds a package's own binaries: build them all first.
+step "building workspace binaries"
+cargo build --workspace --bins
+
+step "running tests"
+if (($# > 0)); then
+    cargo test "$@"
+else
+    cargo test --workspace --no-fail-fast
+fi

@@ -1,0 +1,533 @@
+//! Process and network plumbing for end-to-end tests.
+//!
+//! Rules every helper keeps (STYLE.md, Tests): only 127.0.0.1; ports come from the kernel (bind :0);
+//! every child process is killed and reaped when its guard drops, also when a test panics; readiness
+//! is polled against a deadline, never assumed after a fixed sleep; a failure message carries the
+//! tail of the process's log.
+
+use std::collections::HashMap;
+use std::net::{SocketAddr, TcpListener};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use anyhow::{bail, Context, Result};
+use axum::body::Bytes;
+use axum::extract::{DefaultBodyLimit, State};
+use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, Uri};
+use axum::response::{IntoResponse, Response};
+use axum::Router;
+
+/// Hint appended to every "not installed" error.
+pub const SETUP_HINT: &str = "run ./scripts/test.sh (it runs scripts/setup.sh)";
+
+/// How often readiness polls retry.
+const POLL_INTERVAL: Duration = Duration::from_millis(25);
+
+// ---------------------------------------------------------------------------------------------
+// Locating the cached tools
+// ---------------------------------------------------------------------------------------------
+
+/// The repository root (the workspace directory).
+pub fn repo_root() -> PathBuf {
+    let manifest = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    manifest.parent().map(Path::to_path_buf).unwrap_or(manifest)
+}
+
+/// `$KVROUTE_CACHE`, or `<repo>/.cache` (setup.sh's default).
+pub fn cache_dir() -> PathBuf {
+    env_path("KVROUTE_CACHE").unwrap_or_else(|| repo_root().join(".cache"))
+}
+
+fn env_path(var: &str) -> Option<PathBuf> {
+    std::env::var_os(var)
+        .filter(|v| !v.is_empty())
+        .map(PathBuf::from)
+}
+
+fn located(var: &str, default: PathBuf, what: &str, must_contain: Option<&str>) -> Result<PathBuf> {
+    let path = env_path(var).unwrap_or(default);
+    let probe = match must_contain {
+        Some(file) => path.join(file),
+        None => path.clone(),
+    };
+    if !probe.is_file() {
+        bail!(
+            "{what} not found at {} (set {var} or {SETUP_HINT})",
+            probe.display()
+        );
+    }
+    Ok(path)
+}
+
+/// The Envoy binary: `$KVROUTE_ENVOY` or `<cache>/envoy/envoy`.
+pub fn envoy_bin() -> Result<PathBuf> {
+    located(
+        "KVROUTE_ENVOY",
+        cache_dir().join("envoy/envoy"),
+        "Envoy binary",
+        None,
+    )
+}
+
+/// The built filter module: `$KVROUTE_WASM` or `<cache>/wasm/kvroute_filter.wasm`
+/// (written by scripts/build-wasm.sh, which scripts/test.sh runs).
+pub fn wasm_module() -> Result<PathBuf> {
+    let path = located(
+        "KVROUTE_WASM",
+        cache_dir().join("wasm/kvroute_filter.wasm"),
+        "filter .wasm (scripts/build-wasm.sh)",
+        None,
+    )?;
+    warn_if_stale(&path);
+    Ok(path)
+}
+
+/// `cargo test` does not rebuild the `.wasm`: say so (on stderr, shown with a failing test's
+/// output) when filter or core sources are newer than the module.
+fn warn_if_stale(module: &Path) {
+    let Ok(built) = std::fs::metadata(module).and_then(|m| m.modified()) else {
+        return;
+    };
+    let root = repo_root();
+    let newer = [root.join("filter/src"), root.join("shared/src")]
+        .iter()
+        .filter_map(|dir| newest_mtime(dir, 8))
+        .any(|t| t > built);
+    if newer {
+        eprintln!(
+            "warning: {} is older than filter/ or shared/ sources; rebuild it with ./scripts/build-wasm.sh",
+            module.display()
+        );
+    }
+}
+
+fn newest_mtime(dir: &Path, depth: usize) -> Option<SystemTime> {
+    let mut newest = None;
+    for entry in std::fs::read_dir(dir).ok()?.flatten() {
+        let Ok(meta) = entry.metadata() else { continue };
+        let t = if meta.is_dir() && depth > 0 {
+            newest_mtime(&entry.path(), depth - 1)
+        } else {
+            meta.modified().ok()
+        };
+        newest = newest.max(t);
+    }
+    newest
+}
+
+/// The Qwen3 tokenizer fixture directory: `$KVROUTE_TOKENIZER_DIR` or `<cache>/fixtures/qwen3`.
+pub fn tokenizer_dir() -> Result<PathBuf> {
+    located(
+        "KVROUTE_TOKENIZER_DIR",
+        cache_dir().join("fixtures/qwen3"),
+        "Qwen3 tokenizer fixture",
+        Some("tokenizer.json"),
+    )
+}
+
+// ---------------------------------------------------------------------------------------------
+// Ports, temp dirs, child processes
+// ---------------------------------------------------------------------------------------------
+
+/// A port on 127.0.0.1 that was free a moment ago (the kernel picks it; the socket is closed
+/// before returning, so a process started next can bind it).
+pub fn free_port() -> Result<u16> {
+    let listener = TcpListener::bind("127.0.0.1:0").context("binding 127.0.0.1:0")?;
+    Ok(listener.local_addr()?.port())
+}
+
+/// `127.0.0.1:port`.
+pub fn local(port: u16) -> SocketAddr {
+    SocketAddr::from(([127, 0, 0, 1], port))
+}
+
+/// A directory under the system temp dir, removed on drop.
+#[derive(Debug)]
+pub struct TempDir {
+    path: PathBuf,
+}
+
+impl TempDir {
+    /// Creates a fresh, uniquely named directory.
+    pub fn new(prefix: &str) -> Result<TempDir> {
+        static NEXT: AtomicU64 = AtomicU64::new(0);
+        let nanos = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or(0);
+        let name = format!(
+            "kvroute-{prefix}-{}-{}-{nanos}",
+            std::process::id(),
+            NEXT.fetch_add(1, Ordering::Relaxed)
+        );
+        let path = std::env::temp_dir().join(name);
+        std::fs::create_dir_all(&path).with_context(|| format!("creating {}", path.display()))?;
+        Ok(TempDir { path })
+    }
+
+    /// The directory.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.path);
+    }
+}
+
+/// A child process that is killed and reaped when dropped. Its stdout and stderr go to a log file.
+#[derive(Debug)]
+pub struct ChildGuard {
+    name: String,
+    child: Child,
+    log: PathBuf,
+}
+
+impl ChildGuard {
+    /// Spawns `cmd` with stdin closed and stdout+stderr appended to `log`.
+    pub fn spawn(name: &str, mut cmd: Command, log: &Path) -> Result<ChildGuard> {
+        let out =
+            std::fs::File::create(log).with_context(|| format!("creating {}", log.display()))?;
+        let err = out.try_clone()?;
+        let child = cmd
+            .stdin(Stdio::null())
+            .stdout(out)
+            .stderr(err)
+            .spawn()
+            .with_context(|| format!("spawning {name}: {cmd:?}"))?;
+        Ok(ChildGuard {
+            name: name.to_string(),
+            child,
+            log: log.to_path_buf(),
+        })
+    }
+
+    /// The process id.
+    pub fn id(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// `Some(status)` once the process has exited.
+    pub fn exited(&mut self) -> Option<ExitStatus> {
+        self.child.try_wait().ok().flatten()
+    }
+
+    /// Everything the process logged so far.
+    pub fn log(&self) -> String {
+        std::fs::read(&self.log)
+            .map(|b| String::from_utf8_lossy(&b).into_owned())
+            .unwrap_or_default()
+    }
+
+    /// The last `lines` lines of the log, for error messages.
+    pub fn log_tail(&self, lines: usize) -> String {
+        let log = self.log();
+        let all: Vec<&str> = log.lines().collect();
+        all[all.len().saturating_sub(lines)..].join("\n")
+    }
+
+    /// An error if the process has exited, naming it with its log tail.
+    pub fn ensure_running(&mut self) -> Result<()> {
+        match self.exited() {
+            Some(status) => bail!(
+                "{} exited early ({status}); log tail:\n{}",
+                self.name,
+                self.log_tail(40)
+            ),
+            None => Ok(()),
+        }
+    }
+}
+
+impl Drop for ChildGuard {
+    fn drop(&mut self) {
+        // Already-exited children make kill() fail; wait() still reaps them.
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Readiness
+// ---------------------------------------------------------------------------------------------
+
+/// Polls until a TCP connect to `addr` succeeds; fails after `timeout` or when `child` exits.
+pub async fn wait_for_tcp(
+    addr: SocketAddr,
+    timeout: Duration,
+    mut child: Option<&mut ChildGuard>,
+) -> Result<()> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Some(c) = child.as_deref_mut() {
+            c.ensure_running()?;
+        }
+        let last_err = match tokio::net::TcpStream::connect(addr).await {
+            Ok(_) => return Ok(()),
+            Err(e) => e,
+        };
+        if Instant::now() >= deadline {
+            bail!("{addr} not accepting connections after {timeout:?}: {last_err}");
+        }
+        tokio::time::sleep(POLL_INTERVAL).await;
+    }
+}
+
+/// Polls `GET url` until it answers 200; fails after `timeout` or when `child` exits.
+pub async fn wait_for_http(
+    url: &str,
+    timeout: Duration,
+    mut child: Option<&mut ChildGuard>,
+) -> Result<()> {
+    let client = reqwest::Client::builder()
+        .timeout(Duration::from_secs(2))
+        .build()?;
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Some(c) = child.as_deref_mut() {
+            c.ensure_running()?;
+        }
+        let last = match client.get(url).send().await {
+            Ok(r) if r.status() == reqwest::StatusCode::OK => return Ok(()),
+            Ok(r) => format!("status {}", r.status()),
+            Err(e) => e.to_string(),
+        };
+        if Instant::now() >= deadline {
+            let tail = child.map(|c| c.log_tail(40)).unwrap_or_default();
+            bail!(
+                "{url} not ready after {timeout:?} (last: {last}){}",
+                if tail.is_empty() {
+                    tail
+                } else {
+                    format!("; log tail:\n{tail}")
+                }
+            );
+        }
+        tokio::time::sleep(POLL_INTERVAL).await;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Envoy
+// ---------------------------------------------------------------------------------------------
+
+/// A running Envoy, stopped on drop.
+#[derive(Debug)]
+pub struct Envoy {
+    /// Admin interface address (`/ready`, `/stats`).
+    pub admin: SocketAddr,
+    child: ChildGuard,
+    _dir: TempDir,
+}
+
+impl Envoy {
+    /// How long Envoy may take to become ready: V8 compiles the module on start.
+    pub const READY_TIMEOUT: Duration = Duration::from_secs(60);
+
+    /// Starts Envoy with `config` (a bootstrap as JSON, which is valid YAML) whose admin listener
+    /// is on `admin_port`, and waits for `/ready`.
+    ///
+    /// Hot restart is disabled so parallel tests need no distinct `--base-id`; one worker thread
+    /// keeps stats and logs deterministic.
+    pub async fn start(config: &serde_json::Value, admin_port: u16) -> Result<Envoy> {
+        let bin = envoy_bin()?;
+        let dir = TempDir::new("envoy")?;
+        let config_path = dir.path().join("envoy.yaml");
+        std::fs::write(&config_path, serde_json::to_vec_pretty(config)?)?;
+        let mut cmd = Command::new(bin);
+        cmd.arg("--config-path")
+            .arg(&config_path)
+            .args([
+                "--disable-hot-restart",
+                "--concurrency",
+                "1",
+                "--log-level",
+                "info",
+            ])
+            .args(["--component-log-level", "wasm:debug"]);
+        let mut child = ChildGuard::spawn("envoy", cmd, &dir.path().join("envoy.log"))?;
+        let admin = local(admin_port);
+        wait_for_http(
+            &format!("http://{admin}/ready"),
+            Self::READY_TIMEOUT,
+            Some(&mut child),
+        )
+        .await?;
+        Ok(Envoy {
+            admin,
+            child,
+            _dir: dir,
+        })
+    }
+
+    /// Everything Envoy logged so far.
+    pub fn log(&self) -> String {
+        self.child.log()
+    }
+
+    /// An error if Envoy has exited.
+    pub fn ensure_running(&mut self) -> Result<()> {
+        self.child.ensure_running()
+    }
+
+    /// Admin `/stats` lines containing `filter` (a regex, as Envoy's `filter` parameter takes it),
+    /// as a name -> value map. Only integer stats (counters and gauges) are returned.
+    pub async fn stats(&self, filter: &str) -> Result<HashMap<String, u64>> {
+        let url = format!("http://{}/stats", self.admin);
+        let text = reqwest::Client::new()
+            .get(url)
+            .query(&[("filter", filter)])
+            .timeout(Duration::from_secs(5))
+            .send()
+            .await?
+            .error_for_status()?
+            .text()
+            .await?;
+        Ok(text
+            .lines()
+            .filter_map(|l| l.split_once(": "))
+            .filter_map(|(k, v)| v.trim().parse().ok().map(|v| (k.to_string(), v)))
+            .collect())
+    }
+
+    /// Polls stat `name` until `pred` holds for it (missing counts as 0); returns its value.
+    pub async fn wait_for_stat(
+        &self,
+        name: &str,
+        timeout: Duration,
+        pred: impl Fn(u64) -> bool,
+    ) -> Result<u64> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let value = self
+                .stats(&format!("^{}$", regex_escape(name)))
+                .await?
+                .get(name)
+                .copied()
+                .unwrap_or(0);
+            if pred(value) {
+                return Ok(value);
+            }
+            if Instant::now() >= deadline {
+                bail!("stat {name} = {value} did not reach the expected value within {timeout:?}");
+            }
+            tokio::time::sleep(POLL_INTERVAL).await;
+        }
+    }
+}
+
+fn regex_escape(s: &str) -> String {
+    s.chars()
+        .flat_map(|c| match c.is_ascii_alphanumeric() || c == '_' {
+            true => vec![c],
+            false => vec!['\\', c],
+        })
+        .collect()
+}
+
+// ---------------------------------------------------------------------------------------------
+// Echo backend
+// ---------------------------------------------------------------------------------------------
+
+/// Response header naming the backend that answered.
+pub const BACKEND_HEADER: &str = "x-kvroute-test-backend";
+
+/// One request a [`Backend`] received.
+#[derive(Clone, Debug)]
+pub struct Received {
+    pub method: String,
+    pub path: String,
+    pub headers: Vec<(String, String)>,
+    pub body: Bytes,
+}
+
+#[derive(Clone)]
+struct BackendState {
+    name: String,
+    received: Arc<Mutex<Vec<Received>>>,
+}
+
+/// A tiny in-test HTTP server: answers every request with status 200, the request body echoed
+/// byte-for-byte, and [`BACKEND_HEADER`] set to its name; records what it received.
+pub struct Backend {
+    /// The name it answers with.
+    pub name: String,
+    /// Where it listens.
+    pub addr: SocketAddr,
+    received: Arc<Mutex<Vec<Received>>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Backend {
+    /// Binds 127.0.0.1:0 and serves on the current tokio runtime until dropped.
+    pub async fn start(name: &str) -> Result<Backend> {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        let addr = listener.local_addr()?;
+        let received = Arc::new(Mutex::new(Vec::new()));
+        let state = BackendState {
+            name: name.to_string(),
+            received: received.clone(),
+        };
+        // No body limit: tests send bodies up to Envoy's buffer limit.
+        let app = Router::new()
+            .fallback(echo)
+            .layer(DefaultBodyLimit::disable())
+            .with_state(state);
+        let task = tokio::spawn(async move {
+            let _ = axum::serve(listener, app).await;
+        });
+        Ok(Backend {
+            name: name.to_string(),
+            addr,
+            received,
+            task,
+        })
+    }
+
+    /// Every request received so far, in arrival order.
+    pub fn received(&self) -> Vec<Received> {
+        self.received.lock().map(|r| r.clone()).unwrap_or_default()
+    }
+}
+
+impl Drop for Backend {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+async fn echo(
+    State(state): State<BackendState>,
+    method: Method,
+    uri: Uri,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    let headers_vec = headers
+        .iter()
+        .map(|(k, v)| {
+            (
+                k.as_str().to_string(),
+                String::from_utf8_lossy(v.as_bytes()).into_owned(),
+            )
+        })
+        .collect();
+    if let Ok(mut r) = state.received.lock() {
+        r.push(Received {
+            method: method.to_string(),
+            path: uri.to_string(),
+            headers: headers_vec,
+            body: body.clone(),
+        });
+    }
+    let mut resp = (StatusCode::OK, body).into_response();
+    if let Ok(v) = HeaderValue::from_str(&state.name) {
+        resp.headers_mut().insert(BACKEND_HEADER, v);
+    }
+    resp
+}

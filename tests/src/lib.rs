@@ -1,0 +1,13 @@
+//! `kvroute-tests`: shared helpers for kvroute's end-to-end tests.
+//!
+//! * [`harness`] — real processes on 127.0.0.1: free ports, child guards, bounded readiness waits,
+//!   locating the cached Envoy / filter `.wasm` / tokenizer fixture, Envoy itself, an echo backend.
+//! * [`wasm`] — a wasmi host that loads the built filter module and calls its test export.
+//! * [`golden`] — the engines' golden block-key vectors as uniform cases.
+//!
+//! Everything the tests need beyond cargo is installed by `scripts/setup.sh` (run by
+//! `scripts/test.sh`); helpers fail with a message saying so when something is missing.
+
+pub mod golden;
+pub mod harness;
+pub mod wasm;
