@@ -96,6 +96,32 @@ pub unsafe extern "C" fn kvroute_test_keys(ptr: *const u8, len: usize) -> u64 {
     (out_ptr << 32) | out_len
 }
 
+/// Hashes a synthetic `n_tokens`-token prompt `reps` times with algorithm number `algo`
+/// (the index in [`HashAlgo::ALL`]), block size 16, seed "0"; returns the xor of every last key
+/// (0 on a bad argument). Used by `scripts/bench-hash.sh` to time hashing inside V8 without
+/// JSON in the loop.
+pub fn bench(algo: u32, n_tokens: u32, reps: u32) -> u64 {
+    let (Some(&algo), Some(bs)) = (HashAlgo::ALL.get(algo as usize), BlockSize::new(16)) else {
+        return 0;
+    };
+    let contract = HashContract { algo, block_size: bs, seed: Some("0".into()) };
+    let tokens: Vec<u32> = (0..n_tokens).map(|i| i.wrapping_mul(2_654_435_761) % 151_643).collect();
+    let mut acc = 0u64;
+    for _ in 0..reps {
+        if let Ok(keys) = contract.keys(&tokens, &ExtraKeys::default()) {
+            acc ^= keys.last().map_or(0, |k| k.0);
+        }
+    }
+    acc
+}
+
+/// The wasm export of [`bench`].
+#[cfg(target_arch = "wasm32")]
+#[no_mangle]
+pub extern "C" fn kvroute_bench_keys(algo: u32, n_tokens: u32, reps: u32) -> u64 {
+    bench(algo, n_tokens, reps)
+}
+
 #[cfg(test)]
 #[allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 mod tests {
@@ -104,6 +130,13 @@ mod tests {
 
     fn ask(v: Value) -> Value {
         serde_json::from_slice(&answer(v.to_string().as_bytes())).unwrap()
+    }
+
+    #[test]
+    fn bench_export_hashes_and_rejects_unknown_algos() {
+        assert_ne!(bench(0, 64, 1), 0);
+        assert_eq!(bench(0, 64, 2), 0, "xor of the same key twice");
+        assert_eq!(bench(99, 64, 1), 0);
     }
 
     #[test]
