@@ -1,0 +1,370 @@
+//! Routing strategies and the request loop: every request is a streamed chat completion whose
+//! TTFT, usage (`cached_tokens`) and serving simulator (`x-kvroute-sim`) are recorded.
+//!
+//! Strategies:
+//! * `round-robin`: the driver rotates over the simulators.
+//! * `sticky`: jump consistent hash of the tenant (what a tenant-affinity load balancer does).
+//! * `oracle`: asks every simulator how many leading blocks of this request it holds
+//!   (`POST /debug/cache/match`) and picks the longest match, least loaded on ties.
+//! * `kvroute-engine`, `kvroute-tokens`: the driver tokenizes and hashes like the filter (engine
+//!   contract or kvroute's content key) and asks the inventory service (`POST /v1/route`).
+//! * `gateway`: sends to Envoy with the kvroute filter (round robin over gateway URLs); the
+//!   filter chooses.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::{anyhow, bail};
+use kvroute_core::hash::{ExtraKeys, HashAlgo, HashContract};
+use kvroute_core::prompt::Endpoint;
+use serde_json::{json, Value};
+use tokio::sync::Semaphore;
+
+use super::workload::{Session, Shape};
+use crate::prompt::Encoder;
+use crate::server::SIM_HEADER;
+
+/// A routing strategy.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Strategy {
+    /// Rotate.
+    RoundRobin,
+    /// Consistent hash of the tenant.
+    Sticky,
+    /// Longest cached prefix, from the simulators themselves.
+    Oracle,
+    /// kvroute inventory, engine keys.
+    KvrouteEngine,
+    /// kvroute inventory, content keys.
+    KvrouteTokens,
+    /// Through Envoy and the filter.
+    Gateway,
+}
+
+impl Strategy {
+    /// Every strategy, in report order.
+    pub const ALL: [Strategy; 6] = [
+        Strategy::RoundRobin,
+        Strategy::Sticky,
+        Strategy::KvrouteEngine,
+        Strategy::KvrouteTokens,
+        Strategy::Gateway,
+        Strategy::Oracle,
+    ];
+
+    /// Command-line name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Strategy::RoundRobin => "round-robin",
+            Strategy::Sticky => "sticky",
+            Strategy::Oracle => "oracle",
+            Strategy::KvrouteEngine => "kvroute-engine",
+            Strategy::KvrouteTokens => "kvroute-tokens",
+            Strategy::Gateway => "gateway",
+        }
+    }
+
+    /// Parses a command-line name.
+    pub fn parse(s: &str) -> Option<Strategy> {
+        Strategy::ALL.into_iter().find(|k| k.as_str() == s)
+    }
+
+    /// Whether the strategy needs the inventory service.
+    pub fn needs_inventory(self) -> bool {
+        matches!(self, Strategy::KvrouteEngine | Strategy::KvrouteTokens)
+    }
+}
+
+/// One request's outcome.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct Record {
+    /// Session index.
+    pub session: usize,
+    /// Shared-prefix group.
+    pub group: usize,
+    /// Turn within the session.
+    pub turn: usize,
+    /// Simulator that served (`x-kvroute-sim`).
+    pub served_by: Option<String>,
+    /// `usage.prompt_tokens`.
+    pub prompt_tokens: u64,
+    /// `usage.prompt_tokens_details.cached_tokens`.
+    pub cached_tokens: u64,
+    /// Time to first content token, ms.
+    pub ttft_ms: f64,
+    /// Whole request, ms.
+    pub latency_ms: f64,
+    /// Time spent choosing the endpoint (tokenize + hash + route call, or the oracle's queries), ms.
+    pub route_ms: Option<f64>,
+    /// The inventory's `reason` (kvroute strategies).
+    pub reason: Option<String>,
+    /// Failure, if any.
+    pub error: Option<String>,
+}
+
+/// The inventory endpoint the kvroute strategies ask.
+#[derive(Clone, Debug)]
+pub struct Inventory {
+    /// Base URL.
+    pub url: String,
+    /// Rule id or `VIP:port`.
+    pub rule: String,
+    /// Contract the keys are computed with.
+    pub contract: HashContract,
+}
+
+/// Everything a strategy needs to choose.
+pub struct Router {
+    /// The strategy.
+    pub strategy: Strategy,
+    /// Simulator base URLs (index = endpoint).
+    pub sims: Vec<String>,
+    by_addr: HashMap<String, usize>,
+    rr: AtomicUsize,
+    /// For the kvroute strategies.
+    pub inventory: Option<Inventory>,
+    /// Gateway base URLs.
+    pub gateways: Vec<String>,
+    /// Tokenizer shared with the simulators.
+    pub encoder: Arc<Encoder>,
+    http: reqwest::Client,
+}
+
+/// A choice.
+struct Pick {
+    url: String,
+    route: Option<Duration>,
+    reason: Option<String>,
+}
+
+/// Jump consistent hash (Lamping and Veach, 2014): bucket of `key` among `n`.
+pub fn jump_hash(mut key: u64, n: usize) -> usize {
+    let (mut b, mut j) = (-1i64, 0i64);
+    while j < n as i64 {
+        b = j;
+        key = key.wrapping_mul(2_862_933_555_777_941_757).wrapping_add(1);
+        j = (((b + 1) as f64) * ((1u64 << 31) as f64 / (((key >> 33) + 1) as f64))) as i64;
+    }
+    b.max(0) as usize
+}
+
+impl Router {
+    /// A router over `sims`.
+    pub fn new(strategy: Strategy, sims: Vec<String>, encoder: Arc<Encoder>) -> anyhow::Result<Self> {
+        if sims.is_empty() && strategy != Strategy::Gateway {
+            bail!("strategy {} needs at least one simulator", strategy.as_str());
+        }
+        let by_addr = sims.iter().enumerate().map(|(i, u)| (u.trim_start_matches("http://").to_string(), i)).collect();
+        let http = reqwest::Client::builder().pool_max_idle_per_host(64).tcp_nodelay(true).build()?;
+        Ok(Router { strategy, sims, by_addr, rr: AtomicUsize::new(0), inventory: None, gateways: Vec::new(), encoder, http })
+    }
+
+    fn next_rr(&self, n: usize) -> usize {
+        self.rr.fetch_add(1, Ordering::Relaxed) % n.max(1)
+    }
+
+    async fn pick(&self, body: &Value, tenant: &str) -> anyhow::Result<Pick> {
+        let n = self.sims.len();
+        let simple = |i: usize| Pick { url: self.sims[i].clone(), route: None, reason: None };
+        match self.strategy {
+            Strategy::RoundRobin => Ok(simple(self.next_rr(n))),
+            Strategy::Sticky => Ok(simple(jump_hash(xxhash_rust::xxh3::xxh3_64(tenant.as_bytes()), n))),
+            Strategy::Gateway => {
+                if self.gateways.is_empty() {
+                    bail!("strategy gateway needs --gateway URL");
+                }
+                Ok(Pick { url: self.gateways[self.next_rr(self.gateways.len())].clone(), route: None, reason: None })
+            }
+            Strategy::Oracle => {
+                let t = Instant::now();
+                let asks = self.sims.iter().map(|u| {
+                    let req = self.http.post(format!("{u}/debug/cache/match")).json(body).send();
+                    async move { req.await.ok()?.json::<Value>().await.ok() }
+                });
+                let answers = futures::future::join_all(asks).await;
+                let start = self.next_rr(n);
+                let mut best: Option<(u64, u64, usize)> = None;
+                for k in 0..n {
+                    let i = (start + k) % n;
+                    let Some(a) = &answers[i] else { continue };
+                    let m = a["matched_blocks"].as_u64().unwrap_or(0);
+                    let load = a["running"].as_u64().unwrap_or(0) + a["waiting"].as_u64().unwrap_or(0);
+                    if best.is_none_or(|(bm, bl, _)| m > bm || (m == bm && load < bl)) {
+                        best = Some((m, load, i));
+                    }
+                }
+                let i = best.map(|b| b.2).unwrap_or(start);
+                Ok(Pick { url: self.sims[i].clone(), route: Some(t.elapsed()), reason: None })
+            }
+            Strategy::KvrouteEngine | Strategy::KvrouteTokens => {
+                let inv = self.inventory.as_ref().ok_or_else(|| anyhow!("kvroute strategies need the inventory"))?;
+                let t = Instant::now();
+                let bytes = serde_json::to_vec(body)?;
+                let enc = self.encoder.clone();
+                let contract = inv.contract.clone();
+                let (keys, count) = tokio::task::spawn_blocking(move || -> anyhow::Result<(Vec<u64>, usize)> {
+                    let e = enc.encode(&bytes, Endpoint::ChatCompletions)?;
+                    let extra = ExtraKeys { cache_salt: e.cache_salt.clone(), ..Default::default() };
+                    Ok((contract.keys(&e.tokens, &extra)?.into_iter().map(|k| k.0).collect(), e.tokens.len()))
+                })
+                .await??;
+                let req = json!({"rule": inv.rule, "model": body.get("model"), "keys": keys, "token_count": count, "affinity_key": tenant});
+                let ans = self.http.post(format!("{}/v1/route", inv.url)).json(&req).timeout(Duration::from_secs(2)).send().await;
+                let route = t.elapsed();
+                let parsed = match ans {
+                    Ok(r) if r.status().is_success() => r.json::<Value>().await.ok(),
+                    _ => None,
+                };
+                // Fail open as the filter does: no answer means plain round robin.
+                let (i, reason) = match parsed {
+                    Some(v) => {
+                        let ep = v["endpoint"].as_str().unwrap_or("");
+                        let reason = v["reason"].as_str().unwrap_or("").to_string();
+                        (self.by_addr.get(ep).copied().unwrap_or_else(|| self.next_rr(n)), reason)
+                    }
+                    None => (self.next_rr(n), "fail_open".to_string()),
+                };
+                Ok(Pick { url: self.sims[i].clone(), route: Some(route), reason: Some(reason) })
+            }
+        }
+    }
+}
+
+/// What one streamed response reported.
+struct Outcome {
+    served_by: Option<String>,
+    content: String,
+    prompt_tokens: u64,
+    cached_tokens: u64,
+    ttft: Duration,
+}
+
+async fn send(http: &reqwest::Client, url: &str, body: &Value) -> anyhow::Result<Outcome> {
+    let t = Instant::now();
+    let mut resp = http.post(format!("{url}/v1/chat/completions")).json(body).timeout(Duration::from_secs(120)).send().await?;
+    let status = resp.status();
+    let served_by = resp.headers().get(SIM_HEADER).and_then(|v| v.to_str().ok()).map(str::to_string);
+    if !status.is_success() {
+        let text = resp.text().await.unwrap_or_default();
+        bail!("{url}: HTTP {status}: {}", text.chars().take(200).collect::<String>());
+    }
+    let mut buf = String::new();
+    let mut out = Outcome { served_by, content: String::new(), prompt_tokens: 0, cached_tokens: 0, ttft: Duration::ZERO };
+    let mut first = None;
+    while let Some(chunk) = resp.chunk().await? {
+        buf.push_str(&String::from_utf8_lossy(&chunk));
+        while let Some(end) = buf.find("\n\n") {
+            let event: String = buf.drain(..end + 2).collect();
+            let Some(data) = event.trim().strip_prefix("data: ") else { continue };
+            if data == "[DONE]" {
+                continue;
+            }
+            let v: Value = serde_json::from_str(data)?;
+            if let Some(c) = v["choices"][0]["delta"]["content"].as_str() {
+                if !c.is_empty() && first.is_none() {
+                    first = Some(t.elapsed());
+                }
+                out.content.push_str(c);
+            }
+            if let Some(u) = v.get("usage").filter(|u| !u.is_null()) {
+                out.prompt_tokens = u["prompt_tokens"].as_u64().unwrap_or(0);
+                out.cached_tokens = u["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap_or(0);
+            }
+        }
+    }
+    out.ttft = first.unwrap_or_else(|| t.elapsed());
+    Ok(out)
+}
+
+/// Runs every session through `router`, at most `concurrency` requests in flight.
+pub async fn run(router: Arc<Router>, sessions: Vec<Session>, shape: &Shape, model: &str, concurrency: usize) -> (Vec<Record>, Duration) {
+    let sem = Arc::new(Semaphore::new(concurrency.max(1)));
+    let records = Arc::new(Mutex::new(Vec::new()));
+    let t0 = tokio::time::Instant::now();
+    let started = Instant::now();
+    let mut tasks = Vec::with_capacity(sessions.len());
+    for (idx, s) in sessions.into_iter().enumerate() {
+        let (router, sem, records) = (router.clone(), sem.clone(), records.clone());
+        let (model, max_tokens) = (model.to_string(), shape.max_tokens);
+        tasks.push(tokio::spawn(async move {
+            tokio::time::sleep_until(t0 + s.start).await;
+            let mut messages = vec![json!({"role": "system", "content": s.system.as_str()})];
+            for (turn, text) in s.turns.iter().enumerate() {
+                messages.push(json!({"role": "user", "content": text}));
+                let body = json!({"model": model, "messages": messages, "max_tokens": max_tokens, "stream": true,
+                                  "stream_options": {"include_usage": true}, "user": s.tenant});
+                let Ok(permit) = sem.acquire().await else { return };
+                let t = Instant::now();
+                let mut rec = Record {
+                    session: idx, group: s.group, turn, served_by: None, prompt_tokens: 0, cached_tokens: 0,
+                    ttft_ms: 0.0, latency_ms: 0.0, route_ms: None, reason: None, error: None,
+                };
+                let result = match router.pick(&body, &s.tenant).await {
+                    Ok(p) => {
+                        rec.route_ms = p.route.map(|d| d.as_secs_f64() * 1e3);
+                        rec.reason = p.reason;
+                        send(&router.http, &p.url, &body).await
+                    }
+                    Err(e) => Err(e),
+                };
+                drop(permit);
+                rec.latency_ms = t.elapsed().as_secs_f64() * 1e3;
+                match result {
+                    Ok(o) => {
+                        rec.served_by = o.served_by;
+                        rec.prompt_tokens = o.prompt_tokens;
+                        rec.cached_tokens = o.cached_tokens;
+                        rec.ttft_ms = (o.ttft.as_secs_f64() * 1e3) + rec.route_ms.unwrap_or(0.0);
+                        messages.push(json!({"role": "assistant", "content": o.content}));
+                    }
+                    Err(e) => {
+                        rec.error = Some(e.to_string());
+                        messages.push(json!({"role": "assistant", "content": ""}));
+                    }
+                }
+                if let Ok(mut r) = records.lock() {
+                    r.push(rec);
+                }
+            }
+        }));
+    }
+    for t in tasks {
+        let _ = t.await;
+    }
+    let elapsed = started.elapsed();
+    let recs = records.lock().map(|r| r.clone()).unwrap_or_default();
+    (recs, elapsed)
+}
+
+/// The contract the kvroute strategy hashes with.
+pub fn contract_for(strategy: Strategy, engine: HashContract) -> HashContract {
+    match strategy {
+        Strategy::KvrouteTokens => HashContract::new(HashAlgo::Tokens, engine.block_size),
+        _ => engine,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn jump_hash_is_stable_and_spread() {
+        assert_eq!(jump_hash(42, 1), 0);
+        let mut counts = [0usize; 4];
+        for k in 0..4000u64 {
+            counts[jump_hash(xxhash_rust::xxh3::xxh3_64(&k.to_le_bytes()), 4)] += 1;
+        }
+        assert!(counts.iter().all(|&c| c > 800), "{counts:?}");
+        // Growing the pool moves only the keys that go to the new bucket.
+        let moved = (0..1000u64).filter(|k| {
+            let h = xxhash_rust::xxh3::xxh3_64(&k.to_le_bytes());
+            let (a, b) = (jump_hash(h, 4), jump_hash(h, 5));
+            a != b && b != 4
+        });
+        assert_eq!(moved.count(), 0);
+    }
+}

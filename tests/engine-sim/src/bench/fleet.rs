@@ -1,0 +1,173 @@
+//! Processes the benchmark starts: simulators and the inventory service. Each is killed when its
+//! handle drops; readiness is the process's own "listening on ADDR" line, awaited with a deadline.
+
+use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use anyhow::{anyhow, bail, Context};
+
+/// A child process killed on drop.
+#[derive(Debug)]
+pub struct Proc {
+    child: Child,
+    /// Its bound address.
+    pub addr: SocketAddr,
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Proc {
+    /// Spawns `cmd` and waits up to `deadline` for a stdout line containing `listening on ADDR`.
+    pub fn spawn(mut cmd: Command, deadline: Duration) -> anyhow::Result<Proc> {
+        cmd.stdout(Stdio::piped()).stderr(Stdio::inherit());
+        let mut child = cmd.spawn().with_context(|| format!("spawn {cmd:?}"))?;
+        let stdout = child.stdout.take().ok_or_else(|| anyhow!("no stdout"))?;
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let mut sent = false;
+            for line in BufReader::new(stdout).lines() {
+                let Ok(line) = line else { break };
+                if !sent {
+                    if let Some(rest) = line.split("listening on ").nth(1) {
+                        let _ = tx.send(rest.split_whitespace().next().unwrap_or("").to_string());
+                        sent = true;
+                    }
+                }
+            }
+        });
+        match rx.recv_timeout(deadline) {
+            Ok(a) => {
+                let addr = a.parse().with_context(|| format!("bad ready address {a:?}"))?;
+                Ok(Proc { child, addr })
+            }
+            Err(_) => {
+                let _ = child.kill();
+                let _ = child.wait();
+                bail!("{cmd:?} was not ready within {deadline:?}")
+            }
+        }
+    }
+}
+
+/// A binary next to the running one (cargo puts workspace binaries in one directory).
+pub fn sibling(name: &str) -> Option<PathBuf> {
+    let exe = std::env::current_exe().ok()?;
+    let p = exe.parent()?.join(name);
+    p.is_file().then_some(p)
+}
+
+/// What every simulator of a fleet shares.
+#[derive(Debug, Clone)]
+pub struct SimSpec {
+    /// The simulator binary.
+    pub bin: PathBuf,
+    /// `--engine`.
+    pub engine: String,
+    /// `--kv-blocks`.
+    pub kv_blocks: usize,
+    /// `--block-size`.
+    pub block_size: u32,
+    /// `--seed` (vLLM).
+    pub seed: Option<String>,
+    /// `--tokenizer-dir`.
+    pub tokenizer_dir: Option<PathBuf>,
+    /// `--prefill-us-per-token`.
+    pub prefill_us: f64,
+    /// `--decode-us-per-token`.
+    pub decode_us: f64,
+    /// `--max-concurrency`.
+    pub max_concurrency: usize,
+}
+
+/// Running simulators.
+#[derive(Debug)]
+pub struct Fleet {
+    /// The processes, index = endpoint index.
+    pub sims: Vec<Proc>,
+    /// Their names (`x-kvroute-sim`).
+    pub names: Vec<String>,
+    /// ZMQ port shared by all (vLLM/SGLang: each sim on its own 127.0.0.x).
+    pub zmq_port: Option<u16>,
+}
+
+/// A free TCP port on `ip` right now.
+pub fn free_port(ip: &str) -> anyhow::Result<u16> {
+    Ok(std::net::TcpListener::bind((ip, 0))?.local_addr()?.port())
+}
+
+impl Fleet {
+    /// Starts `n` simulators. vLLM/SGLang publish ZMQ, and a router reaches `endpoint IP +
+    /// kvZmqPort`, so each simulator then gets its own loopback address 127.0.0.(10+i) and all
+    /// share one port; TensorRT-LLM and llama.cpp simulators all use 127.0.0.1.
+    pub fn start(spec: &SimSpec, n: usize) -> anyhow::Result<Fleet> {
+        let zmq = matches!(spec.engine.as_str(), "vllm" | "sglang");
+        let zmq_port = if zmq { Some(free_port("127.0.0.1")?) } else { None };
+        let mut sims = Vec::with_capacity(n);
+        let mut names = Vec::with_capacity(n);
+        for i in 0..n {
+            let ip = if zmq { format!("127.0.0.{}", 10 + i) } else { "127.0.0.1".to_string() };
+            let name = format!("sim-{i}");
+            let mut cmd = Command::new(&spec.bin);
+            cmd.args(["--listen", &format!("{ip}:0"), "--engine", &spec.engine, "--name", &name])
+                .args(["--kv-blocks", &spec.kv_blocks.to_string(), "--block-size", &spec.block_size.to_string()])
+                .args(["--prefill-us-per-token", &spec.prefill_us.to_string(), "--decode-us-per-token", &spec.decode_us.to_string()])
+                .args(["--max-concurrency", &spec.max_concurrency.to_string()]);
+            if let Some(p) = zmq_port {
+                cmd.args(["--zmq-port", &p.to_string()]);
+            }
+            if let Some(s) = &spec.seed {
+                cmd.args(["--seed", s]);
+            }
+            if let Some(d) = &spec.tokenizer_dir {
+                cmd.arg("--tokenizer-dir").arg(d);
+            }
+            sims.push(Proc::spawn(cmd, Duration::from_secs(60))?);
+            names.push(name);
+        }
+        Ok(Fleet { sims, names, zmq_port })
+    }
+
+    /// Base URLs.
+    pub fn urls(&self) -> Vec<String> {
+        self.sims.iter().map(|p| format!("http://{}", p.addr)).collect()
+    }
+}
+
+/// The loxilb-shaped rule the inventory needs for this fleet.
+pub fn rule_json(spec: &SimSpec, fleet: &Fleet, vip_port: u16, key_mode: &str) -> serde_json::Value {
+    let endpoints: Vec<serde_json::Value> = fleet
+        .sims
+        .iter()
+        .map(|p| serde_json::json!({"endpointIP": p.addr.ip().to_string(), "targetPort": p.addr.port(), "weight": 1}))
+        .collect();
+    let mut args = serde_json::json!({"externalIP": "127.0.0.1", "port": vip_port, "mode": 4, "sel": 0, "kvExactMode": 3,
+        "kvEngineType": spec.engine, "kvBlockSize": spec.block_size, "kvKeyMode": key_mode});
+    if let (Some(p), serde_json::Value::Object(m)) = (fleet.zmq_port, &mut args) {
+        m.insert("kvZmqPort".into(), p.into());
+    }
+    serde_json::json!([{"serviceArguments": args, "endpoints": endpoints}])
+}
+
+/// Starts the inventory service on 127.0.0.1 with `rules` (in-memory, no Redis).
+pub fn start_inventory(bin: &Path, rules: &serde_json::Value, seed: Option<&str>, dir: &Path) -> anyhow::Result<Proc> {
+    let cfg = dir.join(format!("kvroute-bench-rules-{}.json", std::process::id()));
+    std::fs::write(&cfg, serde_json::to_vec_pretty(rules)?)?;
+    let mut cmd = Command::new(bin);
+    cmd.args(["serve", "--listen", "127.0.0.1:0", "--config"]).arg(&cfg);
+    cmd.env("KVROUTE_TRTLLM_DRAIN_MS", "20").env("KVROUTE_HEALTH_INTERVAL_MS", "1000").env("KVROUTE_SCRAPE_INTERVAL_MS", "200");
+    if let Some(s) = seed {
+        cmd.env("LLB_KV_NONE_HASH_SEED", s);
+    }
+    if std::env::var_os("RUST_LOG").is_none() {
+        cmd.env("RUST_LOG", "warn");
+    }
+    Proc::spawn(cmd, Duration::from_secs(60))
+}

@@ -1,0 +1,333 @@
+//! The workload generator and driver behind `kvroute-bench`.
+//!
+//! For every endpoint count, workload and strategy the driver starts a fresh fleet of simulators
+//! (or resets the caches of `--sims` it was given), starts the inventory service for the kvroute
+//! strategies (in-memory, rule generated for the fleet), drives the sessions and summarises the
+//! run. Output: a markdown table on stdout (and `--markdown`), every summary in `--json`.
+//!
+//! Presets: `small` runs all four workloads x five strategies on 4 endpoints in about a minute;
+//! `full` is issue 5's sizes (200 users x 5 turns over 10 system prompts of ~1000 words).
+
+pub mod driver;
+pub mod fleet;
+pub mod report;
+pub mod workload;
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{anyhow, bail, Context};
+use clap::Parser;
+use kvroute_core::hash::{BlockSize, Engine as EngineKind, HashContract};
+use serde_json::json;
+
+use crate::prompt::Encoder;
+use driver::{contract_for, Inventory, Router, Strategy};
+use fleet::{Fleet, Proc, SimSpec};
+use report::Summary;
+use workload::{Arrival, Kind, Shape};
+
+/// Flags of `kvroute-bench`.
+#[derive(Parser, Debug, Clone)]
+#[command(name = "kvroute-bench", about = "Drive workloads through routing strategies over simulated engines and report prefill saved")]
+pub struct BenchArgs {
+    /// small (about a minute) or full (issue 5's sizes).
+    #[arg(long, default_value = "small")]
+    pub preset: String,
+    /// Comma-separated: multi-turn, doc-qa, one-shot, hot-prefix.
+    #[arg(long, default_value = "multi-turn,doc-qa,one-shot,hot-prefix")]
+    pub workloads: String,
+    /// Comma-separated: round-robin, sticky, kvroute-engine, kvroute-tokens, gateway, oracle.
+    /// Default: all but gateway (gateway when --gateway is given).
+    #[arg(long)]
+    pub strategies: Option<String>,
+    /// Comma-separated endpoint counts (the scale curve), e.g. 4,8,16.
+    #[arg(long, default_value = "4")]
+    pub endpoints: String,
+    /// Engine the simulators imitate (vllm and sglang use 127.0.0.10+i, one per simulator).
+    #[arg(long, default_value = "vllm")]
+    pub engine: String,
+    /// KV capacity per simulator in blocks (default: per preset, constrained so placement matters).
+    #[arg(long)]
+    pub kv_blocks: Option<usize>,
+    /// Tokens per block.
+    #[arg(long, default_value_t = 16)]
+    pub block_size: u32,
+    /// vLLM PYTHONHASHSEED given to simulators and inventory.
+    #[arg(long, default_value = "0")]
+    pub seed: String,
+    /// Tokenizer directory for simulators and driver (default: the word tokenizer).
+    #[arg(long)]
+    pub tokenizer_dir: Option<PathBuf>,
+    /// Simulated prefill cost per uncached token, us.
+    #[arg(long, default_value_t = 40.0)]
+    pub prefill_us: f64,
+    /// Simulated decode cost per output token, us.
+    #[arg(long, default_value_t = 400.0)]
+    pub decode_us: f64,
+    /// Running requests per simulator.
+    #[arg(long, default_value_t = 4)]
+    pub sim_concurrency: usize,
+    /// Requests in flight across the fleet (default: 4 x endpoints).
+    #[arg(long)]
+    pub concurrency: Option<usize>,
+    /// burst or staggered.
+    #[arg(long, default_value = "staggered")]
+    pub arrival: String,
+    /// Staggered arrival spreads session starts over this many ms.
+    #[arg(long, default_value_t = 2000)]
+    pub ramp_ms: u64,
+    /// Override: multi-turn users.
+    #[arg(long)]
+    pub users: Option<usize>,
+    /// Override: turns per user.
+    #[arg(long)]
+    pub turns: Option<usize>,
+    /// Override: shared prefixes (system prompts, documents).
+    #[arg(long)]
+    pub groups: Option<usize>,
+    /// Override: words per shared prefix.
+    #[arg(long)]
+    pub prefix_words: Option<usize>,
+    /// Workload seed.
+    #[arg(long, default_value_t = 1)]
+    pub workload_seed: u64,
+    /// The simulator binary (default: next to this one).
+    #[arg(long)]
+    pub sim_bin: Option<PathBuf>,
+    /// The inventory binary (default: next to this one).
+    #[arg(long)]
+    pub inventory_bin: Option<PathBuf>,
+    /// Use running simulators (comma-separated base URLs) instead of starting them.
+    #[arg(long)]
+    pub sims: Option<String>,
+    /// Gateway base URLs (Envoy + filter), comma-separated; enables the gateway strategy.
+    #[arg(long)]
+    pub gateway: Option<String>,
+    /// Model name sent in requests.
+    #[arg(long, default_value = "sim-model")]
+    pub model: String,
+    /// Write every summary as JSON here.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+    /// Write the markdown table here.
+    #[arg(long)]
+    pub markdown: Option<PathBuf>,
+}
+
+fn list<T>(s: &str, what: &str, parse: impl Fn(&str) -> Option<T>) -> anyhow::Result<Vec<T>> {
+    s.split(',').filter(|p| !p.is_empty()).map(|p| parse(p.trim()).ok_or_else(|| anyhow!("{what}: unknown value {p:?}"))).collect()
+}
+
+fn shape_for(args: &BenchArgs) -> anyhow::Result<(Shape, usize)> {
+    let arrival = match args.arrival.as_str() {
+        "burst" => Arrival::Burst,
+        "staggered" => Arrival::Staggered,
+        other => bail!("--arrival {other:?}: allowed burst, staggered"),
+    };
+    let (mut shape, kv) = match args.preset.as_str() {
+        "small" => (
+            Shape {
+                users: 48, turns: 4, groups: 4, prefix_words: 800, message_words: 24, questions: 8, requests: 96,
+                hot_share: 0.75, max_tokens: 16, arrival, ramp: Duration::from_millis(args.ramp_ms),
+            },
+            // ~52 blocks per system prompt: one endpoint cannot hold all four, the fleet can.
+            96,
+        ),
+        "full" => (
+            Shape {
+                users: 200, turns: 5, groups: 10, prefix_words: 1000, message_words: 40, questions: 20, requests: 400,
+                hot_share: 0.75, max_tokens: 32, arrival, ramp: Duration::from_millis(args.ramp_ms),
+            },
+            // ~64 blocks per system prompt, 10 prompts over 4 endpoints: about 3 fit per endpoint.
+            256,
+        ),
+        other => bail!("--preset {other:?}: allowed small, full"),
+    };
+    if let Some(v) = args.users {
+        shape.users = v;
+    }
+    if let Some(v) = args.turns {
+        shape.turns = v;
+    }
+    if let Some(v) = args.groups {
+        shape.groups = v;
+    }
+    if let Some(v) = args.prefix_words {
+        shape.prefix_words = v;
+    }
+    Ok((shape, args.kv_blocks.unwrap_or(kv)))
+}
+
+/// Waits (bounded) until the inventory holds blocks for every endpoint: proves the event path
+/// works before anything is measured. Sends one warm-up request per simulator, then resets them.
+async fn warm_up(http: &reqwest::Client, inv_url: &str, rule: &str, sims: &[String], model: &str) -> anyhow::Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    for (i, s) in sims.iter().enumerate() {
+        let mut tries = 0u32;
+        loop {
+            tries += 1;
+            let body = json!({"model": model, "prompt": format!("warm up {i} {tries} {}", "lorem ipsum dolor ".repeat(20)), "max_tokens": 1});
+            http.post(format!("{s}/v1/completions")).json(&body).send().await?.error_for_status()?;
+            let url = format!("{inv_url}/netlox/v1/config/ai/kv/inventory?service_id={rule}&ep_idx={i}&limit=1");
+            let got = match http.get(&url).send().await {
+                Ok(r) => r.json::<serde_json::Value>().await.ok().and_then(|v| v["total"].as_u64()).unwrap_or(0),
+                Err(_) => 0,
+            };
+            if got > 0 {
+                break;
+            }
+            if Instant::now() > deadline {
+                bail!("the inventory never saw blocks from {s}: is its event subscription working?");
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+    for s in sims {
+        http.post(format!("{s}/reset_prefix_cache")).send().await?.error_for_status()?;
+    }
+    // The reset's AllBlocksCleared must reach the inventory before measuring: poll until empty.
+    for (i, _) in sims.iter().enumerate() {
+        loop {
+            let url = format!("{inv_url}/netlox/v1/config/ai/kv/inventory?service_id={rule}&ep_idx={i}&limit=1");
+            let total = http.get(&url).send().await?.json::<serde_json::Value>().await?["total"].as_u64().unwrap_or(0);
+            if total == 0 {
+                break;
+            }
+            if Instant::now() > deadline {
+                bail!("the inventory did not apply AllBlocksCleared for endpoint {i}");
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+    Ok(())
+}
+
+/// Entry point of `kvroute-bench`.
+pub async fn main(args: BenchArgs) -> anyhow::Result<Vec<Summary>> {
+    let kinds = list(&args.workloads, "--workloads", Kind::parse)?;
+    let strategies = match &args.strategies {
+        Some(s) => list(s, "--strategies", Strategy::parse)?,
+        None => Strategy::ALL.into_iter().filter(|s| *s != Strategy::Gateway || args.gateway.is_some()).collect(),
+    };
+    let endpoint_counts = list(&args.endpoints, "--endpoints", |s| s.parse::<usize>().ok().filter(|n| *n > 0))?;
+    let (shape, kv_blocks) = shape_for(&args)?;
+    let engine = EngineKind::parse(&args.engine).ok_or_else(|| anyhow!("--engine {:?}: allowed vllm, sglang, trtllm, llamacpp", args.engine))?;
+    let block_size = BlockSize::new(args.block_size).ok_or_else(|| anyhow!("--block-size must be >= 1"))?;
+    let algo = engine.default_algo().unwrap_or(kvroute_core::hash::HashAlgo::Tokens);
+    let mut engine_contract = HashContract::new(algo, block_size);
+    if engine == EngineKind::Vllm {
+        engine_contract.seed = Some(args.seed.clone());
+    }
+    let encoder = Arc::new(match &args.tokenizer_dir {
+        Some(d) => Encoder::load(d)?,
+        None => Encoder::Words,
+    });
+    let sim_bin = match &args.sim_bin {
+        Some(p) => p.clone(),
+        None => fleet::sibling("kvroute-engine-sim").ok_or_else(|| anyhow!("kvroute-engine-sim not found next to kvroute-bench; pass --sim-bin"))?,
+    };
+    let inventory_bin = args.inventory_bin.clone().or_else(|| fleet::sibling("kvroute-inventory"));
+    let spec = SimSpec {
+        bin: sim_bin,
+        engine: args.engine.clone(),
+        kv_blocks,
+        block_size: args.block_size,
+        seed: (engine == EngineKind::Vllm).then(|| args.seed.clone()),
+        tokenizer_dir: args.tokenizer_dir.clone(),
+        prefill_us: args.prefill_us,
+        decode_us: args.decode_us,
+        max_concurrency: args.sim_concurrency,
+    };
+    let given_sims: Option<Vec<String>> = args.sims.as_ref().map(|s| s.split(',').map(|u| u.trim().trim_end_matches('/').to_string()).collect());
+    let gateways: Vec<String> =
+        args.gateway.as_ref().map(|s| s.split(',').map(|u| u.trim().trim_end_matches('/').to_string()).collect()).unwrap_or_default();
+    let http = reqwest::Client::new();
+    let tmp = std::env::temp_dir();
+
+    let mut summaries: Vec<Summary> = Vec::new();
+    let mut md = String::new();
+    md.push_str(&format!(
+        "Command: `kvroute-bench {}`\n\npreset {}, engine {}, block {}, KV {} blocks/endpoint, prefill {} us/token, decode {} us/token, {} running/endpoint, arrival {}\n\n",
+        std::env::args().skip(1).collect::<Vec<_>>().join(" "),
+        args.preset, args.engine, args.block_size, kv_blocks, args.prefill_us, args.decode_us, args.sim_concurrency, args.arrival
+    ));
+    md.push_str(report::HEADER);
+    print!("{md}");
+    for &n in &endpoint_counts {
+        let concurrency = args.concurrency.unwrap_or(4 * n);
+        for &kind in &kinds {
+            let sessions = workload::generate(kind, &shape, args.workload_seed);
+            let mut rr_ratio = None;
+            for &strategy in &strategies {
+                if strategy.needs_inventory() && inventory_bin.is_none() {
+                    eprintln!("skipping {}: kvroute-inventory not found (build it or pass --inventory-bin)", strategy.as_str());
+                    continue;
+                }
+                if strategy == Strategy::Gateway && (gateways.is_empty() || given_sims.is_none()) {
+                    eprintln!("skipping gateway: pass --gateway URL and the stack's simulators as --sims URL,...");
+                    continue;
+                }
+                if strategy.needs_inventory() && given_sims.is_some() {
+                    eprintln!("skipping {}: it starts its own inventory and simulators (drop --sims)", strategy.as_str());
+                    continue;
+                }
+                // A fresh fleet per run: every strategy starts from empty caches.
+                let (fleet, urls) = match &given_sims {
+                    Some(urls) => {
+                        for u in urls {
+                            http.post(format!("{u}/reset_prefix_cache")).send().await.with_context(|| format!("reset {u}"))?;
+                        }
+                        (None, urls.clone())
+                    }
+                    None => {
+                        let f = Fleet::start(&spec, n)?;
+                        let urls = f.urls();
+                        (Some(f), urls)
+                    }
+                };
+                let mut router = Router::new(strategy, urls.clone(), encoder.clone())?;
+                router.gateways = gateways.clone();
+                let mut _inventory: Option<Proc> = None;
+                if strategy.needs_inventory() {
+                    let (Some(bin), Some(f)) = (&inventory_bin, &fleet) else {
+                        bail!("kvroute strategies need simulators started by the bench (not --sims)");
+                    };
+                    let key_mode = if strategy == Strategy::KvrouteTokens { "tokens" } else { "engine" };
+                    let vip = fleet::free_port("127.0.0.1")?;
+                    let rules = fleet::rule_json(&spec, f, vip, key_mode);
+                    let inv = fleet::start_inventory(bin, &rules, spec.seed.as_deref(), &tmp)?;
+                    let inv_url = format!("http://{}", inv.addr);
+                    let rule = format!("127.0.0.1:{vip}");
+                    warm_up(&http, &inv_url, &rule, &urls, &args.model).await?;
+                    router.inventory = Some(Inventory { url: inv_url, rule, contract: contract_for(strategy, engine_contract.clone()) });
+                    _inventory = Some(inv);
+                }
+                let (records, wall) = driver::run(Arc::new(router), sessions.clone(), &shape, &args.model, concurrency).await;
+                let s = report::summarize(kind.as_str(), strategy.as_str(), urls.len(), &records, wall);
+                if strategy == Strategy::RoundRobin {
+                    rr_ratio = Some(s.cached_ratio);
+                }
+                if s.errors > 0 {
+                    if let Some(e) = records.iter().find_map(|r| r.error.as_ref()) {
+                        eprintln!("{} / {}: {} errors, first: {e}", kind.as_str(), strategy.as_str(), s.errors);
+                    }
+                }
+                let line = report::row(&s, rr_ratio);
+                print!("{line}");
+                md.push_str(&line);
+                summaries.push(s);
+                drop(_inventory);
+                drop(fleet);
+            }
+        }
+    }
+    if let Some(p) = &args.json {
+        std::fs::write(p, serde_json::to_vec_pretty(&json!({"shape": shape, "kv_blocks": kv_blocks, "summaries": summaries}))?)?;
+    }
+    if let Some(p) = &args.markdown {
+        std::fs::write(p, &md)?;
+    }
+    Ok(summaries)
+}

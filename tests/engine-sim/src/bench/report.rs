@@ -1,0 +1,165 @@
+//! Per-strategy summaries and the markdown table.
+//!
+//! * cached-token ratio: sum of `cached_tokens` / sum of `prompt_tokens` (what prefill was saved);
+//! * TTFT p50/p90/p99 (ms, including the routing decision);
+//! * throughput: completed requests per second of wall time;
+//! * load spread: busiest simulator's request count / mean (1.00 = even);
+//! * engines per prefix: distinct simulators that served each shared prefix, averaged (1 = perfect affinity);
+//! * router overhead: p50/p99 of the routing decision (kvroute: tokenize + hash + `/v1/route`).
+
+use std::collections::{HashMap, HashSet};
+use std::fmt::Write;
+use std::time::Duration;
+
+use super::driver::Record;
+
+/// One row.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct Summary {
+    /// Workload name.
+    pub workload: String,
+    /// Strategy name.
+    pub strategy: String,
+    /// Simulated endpoints.
+    pub endpoints: usize,
+    /// Requests completed.
+    pub requests: usize,
+    /// Requests failed.
+    pub errors: usize,
+    /// Sum cached / sum prompt tokens.
+    pub cached_ratio: f64,
+    /// TTFT percentiles, ms.
+    pub ttft_p50_ms: f64,
+    /// TTFT p90, ms.
+    pub ttft_p90_ms: f64,
+    /// TTFT p99, ms.
+    pub ttft_p99_ms: f64,
+    /// Requests per second.
+    pub throughput_rps: f64,
+    /// Max / mean requests per simulator.
+    pub load_spread: f64,
+    /// Mean distinct simulators per shared prefix.
+    pub engines_per_prefix: f64,
+    /// Routing decision p50, ms (strategies that decide remotely).
+    pub route_p50_ms: Option<f64>,
+    /// Routing decision p99, ms.
+    pub route_p99_ms: Option<f64>,
+    /// kvroute reasons and their counts.
+    pub reasons: HashMap<String, usize>,
+    /// Wall time, s.
+    pub wall_s: f64,
+}
+
+/// The `q` quantile (nearest rank) of sorted values.
+pub fn quantile(sorted: &[f64], q: f64) -> f64 {
+    if sorted.is_empty() {
+        return 0.0;
+    }
+    let idx = ((q * sorted.len() as f64).ceil() as usize).clamp(1, sorted.len()) - 1;
+    sorted[idx]
+}
+
+fn sorted(mut v: Vec<f64>) -> Vec<f64> {
+    v.sort_by(f64::total_cmp);
+    v
+}
+
+/// Summarises one run.
+pub fn summarize(workload: &str, strategy: &str, endpoints: usize, records: &[Record], wall: Duration) -> Summary {
+    let ok: Vec<&Record> = records.iter().filter(|r| r.error.is_none()).collect();
+    let prompt: u64 = ok.iter().map(|r| r.prompt_tokens).sum();
+    let cached: u64 = ok.iter().map(|r| r.cached_tokens).sum();
+    let ttft = sorted(ok.iter().map(|r| r.ttft_ms).collect());
+    let route = sorted(ok.iter().filter_map(|r| r.route_ms).collect());
+    let mut per_sim: HashMap<&str, usize> = HashMap::new();
+    let mut per_group: HashMap<usize, HashSet<&str>> = HashMap::new();
+    let mut reasons = HashMap::new();
+    for r in &ok {
+        let s = r.served_by.as_deref().unwrap_or("?");
+        *per_sim.entry(s).or_default() += 1;
+        per_group.entry(r.group).or_default().insert(s);
+        if let Some(reason) = &r.reason {
+            *reasons.entry(reason.clone()).or_default() += 1;
+        }
+    }
+    let n = endpoints.max(1) as f64;
+    let max = per_sim.values().copied().max().unwrap_or(0) as f64;
+    let mean = ok.len() as f64 / n;
+    Summary {
+        workload: workload.to_string(),
+        strategy: strategy.to_string(),
+        endpoints,
+        requests: ok.len(),
+        errors: records.len() - ok.len(),
+        cached_ratio: if prompt == 0 { 0.0 } else { cached as f64 / prompt as f64 },
+        ttft_p50_ms: quantile(&ttft, 0.5),
+        ttft_p90_ms: quantile(&ttft, 0.9),
+        ttft_p99_ms: quantile(&ttft, 0.99),
+        throughput_rps: if wall.is_zero() { 0.0 } else { ok.len() as f64 / wall.as_secs_f64() },
+        load_spread: if mean == 0.0 { 0.0 } else { max / mean },
+        engines_per_prefix: if per_group.is_empty() {
+            0.0
+        } else {
+            per_group.values().map(|s| s.len() as f64).sum::<f64>() / per_group.len() as f64
+        },
+        route_p50_ms: (!route.is_empty()).then(|| quantile(&route, 0.5)),
+        route_p99_ms: (!route.is_empty()).then(|| quantile(&route, 0.99)),
+        reasons,
+        wall_s: wall.as_secs_f64(),
+    }
+}
+
+/// The markdown table header.
+pub const HEADER: &str = "| workload | strategy | endpoints | requests | errors | cached-token ratio | vs round robin | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms | req/s | load spread | engines/prefix | route p50 ms | route p99 ms |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n";
+
+/// One markdown row; `rr` is the round-robin cached ratio of the same workload, when measured.
+pub fn row(s: &Summary, rr: Option<f64>) -> String {
+    let mut out = String::new();
+    let vs = match rr {
+        Some(r) if r > 0.0 => format!("{:.2}x", s.cached_ratio / r),
+        _ => "-".to_string(),
+    };
+    let opt = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.2}"));
+    let _ = writeln!(
+        out,
+        "| {} | {} | {} | {} | {} | {:.1}% | {} | {:.1} | {:.1} | {:.1} | {:.1} | {:.2} | {:.2} | {} | {} |",
+        s.workload,
+        s.strategy,
+        s.endpoints,
+        s.requests,
+        s.errors,
+        s.cached_ratio * 100.0,
+        vs,
+        s.ttft_p50_ms,
+        s.ttft_p90_ms,
+        s.ttft_p99_ms,
+        s.throughput_rps,
+        s.load_spread,
+        s.engines_per_prefix,
+        opt(s.route_p50_ms),
+        opt(s.route_p99_ms),
+    );
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn quantiles_and_summary() {
+        let v: Vec<f64> = (1..=100).map(f64::from).collect();
+        assert_eq!(quantile(&v, 0.5), 50.0);
+        assert_eq!(quantile(&v, 0.99), 99.0);
+        assert_eq!(quantile(&[], 0.5), 0.0);
+        let rec = |sim: &str, group, p, c| Record {
+            session: 0, group, turn: 0, served_by: Some(sim.into()), prompt_tokens: p, cached_tokens: c,
+            ttft_ms: 10.0, latency_ms: 20.0, route_ms: None, reason: None, error: None,
+        };
+        let s = summarize("w", "s", 2, &[rec("a", 0, 100, 50), rec("b", 0, 100, 0), rec("a", 1, 200, 150)], Duration::from_secs(1));
+        assert!((s.cached_ratio - 0.5).abs() < 1e-9);
+        assert!((s.load_spread - 2.0 / 1.5).abs() < 1e-9);
+        assert!((s.engines_per_prefix - 1.5).abs() < 1e-9);
+        assert!(row(&s, Some(0.25)).contains("| 2.00x |"));
+    }
+}

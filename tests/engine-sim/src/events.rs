@@ -1,0 +1,329 @@
+//! KV-cache events as the engines put them on the wire.
+//!
+//! The cache ([`crate::kv`]) records engine-neutral [`KvEvent`]s; this module writes them the way
+//! each engine does:
+//! * vLLM and SGLang: one msgpack `EventBatch` per scheduler step, `[ts, [events...], dp_rank]`,
+//!   events as maps with `"type"` first, byte-identical to msgspec's output (the golden vectors in
+//!   `shared/tests/vectors/` prove it in `tests/wire.rs`).
+//! * TensorRT-LLM: JSON envelopes `{event_id, data, window_size}` returned by `POST /kv_cache_events`.
+//!
+//! msgspec details reproduced here because a byte-exact payload is the proof that the simulator
+//! speaks the real protocol: integers take their smallest msgpack form (non-negative ones as
+//! unsigned), vLLM's `BlockStored` struct has more than 15 fields so msgspec always writes a map16
+//! header for it, fields whose value is the declared default are omitted (`omit_defaults`).
+
+use kvroute_core::hash::BlockKey;
+use serde_json::{json, Value};
+
+/// One cache event, engine-neutral.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum KvEvent {
+    /// Full blocks became cached. `keys[i]` holds `token_ids[i*bs..(i+1)*bs]`.
+    Stored {
+        /// Keys of the newly cached blocks, in sequence order.
+        keys: Vec<BlockKey>,
+        /// Key of the block before `keys[0]` in its sequence (`None` for a prompt's first block).
+        parent: Option<BlockKey>,
+        /// The blocks' tokens, concatenated.
+        token_ids: Vec<u32>,
+        /// Tokens per block.
+        block_size: u32,
+        /// The request's `cache_salt`: vLLM puts `[salt]` in the first block's `extra_keys`,
+        /// SGLang adds a `cache_salt` field.
+        salt: Option<String>,
+    },
+    /// Cached blocks were evicted.
+    Removed {
+        /// Keys of the evicted blocks.
+        keys: Vec<BlockKey>,
+    },
+    /// The whole cache was reset (prefix-cache reset, SGLang start).
+    Cleared,
+}
+
+/// Which engine's map layout to write.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Layout {
+    /// vLLM 0.31+: `BlockStored` with `extra_keys`, `group_idx`, `kv_cache_spec_kind`;
+    /// `BlockRemoved` with `group_idx`.
+    Vllm,
+    /// vLLM 0.24-0.30: the eight base `BlockStored` fields only.
+    VllmBase,
+    /// SGLang 0.5: seven `BlockStored` fields, keys as signed i64.
+    Sglang,
+}
+
+/// Per-event fields the engines fill from their configuration.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct WireOptions {
+    /// Map layout.
+    pub layout: Layout,
+    /// `medium` (`"GPU"`); `None` writes nil.
+    pub medium: Option<String>,
+}
+
+impl WireOptions {
+    /// What a GPU engine of this layout writes.
+    pub fn gpu(layout: Layout) -> Self {
+        WireOptions { layout, medium: Some("GPU".to_string()) }
+    }
+}
+
+/// Encodes one batch `[ts, [events...], dp_rank]` as msgpack.
+pub fn encode_batch(opts: &WireOptions, ts: f64, events: &[KvEvent], dp_rank: Option<u32>) -> Vec<u8> {
+    let mut out = Vec::with_capacity(64 + events.len() * 64);
+    out.push(0x93);
+    out.push(0xcb);
+    out.extend_from_slice(&ts.to_bits().to_be_bytes());
+    array_len(&mut out, events.len());
+    for e in events {
+        encode_event(&mut out, opts, e);
+    }
+    match dp_rank {
+        Some(r) => uint(&mut out, u64::from(r)),
+        None => out.push(0xc0),
+    }
+    out
+}
+
+fn encode_event(out: &mut Vec<u8>, opts: &WireOptions, e: &KvEvent) {
+    match e {
+        KvEvent::Stored { keys, parent, token_ids, block_size, salt } => {
+            let n = match opts.layout {
+                Layout::Vllm => 11,
+                Layout::VllmBase => 8,
+                Layout::Sglang => 7 + usize::from(salt.is_some()),
+            };
+            match opts.layout {
+                // msgspec reserves a map16 header for structs with more than 15 fields.
+                Layout::Vllm | Layout::VllmBase => {
+                    out.push(0xde);
+                    out.extend_from_slice(&(n as u16).to_be_bytes());
+                }
+                Layout::Sglang => map_len(out, n),
+            }
+            kv_str(out, "type", "BlockStored");
+            str_(out, "block_hashes");
+            array_len(out, keys.len());
+            for k in keys {
+                key(out, opts.layout, *k);
+            }
+            str_(out, "parent_block_hash");
+            match parent {
+                Some(p) => key(out, opts.layout, *p),
+                None => out.push(0xc0),
+            }
+            str_(out, "token_ids");
+            array_len(out, token_ids.len());
+            for t in token_ids {
+                uint(out, u64::from(*t));
+            }
+            str_(out, "block_size");
+            uint(out, u64::from(*block_size));
+            str_(out, "lora_id");
+            out.push(0xc0);
+            str_(out, "medium");
+            opt_str(out, opts.medium.as_deref());
+            if opts.layout != Layout::Sglang {
+                str_(out, "lora_name");
+                out.push(0xc0);
+            }
+            if opts.layout == Layout::Vllm {
+                str_(out, "extra_keys");
+                array_len(out, keys.len());
+                for i in 0..keys.len() {
+                    match salt {
+                        // vLLM's cache_salt enters block 0 of a prompt only.
+                        Some(salt) if i == 0 && parent.is_none() => {
+                            array_len(out, 1);
+                            str_(out, salt);
+                        }
+                        _ => out.push(0xc0),
+                    }
+                }
+                str_(out, "group_idx");
+                uint(out, 0);
+                kv_str(out, "kv_cache_spec_kind", "full_attention");
+            }
+            if let (Layout::Sglang, Some(salt)) = (opts.layout, salt) {
+                kv_str(out, "cache_salt", salt);
+            }
+        }
+        KvEvent::Removed { keys } => {
+            map_len(out, if opts.layout == Layout::Vllm { 4 } else { 3 });
+            kv_str(out, "type", "BlockRemoved");
+            str_(out, "block_hashes");
+            array_len(out, keys.len());
+            for k in keys {
+                key(out, opts.layout, *k);
+            }
+            str_(out, "medium");
+            opt_str(out, opts.medium.as_deref());
+            if opts.layout == Layout::Vllm {
+                str_(out, "group_idx");
+                uint(out, 0);
+            }
+        }
+        KvEvent::Cleared => {
+            map_len(out, 1);
+            kv_str(out, "type", "AllBlocksCleared");
+        }
+    }
+}
+
+/// TensorRT-LLM's JSON envelope for one event (`POST /kv_cache_events` returns a list of them).
+pub fn trtllm_envelope(event_id: u64, event: &KvEvent, window_size: u32, dp_rank: Option<u32>) -> Value {
+    let data = match event {
+        KvEvent::Stored { keys, parent, token_ids, block_size, .. } => {
+            let bs = (*block_size as usize).max(1);
+            let blocks: Vec<Value> = keys
+                .iter()
+                .zip(token_ids.chunks(bs))
+                .map(|(k, toks)| {
+                    let tokens: Vec<Value> =
+                        toks.iter().map(|t| json!({"type": "unique_token", "token_id": t, "token_extra_id": 0})).collect();
+                    json!({"type": "stored_block", "block_hash": k.0, "tokens": tokens, "lora_id": null,
+                           "cache_level": 0, "priority": 35, "mm_keys": []})
+                })
+                .collect();
+            json!({"type": "stored", "parent_hash": parent.map(|p| p.0), "blocks": blocks})
+        }
+        KvEvent::Removed { keys } => {
+            json!({"type": "removed", "block_hashes": keys.iter().map(|k| k.0).collect::<Vec<u64>>()})
+        }
+        KvEvent::Cleared => json!({"type": "created", "num_blocks_per_cache_level": []}),
+    };
+    let mut env = json!({"event_id": event_id, "data": data, "window_size": window_size});
+    if let (Some(r), Value::Object(m)) = (dp_rank, &mut env) {
+        m.insert("attention_dp_rank".to_string(), json!(r));
+    }
+    env
+}
+
+/// TensorRT-LLM's first event: the cache's geometry.
+pub fn trtllm_created(event_id: u64, num_blocks: usize, window_size: u32, dp_rank: Option<u32>) -> Value {
+    let mut env = json!({"event_id": event_id, "data": {"type": "created", "num_blocks_per_cache_level": [num_blocks, 0]},
+                         "window_size": window_size});
+    if let (Some(r), Value::Object(m)) = (dp_rank, &mut env) {
+        m.insert("attention_dp_rank".to_string(), json!(r));
+    }
+    env
+}
+
+fn key(out: &mut Vec<u8>, layout: Layout, k: BlockKey) {
+    match layout {
+        Layout::Sglang => int(out, k.as_i64()),
+        Layout::Vllm | Layout::VllmBase => uint(out, k.0),
+    }
+}
+
+fn int(out: &mut Vec<u8>, v: i64) {
+    if v >= 0 {
+        uint(out, v as u64);
+    } else if v >= -32 {
+        out.push(v as i8 as u8);
+    } else if v >= i64::from(i8::MIN) {
+        out.push(0xd0);
+        out.push(v as i8 as u8);
+    } else if v >= i64::from(i16::MIN) {
+        out.push(0xd1);
+        out.extend_from_slice(&(v as i16).to_be_bytes());
+    } else if v >= i64::from(i32::MIN) {
+        out.push(0xd2);
+        out.extend_from_slice(&(v as i32).to_be_bytes());
+    } else {
+        out.push(0xd3);
+        out.extend_from_slice(&v.to_be_bytes());
+    }
+}
+
+fn uint(out: &mut Vec<u8>, v: u64) {
+    if v < 128 {
+        out.push(v as u8);
+    } else if v <= u64::from(u8::MAX) {
+        out.push(0xcc);
+        out.push(v as u8);
+    } else if v <= u64::from(u16::MAX) {
+        out.push(0xcd);
+        out.extend_from_slice(&(v as u16).to_be_bytes());
+    } else if v <= u64::from(u32::MAX) {
+        out.push(0xce);
+        out.extend_from_slice(&(v as u32).to_be_bytes());
+    } else {
+        out.push(0xcf);
+        out.extend_from_slice(&v.to_be_bytes());
+    }
+}
+
+fn array_len(out: &mut Vec<u8>, n: usize) {
+    if n < 16 {
+        out.push(0x90 | n as u8);
+    } else if n <= usize::from(u16::MAX) {
+        out.push(0xdc);
+        out.extend_from_slice(&(n as u16).to_be_bytes());
+    } else {
+        out.push(0xdd);
+        out.extend_from_slice(&(n as u32).to_be_bytes());
+    }
+}
+
+fn map_len(out: &mut Vec<u8>, n: usize) {
+    if n < 16 {
+        out.push(0x80 | n as u8);
+    } else {
+        out.push(0xde);
+        out.extend_from_slice(&(n as u16).to_be_bytes());
+    }
+}
+
+fn str_(out: &mut Vec<u8>, s: &str) {
+    let n = s.len();
+    if n < 32 {
+        out.push(0xa0 | n as u8);
+    } else if n <= usize::from(u8::MAX) {
+        out.push(0xd9);
+        out.push(n as u8);
+    } else if n <= usize::from(u16::MAX) {
+        out.push(0xda);
+        out.extend_from_slice(&(n as u16).to_be_bytes());
+    } else {
+        out.push(0xdb);
+        out.extend_from_slice(&(n as u32).to_be_bytes());
+    }
+    out.extend_from_slice(s.as_bytes());
+}
+
+fn opt_str(out: &mut Vec<u8>, s: Option<&str>) {
+    match s {
+        Some(s) => str_(out, s),
+        None => out.push(0xc0),
+    }
+}
+
+fn kv_str(out: &mut Vec<u8>, k: &str, v: &str) {
+    str_(out, k);
+    str_(out, v);
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    #[test]
+    fn ints_take_their_smallest_form() {
+        let mut o = Vec::new();
+        for v in [0i64, 127, 128, 65_536, -1, -33, -129, -40_000, -3_000_000_000] {
+            int(&mut o, v);
+        }
+        let mut expected = Vec::new();
+        for v in [0i64, 127, 128, 65_536, -1, -33, -129, -40_000, -3_000_000_000] {
+            if v >= 0 {
+                rmp::encode::write_uint(&mut expected, v as u64).unwrap();
+            } else {
+                rmp::encode::write_sint(&mut expected, v).unwrap();
+            }
+        }
+        assert_eq!(o, expected);
+    }
+}

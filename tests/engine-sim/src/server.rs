@@ -1,0 +1,336 @@
+//! The HTTP surface: the OpenAI API, health, metrics, engine-specific endpoints and debug views.
+//!
+//! | route | engine | what |
+//! |---|---|---|
+//! | `POST /v1/completions`, `POST /v1/chat/completions` | all | OpenAI, JSON or SSE (`stream: true`) |
+//! | `GET /v1/models`, `GET /health` | all | as vLLM |
+//! | `GET /metrics` | all | the engine's own metric names ([`crate::metrics`]) |
+//! | `GET /server_info`, `GET /get_server_info`, `GET /get_model_info` | all | SGLang's (page size, model path) |
+//! | `POST /kv_cache_events` | trtllm | drains the event queue (JSON envelopes) |
+//! | `POST /reset_prefix_cache` | all | forgets every cached block (`AllBlocksCleared`) |
+//! | `GET /debug/cache` | all | per-rank block counters |
+//! | `GET /debug/cache/match?keys=K1,K2` | all | leading blocks cached, per rank |
+//! | `POST /debug/cache/match` | all | same for an OpenAI body (the simulator tokenizes it) |
+//!
+//! Every response carries `x-kvroute-sim: <name>` so tests and the benchmark see who served.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use axum::body::{Body, Bytes};
+use axum::extract::{Query, Request, State};
+use axum::http::{HeaderValue, StatusCode};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use kvroute_core::hash::{BlockKey, Engine as EngineKind};
+use kvroute_core::prompt::Endpoint;
+use serde_json::{json, Value};
+use tokio::sync::mpsc;
+
+use crate::engine::{lock, Engine, SimError, Usage};
+use crate::events::{trtllm_created, trtllm_envelope, KvEvent};
+use crate::prompt::Encoded;
+
+/// The response header naming the simulator.
+pub const SIM_HEADER: &str = "x-kvroute-sim";
+
+/// The router over a running engine.
+pub fn router(engine: Arc<Engine>) -> Router {
+    Router::new()
+        .route("/v1/completions", post(completions))
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/models", get(models))
+        .route("/health", get(|| async { StatusCode::OK }))
+        .route("/metrics", get(metrics))
+        .route("/server_info", get(server_info))
+        .route("/get_server_info", get(server_info))
+        .route("/get_model_info", get(model_info))
+        .route("/kv_cache_events", post(kv_cache_events))
+        .route("/reset_prefix_cache", post(reset_prefix_cache))
+        .route("/debug/cache", get(debug_cache))
+        .route("/debug/cache/match", get(match_keys).post(match_body))
+        .layer(axum::middleware::from_fn_with_state(engine.clone(), name_header))
+        .with_state(engine)
+}
+
+async fn name_header(State(engine): State<Arc<Engine>>, req: Request, next: Next) -> Response {
+    let mut res = next.run(req).await;
+    if let Ok(v) = HeaderValue::from_str(&engine.name) {
+        res.headers_mut().insert(SIM_HEADER, v);
+    }
+    res
+}
+
+/// An OpenAI-shaped error.
+struct ApiError(StatusCode, String);
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let kind = if self.0.is_client_error() { "BadRequestError" } else { "InternalServerError" };
+        (self.0, Json(json!({"error": {"message": self.1, "type": kind, "param": null, "code": self.0.as_u16()}}))).into_response()
+    }
+}
+
+impl From<SimError> for ApiError {
+    fn from(e: SimError) -> Self {
+        let status = match e {
+            SimError::Shutdown => StatusCode::SERVICE_UNAVAILABLE,
+            _ => StatusCode::BAD_REQUEST,
+        };
+        ApiError(status, e.to_string())
+    }
+}
+
+async fn encode(engine: &Arc<Engine>, body: Bytes, endpoint: Endpoint) -> Result<Encoded, ApiError> {
+    let e = engine.clone();
+    // Tokenizing is CPU work: keep it off the reactor.
+    tokio::task::spawn_blocking(move || e.encoder.encode(&body, endpoint))
+        .await
+        .map_err(|e| ApiError(StatusCode::INTERNAL_SERVER_ERROR, format!("tokenizer task failed: {e}")))?
+        .map_err(|e| ApiError(StatusCode::BAD_REQUEST, e.to_string()))
+}
+
+async fn completions(State(engine): State<Arc<Engine>>, body: Bytes) -> Response {
+    serve(engine, body, Endpoint::Completions).await.unwrap_or_else(IntoResponse::into_response)
+}
+
+async fn chat_completions(State(engine): State<Arc<Engine>>, body: Bytes) -> Response {
+    serve(engine, body, Endpoint::ChatCompletions).await.unwrap_or_else(IntoResponse::into_response)
+}
+
+/// What the request task reports, in order.
+enum Piece {
+    /// Holding a slot and KV blocks.
+    Admitted,
+    /// One decoded word.
+    Word(String),
+    /// Finished.
+    Done(Usage),
+    /// Could not be admitted.
+    Failed(SimError),
+}
+
+/// Runs the request in its own task (a client that goes away does not cancel the step midway)
+/// and reports its progress.
+fn spawn_request(engine: Arc<Engine>, enc: Encoded) -> mpsc::Receiver<Piece> {
+    let (tx, rx) = mpsc::channel(64);
+    tokio::spawn(async move {
+        let mut a = match engine.admit(enc).await {
+            Ok(a) => a,
+            Err(e) => {
+                let _ = tx.send(Piece::Failed(e)).await;
+                return;
+            }
+        };
+        if tx.send(Piece::Admitted).await.is_err() {
+            return;
+        }
+        a.prefill().await;
+        let start = tokio::time::Instant::now();
+        let words = std::mem::take(&mut a.words);
+        for (i, w) in words.into_iter().enumerate() {
+            if i > 0 {
+                tokio::time::sleep_until(a.word_deadline(start, i)).await;
+            }
+            let piece = if i == 0 { w } else { format!(" {w}") };
+            if tx.send(Piece::Word(piece)).await.is_err() {
+                // The client left: abort like an engine does (blocks released on drop).
+                return;
+            }
+        }
+        let usage = a.finish();
+        let _ = tx.send(Piece::Done(usage)).await;
+    });
+    rx
+}
+
+fn usage_json(u: &Usage) -> Value {
+    json!({"prompt_tokens": u.prompt_tokens, "total_tokens": u.prompt_tokens + u.completion_tokens,
+           "completion_tokens": u.completion_tokens, "prompt_tokens_details": {"cached_tokens": u.cached_tokens}})
+}
+
+async fn serve(engine: Arc<Engine>, body: Bytes, endpoint: Endpoint) -> Result<Response, ApiError> {
+    let enc = encode(&engine, body, endpoint).await?;
+    let model = enc.model.clone().unwrap_or_else(|| engine.cfg.model.clone());
+    let stream = enc.stream;
+    let include_usage = enc.include_usage.unwrap_or(true);
+    let mut rx = spawn_request(engine.clone(), enc);
+    match rx.recv().await {
+        Some(Piece::Admitted) => {}
+        Some(Piece::Failed(e)) => return Err(e.into()),
+        _ => return Err(ApiError(StatusCode::INTERNAL_SERVER_ERROR, "request task ended early".into())),
+    }
+    let chat = endpoint == Endpoint::ChatCompletions;
+    let id = format!("{}-sim-{}", if chat { "chatcmpl" } else { "cmpl" }, engine.next_id());
+    let created = Engine::unix_now() as u64;
+    if !stream {
+        let mut text = String::new();
+        let mut usage = None;
+        while let Some(p) = rx.recv().await {
+            match p {
+                Piece::Word(w) => text.push_str(&w),
+                Piece::Done(u) => usage = Some(u),
+                Piece::Admitted | Piece::Failed(_) => {}
+            }
+        }
+        let usage = usage.ok_or_else(|| ApiError(StatusCode::INTERNAL_SERVER_ERROR, "request task ended early".into()))?;
+        let choice = if chat {
+            json!({"index": 0, "message": {"role": "assistant", "content": text, "tool_calls": []}, "logprobs": null,
+                   "finish_reason": "length", "stop_reason": null})
+        } else {
+            json!({"index": 0, "text": text, "logprobs": null, "finish_reason": "length", "stop_reason": null})
+        };
+        let object = if chat { "chat.completion" } else { "text_completion" };
+        return Ok(Json(json!({"id": id, "object": object, "created": created, "model": model,
+                               "choices": [choice], "usage": usage_json(&usage)}))
+        .into_response());
+    }
+    let object = if chat { "chat.completion.chunk" } else { "text_completion" };
+    let sse = move |v: Value| Ok::<Bytes, std::convert::Infallible>(Bytes::from(format!("data: {v}\n\n")));
+    let stream = futures::stream::unfold((rx, true, false), move |(mut rx, first, done)| {
+        let id = id.clone();
+        let model = model.clone();
+        async move {
+            if done {
+                return None;
+            }
+            let choice = |delta: Value, finish: Value| {
+                if chat {
+                    json!({"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish})
+                } else {
+                    json!({"index": 0, "text": delta.get("content").cloned().unwrap_or(json!("")), "logprobs": null,
+                           "finish_reason": finish, "stop_reason": null})
+                }
+            };
+            let chunk = |choices: Value| json!({"id": id, "object": object, "created": created, "model": model, "choices": choices});
+            match rx.recv().await {
+                Some(Piece::Word(w)) => {
+                    let delta = if first && chat { json!({"role": "assistant", "content": w}) } else { json!({"content": w}) };
+                    Some((sse(chunk(json!([choice(delta, Value::Null)]))), (rx, false, false)))
+                }
+                Some(Piece::Done(u)) => {
+                    let mut out = format!("data: {}\n\n", chunk(json!([choice(json!({"content": ""}), json!("length"))])));
+                    if include_usage {
+                        let mut c = chunk(json!([]));
+                        if let Value::Object(m) = &mut c {
+                            m.insert("usage".into(), usage_json(&u));
+                        }
+                        out.push_str(&format!("data: {c}\n\n"));
+                    }
+                    out.push_str("data: [DONE]\n\n");
+                    Some((Ok(Bytes::from(out)), (rx, false, true)))
+                }
+                Some(Piece::Admitted | Piece::Failed(_)) => Some((Ok(Bytes::new()), (rx, first, false))),
+                None => None,
+            }
+        }
+    });
+    Response::builder()
+        .header("content-type", "text/event-stream")
+        .header("cache-control", "no-cache")
+        .body(Body::from_stream(stream))
+        .map_err(|e| ApiError(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))
+}
+
+async fn models(State(engine): State<Arc<Engine>>) -> Json<Value> {
+    let m = &engine.cfg.model;
+    Json(json!({"object": "list", "data": [{"id": m, "object": "model", "created": Engine::unix_now() as u64,
+        "owned_by": engine.cfg.engine.as_str(), "root": m, "parent": null,
+        "max_model_len": engine.cfg.kv_blocks * engine.cfg.contract.block_size.get()}]}))
+}
+
+async fn metrics(State(engine): State<Arc<Engine>>) -> Response {
+    let (ct, body) = crate::metrics::render(&engine);
+    ([("content-type", ct)], body).into_response()
+}
+
+async fn server_info(State(engine): State<Arc<Engine>>) -> Json<Value> {
+    let path = model_path(&engine);
+    Json(json!({"model_path": path, "tokenizer_path": path, "served_model_name": engine.cfg.model,
+        "page_size": engine.cfg.contract.block_size.get(), "dp_size": engine.cfg.dp_ranks,
+        "max_running_requests": engine.cfg.max_concurrency, "max_total_num_tokens": engine.cfg.kv_blocks * engine.cfg.contract.block_size.get(),
+        "kv_events_config": engine.cfg.zmq_port.map(|p| json!({"publisher": "zmq", "endpoint": format!("tcp://*:{p}"), "topic": engine.cfg.topic})),
+        "engine": engine.cfg.engine.as_str(), "hash_algo": engine.cfg.contract.algo.as_str(), "sim_name": engine.name}))
+}
+
+async fn model_info(State(engine): State<Arc<Engine>>) -> Json<Value> {
+    let path = model_path(&engine);
+    Json(json!({"model_path": path, "tokenizer_path": path, "is_generation": true}))
+}
+
+fn model_path(engine: &Engine) -> String {
+    engine.cfg.tokenizer_dir.as_ref().map(|p| p.display().to_string()).unwrap_or_else(|| engine.cfg.model.clone())
+}
+
+/// TensorRT-LLM's drain: every pending event of every rank, then the queue is empty.
+async fn kv_cache_events(State(engine): State<Arc<Engine>>) -> Result<Json<Value>, ApiError> {
+    if engine.cfg.engine != EngineKind::Trtllm {
+        return Err(ApiError(StatusCode::NOT_FOUND, "/kv_cache_events is served in --engine trtllm only".into()));
+    }
+    let window = (engine.cfg.kv_blocks * engine.cfg.contract.block_size.get()) as u32;
+    let multi = engine.ranks.len() > 1;
+    let mut out = Vec::new();
+    for r in &engine.ranks {
+        let rank = multi.then_some(r.idx);
+        for (id, e) in lock(&r.kv).take_events() {
+            out.push(match e {
+                KvEvent::Cleared => trtllm_created(id, engine.cfg.kv_blocks, window, rank),
+                other => trtllm_envelope(id, &other, window, rank),
+            });
+        }
+    }
+    Ok(Json(Value::Array(out)))
+}
+
+async fn reset_prefix_cache(State(engine): State<Arc<Engine>>) -> StatusCode {
+    engine.reset_prefix_cache();
+    StatusCode::OK
+}
+
+async fn debug_cache(State(engine): State<Arc<Engine>>) -> Json<Value> {
+    let ranks: Vec<Value> = engine.ranks.iter().map(|r| json!(lock(&r.kv).stats())).collect();
+    Json(json!({"name": engine.name, "engine": engine.cfg.engine.as_str(), "block_size": engine.cfg.contract.block_size.get(),
+        "hash_algo": engine.cfg.contract.algo.as_str(), "running": engine.running.load(Ordering::Relaxed),
+        "waiting": engine.waiting.load(Ordering::Relaxed), "ranks": ranks}))
+}
+
+#[derive(serde::Deserialize)]
+struct KeysQuery {
+    keys: String,
+}
+
+async fn match_keys(State(engine): State<Arc<Engine>>, Query(q): Query<KeysQuery>) -> Result<Json<Value>, ApiError> {
+    let keys = q
+        .keys
+        .split(',')
+        .filter(|s| !s.is_empty())
+        .map(|s| {
+            s.parse::<u64>()
+                .map(BlockKey)
+                .or_else(|_| s.parse::<i64>().map(BlockKey::from_i64))
+                .map_err(|_| ApiError(StatusCode::BAD_REQUEST, format!("keys: {s:?} is not a u64 or i64 block key")))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let per_rank = engine.match_keys(&keys);
+    Ok(Json(json!({"matched_blocks": per_rank.iter().max().copied().unwrap_or(0), "per_rank": per_rank,
+        "running": engine.running.load(Ordering::Relaxed), "waiting": engine.waiting.load(Ordering::Relaxed)})))
+}
+
+/// The oracle's question: how much of this request would hit here, and how busy is the engine.
+async fn match_body(State(engine): State<Arc<Engine>>, body: Bytes) -> Result<Json<Value>, ApiError> {
+    let endpoint = match serde_json::from_slice::<Value>(&body) {
+        Ok(v) if v.get("messages").is_some() => Endpoint::ChatCompletions,
+        _ => Endpoint::Completions,
+    };
+    let enc = encode(&engine, body, endpoint).await?;
+    let keys = engine.keys_for(&enc.tokens, enc.cache_salt.as_deref())?;
+    let per_rank = engine.match_keys(&keys);
+    let best = per_rank.iter().max().copied().unwrap_or(0);
+    let bs = engine.cfg.contract.block_size.get();
+    let cached = (best.min(enc.tokens.len().saturating_sub(1) / bs)) * bs;
+    Ok(Json(json!({"prompt_tokens": enc.tokens.len(), "matched_blocks": best, "cached_tokens": cached, "per_rank": per_rank,
+        "running": engine.running.load(Ordering::Relaxed), "waiting": engine.waiting.load(Ordering::Relaxed),
+        "kv_usage": engine.kv_usage()})))
+}

@@ -1,0 +1,78 @@
+//! `kvroute-bench` end to end on a tiny workload: it starts its own simulators (and the inventory
+//! service when `kvroute-inventory` is built next to it), drives every strategy and writes JSON.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::path::PathBuf;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+fn inventory_built() -> bool {
+    PathBuf::from(env!("CARGO_BIN_EXE_kvroute-bench")).with_file_name("kvroute-inventory").is_file()
+}
+
+/// Runs the bench with `args` (bounded: the child is killed after 120 s) and returns its JSON.
+fn bench(args: &[&str]) -> Value {
+    let out = std::env::temp_dir().join(format!("kvroute-bench-test-{}-{}.json", std::process::id(), args.join("_").len()));
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kvroute-bench"))
+        .args(["--users", "6", "--turns", "2", "--groups", "2", "--prefix-words", "120", "--ramp-ms", "200", "--endpoints", "2"])
+        .args(args)
+        .arg("--json")
+        .arg(&out)
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("kvroute-bench did not finish within 120 s");
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    assert!(status.success(), "kvroute-bench failed: {status}");
+    let v: Value = serde_json::from_slice(&std::fs::read(&out).unwrap()).unwrap();
+    let _ = std::fs::remove_file(&out);
+    v
+}
+
+fn find<'a>(v: &'a Value, workload: &str, strategy: &str) -> &'a Value {
+    v["summaries"].as_array().unwrap().iter().find(|s| s["workload"] == workload && s["strategy"] == strategy).unwrap()
+}
+
+#[test]
+fn bench_runs_baselines_and_oracle() {
+    let v = bench(&["--workloads", "multi-turn,one-shot", "--strategies", "round-robin,sticky,oracle"]);
+    for strategy in ["round-robin", "sticky", "oracle"] {
+        let mt = find(&v, "multi-turn", strategy);
+        assert_eq!(mt["errors"], 0, "{strategy}: {mt}");
+        assert_eq!(mt["requests"], 12);
+        let os = find(&v, "one-shot", strategy);
+        assert_eq!(os["cached_ratio"], 0.0, "unique prompts never hit");
+    }
+    let oracle = find(&v, "multi-turn", "oracle");
+    assert!(oracle["cached_ratio"].as_f64().unwrap() > 0.3, "{oracle}");
+    assert!(oracle["route_p50_ms"].as_f64().is_some());
+}
+
+#[test]
+fn bench_routes_through_the_inventory() {
+    assert!(
+        inventory_built(),
+        "kvroute-inventory is not built next to kvroute-bench: run ./scripts/test.sh (it builds every binary first)"
+    );
+    // vLLM over ZMQ (one 127.0.0.x per simulator) and TensorRT-LLM over the HTTP drain.
+    for engine in ["vllm", "trtllm"] {
+        let v = bench(&["--engine", engine, "--workloads", "multi-turn", "--strategies", "kvroute-engine,kvroute-tokens"]);
+        for strategy in ["kvroute-engine", "kvroute-tokens"] {
+            let s = find(&v, "multi-turn", strategy);
+            assert_eq!(s["errors"], 0, "{engine} {strategy}: {s}");
+            assert!(s["cached_ratio"].as_f64().unwrap() > 0.3, "{engine} {strategy}: {s}");
+            assert!(s["reasons"]["hit"].as_u64().unwrap_or(0) > 0, "{engine} {strategy}: the inventory found hits: {s}");
+        }
+    }
+}
