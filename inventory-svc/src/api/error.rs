@@ -1,0 +1,65 @@
+//! The one error type every handler returns: a stable status and message, details logged once.
+
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use serde_json::json;
+
+use crate::rules::FieldProblem;
+
+/// Errors the HTTP API answers with.
+#[derive(Debug, thiserror::Error)]
+pub enum ApiError {
+    #[error("malformed JSON body: {0}")]
+    BadJson(String),
+    #[error("invalid rule")]
+    InvalidRule(Vec<FieldProblem>),
+    #[error("bad request: {0}")]
+    BadRequest(String),
+    #[error("missing or wrong bearer token")]
+    Unauthorized,
+    #[error("{0}")]
+    NotFound(String),
+    #[error("rule {0} already exists")]
+    Conflict(String),
+    #[error("no healthy endpoint for rule {0}")]
+    NoEndpoint(String),
+    #[error("internal error")]
+    Internal(String),
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let status = match &self {
+            ApiError::BadJson(_) | ApiError::InvalidRule(_) | ApiError::BadRequest(_) => {
+                StatusCode::BAD_REQUEST
+            }
+            ApiError::Unauthorized => StatusCode::UNAUTHORIZED,
+            ApiError::NotFound(_) => StatusCode::NOT_FOUND,
+            ApiError::Conflict(_) => StatusCode::CONFLICT,
+            ApiError::NoEndpoint(_) => StatusCode::SERVICE_UNAVAILABLE,
+            ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
+        };
+        let body = match &self {
+            ApiError::InvalidRule(p) => json!({"error": self.to_string(), "problems": p}),
+            ApiError::Internal(detail) => {
+                tracing::error!("internal error: {detail}");
+                json!({"error": self.to_string()})
+            }
+            _ => json!({"error": self.to_string()}),
+        };
+        let mut resp = (status, Json(body)).into_response();
+        if matches!(self, ApiError::Unauthorized) {
+            if let Ok(v) = "Bearer".parse() {
+                resp.headers_mut()
+                    .insert(axum::http::header::WWW_AUTHENTICATE, v);
+            }
+        }
+        resp
+    }
+}
+
+/// Parses a JSON body, turning any serde error into a 400.
+pub fn parse_json<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
+    serde_json::from_slice(body).map_err(|e| ApiError::BadJson(e.to_string()))
+}

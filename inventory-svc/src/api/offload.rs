@@ -1,0 +1,86 @@
+//! Offloaded tokenization: a filter that cannot tokenize (no staged tokenizer in the proxy, or a
+//! prompt too large for its budget) sends `prompt` / `messages` instead of keys, and the service
+//! computes the keys exactly as the filter would: kvroute-core's tokenizer and chat template from
+//! `<tokenizer-dir>/tokenizers/<slug>/`, then the rule's hash contract.
+//!
+//! Tokenizers are loaded once per slug and cached; the CPU work runs on the blocking pool, off
+//! the reactor. Any failure is logged and answered as "no keys" so routing still falls back.
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+
+use kvroute_core::chat::ChatTemplate;
+use kvroute_core::hash::{BlockKey, ExtraKeys, HashContract};
+use kvroute_core::prompt::{PromptTokens, Request};
+use kvroute_core::tokenize::Tokenizer;
+use serde_json::{json, Value};
+
+use crate::state::lock;
+
+/// A staged tokenizer and its chat template (absent when the config has none).
+pub struct Loaded {
+    pub tokenizer: Tokenizer,
+    pub template: Option<ChatTemplate>,
+}
+
+/// Per-slug cache of loaded tokenizers.
+#[derive(Default)]
+pub struct TokenizerCache {
+    inner: Mutex<HashMap<String, Arc<Loaded>>>,
+}
+
+impl TokenizerCache {
+    /// The tokenizer of `slug` under `dir`, loading it on first use.
+    pub fn get(&self, dir: &Path, slug: &str) -> Result<Arc<Loaded>, String> {
+        if let Some(l) = lock(&self.inner).get(slug) {
+            return Ok(l.clone());
+        }
+        let base = dir.join("tokenizers").join(slug);
+        let tj = std::fs::read(base.join("tokenizer.json"))
+            .map_err(|e| format!("{}: {e}", base.join("tokenizer.json").display()))?;
+        let tokenizer = Tokenizer::from_bytes(&tj).map_err(|e| format!("tokenizer {slug}: {e}"))?;
+        let template = std::fs::read(base.join("tokenizer_config.json"))
+            .ok()
+            .and_then(|c| ChatTemplate::new(&c).ok());
+        let l = Arc::new(Loaded {
+            tokenizer,
+            template,
+        });
+        lock(&self.inner).insert(slug.to_owned(), l.clone());
+        Ok(l)
+    }
+}
+
+/// What the filter sent instead of keys.
+pub struct Offload {
+    pub model: Option<String>,
+    pub prompt: Option<String>,
+    pub messages: Option<Value>,
+}
+
+/// Tokenizes and hashes; returns the keys and the prompt's token count.
+pub fn keys_for(
+    loaded: &Loaded,
+    contract: &HashContract,
+    o: &Offload,
+) -> Result<(Vec<BlockKey>, u32), String> {
+    let mut body = match (&o.prompt, &o.messages) {
+        (Some(p), None) => json!({"prompt": p}),
+        (None, Some(m)) => json!({"messages": m}),
+        _ => return Err("give exactly one of prompt, messages".into()),
+    };
+    if let (Some(m), Value::Object(obj)) = (&o.model, &mut body) {
+        obj.insert("model".into(), json!(m));
+    }
+    let bytes = serde_json::to_vec(&body).map_err(|e| e.to_string())?;
+    let req = Request::from_json(&bytes).map_err(|e| e.to_string())?;
+    let tokens = PromptTokens::from_request(&req, &loaded.tokenizer, loaded.template.as_ref())
+        .map_err(|e| e.to_string())?;
+    let extra = ExtraKeys {
+        cache_salt: req.cache_salt.clone(),
+        ..ExtraKeys::default()
+    };
+    let keys = contract.keys(&tokens, &extra).map_err(|e| e.to_string())?;
+    Ok((keys, tokens.len() as u32))
+}

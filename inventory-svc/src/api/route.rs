@@ -1,0 +1,241 @@
+//! `POST /v1/route`: the filter's routing question, and the JSON contract it is asked in.
+//!
+//! Request (`RouteRequest`):
+//! ```json
+//! {"rule": "10.0.0.1:8080", "model": "Qwen/Qwen3-0.6B", "keys": [123, -45], "token_count": 160,
+//!  "affinity_key": "tenant-a"}
+//! ```
+//! `rule` is the rule id or `VIP:port`; `keys` are the request's block keys in order, computed with
+//! the rule's contract (`GET /v1/rules/{id}/contract`); SGLang keys may be sent signed. A filter
+//! that offloads tokenization sends `prompt` or `messages` instead of `keys` (see [`super::offload`]);
+//! the service then tokenizes with the rule's staged tokenizer and hashes with its contract.
+//!
+//! Response (`RouteResponse`):
+//! ```json
+//! {"rule_id": 1, "endpoint": "10.0.0.2:8000", "matched_blocks": 3, "tier": "tier15", "reason": "hit",
+//!  "decode_endpoint": null}
+//! ```
+//! 404 for an unknown rule, 503 when no endpoint is healthy: the filter fails open on any error.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::Json;
+use kvroute_core::hash::BlockKey;
+use serde::{Deserialize, Serialize};
+
+use super::error::{parse_json, ApiError};
+use crate::index::EndpointId;
+use crate::score::{decide, EpView, HashRing, ScoreInput, Tier};
+use crate::state::AppState;
+
+/// A block key on the wire: unsigned, or signed as SGLang publishes it.
+#[derive(Clone, Copy, Debug, Deserialize, Serialize, PartialEq, Eq)]
+#[serde(untagged)]
+pub enum WireKey {
+    Unsigned(u64),
+    Signed(i64),
+}
+
+impl WireKey {
+    fn key(self) -> BlockKey {
+        match self {
+            WireKey::Unsigned(u) => BlockKey(u),
+            WireKey::Signed(s) => BlockKey::from_i64(s),
+        }
+    }
+}
+
+/// The filter's question.
+#[derive(Clone, Debug, Deserialize, Serialize, Default)]
+#[serde(deny_unknown_fields)]
+pub struct RouteRequest {
+    /// Rule id (`"3"`) or `VIP:port`.
+    pub rule: String,
+    #[serde(default)]
+    pub model: Option<String>,
+    /// Block keys in prompt order.
+    #[serde(default)]
+    pub keys: Vec<WireKey>,
+    /// Prompt length in tokens (for `LLB_KV_MIN_MATCH_TOKENS`).
+    #[serde(default)]
+    pub token_count: u32,
+    /// Tenant identity (API key hash) or client IP, for sticky fallback.
+    #[serde(default)]
+    pub affinity_key: Option<String>,
+    /// Raw prompt when the filter offloads tokenization.
+    #[serde(default)]
+    pub prompt: Option<String>,
+    /// Chat messages when the filter offloads tokenization.
+    #[serde(default)]
+    pub messages: Option<serde_json::Value>,
+}
+
+/// The answer.
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq, Eq)]
+pub struct RouteResponse {
+    pub rule_id: u32,
+    /// `ip:port` to pin the upstream to.
+    pub endpoint: String,
+    pub matched_blocks: u32,
+    /// `tier15` or `fallback`.
+    pub tier: String,
+    /// `hit`, `spill`, `cold_seed`, `miss_no_overlap`, `miss_short_prompt`, `miss_no_keys`, `miss_warmup`, `kv_off`.
+    pub reason: String,
+    /// kvExactMode 1: the decode endpoint.
+    pub decode_endpoint: Option<String>,
+}
+
+/// Most keys one request may carry (a 1 MiB body holds fewer anyway).
+const MAX_KEYS: usize = 1 << 16;
+
+/// Handler for `POST /v1/route`.
+pub async fn route(
+    State(state): State<Arc<AppState>>,
+    body: Bytes,
+) -> Result<Json<RouteResponse>, ApiError> {
+    let start = Instant::now();
+    let mut req: RouteRequest = parse_json(&body)?;
+    if req.keys.is_empty() && (req.prompt.is_some() || req.messages.is_some()) {
+        offload(&state, &mut req).await;
+    }
+    let res = answer(&state, &req, Instant::now());
+    state
+        .metrics
+        .route_latency
+        .observe(start.elapsed().as_secs_f64());
+    res.map(Json)
+}
+
+/// Fills `req.keys` and `req.token_count` from its prompt or messages; on failure leaves them
+/// empty (the decision falls back with `miss_no_keys`) and logs why.
+async fn offload(state: &Arc<AppState>, req: &mut RouteRequest) {
+    let Some(rule) = state.find(&req.rule) else {
+        return;
+    };
+    let (Some(contract), Some(slug), Some(dir)) = (
+        rule.spec.contract(),
+        rule.spec.slug.clone(),
+        state.tokenizer_dir.clone(),
+    ) else {
+        tracing::debug!(rule = %rule.spec.name(), "offloaded tokenization needs kvModel, a KV contract and --tokenizer-dir");
+        return;
+    };
+    let o = super::offload::Offload {
+        model: req.model.clone().or_else(|| rule.spec.model.clone()),
+        prompt: req.prompt.take(),
+        messages: req.messages.take(),
+    };
+    let st = state.clone();
+    let res = tokio::task::spawn_blocking(move || {
+        let loaded = st.tokenizers.get(&dir, &slug)?;
+        super::offload::keys_for(&loaded, &contract, &o)
+    })
+    .await;
+    match res {
+        Ok(Ok((keys, n))) => {
+            req.keys = keys.into_iter().map(|k| WireKey::Unsigned(k.0)).collect();
+            req.token_count = n;
+        }
+        Ok(Err(e)) => {
+            tracing::warn!(rule = %rule.spec.name(), "offloaded tokenization failed: {e}")
+        }
+        Err(e) => {
+            tracing::warn!(rule = %rule.spec.name(), "offloaded tokenization task failed: {e}")
+        }
+    }
+}
+
+/// Decides one request against the current state (also used by tests and benches).
+pub fn answer(
+    state: &AppState,
+    req: &RouteRequest,
+    now: Instant,
+) -> Result<RouteResponse, ApiError> {
+    let rule = state
+        .find(&req.rule)
+        .ok_or_else(|| ApiError::NotFound(format!("unknown rule {:?}", req.rule)))?;
+    if req.keys.len() > MAX_KEYS {
+        return Err(ApiError::BadRequest(format!(
+            "keys: {} given, at most {MAX_KEYS}",
+            req.keys.len()
+        )));
+    }
+    let keys: Vec<BlockKey> = req.keys.iter().map(|k| k.key()).collect();
+    let mut matched = Vec::new();
+    rule.index.match_prefix(&keys, now, &mut matched);
+    let s = &state.settings;
+    let fresh = if s.scrape_interval.is_zero() {
+        Duration::ZERO
+    } else {
+        s.scrape_interval * 3
+    };
+    let eps: Vec<EpView> = rule
+        .spec
+        .endpoints
+        .iter()
+        .enumerate()
+        .map(|(i, e)| EpView {
+            weight: e.weight,
+            role: e.role,
+            healthy: rule.eps[i].healthy.load(Ordering::Relaxed),
+            load: rule.eps[i].load(now, s.inflight_window, fresh),
+            blocks: rule.index.block_count(EndpointId(i as u8)),
+            matched: matched.get(i).copied().unwrap_or(0),
+        })
+        .collect();
+    let affinity = req.affinity_key.as_deref().map(|a| {
+        match (state.settings.affinity_scope_model, &req.model) {
+            (true, Some(m)) => HashRing::key_hash(&format!("{a}\u{0}{m}")),
+            _ => HashRing::key_hash(a),
+        }
+    });
+    let d = decide(&ScoreInput {
+        exact_mode: rule.spec.exact_mode,
+        kv_enabled: rule.spec.kv_enabled(),
+        sel: rule.spec.sel,
+        eps: &eps,
+        n_keys: keys.len(),
+        token_count: req.token_count,
+        affinity,
+        ring: &rule.ring,
+        hit_seq: rule.hit_seq.load(Ordering::Relaxed),
+        rr_seq: rule.rr_seq.load(Ordering::Relaxed),
+        settings: s,
+    });
+    let m = &state.metrics;
+    m.route_decisions
+        .with_label_values(&[d.tier.as_str(), d.reason.as_str()])
+        .inc();
+    match d.reason {
+        crate::score::Reason::Spill => m.tier15_spills.inc(),
+        crate::score::Reason::ColdSeed => m.tier15_cold_seeds.inc(),
+        _ => {}
+    }
+    if d.counted_hit {
+        rule.hit_seq.fetch_add(1, Ordering::Relaxed);
+    }
+    if d.tier == Tier::Fallback {
+        rule.rr_seq.fetch_add(1, Ordering::Relaxed);
+    }
+    let ep = d.ep.ok_or_else(|| ApiError::NoEndpoint(rule.spec.name()))?;
+    rule.eps[ep].record_decision(now);
+    if let Some(dec) = d.decode {
+        rule.eps[dec].record_decision(now);
+    }
+    if rule.spec.kv_enabled() && !keys.is_empty() && !s.spec_ttl.is_zero() {
+        rule.index
+            .speculate(EndpointId(ep as u8), &keys, now, s.spec_ttl);
+    }
+    Ok(RouteResponse {
+        rule_id: rule.id,
+        endpoint: rule.spec.endpoints[ep].addr(),
+        matched_blocks: d.matched,
+        tier: d.tier.as_str().to_owned(),
+        reason: d.reason.as_str().to_owned(),
+        decode_endpoint: d.decode.map(|i| rule.spec.endpoints[i].addr()),
+    })
+}

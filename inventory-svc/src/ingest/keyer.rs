@@ -1,0 +1,417 @@
+//! Turns decoded engine events into index operations for one `(endpoint, rank)` publisher.
+//!
+//! * `engine` key mode: vLLM/SGLang keys are stored as published; a parity self-check recomputes
+//!   the key of every event that starts a chain (no parent) from its token ids with the rule's
+//!   contract, and on a mismatch says which leg is probably wrong ([`super::parity`]).
+//! * `tokens` key mode: token ids are re-hashed into kvroute's content key, continuing from the
+//!   parent's content key; an engine-key -> content-key map serves later removals and parents.
+//! * TensorRT-LLM: stored blocks are re-hashed from their tokens with `blockhash_trtllm` (or the
+//!   content key in tokens mode); partial blocks are skipped; the engine hash -> key map serves
+//!   removals.
+//! * Only GPU blocks enter the index; other media are counted.
+
+use std::sync::Arc;
+
+use kvroute_core::hash::{
+    content_keys, trtllm, BlockKey, BlockSize, Engine, ExtraKeys, HashContract,
+};
+
+use super::decode::{EventBatch, KvEvent, Medium, Stored};
+use super::parity::{diagnose, ParityReport};
+use crate::index::{IndexOp, KeyMap};
+use crate::metrics::Metrics;
+use crate::rules::KeyMode;
+
+/// Per-publisher keying state.
+pub struct Keyer {
+    engine: Engine,
+    key_mode: KeyMode,
+    block_size: u32,
+    contract: Option<HashContract>,
+    /// Engine key -> stored key (tokens mode, TensorRT-LLM).
+    map: KeyMap<u64>,
+    metrics: Arc<Metrics>,
+    /// Set on the latest parity mismatch (for /healthz); cleared by a later match.
+    pub parity: Option<ParityReport>,
+    /// Parity checks that matched, for /healthz.
+    pub parity_ok: u64,
+    mismatches: u64,
+}
+
+/// Entries the engine-key map may hold before it is dropped (it is rebuilt from new events).
+const MAX_MAP: usize = 4 << 20;
+
+impl Keyer {
+    /// A keyer for one publisher of a rule.
+    pub fn new(
+        engine: Engine,
+        key_mode: KeyMode,
+        block_size: u32,
+        contract: Option<HashContract>,
+        metrics: Arc<Metrics>,
+    ) -> Keyer {
+        Keyer {
+            engine,
+            key_mode,
+            block_size,
+            contract,
+            map: KeyMap::default(),
+            metrics,
+            parity: None,
+            parity_ok: 0,
+            mismatches: 0,
+        }
+    }
+
+    /// Forgets engine-key mappings (the endpoint's inventory was cleared).
+    pub fn reset(&mut self) {
+        self.map.clear();
+    }
+
+    fn count(&self, ty: &str) {
+        self.metrics
+            .events
+            .with_label_values(&[self.engine.as_str(), ty])
+            .inc();
+    }
+
+    /// Operations for one vLLM / SGLang batch.
+    pub fn batch_ops(&mut self, batch: &EventBatch) -> Vec<IndexOp> {
+        let mut ops = Vec::with_capacity(batch.events.len());
+        for ev in &batch.events {
+            match ev {
+                KvEvent::Stored(s) => {
+                    self.count("block_stored");
+                    if s.medium != Medium::Gpu {
+                        self.metrics
+                            .non_gpu_blocks
+                            .with_label_values(&[self.engine.as_str(), s.medium.as_str()])
+                            .inc_by(s.block_hashes.len() as u64);
+                        continue;
+                    }
+                    if let Some(op) = self.stored(s) {
+                        ops.push(op);
+                    }
+                }
+                KvEvent::Removed {
+                    block_hashes,
+                    medium,
+                } => {
+                    self.count("block_removed");
+                    if *medium != Medium::Gpu {
+                        continue;
+                    }
+                    let keys = match self.key_mode {
+                        KeyMode::Engine => block_hashes.iter().map(|h| BlockKey(*h)).collect(),
+                        KeyMode::Tokens => block_hashes
+                            .iter()
+                            .filter_map(|h| self.map.remove(h))
+                            .map(BlockKey)
+                            .collect(),
+                    };
+                    ops.push(IndexOp::Remove(keys));
+                }
+                KvEvent::AllCleared => {
+                    self.count("all_blocks_cleared");
+                    self.metrics
+                        .clears
+                        .with_label_values(&[self.engine.as_str(), "event"])
+                        .inc();
+                    self.map.clear();
+                    ops.push(IndexOp::Clear);
+                }
+            }
+        }
+        ops
+    }
+
+    fn stored(&mut self, s: &Stored) -> Option<IndexOp> {
+        match self.key_mode {
+            KeyMode::Engine => {
+                if s.parent.is_none()
+                    && !s.token_ids.is_empty()
+                    && !s.has_lora
+                    && !s.has_extra_keys
+                    && s.cache_salt.is_none()
+                {
+                    self.check_parity(s);
+                }
+                Some(IndexOp::Store(
+                    s.block_hashes.iter().map(|h| BlockKey(*h)).collect(),
+                ))
+            }
+            KeyMode::Tokens => {
+                let n = s.block_hashes.len();
+                let bs = self.block_size as usize;
+                if n == 0 || s.token_ids.len() != n * bs {
+                    self.metrics
+                        .unkeyed_blocks
+                        .with_label_values(&[self.engine.as_str()])
+                        .inc_by(n as u64);
+                    return None;
+                }
+                let parent = match s.parent {
+                    None => None,
+                    Some(p) => match self.map.get(&p) {
+                        Some(c) => Some(BlockKey(*c)),
+                        None => {
+                            // The parent's tokens are unknown (stored before we subscribed): these
+                            // blocks cannot be keyed by content until the prefix is stored again.
+                            self.metrics
+                                .unkeyed_blocks
+                                .with_label_values(&[self.engine.as_str()])
+                                .inc_by(n as u64);
+                            return None;
+                        }
+                    },
+                };
+                let bsz = BlockSize::new(self.block_size)?;
+                let keys = content_keys(&s.token_ids, bsz, parent);
+                if self.map.len() > MAX_MAP {
+                    self.map.clear();
+                }
+                for (h, k) in s.block_hashes.iter().zip(&keys) {
+                    self.map.insert(*h, k.0);
+                }
+                Some(IndexOp::Store(keys))
+            }
+        }
+    }
+
+    fn check_parity(&mut self, s: &Stored) {
+        let Some(c) = &self.contract else { return };
+        let n = s.block_hashes.len();
+        if n == 0 || s.token_ids.len() != n * c.block_size.get() {
+            // Block size disagrees with the event: that alone is a mismatch worth reporting.
+            self.mismatch(s);
+            return;
+        }
+        let ok = match c.keys(&s.token_ids, &ExtraKeys::default()) {
+            Ok(keys) => keys.iter().map(|k| k.0).eq(s.block_hashes.iter().copied()),
+            Err(_) => false,
+        };
+        if ok {
+            self.parity_ok += 1;
+            self.parity = None;
+        } else {
+            self.mismatch(s);
+        }
+    }
+
+    fn mismatch(&mut self, s: &Stored) {
+        self.metrics
+            .parity_mismatches
+            .with_label_values(&[self.engine.as_str()])
+            .inc();
+        self.mismatches += 1;
+        let Some(c) = &self.contract else { return };
+        let report = diagnose(self.engine, c, s);
+        // One line per publisher on the first mismatch, then every 1000th: loud but bounded.
+        if self.mismatches == 1 || self.mismatches % 1000 == 0 {
+            tracing::error!(engine = %self.engine, mismatches = self.mismatches, "parity self-check failed: {}", report.message);
+        }
+        self.parity = Some(report);
+    }
+
+    /// Operations for one TensorRT-LLM `/kv_cache_events` drain.
+    pub fn trtllm_ops(&mut self, events: &[serde_json::Value]) -> Vec<IndexOp> {
+        use serde_json::Value;
+        let mut ops = Vec::new();
+        let bs = self.block_size as usize;
+        for env in events {
+            let data = env.get("data").unwrap_or(env);
+            match data.get("type").and_then(Value::as_str) {
+                Some("stored") => {
+                    self.count("block_stored");
+                    let mut parent_engine = data.get("parent_hash").and_then(Value::as_u64);
+                    let mut parent_key: Option<u64> = match parent_engine {
+                        None => Some(0),
+                        Some(p) => self.map.get(&p).copied(),
+                    };
+                    let mut keys = Vec::new();
+                    for b in data
+                        .get("blocks")
+                        .and_then(Value::as_array)
+                        .map(Vec::as_slice)
+                        .unwrap_or(&[])
+                    {
+                        let engine_hash = b.get("block_hash").and_then(Value::as_u64);
+                        let tokens: Vec<u32> = b
+                            .get("tokens")
+                            .and_then(Value::as_array)
+                            .map(|t| {
+                                t.iter()
+                                    .filter_map(|x| {
+                                        x.get("token_id")
+                                            .and_then(Value::as_u64)
+                                            .or_else(|| x.as_u64())
+                                    })
+                                    .map(|v| v as u32)
+                                    .collect()
+                            })
+                            .unwrap_or_default();
+                        let level_gpu =
+                            b.get("cache_level").and_then(Value::as_u64).unwrap_or(0) == 0;
+                        let (Some(eh), Some(pk)) = (engine_hash, parent_key) else {
+                            self.metrics
+                                .unkeyed_blocks
+                                .with_label_values(&[self.engine.as_str()])
+                                .inc();
+                            parent_key = None;
+                            continue;
+                        };
+                        if tokens.len() != bs {
+                            // Partial block: never routed on, and it ends the chain in this event.
+                            self.metrics
+                                .unkeyed_blocks
+                                .with_label_values(&[self.engine.as_str()])
+                                .inc();
+                            parent_key = None;
+                            continue;
+                        }
+                        let key = match self.key_mode {
+                            KeyMode::Engine => trtllm::block_key(
+                                pk,
+                                &tokens,
+                                None,
+                                b.get("lora_id").and_then(Value::as_u64),
+                            ),
+                            KeyMode::Tokens => {
+                                let parent = if parent_engine.is_none() && pk == 0 {
+                                    None
+                                } else {
+                                    Some(BlockKey(pk))
+                                };
+                                match BlockSize::new(self.block_size) {
+                                    Some(bsz) => content_keys(&tokens, bsz, parent)
+                                        .first()
+                                        .map_or(0, |k| k.0),
+                                    None => 0,
+                                }
+                            }
+                        };
+                        self.map.insert(eh, key);
+                        parent_engine = Some(eh);
+                        parent_key = Some(key);
+                        if level_gpu {
+                            keys.push(BlockKey(key));
+                        } else {
+                            self.metrics
+                                .non_gpu_blocks
+                                .with_label_values(&[self.engine.as_str(), "cpu"])
+                                .inc();
+                        }
+                    }
+                    ops.push(IndexOp::Store(keys));
+                }
+                Some("removed") => {
+                    self.count("block_removed");
+                    let keys = data
+                        .get("block_hashes")
+                        .and_then(Value::as_array)
+                        .map(|a| {
+                            a.iter()
+                                .filter_map(Value::as_u64)
+                                .filter_map(|h| self.map.remove(&h))
+                                .map(BlockKey)
+                                .collect()
+                        })
+                        .unwrap_or_default();
+                    ops.push(IndexOp::Remove(keys));
+                }
+                Some("created") | Some("updated") => {
+                    self.count(data.get("type").and_then(Value::as_str).unwrap_or("other"))
+                }
+                _ => {}
+            }
+        }
+        ops
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+    use super::*;
+    use crate::ingest::decode::{decode_batch, BytesKey};
+    use kvroute_core::hash::HashAlgo;
+
+    fn metrics() -> Arc<Metrics> {
+        Arc::new(Metrics::new().unwrap())
+    }
+
+    fn vllm_batch() -> EventBatch {
+        let p = format!(
+            "{}/../shared/tests/vectors/vllm-0.33.0.json",
+            env!("CARGO_MANIFEST_DIR")
+        );
+        let v: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(p).unwrap()).unwrap();
+        let hexs = v["events"]["int_keys_default"]["batch_payload_hex"]
+            .as_str()
+            .unwrap();
+        decode_batch(&hex::decode(hexs).unwrap(), BytesKey::Last8).unwrap()
+    }
+
+    fn bs16() -> BlockSize {
+        BlockSize::new(16).unwrap()
+    }
+
+    #[test]
+    fn engine_mode_parity_passes_with_the_right_seed() {
+        let c = HashContract::new(HashAlgo::Sha256Cbor, bs16()).with_seed("0");
+        let mut k = Keyer::new(Engine::Vllm, KeyMode::Engine, 16, Some(c), metrics());
+        let ops = k.batch_ops(&vllm_batch());
+        assert_eq!(ops.len(), 3);
+        assert_eq!(k.parity_ok, 1);
+        assert!(k.parity.is_none());
+    }
+
+    #[test]
+    fn engine_mode_parity_names_the_seed_when_wrong() {
+        let c = HashContract::new(HashAlgo::Sha256Cbor, bs16()).with_seed("1234");
+        let m = metrics();
+        let mut k = Keyer::new(Engine::Vllm, KeyMode::Engine, 16, Some(c), m.clone());
+        k.batch_ops(&vllm_batch());
+        let r = k.parity.clone().unwrap();
+        assert!(r.message.contains("seed"), "{}", r.message);
+        assert_eq!(r.suggested_seed.as_deref(), Some("0"));
+        assert_eq!(m.parity_mismatches.with_label_values(&["vllm"]).get(), 1);
+    }
+
+    #[test]
+    fn tokens_mode_maps_removals() {
+        let mut k = Keyer::new(Engine::Vllm, KeyMode::Tokens, 16, None, metrics());
+        let ops = k.batch_ops(&vllm_batch());
+        let want = content_keys(&(0..32).collect::<Vec<u32>>(), bs16(), None);
+        assert_eq!(ops[0], IndexOp::Store(want.clone()));
+        assert_eq!(ops[1], IndexOp::Remove(vec![want[0]]));
+        assert_eq!(ops[2], IndexOp::Clear);
+    }
+
+    #[test]
+    fn trtllm_rehash_skips_partial_blocks_and_maps_removals() {
+        let mut k = Keyer::new(Engine::Trtllm, KeyMode::Engine, 4, None, metrics());
+        let toks = |r: std::ops::Range<u32>| {
+            r.map(|t| serde_json::json!({"token_id": t, "token_extra_id": 0}))
+                .collect::<Vec<_>>()
+        };
+        let ev = serde_json::json!([
+            {"event_id": 1, "data": {"type": "stored", "parent_hash": null, "blocks": [
+                {"block_hash": 111, "tokens": toks(0..4), "cache_level": 0, "priority": 35},
+                {"block_hash": 222, "tokens": toks(4..8), "cache_level": 0, "priority": 35},
+                {"block_hash": 333, "tokens": toks(8..10), "cache_level": 0, "priority": 35}]}, "window_size": 32},
+            {"event_id": 2, "data": {"type": "removed", "block_hashes": [222]}, "window_size": 32}
+        ]);
+        let ops = k.trtllm_ops(ev.as_array().unwrap());
+        let k0 = trtllm::block_key(0, &[0, 1, 2, 3], None, None);
+        let k1 = trtllm::block_key(k0, &[4, 5, 6, 7], None, None);
+        assert_eq!(
+            ops,
+            vec![
+                IndexOp::Store(vec![BlockKey(k0), BlockKey(k1)]),
+                IndexOp::Remove(vec![BlockKey(k1)])
+            ]
+        );
+    }
+}

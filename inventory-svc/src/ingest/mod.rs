@@ -1,0 +1,168 @@
+//! Engine event ingestion: one task per `(endpoint, rank)` publisher, each reconnecting on its own.
+//!
+//! * [`zmq`]: vLLM and SGLang ZMQ PUB subscribers with sequence tracking, replay and restart detection.
+//! * [`trtllm`]: the single `/kv_cache_events` drain poller per TensorRT-LLM engine.
+//! * [`decode`]: frame and msgpack decoding; [`keyer`]: events -> index operations per key mode;
+//!   [`parity`]: the engine-mode self-check's diagnosis.
+//!
+//! A task never takes the service down: errors (and panics inside the ZMQ library) end one
+//! session, which is restarted after a capped exponential backoff; the rule's cancellation token
+//! stops everything when the rule is deleted or the service drains.
+
+pub mod decode;
+pub mod keyer;
+pub mod parity;
+pub mod trtllm;
+pub mod zmq;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use kvroute_core::hash::Engine;
+
+use crate::index::{EndpointId, IndexOp, Rank};
+use crate::rules::{EpRole, ExactMode};
+use crate::state::{AppState, RuleRuntime};
+
+/// What one sequence number means relative to the last one seen from the same publisher.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SeqVerdict {
+    /// The first message of this subscriber.
+    First,
+    InOrder,
+    /// Already applied (a replay overlap): skip.
+    Duplicate,
+    /// The publisher restarted (sequence back to 0, or lower after a reconnect): clear, then apply.
+    Restart,
+    /// Messages `from..seq` were lost.
+    Gap {
+        from: u64,
+    },
+}
+
+/// Per-publisher sequence tracking.
+#[derive(Clone, Debug, Default)]
+pub struct SeqTracker {
+    last: Option<u64>,
+    /// Set after a reconnect: a lower sequence then means a restart, not a duplicate.
+    fresh: bool,
+}
+
+impl SeqTracker {
+    /// Marks a new connection.
+    pub fn reconnected(&mut self) {
+        self.fresh = true;
+    }
+
+    /// Classifies `seq` and advances the tracker.
+    pub fn observe(&mut self, seq: u64) -> SeqVerdict {
+        let fresh = std::mem::take(&mut self.fresh);
+        let v = match self.last {
+            None => SeqVerdict::First,
+            Some(l) if seq == l.wrapping_add(1) => SeqVerdict::InOrder,
+            Some(_) if seq == 0 => SeqVerdict::Restart,
+            Some(l) if seq <= l && fresh => SeqVerdict::Restart,
+            Some(l) if seq <= l => SeqVerdict::Duplicate,
+            Some(l) => SeqVerdict::Gap { from: l + 1 },
+        };
+        if v != SeqVerdict::Duplicate {
+            self.last = Some(seq);
+        }
+        v
+    }
+}
+
+/// Capped exponential backoff for reconnects.
+pub fn next_backoff(cur: Duration) -> Duration {
+    (cur * 2).min(Duration::from_secs(5))
+}
+
+/// Applies operations to a rule's index and refreshes the endpoint's gauge.
+pub fn apply_ops(state: &AppState, rule: &RuleRuntime, ep: usize, rank: u8, ops: &[IndexOp]) {
+    if ops.is_empty() {
+        return;
+    }
+    rule.index.apply(EndpointId(ep as u8), Rank(rank), ops);
+    let n = rule.index.block_count(EndpointId(ep as u8));
+    state
+        .metrics
+        .inventory_blocks
+        .with_label_values(&[&rule.spec.name(), &ep.to_string()])
+        .set(n as i64);
+}
+
+/// Sets the connected flag and gauge of one publisher.
+pub fn set_connected(state: &AppState, rule: &RuleRuntime, ep: usize, rank: u8, up: bool) {
+    if let Some(c) = rule
+        .eps
+        .get(ep)
+        .and_then(|e| e.connected.get(rank as usize))
+    {
+        c.store(up, std::sync::atomic::Ordering::Relaxed);
+    }
+    state
+        .metrics
+        .subscriber_connected
+        .with_label_values(&[&rule.spec.name(), &ep.to_string(), &rank.to_string()])
+        .set(i64::from(up));
+}
+
+/// Endpoints whose events feed the index: prefill endpoints in mode 1, all others otherwise.
+pub fn kv_endpoints(rule: &RuleRuntime) -> Vec<usize> {
+    rule.spec
+        .endpoints
+        .iter()
+        .enumerate()
+        .filter(|(_, e)| {
+            rule.spec.exact_mode != ExactMode::PrefillDecode || e.role == EpRole::Prefill
+        })
+        .map(|(i, _)| i)
+        .collect()
+}
+
+/// Starts every ingestion task of a rule (none for llama.cpp or kvExactMode 0).
+pub fn spawn_rule(state: &Arc<AppState>, rule: &Arc<RuleRuntime>) {
+    if !rule.spec.kv_enabled() {
+        return;
+    }
+    for ep in kv_endpoints(rule) {
+        match rule.spec.engine {
+            Engine::Vllm | Engine::Sglang => {
+                for rank in 0..rule.spec.dp_ranks {
+                    set_connected(state, rule, ep, rank, false);
+                    tokio::spawn(zmq::run(state.clone(), rule.clone(), ep, rank));
+                }
+            }
+            Engine::Trtllm => {
+                set_connected(state, rule, ep, 0, false);
+                tokio::spawn(trtllm::run(state.clone(), rule.clone(), ep));
+            }
+            Engine::Llamacpp => {}
+        }
+    }
+    for ep in 0..rule.eps.len() {
+        state
+            .metrics
+            .inventory_blocks
+            .with_label_values(&[&rule.spec.name(), &ep.to_string()])
+            .set(0);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn seq_verdicts() {
+        let mut t = SeqTracker::default();
+        assert_eq!(t.observe(5), SeqVerdict::First);
+        assert_eq!(t.observe(6), SeqVerdict::InOrder);
+        assert_eq!(t.observe(6), SeqVerdict::Duplicate);
+        assert_eq!(t.observe(9), SeqVerdict::Gap { from: 7 });
+        assert_eq!(t.observe(0), SeqVerdict::Restart);
+        assert_eq!(t.observe(1), SeqVerdict::InOrder);
+        t.reconnected();
+        assert_eq!(t.observe(1), SeqVerdict::Restart);
+    }
+}

@@ -1,0 +1,111 @@
+//! Parity diagnosis: when the engine's published key differs from the one the rule's contract
+//! computes, find which leg (algorithm, seed, block size) is probably wrong.
+//!
+//! A wrong leg means a silent 0% hit rate, so the answer goes to one log line, `/healthz` and a
+//! metric. Candidates tried: the engine's algorithms, the seeds "0" and "vllm-none-hash" (plus the
+//! configured one and unset), and the block sizes found in the event.
+
+use kvroute_core::hash::{
+    BlockSize, Engine, ExtraKeys, HashAlgo, HashContract, DEFAULT_NONE_HASH_SEED,
+};
+use serde::Serialize;
+
+use super::decode::Stored;
+
+/// What the self-check concluded.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct ParityReport {
+    pub message: String,
+    pub suggested_algo: Option<String>,
+    pub suggested_seed: Option<String>,
+    pub suggested_block_size: Option<u32>,
+}
+
+/// Searches the plausible contracts for one that reproduces the event's first key.
+pub fn diagnose(engine: Engine, c: &HashContract, s: &Stored) -> ParityReport {
+    let n = s.block_hashes.len().max(1);
+    let mut sizes: Vec<u32> = vec![u32::from(c.block_size)];
+    if let Some(b) = s.block_size {
+        sizes.push(b);
+    }
+    if s.token_ids.len() % n == 0 {
+        sizes.push((s.token_ids.len() / n) as u32);
+    }
+    sizes.dedup();
+    let mut seeds: Vec<Option<String>> = vec![
+        c.seed.clone(),
+        Some("0".into()),
+        Some(DEFAULT_NONE_HASH_SEED.into()),
+        None,
+    ];
+    seeds.dedup();
+    let mut algos: Vec<HashAlgo> = vec![c.algo];
+    algos.extend(engine.algos().iter().copied().filter(|a| *a != c.algo));
+    let want = s.block_hashes.first().copied();
+    let current = format!(
+        "kvHashAlgo={} seed={:?} kvBlockSize={}",
+        c.algo,
+        c.seed.as_deref().unwrap_or("(unset)"),
+        u32::from(c.block_size)
+    );
+    for &algo in &algos {
+        for &bs in &sizes {
+            let Some(bsz) = BlockSize::new(bs) else {
+                continue;
+            };
+            if s.token_ids.len() < bsz.get() {
+                continue;
+            }
+            let seed_list: &[Option<String>] =
+                if matches!(algo, HashAlgo::Sha256Cbor | HashAlgo::XxhashCbor) {
+                    &seeds
+                } else {
+                    &[None]
+                };
+            for seed in seed_list {
+                let mut cand = HashContract::new(algo, bsz);
+                cand.seed = seed.clone();
+                let Ok(mut h) = cand.hasher(&ExtraKeys::default()) else {
+                    continue;
+                };
+                let got = h.push_block(&s.token_ids[..bsz.get()]).map(|k| k.0);
+                if got.is_some() && got == want {
+                    let mut legs = Vec::new();
+                    if algo != c.algo {
+                        legs.push(format!("kvHashAlgo should be {algo}"));
+                    }
+                    if bs != u32::from(c.block_size) {
+                        legs.push(format!("kvBlockSize should be {bs}"));
+                    }
+                    if *seed != c.seed && seed_list.len() > 1 {
+                        legs.push(format!(
+                            "the seed should be {} (the engine's PYTHONHASHSEED; set kvHashSeed / LLB_KV_NONE_HASH_SEED)",
+                            seed.as_deref().map_or("unset".to_owned(), |s| format!("{s:?}"))
+                        ));
+                    }
+                    return ParityReport {
+                        message: format!(
+                            "{engine} keys do not match {current}; they match when {}",
+                            legs.join(" and ")
+                        ),
+                        suggested_algo: (algo != c.algo).then(|| algo.to_string()),
+                        suggested_seed: if *seed != c.seed { seed.clone() } else { None },
+                        suggested_block_size: (bs != u32::from(c.block_size)).then_some(bs),
+                    };
+                }
+            }
+        }
+    }
+    ParityReport {
+        message: format!(
+            "{engine} keys do not match {current}, nor any tried algorithm ({}), seed (\"0\", \"{DEFAULT_NONE_HASH_SEED}\", unset) or block size ({:?}): \
+             the engine probably uses a non-reproducible hash (vLLM's default pickle sha256/xxhash, or xxhash without PYTHONHASHSEED); \
+             start it with --prefix-caching-hash-algo sha256_cbor and PYTHONHASHSEED, or set kvKeyMode tokens",
+            algos.iter().map(|a| a.as_str()).collect::<Vec<_>>().join(", "),
+            sizes
+        ),
+        suggested_algo: None,
+        suggested_seed: None,
+        suggested_block_size: None,
+    }
+}

@@ -1,0 +1,110 @@
+//! TensorRT-LLM drain poller: exactly one per engine, `POST /kv_cache_events` on the serving port.
+//!
+//! The endpoint drains the engine's queue, so nobody else may call it. Event ids are tracked like
+//! ZMQ sequence numbers: a jump means events were lost (cleared, no replay exists), an id back at
+//! or below the last after a failed poll, or 0, means a restart (cleared).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde_json::Value;
+
+use super::keyer::Keyer;
+use super::{apply_ops, next_backoff, set_connected, SeqTracker, SeqVerdict};
+use crate::index::IndexOp;
+use crate::state::{AppState, RuleRuntime};
+
+/// Polls one TensorRT-LLM endpoint until the rule is cancelled.
+pub async fn run(state: Arc<AppState>, rule: Arc<RuleRuntime>, ep: usize) {
+    let cancel = rule.cancel.clone();
+    let url = format!("http://{}/kv_cache_events", rule.spec.endpoints[ep].addr());
+    let interval = Duration::from_millis(u64::from(rule.spec.drain_interval_ms));
+    let mut keyer = Keyer::new(
+        rule.spec.engine,
+        rule.spec.key_mode,
+        rule.spec.block_size,
+        rule.spec.contract(),
+        state.metrics.clone(),
+    );
+    let mut seq = SeqTracker::default();
+    let mut backoff = interval;
+    let engine = rule.spec.engine.as_str();
+    loop {
+        let res = tokio::select! {
+            _ = cancel.cancelled() => break,
+            r = state.http.post(&url).header("content-type", "application/json").body("{}").send() => r,
+        };
+        let events = match res {
+            Ok(r) if r.status().is_success() => r.json::<Value>().await.map_err(|e| e.to_string()),
+            Ok(r) => Err(format!("status {}", r.status())),
+            Err(e) => Err(e.to_string()),
+        };
+        let wait = match events {
+            Ok(Value::Array(events)) => {
+                set_connected(&state, &rule, ep, 0, true);
+                backoff = interval;
+                if let Some(first) = events
+                    .first()
+                    .and_then(|e| e.get("event_id"))
+                    .and_then(Value::as_u64)
+                {
+                    let last = events
+                        .last()
+                        .and_then(|e| e.get("event_id"))
+                        .and_then(Value::as_u64)
+                        .unwrap_or(first);
+                    let verdict = seq.observe(first);
+                    // Advance over the rest of the drain (ids are consecutive within one drain).
+                    if last > first {
+                        let _ = seq.observe(last);
+                    }
+                    match verdict {
+                        SeqVerdict::Restart => {
+                            state
+                                .metrics
+                                .clears
+                                .with_label_values(&[engine, "restart"])
+                                .inc();
+                            keyer.reset();
+                            apply_ops(&state, &rule, ep, 0, &[IndexOp::Clear]);
+                        }
+                        SeqVerdict::Gap { .. } => {
+                            state.metrics.seq_gaps.with_label_values(&[engine]).inc();
+                            state
+                                .metrics
+                                .clears
+                                .with_label_values(&[engine, "gap"])
+                                .inc();
+                            keyer.reset();
+                            apply_ops(&state, &rule, ep, 0, &[IndexOp::Clear]);
+                        }
+                        _ => {}
+                    }
+                }
+                let ops = keyer.trtllm_ops(&events);
+                apply_ops(&state, &rule, ep, 0, &ops);
+                interval
+            }
+            Ok(_) => {
+                state
+                    .metrics
+                    .decode_errors
+                    .with_label_values(&[engine])
+                    .inc();
+                interval
+            }
+            Err(e) => {
+                set_connected(&state, &rule, ep, 0, false);
+                seq.reconnected();
+                tracing::debug!(rule = %rule.spec.name(), ep, "drain failed: {e}");
+                backoff = next_backoff(backoff);
+                backoff
+            }
+        };
+        tokio::select! {
+            _ = cancel.cancelled() => break,
+            _ = tokio::time::sleep(wait) => {}
+        }
+    }
+    set_connected(&state, &rule, ep, 0, false);
+}

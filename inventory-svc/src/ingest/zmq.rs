@@ -1,0 +1,344 @@
+//! vLLM / SGLang ZMQ subscriber for one `(endpoint, rank)`: `tcp://<endpointIP>:<kvZmqPort + rank>`.
+//!
+//! Each session connects a SUB, subscribes to every topic and applies batches in sequence order.
+//! A gap triggers a replay through a DEALER (`[b"", start_seq]`, read until the `ff*8` end marker)
+//! when the rule has `kvReplayPort`; otherwise (or when the replay fails) the endpoint's inventory
+//! for this rank is cleared and rebuilt from new events. A sequence back at 0 — or lower than the
+//! last one after a reconnect — is an engine restart: clear, then ingest.
+//!
+//! The `zeromq` crate neither reconnects nor reports a dropped publisher (its SUB silently forgets
+//! the peer) and may panic on unexpected frames, so a session runs in its own task and ends after
+//! `KVROUTE_ZMQ_IDLE_RECONNECT_MS` of silence; the next session reconnects (waiting for the
+//! engine to come back), and a restarted engine is then recognised by its sequence.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use kvroute_core::hash::Engine;
+use tokio::time::{timeout, Instant};
+use zeromq::{DealerSocket, Socket, SocketRecv, SocketSend, SubSocket, ZmqMessage};
+
+use super::decode::{decode_batch, parse_seq, split_frames, BytesKey};
+use super::keyer::Keyer;
+use super::{apply_ops, next_backoff, set_connected, SeqTracker, SeqVerdict};
+use crate::index::IndexOp;
+use crate::state::{lock, AppState, RuleRuntime};
+
+/// How a session ended.
+enum End {
+    Cancelled,
+    /// Silent for the idle period: reconnect at once.
+    Idle,
+    Failed(String),
+}
+
+/// Publisher-side state carried across sessions.
+struct Pub {
+    keyer: Keyer,
+    seq: SeqTracker,
+}
+
+fn ip_str(rule: &RuleRuntime, ep: usize) -> String {
+    match rule.spec.endpoints[ep].ip {
+        std::net::IpAddr::V4(v) => v.to_string(),
+        std::net::IpAddr::V6(v) => format!("[{v}]"),
+    }
+}
+
+/// Runs the subscriber of one `(endpoint, rank)` until the rule is cancelled.
+pub async fn run(state: Arc<AppState>, rule: Arc<RuleRuntime>, ep: usize, rank: u8) {
+    let cancel = rule.cancel.clone();
+    let mut backoff = Duration::from_millis(100);
+    let mut p = Some(new_pub(&state, &rule));
+    while !cancel.is_cancelled() {
+        let pubs = p.take().unwrap_or_else(|| new_pub(&state, &rule));
+        let h = tokio::spawn(session(state.clone(), rule.clone(), ep, rank, pubs));
+        let res = h.await;
+        set_connected(&state, &rule, ep, rank, false);
+        match res {
+            Ok((pubs, End::Cancelled)) => {
+                p = Some(pubs);
+                if cancel.is_cancelled() {
+                    break;
+                }
+                backoff = Duration::from_millis(100);
+            }
+            Ok((mut pubs, End::Idle)) => {
+                tracing::debug!(rule = %rule.spec.name(), ep, rank, "subscriber idle: reconnecting");
+                pubs.seq.reconnected();
+                p = Some(pubs);
+                backoff = Duration::from_millis(100);
+                continue;
+            }
+            Ok((mut pubs, End::Failed(e))) => {
+                tracing::warn!(rule = %rule.spec.name(), ep, rank, "subscriber session ended: {e}");
+                pubs.seq.reconnected();
+                p = Some(pubs);
+            }
+            Err(join) => {
+                // A panic inside the ZMQ library: sync state is lost, so start from empty.
+                tracing::error!(rule = %rule.spec.name(), ep, rank, "subscriber task failed: {join}");
+                state
+                    .metrics
+                    .clears
+                    .with_label_values(&[rule.spec.engine.as_str(), "reconnect"])
+                    .inc();
+                apply_ops(&state, &rule, ep, rank, &[IndexOp::Clear]);
+            }
+        }
+        tokio::select! {
+            _ = cancel.cancelled() => break,
+            _ = tokio::time::sleep(backoff) => {}
+        }
+        backoff = next_backoff(backoff);
+    }
+    set_connected(&state, &rule, ep, rank, false);
+}
+
+fn new_pub(state: &AppState, rule: &RuleRuntime) -> Pub {
+    Pub {
+        keyer: Keyer::new(
+            rule.spec.engine,
+            rule.spec.key_mode,
+            rule.spec.block_size,
+            rule.spec.contract(),
+            state.metrics.clone(),
+        ),
+        seq: SeqTracker::default(),
+    }
+}
+
+fn bytes_key(engine: Engine) -> BytesKey {
+    if engine == Engine::Sglang {
+        BytesKey::First8
+    } else {
+        BytesKey::Last8
+    }
+}
+
+/// One connection; returns the publisher state and how the session ended.
+async fn session(
+    state: Arc<AppState>,
+    rule: Arc<RuleRuntime>,
+    ep: usize,
+    rank: u8,
+    mut p: Pub,
+) -> (Pub, End) {
+    let cancel = rule.cancel.clone();
+    let port = u32::from(rule.spec.zmq_port) + u32::from(rank);
+    let addr = format!("tcp://{}:{port}", ip_str(&rule, ep));
+    let mut sock = SubSocket::new();
+    tokio::select! {
+        _ = cancel.cancelled() => return (p, End::Cancelled),
+        r = sock.connect(&addr) => if let Err(e) = r { return (p, End::Failed(format!("connect {addr}: {e}"))) },
+    }
+    if let Err(e) = sock.subscribe("").await {
+        return (p, End::Failed(format!("subscribe {addr}: {e}")));
+    }
+    set_connected(&state, &rule, ep, rank, true);
+    tracing::debug!(rule = %rule.spec.name(), ep, rank, %addr, "subscribed");
+    let idle = state.settings.zmq_idle_reconnect;
+    loop {
+        let silence = async {
+            if idle.is_zero() {
+                std::future::pending::<()>().await;
+            } else {
+                tokio::time::sleep(idle).await;
+            }
+        };
+        tokio::select! {
+            biased;
+            _ = cancel.cancelled() => return (p, End::Cancelled),
+            msg = sock.recv() => match msg {
+                Ok(m) => handle(&state, &rule, ep, rank, &mut p, m).await,
+                Err(e) => return (p, End::Failed(format!("recv {addr}: {e}"))),
+            },
+            _ = silence => {
+                set_connected(&state, &rule, ep, rank, false);
+                return (p, End::Idle);
+            }
+        }
+    }
+}
+
+async fn handle(
+    state: &AppState,
+    rule: &RuleRuntime,
+    ep: usize,
+    rank: u8,
+    p: &mut Pub,
+    msg: ZmqMessage,
+) {
+    let engine = rule.spec.engine;
+    let frames: Vec<Bytes> = msg.into_vec();
+    let refs: Vec<&[u8]> = frames.iter().map(|b| b.as_ref()).collect();
+    let Ok((_topic, seq, payload)) = split_frames(&refs) else {
+        state
+            .metrics
+            .decode_errors
+            .with_label_values(&[engine.as_str()])
+            .inc();
+        return;
+    };
+    match p.seq.observe(seq) {
+        SeqVerdict::First | SeqVerdict::InOrder => {}
+        SeqVerdict::Duplicate => return,
+        SeqVerdict::Restart => {
+            tracing::info!(rule = %rule.spec.name(), ep, rank, seq, "publisher restarted: clearing the endpoint inventory");
+            state
+                .metrics
+                .clears
+                .with_label_values(&[engine.as_str(), "restart"])
+                .inc();
+            p.keyer.reset();
+            apply_ops(state, rule, ep, rank, &[IndexOp::Clear]);
+        }
+        SeqVerdict::Gap { from } => {
+            state
+                .metrics
+                .seq_gaps
+                .with_label_values(&[engine.as_str()])
+                .inc();
+            let replayed = match rule.spec.replay_port {
+                Some(rp) => {
+                    let raddr = format!(
+                        "tcp://{}:{}",
+                        ip_str(rule, ep),
+                        u32::from(rp) + u32::from(rank)
+                    );
+                    match replay(&raddr, from, seq, state.settings.replay_timeout).await {
+                        Ok(batches) => {
+                            state
+                                .metrics
+                                .replays
+                                .with_label_values(&[engine.as_str(), "ok"])
+                                .inc();
+                            tracing::info!(rule = %rule.spec.name(), ep, rank, from, to = seq, n = batches.len(), "gap replayed");
+                            for b in batches {
+                                apply_payload(state, rule, ep, rank, p, &b);
+                            }
+                            true
+                        }
+                        Err(e) => {
+                            state
+                                .metrics
+                                .replays
+                                .with_label_values(&[engine.as_str(), "failed"])
+                                .inc();
+                            tracing::warn!(rule = %rule.spec.name(), ep, rank, "replay failed: {e}");
+                            false
+                        }
+                    }
+                }
+                None => false,
+            };
+            if !replayed {
+                tracing::warn!(rule = %rule.spec.name(), ep, rank, from, to = seq, "sequence gap: clearing the endpoint inventory");
+                state
+                    .metrics
+                    .clears
+                    .with_label_values(&[engine.as_str(), "gap"])
+                    .inc();
+                p.keyer.reset();
+                apply_ops(state, rule, ep, rank, &[IndexOp::Clear]);
+            }
+        }
+    }
+    apply_payload(state, rule, ep, rank, p, payload);
+}
+
+fn apply_payload(
+    state: &AppState,
+    rule: &RuleRuntime,
+    ep: usize,
+    rank: u8,
+    p: &mut Pub,
+    payload: &[u8],
+) {
+    let engine = rule.spec.engine;
+    match decode_batch(payload, bytes_key(engine)) {
+        Ok(batch) => {
+            let ops = p.keyer.batch_ops(&batch);
+            apply_ops(state, rule, ep, rank, &ops);
+            if let Some(r) = &p.keyer.parity {
+                *lock(&rule.eps[ep].parity) = Some(r.clone());
+            } else if p.keyer.parity_ok > 0 {
+                *lock(&rule.eps[ep].parity) = None;
+            }
+        }
+        Err(e) => {
+            state
+                .metrics
+                .decode_errors
+                .with_label_values(&[engine.as_str()])
+                .inc();
+            tracing::debug!(rule = %rule.spec.name(), ep, rank, "undecodable payload: {e}");
+        }
+    }
+}
+
+/// Fetches payloads `from..to` from a replay ROUTER, in order.
+async fn replay(
+    addr: &str,
+    from: u64,
+    to: u64,
+    deadline: Duration,
+) -> Result<Vec<Vec<u8>>, String> {
+    let end = Instant::now() + deadline;
+    let mut sock = DealerSocket::new();
+    timeout(deadline, sock.connect(addr))
+        .await
+        .map_err(|_| format!("connect {addr}: timed out"))?
+        .map_err(|e| format!("connect {addr}: {e}"))?;
+    let req = ZmqMessage::try_from(vec![
+        Bytes::new(),
+        Bytes::copy_from_slice(&from.to_be_bytes()),
+    ])
+    .map_err(|e| e.to_string())?;
+    timeout(deadline, sock.send(req))
+        .await
+        .map_err(|_| "send: timed out".to_owned())?
+        .map_err(|e| format!("send: {e}"))?;
+    let mut out = Vec::new();
+    loop {
+        let left = end.saturating_duration_since(Instant::now());
+        let msg = timeout(left, sock.recv())
+            .await
+            .map_err(|_| format!("no end marker within {deadline:?}"))?
+            .map_err(|e| format!("recv: {e}"))?;
+        let mut frames = msg.into_vec();
+        // Replies are [b"", topic, seq, payload]; strip the delimiter if the library kept it.
+        if frames.len() == 4 && frames[0].is_empty() {
+            frames.remove(0);
+        }
+        let refs: Vec<&[u8]> = frames.iter().map(|b| b.as_ref()).collect();
+        let (seq_frame, payload) = match refs.as_slice() {
+            [_topic, s, pl] => (*s, *pl),
+            [s, pl] => (*s, *pl),
+            other => {
+                return Err(format!(
+                    "unexpected replay reply with {} frames",
+                    other.len()
+                ))
+            }
+        };
+        let seq = parse_seq(seq_frame).map_err(|e| e.to_string())?;
+        if seq == u64::MAX {
+            break;
+        }
+        if (from..to).contains(&seq) {
+            out.push(payload.to_vec());
+        }
+    }
+    let _ = sock.close().await;
+    // A replay that does not cover the whole gap (buffer too short) cannot restore sync.
+    if out.len() as u64 != to - from {
+        return Err(format!(
+            "replay returned {} of {} missing batches",
+            out.len(),
+            to - from
+        ));
+    }
+    Ok(out)
+}

@@ -1,0 +1,293 @@
+//! The service's view of a load-balancer rule: what ingestion, scoring and the APIs need.
+//!
+//! Rules arrive in loxilb's JSON shape (`serviceArguments` + `endpoints`) on the management API or
+//! from a YAML/JSON file at start. Validation is kvroute-core's ([`kvroute_core::rule::Rule`]), the
+//! same code the filter uses, so a rule means one thing everywhere; [`RuleSpec`] adds the derived
+//! values the service uses on its hot paths (endpoint list, scorer enums, the service's drain
+//! interval).
+
+use std::net::IpAddr;
+
+use kvroute_core::hash::{Engine, HashAlgo, HashContract};
+pub use kvroute_core::rule::KeyMode;
+use kvroute_core::rule::{EndpointRole, KvMode, RawRule, Rule, RuleParseError};
+use serde::Serialize;
+use serde_json::Value;
+
+use crate::index::MAX_ENDPOINTS;
+use crate::settings::Settings;
+
+/// Endpoint role (`ep_role`): none, prefill, decode.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum EpRole {
+    Any,
+    Prefill,
+    Decode,
+}
+
+/// `kvExactMode`: which endpoint topology Tier 1.5 scores.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub enum ExactMode {
+    /// 0: no KV scoring; the rule's `sel` only.
+    Off,
+    /// 1: prefill/decode disaggregation: KV picks a prefill endpoint, load picks decode.
+    PrefillDecode,
+    /// 3: one flat pool.
+    SingleRole,
+}
+
+impl ExactMode {
+    /// The wire number.
+    pub fn as_u8(self) -> u8 {
+        match self {
+            ExactMode::Off => 0,
+            ExactMode::PrefillDecode => 1,
+            ExactMode::SingleRole => 3,
+        }
+    }
+}
+
+/// The fallback algorithm on a KV miss, as the scorer applies it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub enum Sel {
+    RoundRobin,
+    /// Consistent hash on the affinity key (`sel` 1 hash, 3 persist).
+    Hash,
+    /// Highest weight first.
+    Priority,
+    LeastLoaded,
+}
+
+/// One backend of a rule.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct EndpointSpec {
+    pub ip: IpAddr,
+    pub port: u16,
+    pub weight: u32,
+    pub role: EpRole,
+}
+
+impl EndpointSpec {
+    /// `ip:port` as the filter pins it (IPv6 bracketed).
+    pub fn addr(&self) -> String {
+        std::net::SocketAddr::new(self.ip, self.port).to_string()
+    }
+}
+
+/// A validated rule plus the values derived from it.
+#[derive(Clone, Debug)]
+pub struct RuleSpec {
+    pub rule: Rule,
+    pub sel: Sel,
+    pub exact_mode: ExactMode,
+    pub engine: Engine,
+    /// The algorithm of the keys the index holds (`tokens` in tokens key mode).
+    pub algo: Option<HashAlgo>,
+    pub block_size: u32,
+    pub key_mode: KeyMode,
+    pub zmq_port: u16,
+    pub replay_port: Option<u16>,
+    pub dp_ranks: u8,
+    pub model: Option<String>,
+    pub slug: Option<String>,
+    /// TensorRT-LLM drain period (service setting `KVROUTE_TRTLLM_DRAIN_MS`).
+    pub drain_interval_ms: u32,
+    pub endpoints: Vec<EndpointSpec>,
+}
+
+impl RuleSpec {
+    /// Derives the service view of a validated rule.
+    pub fn from_rule(rule: Rule, settings: &Settings) -> RuleSpec {
+        use kvroute_core::rule::Sel as CoreSel;
+        let kv = rule.kv();
+        let endpoints = rule
+            .endpoints()
+            .iter()
+            .map(|e| EndpointSpec {
+                ip: e.addr().ip(),
+                port: e.addr().port(),
+                weight: u32::from(e.weight()),
+                role: match e.role() {
+                    None => EpRole::Any,
+                    Some(EndpointRole::Prefill) => EpRole::Prefill,
+                    Some(EndpointRole::Decode) => EpRole::Decode,
+                },
+            })
+            .collect();
+        RuleSpec {
+            sel: match rule.sel() {
+                CoreSel::RoundRobin => Sel::RoundRobin,
+                CoreSel::Hash | CoreSel::Persist => Sel::Hash,
+                CoreSel::Priority => Sel::Priority,
+                CoreSel::LeastConnections => Sel::LeastLoaded,
+            },
+            exact_mode: match rule.kv_mode() {
+                KvMode::Off => ExactMode::Off,
+                KvMode::PrefillDecode => ExactMode::PrefillDecode,
+                KvMode::SinglePool => ExactMode::SingleRole,
+            },
+            engine: rule.engine(),
+            algo: kv.map(|k| k.contract().algo),
+            block_size: kv.map_or(16, |k| u32::from(k.block_size())),
+            key_mode: kv.map_or(KeyMode::Engine, |k| k.key_mode()),
+            zmq_port: kv.map_or(5557, |k| k.zmq_port()),
+            replay_port: kv.and_then(|k| k.replay_port()),
+            dp_ranks: kv.map_or(1, |k| k.dp_rank_count()),
+            model: kv.and_then(|k| k.model()).map(|m| m.name().to_owned()),
+            slug: kv.and_then(|k| k.model()).map(|m| m.as_str().to_owned()),
+            drain_interval_ms: settings.trtllm_drain_ms,
+            endpoints,
+            rule,
+        }
+    }
+
+    /// The rule id, `VIP:port/protocol` (loxilb's key; also the `rule` metric label).
+    pub fn name(&self) -> String {
+        self.rule.id().as_str().to_owned()
+    }
+
+    /// `VIP:port`, the short form the filter may use.
+    pub fn vip_port(&self) -> String {
+        std::net::SocketAddr::new(self.rule.external_ip(), self.rule.port()).to_string()
+    }
+
+    /// The hash contract of the keys the index holds and the filter computes, when KV is on.
+    pub fn contract(&self) -> Option<HashContract> {
+        self.rule.contract().cloned()
+    }
+
+    /// Whether Tier 1.5 (KV scoring) runs for this rule.
+    pub fn kv_enabled(&self) -> bool {
+        self.exact_mode != ExactMode::Off && self.engine != Engine::Llamacpp
+    }
+
+    /// The rule in loxilb's JSON shape with defaults explicit (`GET .../all`).
+    pub fn raw_json(&self) -> Value {
+        serde_json::to_value(self.rule.to_raw()).unwrap_or(Value::Null)
+    }
+}
+
+/// One validation problem: the field, the value given, what is allowed.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct FieldProblem {
+    pub field: String,
+    pub value: String,
+    pub allowed: String,
+}
+
+/// Why a rule body was rejected.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum RuleRejected {
+    /// Not a rule document at all (malformed JSON, unknown field, wrong type).
+    #[error("malformed rule: {0}")]
+    Malformed(String),
+    /// Every bad field.
+    #[error("invalid rule: {}", .0.iter().map(|p| format!("{}: got {}, allowed: {}", p.field, p.value, p.allowed)).collect::<Vec<_>>().join("; "))]
+    Invalid(Vec<FieldProblem>),
+}
+
+/// Validates a rule in loxilb's JSON shape with kvroute-core, collecting every problem.
+pub fn parse_rule(raw: &Value, settings: &Settings) -> Result<RuleSpec, RuleRejected> {
+    let r: RawRule =
+        serde_json::from_value(raw.clone()).map_err(|e| RuleRejected::Malformed(e.to_string()))?;
+    let rule = Rule::from_raw(&r, &settings.core).map_err(|e| {
+        RuleRejected::Invalid(
+            e.0.into_iter()
+                .map(|f| FieldProblem {
+                    field: f.field,
+                    value: f.value,
+                    allowed: f.allowed,
+                })
+                .collect(),
+        )
+    })?;
+    if rule.endpoints().len() > MAX_ENDPOINTS {
+        return Err(RuleRejected::Invalid(vec![FieldProblem {
+            field: "endpoints".into(),
+            value: format!("{} entries", rule.endpoints().len()),
+            allowed: format!(
+                "at most {MAX_ENDPOINTS} endpoints per rule (the index's holder bitset)"
+            ),
+        }]));
+    }
+    Ok(RuleSpec::from_rule(rule, settings))
+}
+
+/// Maps kvroute-core's parse error (used by callers holding a JSON string).
+pub fn from_core_error(e: RuleParseError) -> RuleRejected {
+    match e {
+        RuleParseError::Json(m) => RuleRejected::Malformed(m),
+        RuleParseError::Invalid(errs) => RuleRejected::Invalid(
+            errs.0
+                .into_iter()
+                .map(|f| FieldProblem {
+                    field: f.field,
+                    value: f.value,
+                    allowed: f.allowed,
+                })
+                .collect(),
+        ),
+    }
+}
+
+/// Parses a rules file (YAML or JSON): a list of rules, or `{lbAttr: [...]}` as `GET .../all` returns.
+pub fn parse_rules_file(text: &str) -> Result<Vec<Value>, String> {
+    let v: Value =
+        serde_yaml::from_str(text).map_err(|e| format!("rules file: not YAML/JSON: {e}"))?;
+    match v {
+        Value::Array(a) => Ok(a),
+        Value::Object(mut m) => match m.remove("lbAttr") {
+            Some(Value::Array(a)) => Ok(a),
+            _ => Ok(vec![Value::Object(m)]),
+        },
+        _ => Err("rules file: expected a list of rules or {lbAttr: [...]}".into()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+    use super::*;
+    use serde_json::json;
+
+    fn good() -> Value {
+        json!({
+            "serviceArguments": {"externalIP": "10.0.0.1", "port": 8080, "protocol": "tcp", "sel": 0, "mode": 4,
+                "kvExactMode": 3, "kvBlockSize": 16, "kvEngineType": "vllm", "kvHashAlgo": "sha256_cbor"},
+            "endpoints": [{"endpointIP": "127.0.0.1", "targetPort": 8000, "weight": 1}]
+        })
+    }
+
+    fn settings() -> Settings {
+        Settings::from_env(|k| (k == "LLB_KV_NONE_HASH_SEED").then(|| "0".to_owned())).unwrap()
+    }
+
+    #[test]
+    fn accepts_a_good_rule() {
+        let r = parse_rule(&good(), &settings()).unwrap();
+        assert_eq!(r.name(), "10.0.0.1:8080/tcp");
+        assert_eq!(r.vip_port(), "10.0.0.1:8080");
+        assert_eq!(r.algo, Some(HashAlgo::Sha256Cbor));
+        assert_eq!(r.endpoints[0].addr(), "127.0.0.1:8000");
+        assert_eq!(r.contract().unwrap().seed.as_deref(), Some("0"));
+        assert_eq!(r.raw_json()["serviceArguments"]["port"], 8080);
+    }
+
+    #[test]
+    fn collects_every_problem() {
+        let mut v = good();
+        v["serviceArguments"]["kvBlockSize"] = json!(0);
+        v["serviceArguments"]["kvEngineType"] = json!("foo");
+        v["endpoints"][0]["targetPort"] = json!(70000);
+        match parse_rule(&v, &settings()).unwrap_err() {
+            RuleRejected::Invalid(p) => assert!(p.len() >= 3, "{p:?}"),
+            other => panic!("{other:?}"),
+        }
+        v["serviceArguments"]["bogus"] = json!(1);
+        assert!(matches!(
+            parse_rule(&v, &settings()),
+            Err(RuleRejected::Malformed(_))
+        ));
+    }
+}

@@ -1,0 +1,280 @@
+//! Service-wide tuning read from the environment (the seed's variable names), validated once.
+//!
+//! The variables the filter shares (`LLB_KV_MIN_MATCH_TOKENS`, `LLB_KV_NONE_HASH_SEED`,
+//! `LOXILB_KV_SPILL_RELIEF`, `LOXILB_KV_COLDSTART_*`) are parsed by kvroute-core's
+//! [`kvroute_core::settings::Settings`]; the service-only knobs are parsed here. Every bad value is
+//! reported with the variable, the value and what is allowed; the service refuses to start rather
+//! than run with a silently different policy.
+
+use std::time::Duration;
+
+/// How Tier 1.5 blends overlap with load (`LOXILB_KV_LB_MODE`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LbMode {
+    /// Pure highest-overlap argmax.
+    Off,
+    /// Capacity-weighted bounded load: highest overlap among endpoints under their cap.
+    Hard,
+    /// Overlap minus `load_penalty` x load.
+    Soft,
+}
+
+/// Tri-state spill relief: unset means on for single-role rules, off for prefill/decode.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SpillRelief {
+    Auto,
+    On,
+    Off,
+}
+
+/// Scoring and ingestion tuning.
+#[derive(Clone, Debug)]
+pub struct Settings {
+    /// The settings shared with the filter (rule validation needs them: the NONE_HASH seed).
+    pub core: kvroute_core::settings::Settings,
+    /// `KVROUTE_TRTLLM_DRAIN_MS`: TensorRT-LLM `/kv_cache_events` drain period.
+    pub trtllm_drain_ms: u32,
+    /// `LLB_KV_MIN_MATCH_TOKENS`: shorter prompts skip KV scoring.
+    pub min_match_tokens: u32,
+    /// `LOXILB_KV_MEAN_LOAD_FACTOR` in percent (175 = cap at 1.75 x fair share).
+    pub mean_load_factor: u32,
+    /// `LOXILB_KV_LB_MODE`: off, hard, soft.
+    pub lb_mode: LbMode,
+    /// `LOXILB_KV_LOAD_PENALTY`: blocks of overlap one in-flight request costs in soft mode.
+    pub load_penalty: f64,
+    /// `LOXILB_KV_SPILL_RELIEF`: on, off or unset.
+    pub spill_relief: SpillRelief,
+    /// `LOXILB_KV_COLDSTART_MIN_BLOCKS`: an endpoint below this is cold.
+    pub coldstart_min_blocks: u64,
+    /// `LOXILB_KV_COLDSTART_SEED_N`: every Nth hit seeds a cold endpoint; 0 disables.
+    pub coldstart_seed_n: u64,
+    /// `KVROUTE_SPEC_TTL_MS`: speculative credit after a decision (the blind spot).
+    pub spec_ttl: Duration,
+    /// `KVROUTE_INFLIGHT_WINDOW_MS`: a decision counts as in flight this long absent a metrics scrape.
+    pub inflight_window: Duration,
+    /// `KVROUTE_HEALTH_INTERVAL_MS`: active health check period; 0 disables checks.
+    pub health_interval: Duration,
+    /// `KVROUTE_HEALTH_PATH`: path probed on each endpoint's serving port.
+    pub health_path: String,
+    /// `KVROUTE_SCRAPE_INTERVAL_MS`: engine metrics scrape period; 0 disables.
+    pub scrape_interval: Duration,
+    /// `KVROUTE_REPLAY_TIMEOUT_MS`: how long a replay may take before the endpoint is cleared instead.
+    pub replay_timeout: Duration,
+    /// `KVROUTE_ZMQ_IDLE_RECONNECT_MS`: a subscriber silent this long reconnects (0 disables).
+    /// The `zeromq` crate does not report or repair a dropped publisher, so silence is the only
+    /// signal that an engine went away; an idle engine just gets a cheap reconnect.
+    pub zmq_idle_reconnect: Duration,
+    /// `KVROUTE_AFFINITY_SCOPE`: `tenant` (default) or `tenant_model` (the model joins the sticky key).
+    pub affinity_scope_model: bool,
+}
+
+impl Default for Settings {
+    fn default() -> Self {
+        Settings {
+            core: kvroute_core::settings::Settings::default(),
+            trtllm_drain_ms: 100,
+            min_match_tokens: 0,
+            mean_load_factor: 175,
+            lb_mode: LbMode::Hard,
+            load_penalty: 1.0,
+            spill_relief: SpillRelief::Auto,
+            coldstart_min_blocks: 0,
+            coldstart_seed_n: 0,
+            spec_ttl: Duration::from_millis(2000),
+            inflight_window: Duration::from_millis(5000),
+            health_interval: Duration::from_millis(5000),
+            health_path: "/health".into(),
+            scrape_interval: Duration::from_millis(0),
+            replay_timeout: Duration::from_millis(2000),
+            affinity_scope_model: false,
+            zmq_idle_reconnect: Duration::from_millis(30_000),
+        }
+    }
+}
+
+/// Every environment problem found.
+#[derive(Debug, thiserror::Error)]
+#[error("invalid environment: {}", .0.join("; "))]
+pub struct SettingsError(pub Vec<String>);
+
+/// Names of every variable read, for `--help`.
+pub const ENV_VARS: &[(&str, &str)] = &[
+    (
+        "LLB_KV_MIN_MATCH_TOKENS",
+        "prompts with fewer tokens skip KV scoring",
+    ),
+    (
+        "LLB_KV_NONE_HASH_SEED",
+        "the engines' PYTHONHASHSEED (vLLM NONE_HASH seed); unset = engine default",
+    ),
+    (
+        "LOXILB_KV_MEAN_LOAD_FACTOR",
+        "load cap in percent of fair share, 100..=1000 (default 175)",
+    ),
+    ("LOXILB_KV_LB_MODE", "off | hard | soft (default hard)"),
+    (
+        "LOXILB_KV_LOAD_PENALTY",
+        "soft mode: overlap blocks one in-flight request costs (default 1.0)",
+    ),
+    (
+        "LOXILB_KV_SPILL_RELIEF",
+        "on | off; unset = on for kvExactMode 3, off for 1",
+    ),
+    (
+        "LOXILB_KV_COLDSTART_MIN_BLOCKS",
+        "an endpoint with fewer blocks is cold (default 0)",
+    ),
+    (
+        "LOXILB_KV_COLDSTART_SEED_N",
+        "every Nth hit seeds the lowest-index cold endpoint; 0 disables (default 0)",
+    ),
+    (
+        "KVROUTE_TRTLLM_DRAIN_MS",
+        "TensorRT-LLM /kv_cache_events drain period (default 100)",
+    ),
+    (
+        "KVROUTE_SPEC_TTL_MS",
+        "speculative credit after a decision (default 2000)",
+    ),
+    (
+        "KVROUTE_INFLIGHT_WINDOW_MS",
+        "a decision counts as in flight this long (default 5000)",
+    ),
+    (
+        "KVROUTE_HEALTH_INTERVAL_MS",
+        "active health check period, 0 disables (default 5000)",
+    ),
+    ("KVROUTE_HEALTH_PATH", "health check path (default /health)"),
+    (
+        "KVROUTE_SCRAPE_INTERVAL_MS",
+        "engine metrics scrape period, 0 disables (default 0)",
+    ),
+    (
+        "KVROUTE_REPLAY_TIMEOUT_MS",
+        "replay deadline before clearing instead (default 2000)",
+    ),
+    (
+        "KVROUTE_ZMQ_IDLE_RECONNECT_MS",
+        "a silent subscriber reconnects after this long, 0 disables (default 30000)",
+    ),
+    (
+        "KVROUTE_AFFINITY_SCOPE",
+        "tenant | tenant_model: what the sticky fallback hashes (default tenant)",
+    ),
+];
+
+impl Settings {
+    /// Reads the variables through `lookup` (tests pass a map; main passes `std::env::var`).
+    pub fn from_env(lookup: impl Fn(&str) -> Option<String>) -> Result<Settings, SettingsError> {
+        let mut s = Settings::default();
+        let mut errs = Vec::new();
+        match kvroute_core::settings::Settings::from_env(&lookup) {
+            Ok(core) => {
+                s.min_match_tokens = core.min_match_tokens();
+                s.coldstart_min_blocks = u64::from(core.coldstart_min_blocks());
+                s.coldstart_seed_n = u64::from(core.coldstart_seed_n());
+                s.spill_relief = match core.spill_relief() {
+                    kvroute_core::settings::SpillRelief::Unset => SpillRelief::Auto,
+                    kvroute_core::settings::SpillRelief::On => SpillRelief::On,
+                    kvroute_core::settings::SpillRelief::Off => SpillRelief::Off,
+                };
+                s.core = core;
+            }
+            Err(e) => errs.extend(e.0.iter().map(ToString::to_string)),
+        }
+        let mut num = |name: &str, lo: u64, hi: u64, into: &mut dyn FnMut(u64)| {
+            if let Some(v) = lookup(name).filter(|v| !v.is_empty()) {
+                match v.trim().parse::<u64>() {
+                    Ok(n) if (lo..=hi).contains(&n) => into(n),
+                    _ => errs.push(format!("{name}: got {v:?}, allowed integer {lo}..={hi}")),
+                }
+            }
+        };
+        num("LOXILB_KV_MEAN_LOAD_FACTOR", 100, 1000, &mut |n| {
+            s.mean_load_factor = n as u32
+        });
+        num("KVROUTE_TRTLLM_DRAIN_MS", 10, 60_000, &mut |n| {
+            s.trtllm_drain_ms = n as u32
+        });
+        num("KVROUTE_SPEC_TTL_MS", 0, 600_000, &mut |n| {
+            s.spec_ttl = Duration::from_millis(n)
+        });
+        num("KVROUTE_INFLIGHT_WINDOW_MS", 1, 3_600_000, &mut |n| {
+            s.inflight_window = Duration::from_millis(n)
+        });
+        num("KVROUTE_HEALTH_INTERVAL_MS", 0, 3_600_000, &mut |n| {
+            s.health_interval = Duration::from_millis(n)
+        });
+        num("KVROUTE_SCRAPE_INTERVAL_MS", 0, 3_600_000, &mut |n| {
+            s.scrape_interval = Duration::from_millis(n)
+        });
+        num("KVROUTE_ZMQ_IDLE_RECONNECT_MS", 0, 3_600_000, &mut |n| {
+            s.zmq_idle_reconnect = Duration::from_millis(n)
+        });
+        num("KVROUTE_REPLAY_TIMEOUT_MS", 10, 600_000, &mut |n| {
+            s.replay_timeout = Duration::from_millis(n)
+        });
+        if let Some(v) = lookup("LOXILB_KV_LB_MODE").filter(|v| !v.is_empty()) {
+            match v.trim().to_ascii_lowercase().as_str() {
+                "off" | "0" => s.lb_mode = LbMode::Off,
+                "hard" | "1" | "on" => s.lb_mode = LbMode::Hard,
+                "soft" => s.lb_mode = LbMode::Soft,
+                _ => errs.push(format!(
+                    "LOXILB_KV_LB_MODE: got {v:?}, allowed off, hard, soft"
+                )),
+            }
+        }
+        if let Some(v) = lookup("LOXILB_KV_LOAD_PENALTY").filter(|v| !v.is_empty()) {
+            match v.trim().parse::<f64>() {
+                Ok(f) if f.is_finite() && (0.0..=1e6).contains(&f) => s.load_penalty = f,
+                _ => errs.push(format!(
+                    "LOXILB_KV_LOAD_PENALTY: got {v:?}, allowed a number 0..=1e6"
+                )),
+            }
+        }
+        match lookup("KVROUTE_AFFINITY_SCOPE").as_deref() {
+            None | Some("") | Some("tenant") => {}
+            Some("tenant_model") => s.affinity_scope_model = true,
+            Some(v) => errs.push(format!(
+                "KVROUTE_AFFINITY_SCOPE: got {v:?}, allowed tenant, tenant_model"
+            )),
+        }
+        if let Some(v) = lookup("KVROUTE_HEALTH_PATH").filter(|v| !v.is_empty()) {
+            if v.starts_with('/') {
+                s.health_path = v;
+            } else {
+                errs.push(format!(
+                    "KVROUTE_HEALTH_PATH: got {v:?}, allowed a path starting with /"
+                ));
+            }
+        }
+        if errs.is_empty() {
+            Ok(s)
+        } else {
+            Err(SettingsError(errs))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    #[test]
+    fn defaults_and_errors() {
+        let s = Settings::from_env(|_| None).unwrap();
+        assert_eq!(s.mean_load_factor, 175);
+        assert_eq!(s.spec_ttl, Duration::from_secs(2));
+        let e = Settings::from_env(|k| match k {
+            "LOXILB_KV_MEAN_LOAD_FACTOR" => Some("5".into()),
+            "LOXILB_KV_SPILL_RELIEF" => Some("maybe".into()),
+            "LOXILB_KV_LB_MODE" => Some("x".into()),
+            _ => None,
+        })
+        .unwrap_err();
+        assert_eq!(e.0.len(), 3, "{e}");
+        assert!(e.0[0].contains("LOXILB_KV_SPILL_RELIEF"));
+        assert!(e.0[1].contains("LOXILB_KV_MEAN_LOAD_FACTOR"));
+    }
+}

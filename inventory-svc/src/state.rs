@@ -1,0 +1,251 @@
+//! Shared service state: the rule table, each rule's runtime (index, endpoint health and load,
+//! counters, ingest status) and the service-wide metrics and settings.
+//!
+//! Rules are immutable once validated; replacing or deleting a rule cancels its tasks through the
+//! rule's child [`CancellationToken`] and drops its index with the last reference.
+
+use std::collections::{BTreeMap, VecDeque};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::{Duration, Instant};
+
+use tokio_util::sync::CancellationToken;
+
+use crate::index::{BlockIndex, EndpointId, MemIndex};
+use crate::ingest::parity::ParityReport;
+use crate::metrics::Metrics;
+use crate::rules::RuleSpec;
+use crate::score::HashRing;
+use crate::settings::Settings;
+
+/// Locks a mutex, recovering from poisoning (a panicked holder leaves plain data usable).
+pub fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// One endpoint's live state.
+pub struct EpRuntime {
+    /// Health-check verdict; starts healthy so a rule routes before the first check.
+    pub healthy: AtomicBool,
+    /// Routing decisions not yet covered by a metrics scrape.
+    decisions: Mutex<VecDeque<Instant>>,
+    /// Last scrape: (when, running + waiting).
+    scraped: Mutex<Option<(Instant, u64)>>,
+    /// Per rank: subscriber/poller connected.
+    pub connected: Vec<AtomicBool>,
+    /// Parity report of the latest mismatch (any rank).
+    pub parity: Mutex<Option<ParityReport>>,
+}
+
+impl EpRuntime {
+    fn new(ranks: usize) -> EpRuntime {
+        EpRuntime {
+            healthy: AtomicBool::new(true),
+            decisions: Mutex::new(VecDeque::new()),
+            scraped: Mutex::new(None),
+            connected: (0..ranks.max(1)).map(|_| AtomicBool::new(false)).collect(),
+            parity: Mutex::new(None),
+        }
+    }
+
+    /// Records a routing decision to this endpoint.
+    pub fn record_decision(&self, now: Instant) {
+        let mut d = lock(&self.decisions);
+        d.push_back(now);
+        // Bounded: past this the estimate is "very loaded" either way.
+        if d.len() > 100_000 {
+            d.pop_front();
+        }
+    }
+
+    /// Records a metrics scrape (running + waiting requests).
+    pub fn record_scrape(&self, now: Instant, load: u64) {
+        *lock(&self.scraped) = Some((now, load));
+    }
+
+    /// In-flight estimate: the last scrape plus decisions since, or decisions within `window`.
+    pub fn load(&self, now: Instant, window: Duration, scrape_fresh: Duration) -> u64 {
+        let scraped = *lock(&self.scraped);
+        let mut d = lock(&self.decisions);
+        while d
+            .front()
+            .is_some_and(|t| now.saturating_duration_since(*t) > window)
+        {
+            d.pop_front();
+        }
+        match scraped {
+            Some((t, v)) if now.saturating_duration_since(t) <= scrape_fresh => {
+                v + d.iter().filter(|x| **x > t).count() as u64
+            }
+            _ => d.len() as u64,
+        }
+    }
+}
+
+/// A rule and everything live about it.
+pub struct RuleRuntime {
+    pub id: u32,
+    pub spec: RuleSpec,
+    pub index: Arc<dyn BlockIndex>,
+    pub eps: Vec<EpRuntime>,
+    pub ring: HashRing,
+    pub created: Instant,
+    pub hit_seq: AtomicU64,
+    pub rr_seq: AtomicU64,
+    pub cancel: CancellationToken,
+    /// Why the rule's tokenizer cannot be served (reported in /healthz), if so.
+    pub tokenizer_problem: Option<String>,
+}
+
+impl RuleRuntime {
+    /// Refreshes the per-endpoint block gauges.
+    pub fn publish_gauges(&self, m: &Metrics) {
+        let name = self.spec.name();
+        for i in 0..self.eps.len() {
+            let n = self.index.block_count(EndpointId(i as u8));
+            m.inventory_blocks
+                .with_label_values(&[&name, &i.to_string()])
+                .set(n as i64);
+        }
+    }
+}
+
+/// Process-wide state shared by every handler and task.
+pub struct AppState {
+    pub rules: RwLock<BTreeMap<u32, Arc<RuleRuntime>>>,
+    next_id: AtomicU32,
+    pub metrics: Arc<Metrics>,
+    pub settings: Settings,
+    pub cancel: CancellationToken,
+    pub tokenizer_dir: Option<PathBuf>,
+    /// Bearer token for management writes; `None` disables writes.
+    pub auth_token: Option<String>,
+    pub http: reqwest::Client,
+    pub ready: AtomicBool,
+    /// Tokenizers loaded for offloaded tokenization.
+    pub tokenizers: crate::api::offload::TokenizerCache,
+}
+
+impl AppState {
+    /// Empty state.
+    pub fn new(
+        metrics: Arc<Metrics>,
+        settings: Settings,
+        cancel: CancellationToken,
+        tokenizer_dir: Option<PathBuf>,
+        auth_token: Option<String>,
+    ) -> AppState {
+        AppState {
+            rules: RwLock::new(BTreeMap::new()),
+            next_id: AtomicU32::new(1),
+            metrics,
+            settings,
+            cancel,
+            tokenizer_dir,
+            auth_token,
+            http: reqwest::Client::builder()
+                .timeout(Duration::from_secs(5))
+                .build()
+                .unwrap_or_default(),
+            ready: AtomicBool::new(false),
+            tokenizers: Default::default(),
+        }
+    }
+
+    /// A snapshot of the rules.
+    pub fn rules(&self) -> Vec<Arc<RuleRuntime>> {
+        self.rules
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .values()
+            .cloned()
+            .collect()
+    }
+
+    /// Finds a rule by id or by `VIP:port`.
+    pub fn find(&self, id_or_name: &str) -> Option<Arc<RuleRuntime>> {
+        let rules = self.rules.read().unwrap_or_else(|e| e.into_inner());
+        if let Ok(id) = id_or_name.parse::<u32>() {
+            if let Some(r) = rules.get(&id) {
+                return Some(r.clone());
+            }
+        }
+        rules
+            .values()
+            .find(|r| r.spec.name() == id_or_name || r.spec.vip_port() == id_or_name)
+            .cloned()
+    }
+
+    /// Builds a rule's runtime (not yet started) and stores it. A rule with the same id is
+    /// replaced (its tasks stop; the new runtime starts with an empty inventory) when kvroute-core
+    /// accepts the update; the numeric id is kept. Returns the new runtime and whether it replaced one.
+    pub fn insert(
+        &self,
+        spec: RuleSpec,
+    ) -> Result<(Arc<RuleRuntime>, bool), kvroute_core::rule::RuleErrors> {
+        let mut rules = self.rules.write().unwrap_or_else(|e| e.into_inner());
+        let old = rules
+            .values()
+            .find(|r| r.spec.name() == spec.name())
+            .cloned();
+        if let Some(old) = &old {
+            spec.rule.check_update(&old.spec.rule)?;
+            old.cancel.cancel();
+        }
+        let id = old
+            .as_ref()
+            .map_or_else(|| self.next_id.fetch_add(1, Ordering::Relaxed), |o| o.id);
+        let addrs: Vec<String> = spec.endpoints.iter().map(|e| e.addr()).collect();
+        let tokenizer_problem = self.tokenizer_problem(&spec);
+        let rt = Arc::new(RuleRuntime {
+            id,
+            eps: spec
+                .endpoints
+                .iter()
+                .map(|_| EpRuntime::new(spec.dp_ranks as usize))
+                .collect(),
+            index: Arc::new(MemIndex::new()),
+            ring: HashRing::new(&addrs),
+            created: Instant::now(),
+            hit_seq: AtomicU64::new(0),
+            rr_seq: AtomicU64::new(0),
+            cancel: self.cancel.child_token(),
+            tokenizer_problem,
+            spec,
+        });
+        rules.insert(id, rt.clone());
+        Ok((rt, old.is_some()))
+    }
+
+    /// Removes a rule by id (`VIP:port/protocol`) and stops its tasks.
+    pub fn remove(&self, name: &str) -> Option<Arc<RuleRuntime>> {
+        let mut rules = self.rules.write().unwrap_or_else(|e| e.into_inner());
+        let id = rules
+            .values()
+            .find(|r| r.spec.name() == name)
+            .map(|r| r.id)?;
+        let rt = rules.remove(&id)?;
+        rt.cancel.cancel();
+        Some(rt)
+    }
+
+    fn tokenizer_problem(&self, spec: &RuleSpec) -> Option<String> {
+        let model = spec.model.as_ref()?;
+        let slug = spec.slug.as_ref()?;
+        let Some(dir) = self.tokenizer_dir.as_ref() else {
+            return Some(format!(
+                "tokenizer for model {model:?} cannot be served: no --tokenizer-dir"
+            ));
+        };
+        let p = dir.join("tokenizers").join(slug).join("tokenizer.json");
+        if p.is_file() {
+            None
+        } else {
+            Some(format!(
+                "tokenizer for model {model:?} not staged: expected {}",
+                p.display()
+            ))
+        }
+    }
+}

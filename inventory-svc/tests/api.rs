@@ -1,0 +1,829 @@
+//! End-to-end management and routing API: rule validation rows, auth, body caps, inventory
+//! pagination, tokenizers, routing tiers, exact `/metrics` lines, SIGTERM drain.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod common;
+
+use common::*;
+use serde_json::{json, Value};
+
+const LB: &str = "/netlox/v1/config/loadbalancer";
+
+fn good_rule(port: u16) -> Value {
+    rule(
+        port,
+        "vllm",
+        5557,
+        &[("127.0.0.1".into(), 1), ("127.0.0.2".into(), 1)],
+        json!({}),
+    )
+}
+
+fn with(mut r: Value, path: &[&str], v: Value) -> Value {
+    let mut cur = &mut r;
+    for p in &path[..path.len() - 1] {
+        cur = match p.parse::<usize>() {
+            Ok(i) => &mut cur[i],
+            Err(_) => &mut cur[*p],
+        };
+    }
+    let last = path[path.len() - 1];
+    match (cur, v) {
+        (Value::Object(m), Value::Null) if last.starts_with('-') => {
+            m.remove(&last[1..]);
+        }
+        (Value::Object(m), v) => {
+            m.insert(last.to_owned(), v);
+        }
+        _ => panic!("bad path"),
+    }
+    r
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rule_validation_rows_and_auth() {
+    // No NONE_HASH seed: xxhash_cbor in engine key mode must be refused.
+    let svc = Service::start("rules", &json!([]), &[("LLB_KV_NONE_HASH_SEED", UNSET)]);
+    let sa = |k: &str, v: Value| with(good_rule(9000), &["serviceArguments", k], v);
+    // (body, field the 400 must name; "" = rejected as malformed before field validation)
+    let ep = |i: &str, k: &str, v: Value| with(good_rule(9000), &["endpoints", i, k], v);
+    let rows: Vec<(Value, &str)> = vec![
+        (sa("externalIP", json!("not-an-ip")), "externalIP"),
+        (sa("-externalIP", Value::Null), "externalIP"),
+        (sa("port", json!(0)), "port"),
+        (sa("port", json!(70000)), "port"),
+        (sa("protocol", json!("udp")), "protocol"),
+        (sa("sel", json!(5)), "sel"),
+        (sa("mode", json!(0)), "mode"),
+        (sa("kvExactMode", json!(2)), "kvExactMode"),
+        (sa("kvExactMode", json!(7)), "kvExactMode"),
+        (sa("kvEngineType", json!("tgi")), "kvEngineType"),
+        (sa("kvHashAlgo", json!("md5")), "kvHashAlgo"),
+        (sa("kvHashAlgo", json!("sha256_sglang")), "kvHashAlgo"),
+        (sa("kvHashAlgo", json!("xxhash_cbor")), "kvHashAlgo"),
+        (sa("kvBlockSize", json!(0)), "kvBlockSize"),
+        (sa("kvZmqPort", json!(-1)), "kvZmqPort"),
+        (sa("kvDpRankCount", json!(0)), "kvDpRankCount"),
+        (sa("kvDpRankCount", json!(2)), "kvDpRankCount"),
+        (sa("kvKeyMode", json!("pickle")), "kvKeyMode"),
+        (sa("kvReplayPort", json!(0)), "kvReplayPort"),
+        (
+            with(
+                rule(
+                    9000,
+                    "llamacpp",
+                    5557,
+                    &[("127.0.0.1".into(), 1)],
+                    json!({}),
+                ),
+                &["serviceArguments", "kvBlockSize"],
+                json!(16),
+            ),
+            "kvBlockSize",
+        ),
+        (sa("kvWarmupSec", json!("soon")), ""),
+        (sa("bogusField", json!(1)), ""),
+        (
+            json!({"serviceArguments": {}, "endpoints": []}),
+            "externalIP",
+        ),
+        (
+            with(good_rule(9000), &["endpoints"], json!([])),
+            "endpoints",
+        ),
+        (ep("0", "endpointIP", json!("x")), "endpoints[0].endpointIP"),
+        (ep("1", "targetPort", json!(0)), "endpoints[1].targetPort"),
+        (ep("0", "weight", json!(0)), "endpoints[0].weight"),
+        (ep("0", "ep_role", json!(5)), "endpoints[0].ep_role"),
+        (ep("0", "ep_role", json!(1)), "endpoints[0].ep_role"),
+        (sa("kvExactMode", json!(1)), "endpoints[0].ep_role"),
+    ];
+    for (body, field) in &rows {
+        let (s, v) = svc.post(LB, &body.to_string(), Some(TOKEN)).await;
+        assert_eq!(s, 400, "{field}: {v}");
+        if field.is_empty() {
+            assert!(
+                v["error"]
+                    .as_str()
+                    .unwrap()
+                    .starts_with("malformed JSON body"),
+                "{v}"
+            );
+            continue;
+        }
+        let fields: Vec<&str> = v["problems"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|p| p["field"].as_str().unwrap())
+            .collect();
+        assert!(fields.contains(field), "{field} not in {fields:?}");
+        for p in v["problems"].as_array().unwrap() {
+            assert!(p["value"].is_string() && p["allowed"].is_string(), "{p}");
+        }
+    }
+    // Every problem of one body is listed at once.
+    let many = with(
+        with(
+            sa("kvBlockSize", json!(0)),
+            &["endpoints", "0", "weight"],
+            json!(0),
+        ),
+        &["serviceArguments", "port"],
+        json!(0),
+    );
+    let (s, v) = svc.post(LB, &many.to_string(), Some(TOKEN)).await;
+    assert_eq!(s, 400);
+    assert_eq!(v["problems"].as_array().unwrap().len(), 3, "{v}");
+
+    // Malformed JSON and oversized bodies.
+    let (s, v) = svc.post(LB, "{not json", Some(TOKEN)).await;
+    assert_eq!(s, 400);
+    assert!(v["error"]
+        .as_str()
+        .unwrap()
+        .starts_with("malformed JSON body"));
+    let (s, _) = svc.post(LB, &"x".repeat(300 * 1024), Some(TOKEN)).await;
+    assert_eq!(s, 413);
+
+    // Auth: none, wrong, right.
+    let body = good_rule(9000).to_string();
+    assert_eq!(svc.post(LB, &body, None).await.0, 401);
+    assert_eq!(svc.post(LB, &body, Some("wrong")).await.0, 401);
+    let (s, v) = svc.post(LB, &body, Some(TOKEN)).await;
+    assert_eq!((s, &v["result"]), (200, &json!("Success")), "{v}");
+    // Posting the same rule id again replaces it (same numeric id); the engine cannot change.
+    let (s, v) = svc.post(LB, &body, Some(TOKEN)).await;
+    assert_eq!((s, &v["id"]), (200, &json!(1)), "{v}");
+    let (s, v) = svc
+        .post(
+            LB,
+            &sa("kvEngineType", json!("sglang")).to_string(),
+            Some(TOKEN),
+        )
+        .await;
+    assert_eq!(s, 400, "{v}");
+    assert_eq!(v["problems"][0]["field"], "kvEngineType", "{v}");
+
+    let all = svc.get_json(&format!("{LB}/all")).await;
+    assert_eq!(all["lbAttr"][0]["serviceArguments"]["port"], 9000);
+    assert_eq!(all["lbAttr"][0]["contract"]["algo"], "sha256_cbor");
+    let c = svc.get_json("/v1/rules/10.0.0.1:9000/contract").await;
+    assert_eq!(
+        c,
+        json!({"rule_id": 1, "name": "10.0.0.1:9000/tcp", "vip": "10.0.0.1:9000", "engine": "vllm", "algo": "sha256_cbor", "seed": "vllm-none-hash",
+        "block_size": 16, "key_mode": "engine", "model": null, "kv_exact_mode": 3, "kv_enabled": true})
+    );
+
+    let del = format!("{LB}/externalipaddress/10.0.0.1/port/9000/protocol/tcp");
+    let r = svc
+        .http
+        .delete(format!("{}{del}", svc.base))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 401);
+    let r = svc
+        .http
+        .delete(format!("{}{del}", svc.base))
+        .bearer_auth(TOKEN)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 200);
+    let r = svc
+        .http
+        .delete(format!("{}{del}", svc.base))
+        .bearer_auth(TOKEN)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 404);
+    assert_eq!(
+        svc.get_json(&format!("{LB}/all")).await["lbAttr"],
+        json!([])
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn inventory_tokenizers_and_health() {
+    let r = with(
+        good_rule(9000),
+        &["serviceArguments", "kvModel"],
+        json!("Qwen/Qwen3-0.6B"),
+    );
+    let svc = Service::start("inv", &json!([r]), &[]);
+    assert_eq!(svc.get("/netlox/v1/config/ai/kv/inventory").await.0, 400);
+    assert_eq!(
+        svc.get("/netlox/v1/config/ai/kv/inventory?service_id=1")
+            .await
+            .0,
+        400
+    );
+    assert_eq!(
+        svc.get("/netlox/v1/config/ai/kv/inventory?ep_idx=0")
+            .await
+            .0,
+        400
+    );
+    assert_eq!(
+        svc.get("/netlox/v1/config/ai/kv/inventory?service_id=1&ep_idx=x")
+            .await
+            .0,
+        400
+    );
+    assert_eq!(
+        svc.get("/netlox/v1/config/ai/kv/inventory?service_id=9&ep_idx=0")
+            .await
+            .0,
+        404
+    );
+    assert_eq!(
+        svc.get("/netlox/v1/config/ai/kv/inventory?service_id=1&ep_idx=2")
+            .await
+            .0,
+        404
+    );
+    let v = svc
+        .get_json("/netlox/v1/config/ai/kv/inventory?service_id=1&ep_idx=1")
+        .await;
+    assert_eq!(
+        v,
+        json!({"service_id": 1, "ep_idx": 1, "hash_algo": "sha256_cbor", "blocks": [], "total": 0, "offset": 0, "limit": 1000, "next_offset": null})
+    );
+
+    // Missing tokenizer: a clear 404 and a /healthz detail; staged: served as is.
+    let (s, b) = svc.get("/v1/tokenizers/Qwen__Qwen3-0.6B").await;
+    assert_eq!(s, 404);
+    assert!(b.contains("not staged"), "{b}");
+    let hz = svc.get_json("/healthz").await;
+    assert_eq!(hz["status"], "degraded");
+    assert!(
+        hz["rules"][0]["tokenizer"]
+            .as_str()
+            .unwrap()
+            .contains("Qwen__Qwen3-0.6B"),
+        "{hz}"
+    );
+    let d = svc.dir.join("tokenizers").join("Qwen__Qwen3-0.6B");
+    std::fs::create_dir_all(&d).unwrap();
+    std::fs::write(d.join("tokenizer.json"), "{\"model\":{}}").unwrap();
+    std::fs::write(d.join("tokenizer_config.json"), "{\"chat_template\":\"x\"}").unwrap();
+    assert_eq!(
+        svc.get("/v1/tokenizers/Qwen__Qwen3-0.6B").await,
+        (200, "{\"model\":{}}".to_owned())
+    );
+    assert_eq!(
+        svc.get("/v1/tokenizers/Qwen__Qwen3-0.6B/tokenizer_config.json")
+            .await
+            .0,
+        200
+    );
+    assert_eq!(
+        svc.get("/v1/tokenizers/Qwen__Qwen3-0.6B/secret.txt")
+            .await
+            .0,
+        404
+    );
+    assert_eq!(svc.get("/v1/tokenizers/..").await.0, 404);
+    assert_eq!(svc.get("/readyz").await.0, 200);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn routing_tiers_and_exact_metrics() {
+    // Sticky hashing (sel 1) on a miss; short prompts skip KV scoring.
+    let r1 = with(good_rule(9000), &["serviceArguments", "sel"], json!(1));
+    // llama.cpp: plain load balancing.
+    let r2 = rule(
+        9001,
+        "llamacpp",
+        5557,
+        &[("127.0.0.3".into(), 80)],
+        json!({}),
+    );
+    // Spill relief off: with one request in flight the 1.75x cap is already reached (ceil(1.75 x 1 / 2) = 1).
+    let svc = Service::start(
+        "route",
+        &json!([r1, r2]),
+        &[
+            ("LLB_KV_MIN_MATCH_TOKENS", "32"),
+            ("LOXILB_KV_SPILL_RELIEF", "off"),
+        ],
+    );
+    let route = |body: Value| {
+        let svc = &svc;
+        async move { svc.post("/v1/route", &body.to_string(), None).await }
+    };
+    let (s, a) = route(json!({"rule": "10.0.0.1:9000", "keys": [1, 2, 3], "token_count": 48, "affinity_key": "tenant-a"})).await;
+    assert_eq!(s, 200, "{a}");
+    assert_eq!(
+        (
+            a["tier"].as_str(),
+            a["reason"].as_str(),
+            a["matched_blocks"].as_u64()
+        ),
+        (Some("fallback"), Some("miss_no_overlap"), Some(0))
+    );
+    // The decision credited the chosen endpoint speculatively: the same prefix now hits it.
+    let (_, b) = route(
+        json!({"rule": "1", "keys": [1, 2, 3, 4], "token_count": 64, "affinity_key": "tenant-b"}),
+    )
+    .await;
+    assert_eq!(
+        (
+            b["reason"].as_str(),
+            b["matched_blocks"].as_u64(),
+            &b["endpoint"]
+        ),
+        (Some("hit"), Some(3), &a["endpoint"]),
+        "{b}"
+    );
+    // Same tenant, new prefix: sticky.
+    let (_, c) =
+        route(json!({"rule": "1", "keys": [-7, 8], "token_count": 32, "affinity_key": "tenant-a"}))
+            .await;
+    assert_eq!(
+        (c["reason"].as_str(), &c["endpoint"]),
+        (Some("miss_no_overlap"), &a["endpoint"])
+    );
+    let (_, d) = route(json!({"rule": "1", "keys": [1], "token_count": 16})).await;
+    assert_eq!(d["reason"], "miss_short_prompt");
+    let (_, e) = route(json!({"rule": "10.0.0.1:9001", "keys": [1], "token_count": 64})).await;
+    assert_eq!(
+        (e["reason"].as_str(), e["endpoint"].as_str()),
+        (Some("kv_off"), Some("127.0.0.3:80"))
+    );
+    assert_eq!(route(json!({"rule": "nope", "keys": []})).await.0, 404);
+    assert_eq!(route(json!({"rule": "1", "keys": ["x"]})).await.0, 400);
+    assert_eq!(route(json!({"keys": []})).await.0, 400);
+    assert_eq!(svc.post("/v1/route", "[", None).await.0, 400);
+
+    let m = svc.metrics().await;
+    for (line, v) in [
+        (
+            r#"kvroute_route_decisions_total{reason="hit",tier="tier15"}"#,
+            1.0,
+        ),
+        (
+            r#"kvroute_route_decisions_total{reason="miss_no_overlap",tier="fallback"}"#,
+            2.0,
+        ),
+        (
+            r#"kvroute_route_decisions_total{reason="miss_short_prompt",tier="fallback"}"#,
+            1.0,
+        ),
+        (
+            r#"kvroute_route_decisions_total{reason="kv_off",tier="fallback"}"#,
+            1.0,
+        ),
+        ("kvroute_tier15_spills_total", 0.0),
+        ("kvroute_tier15_cold_seeds_total", 0.0),
+        // Five decisions plus the unknown-rule 404 (bodies that fail to parse are not timed).
+        ("kvroute_route_duration_seconds_count", 6.0),
+        (
+            r#"kvroute_index_blocks{ep="1",rule="10.0.0.1:9000/tcp"}"#,
+            0.0,
+        ),
+        (
+            r#"kvroute_endpoint_healthy{ep="0",rule="10.0.0.1:9000/tcp"}"#,
+            1.0,
+        ),
+    ] {
+        assert_eq!(metric(&m, line), Some(v), "{line}\n{m}");
+    }
+    assert!(m.contains("# TYPE kvroute_route_duration_seconds histogram"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unhealthy_endpoints_are_skipped() {
+    // Health checks on: endpoint 0 answers /health, endpoint 1 (nothing listening) does not.
+    use axum::routing::get;
+    let app = axum::Router::new().route("/health", get(|| async { "ok" }));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let server = tokio::spawn(async move { axum::serve(listener, app).await });
+    let closed = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let r = rule(
+        9000,
+        "llamacpp",
+        5557,
+        &[("127.0.0.1".into(), closed), ("127.0.0.1".into(), port)],
+        json!({}),
+    );
+    let svc = Service::start(
+        "health",
+        &json!([r]),
+        &[("KVROUTE_HEALTH_INTERVAL_MS", "50")],
+    );
+    svc.wait_for("ep 0 unhealthy", 10, || async {
+        metric(
+            &svc.metrics().await,
+            r#"kvroute_endpoint_healthy{ep="0",rule="10.0.0.1:9000/tcp"}"#,
+        ) == Some(0.0)
+    })
+    .await;
+    for _ in 0..4 {
+        let (s, v) = svc
+            .post(
+                "/v1/route",
+                &json!({"rule": "1", "keys": []}).to_string(),
+                None,
+            )
+            .await;
+        assert_eq!(
+            (s, v["endpoint"].as_str()),
+            (200, Some(format!("127.0.0.1:{port}").as_str()))
+        );
+    }
+    server.abort();
+}
+
+#[test]
+fn sigterm_drains_and_exits_zero() {
+    let mut svc = Service::start("sigterm", &json!([good_rule(9000)]), &[]);
+    assert_eq!(svc.terminate(), Some(0), "{}", svc.stderr());
+}
+
+#[test]
+fn help_documents_flags_and_env() {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_kvroute-inventory"))
+        .args(["serve", "--help"])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    for needle in [
+        "--listen",
+        "--config",
+        "--tokenizer-dir",
+        "--auth-token-file",
+        "KVROUTE_LISTEN",
+        "LLB_KV_MIN_MATCH_TOKENS",
+        "LOXILB_KV_SPILL_RELIEF",
+    ] {
+        assert!(text.contains(needle), "{needle} missing from:\n{text}");
+    }
+}
+
+/// Publishes `keys` on the rule's endpoint 0 and waits until the index holds them.
+async fn seed_ep0(svc: &Service, p: &mut Publisher, keys: &[u64]) {
+    publish_until_seen(
+        svc,
+        p,
+        "1",
+        0,
+        keys[0],
+        &batch(vec![stored(keys, &[], false)]),
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn spill_and_cold_seed_metrics() {
+    let eps = [("127.0.0.1".to_owned(), 1), ("127.0.0.2".to_owned(), 1)];
+    let keys = [0xA1u64, 0xA2, 0xA3];
+    let req = json!({"rule": "1", "keys": keys, "token_count": 48}).to_string();
+
+    // Spill relief (default on for kvExactMode 3): the second request finds ep0 at its cap
+    // (ceil(1.75 x 1 / 2) = 1 in flight) and moves to the idle ep1.
+    let mut p = Publisher::bind(0).await.unwrap();
+    let svc = Service::start(
+        "spill",
+        &json!([rule(9000, "vllm", p.port, &eps, json!({}))]),
+        &[],
+    );
+    seed_ep0(&svc, &mut p, &keys).await;
+    let (_, a) = svc.post("/v1/route", &req, None).await;
+    let (_, b) = svc.post("/v1/route", &req, None).await;
+    assert_eq!(
+        (a["reason"].as_str(), a["endpoint"].as_str()),
+        (Some("hit"), Some("127.0.0.1:1")),
+        "{a}"
+    );
+    assert_eq!(
+        (b["reason"].as_str(), b["endpoint"].as_str()),
+        (Some("spill"), Some("127.0.0.2:1")),
+        "{b}"
+    );
+    let m = svc.metrics().await;
+    assert_eq!(metric(&m, "kvroute_tier15_spills_total"), Some(1.0), "{m}");
+    assert_eq!(
+        metric(
+            &m,
+            r#"kvroute_route_decisions_total{reason="spill",tier="tier15"}"#
+        ),
+        Some(1.0),
+        "{m}"
+    );
+
+    // Cold-start seeding: every 2nd hit goes to the endpoint holding fewer than 1 block.
+    let mut p = Publisher::bind(0).await.unwrap();
+    let svc = Service::start(
+        "cold",
+        &json!([rule(9000, "vllm", p.port, &eps, json!({}))]),
+        &[
+            ("LOXILB_KV_COLDSTART_SEED_N", "2"),
+            ("LOXILB_KV_COLDSTART_MIN_BLOCKS", "1"),
+            ("LOXILB_KV_SPILL_RELIEF", "off"),
+        ],
+    );
+    seed_ep0(&svc, &mut p, &keys).await;
+    let mut reasons = Vec::new();
+    for _ in 0..4 {
+        let (_, v) = svc.post("/v1/route", &req, None).await;
+        reasons.push(format!(
+            "{}@{}",
+            v["reason"].as_str().unwrap(),
+            v["endpoint"].as_str().unwrap()
+        ));
+    }
+    assert_eq!(
+        reasons,
+        [
+            "hit@127.0.0.1:1",
+            "cold_seed@127.0.0.2:1",
+            "hit@127.0.0.1:1",
+            "cold_seed@127.0.0.2:1"
+        ]
+    );
+    let m = svc.metrics().await;
+    assert_eq!(
+        metric(&m, "kvroute_tier15_cold_seeds_total"),
+        Some(2.0),
+        "{m}"
+    );
+    assert_eq!(
+        metric(
+            &m,
+            r#"kvroute_route_decisions_total{reason="cold_seed",tier="tier15"}"#
+        ),
+        Some(2.0),
+        "{m}"
+    );
+}
+
+fn qwen3_fixture() -> std::path::PathBuf {
+    let dir = std::env::var_os("KVROUTE_TOKENIZER_DIR")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| {
+            std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.cache/fixtures/qwen3")
+        });
+    assert!(
+        dir.join("tokenizer.json").exists(),
+        "tokenizer fixture missing at {}: run ./scripts/setup.sh",
+        dir.display()
+    );
+    dir
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn offloaded_tokenization_computes_the_filters_keys() {
+    let r = with(
+        good_rule(9000),
+        &["serviceArguments", "kvModel"],
+        json!("Qwen/Qwen3-0.6B"),
+    );
+    let svc = Service::start("offload", &json!([r]), &[("LOXILB_KV_SPILL_RELIEF", "off")]);
+    let staged = svc.dir.join("tokenizers").join("Qwen__Qwen3-0.6B");
+    std::fs::create_dir_all(&staged).unwrap();
+    for f in ["tokenizer.json", "tokenizer_config.json"] {
+        std::fs::copy(qwen3_fixture().join(f), staged.join(f)).unwrap();
+    }
+    let prompt = "You are a careful assistant for a company that builds routers for large language model inference clusters. ".repeat(4);
+    // The keys a filter would compute: kvroute-core's tokenizer and the rule's contract (seed "0").
+    let tok = kvroute_core::tokenize::Tokenizer::from_bytes(
+        &std::fs::read(staged.join("tokenizer.json")).unwrap(),
+    )
+    .unwrap();
+    let tokens = tok.encode(&prompt, true).unwrap();
+    let contract = kvroute_core::hash::HashContract::new(
+        kvroute_core::hash::HashAlgo::Sha256Cbor,
+        kvroute_core::hash::BlockSize::new(16).unwrap(),
+    )
+    .with_seed("0");
+    let keys: Vec<u64> = contract
+        .keys(&tokens, &Default::default())
+        .unwrap()
+        .iter()
+        .map(|k| k.0)
+        .collect();
+    assert!(keys.len() >= 4);
+
+    // Offloaded: the service tokenizes, hashes, decides and credits the chosen endpoint.
+    let (s, a) = svc
+        .post(
+            "/v1/route",
+            &json!({"rule": "1", "prompt": prompt}).to_string(),
+            None,
+        )
+        .await;
+    assert_eq!(
+        (s, a["reason"].as_str()),
+        (200, Some("miss_no_overlap")),
+        "{a}\n{}",
+        svc.stderr()
+    );
+    // The filter-computed keys now hit the same endpoint over every block: same keys both ways.
+    let (_, b) = svc
+        .post(
+            "/v1/route",
+            &json!({"rule": "1", "keys": keys, "token_count": tokens.len()}).to_string(),
+            None,
+        )
+        .await;
+    assert_eq!(
+        (
+            b["reason"].as_str(),
+            b["matched_blocks"].as_u64(),
+            &b["endpoint"]
+        ),
+        (Some("hit"), Some(keys.len() as u64), &a["endpoint"]),
+        "{b}"
+    );
+    // Chat messages go through the staged chat template.
+    let (s, c) = svc
+        .post(
+            "/v1/route",
+            &json!({"rule": "1", "messages": [{"role": "user", "content": prompt}]}).to_string(),
+            None,
+        )
+        .await;
+    assert_eq!(s, 200, "{c}");
+    assert_ne!(c["reason"], "miss_no_keys", "{c}\n{}", svc.stderr());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tls_listener_serves_https_and_drains() {
+    // A test CA and a leaf for 127.0.0.1 signed by it (rustls refuses a CA as end entity).
+    let d = tempdir("tlscert");
+    let (ca, ca_key, cert, key) = (
+        d.join("ca.pem"),
+        d.join("ca.key"),
+        d.join("cert.pem"),
+        d.join("key.pem"),
+    );
+    let ec = [
+        "-newkey",
+        "ec",
+        "-pkeyopt",
+        "ec_paramgen_curve:prime256v1",
+        "-nodes",
+    ];
+    let run = |args: Vec<&std::ffi::OsStr>| {
+        let st = std::process::Command::new("openssl")
+            .args(args)
+            .stderr(std::process::Stdio::null())
+            .status()
+            .expect("openssl");
+        assert!(st.success());
+    };
+    let os = |s: &'static str| std::ffi::OsStr::new(s);
+    let mut a: Vec<&std::ffi::OsStr> = vec![os("req"), os("-x509")];
+    a.extend(ec.iter().map(|s| os(s)));
+    a.extend([
+        os("-days"),
+        os("1"),
+        os("-subj"),
+        os("/CN=kvroute-test-ca"),
+        os("-keyout"),
+        ca_key.as_os_str(),
+        os("-out"),
+        ca.as_os_str(),
+    ]);
+    run(a);
+    let csr = d.join("leaf.csr");
+    let mut a: Vec<&std::ffi::OsStr> = vec![os("req")];
+    a.extend(ec.iter().map(|s| os(s)));
+    a.extend([
+        os("-subj"),
+        os("/CN=127.0.0.1"),
+        os("-keyout"),
+        key.as_os_str(),
+        os("-out"),
+        csr.as_os_str(),
+    ]);
+    run(a);
+    let ext = d.join("ext.cnf");
+    std::fs::write(
+        &ext,
+        "subjectAltName=IP:127.0.0.1\nbasicConstraints=CA:FALSE\n",
+    )
+    .unwrap();
+    let serial = d.join("ca.srl");
+    run(vec![
+        os("x509"),
+        os("-req"),
+        os("-in"),
+        csr.as_os_str(),
+        os("-CA"),
+        ca.as_os_str(),
+        os("-CAkey"),
+        ca_key.as_os_str(),
+        os("-CAserial"),
+        serial.as_os_str(),
+        os("-CAcreateserial"),
+        os("-days"),
+        os("1"),
+        os("-extfile"),
+        ext.as_os_str(),
+        os("-out"),
+        cert.as_os_str(),
+    ]);
+    let ca_s = ca.to_string_lossy().into_owned();
+    let (c, k) = (
+        cert.to_string_lossy().into_owned(),
+        key.to_string_lossy().into_owned(),
+    );
+    let mut svc = Service::start(
+        "tls",
+        &json!([good_rule(9000)]),
+        &[
+            ("KVROUTE_TLS_CERT", &c),
+            ("KVROUTE_TLS_KEY", &k),
+            ("KVROUTE_TEST_CA", &ca_s),
+        ],
+    );
+    assert!(svc.base.starts_with("https://"), "{}", svc.base);
+    assert_eq!(svc.get("/readyz").await.0, 200);
+    let (s, v) = svc
+        .post(LB, &good_rule(9001).to_string(), Some(TOKEN))
+        .await;
+    assert_eq!(s, 200, "{v}");
+    // Plain HTTP on the TLS port gets nothing useful.
+    let plain = reqwest::Client::new()
+        .get(svc.base.replace("https://", "http://") + "/readyz")
+        .send()
+        .await;
+    assert!(plain.map(|r| !r.status().is_success()).unwrap_or(true));
+    assert_eq!(svc.terminate(), Some(0), "{}", svc.stderr());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn scraped_engine_load_steers_least_loaded() {
+    // Two fake engines: ep0 reports 50 requests running+waiting, ep1 none.
+    use axum::routing::get;
+    let mut ports = Vec::new();
+    let mut servers = Vec::new();
+    for load in [50, 0] {
+        let body = format!("# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{{model_name=\"m\"}} {}.0\nvllm:num_requests_waiting{{model_name=\"m\"}} 0.0\n", load);
+        let app = axum::Router::new().route(
+            "/metrics",
+            get(move || {
+                let b = body.clone();
+                async move { b }
+            }),
+        );
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        ports.push(listener.local_addr().unwrap().port());
+        servers.push(tokio::spawn(
+            async move { axum::serve(listener, app).await },
+        ));
+    }
+    // sel 4: least connections on the plain-load-balancing rule.
+    let r = with(
+        rule(
+            9000,
+            "llamacpp",
+            5557,
+            &[
+                ("127.0.0.1".into(), ports[0]),
+                ("127.0.0.1".into(), ports[1]),
+            ],
+            json!({}),
+        ),
+        &["serviceArguments", "sel"],
+        json!(4),
+    );
+    let svc = Service::start(
+        "scrape",
+        &json!([r]),
+        &[("KVROUTE_SCRAPE_INTERVAL_MS", "50")],
+    );
+    svc.wait_for("scraped load", 10, || async {
+        metric(
+            &svc.metrics().await,
+            r#"kvroute_endpoint_scraped_load{ep="0",rule="10.0.0.1:9000/tcp"}"#,
+        ) == Some(50.0)
+    })
+    .await;
+    for _ in 0..5 {
+        let (_, v) = svc
+            .post(
+                "/v1/route",
+                &json!({"rule": "1", "keys": []}).to_string(),
+                None,
+            )
+            .await;
+        assert_eq!(
+            v["endpoint"].as_str(),
+            Some(format!("127.0.0.1:{}", ports[1]).as_str()),
+            "{v}"
+        );
+    }
+    for s in servers {
+        s.abort();
+    }
+}

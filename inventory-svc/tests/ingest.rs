@@ -1,0 +1,645 @@
+//! End-to-end ingestion: the built binary subscribed to real ZMQ publishers (and a TensorRT-LLM
+//! drain server) run by the test, fed with the engines' golden payloads and generated ones.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod common;
+
+use std::sync::{Arc, Mutex};
+
+use bytes::Bytes;
+use common::*;
+use serde_json::{json, Value};
+use zeromq::{RouterSocket, Socket, SocketRecv, SocketSend, ZmqMessage};
+
+const RULE: &str = "10.0.0.1:8080";
+
+fn vllm_keys() -> (Vec<u64>, Vec<u32>) {
+    let v = vectors("vllm-0.33.0.json");
+    let hv = v["hash_vectors"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|h| h["algo"] == "sha256_cbor" && h["PYTHONHASHSEED"] == "0")
+        .unwrap();
+    let keys = hv["sequences"]["range64"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|b| b["event_key_int_u64"].as_u64().unwrap())
+        .collect();
+    (keys, (0..64).collect())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn vllm_golden_and_generated_payloads_feed_the_index() {
+    let mut p = Publisher::bind(0).await.unwrap();
+    let r = rule(
+        8080,
+        "vllm",
+        p.port,
+        &[("127.0.0.1".into(), 9)],
+        json!({"kvHashAlgo": "sha256_cbor"}),
+    );
+    let svc = Service::start("vllm", &json!([r]), &[]);
+    publish_until_seen(
+        &svc,
+        &mut p,
+        RULE,
+        0,
+        0xABCD,
+        &batch(vec![stored(&[0xABCD], &[], false)]),
+    )
+    .await;
+
+    let (keys, tokens) = vllm_keys();
+    p.send(&batch(vec![stored(&keys, &tokens, false)])).await;
+    svc.wait_for("range64 keys", 10, || async {
+        svc.inventory(RULE, 0).await.len() == 5
+    })
+    .await;
+
+    let req = json!({"rule": RULE, "keys": keys, "token_count": 64});
+    let (s, body) = svc.post("/v1/route", &req.to_string(), None).await;
+    assert_eq!(s, 200, "{body}");
+    assert_eq!(
+        body,
+        json!({"rule_id": 1, "endpoint": "127.0.0.1:9", "matched_blocks": 4, "tier": "tier15", "reason": "hit", "decode_endpoint": null})
+    );
+
+    // The real payloads: map layout with int keys, with raw-bytes keys, and the pre-0.24 array layout.
+    let v = vectors("vllm-0.33.0.json");
+    for payload in [
+        hx(&v["events"]["int_keys_default"]["batch_payload_hex"]),
+        hx(&v["events"]["bytes_keys"]["batch_payload_hex"]),
+        hx(&v["legacy_events_0_23"]["batch_payload_hex"]),
+    ] {
+        p.send(&payload).await;
+    }
+    svc.wait_for("three AllBlocksCleared", 10, || async {
+        metric(
+            &svc.metrics().await,
+            r#"kvroute_ingest_events_total{engine="vllm",type="all_blocks_cleared"}"#,
+        ) == Some(3.0)
+    })
+    .await;
+    assert!(svc.inventory(RULE, 0).await.is_empty());
+    let m = svc.metrics().await;
+    assert_eq!(
+        metric(
+            &m,
+            r#"kvroute_ingest_events_total{engine="vllm",type="block_removed"}"#
+        ),
+        Some(3.0),
+        "{m}"
+    );
+    assert_eq!(
+        metric(
+            &m,
+            r#"kvroute_ingest_clears_total{cause="event",engine="vllm"}"#
+        ),
+        Some(3.0),
+        "{m}"
+    );
+    assert_eq!(
+        metric(
+            &m,
+            r#"kvroute_route_decisions_total{reason="hit",tier="tier15"}"#
+        ),
+        Some(1.0),
+        "{m}"
+    );
+    assert_eq!(
+        metric(
+            &m,
+            r#"kvroute_ingest_subscriber_connected{ep="0",rank="0",rule="10.0.0.1:8080/tcp"}"#
+        ),
+        Some(1.0),
+        "{m}"
+    );
+    assert_eq!(
+        metric(
+            &m,
+            r#"kvroute_index_blocks{ep="0",rule="10.0.0.1:8080/tcp"}"#
+        ),
+        Some(0.0),
+        "{m}"
+    );
+    assert!(
+        m.lines()
+            .all(|l| !l.starts_with("kvroute_ingest_parity_mismatches_total")),
+        "{m}"
+    );
+    assert!(
+        m.lines()
+            .all(|l| !l.starts_with("kvroute_ingest_seq_gaps_total")),
+        "{m}"
+    );
+    let hz = svc.get_json("/healthz").await;
+    assert_eq!(hz["status"], "ok", "{hz}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn parity_self_check_names_the_wrong_seed() {
+    let mut p = Publisher::bind(0).await.unwrap();
+    let r = rule(
+        8080,
+        "vllm",
+        p.port,
+        &[("127.0.0.1".into(), 9)],
+        json!({"kvHashAlgo": "sha256_cbor"}),
+    );
+    let svc = Service::start("parity", &json!([r]), &[("LLB_KV_NONE_HASH_SEED", "1234")]);
+    publish_until_seen(
+        &svc,
+        &mut p,
+        RULE,
+        0,
+        0xABCD,
+        &batch(vec![stored(&[0xABCD], &[], false)]),
+    )
+    .await;
+    let (keys, tokens) = vllm_keys();
+    p.send(&batch(vec![stored(&keys, &tokens, false)])).await;
+    svc.wait_for("parity mismatch", 10, || async {
+        metric(
+            &svc.metrics().await,
+            r#"kvroute_ingest_parity_mismatches_total{engine="vllm"}"#,
+        ) == Some(1.0)
+    })
+    .await;
+    let hz = svc.get_json("/healthz").await;
+    assert_eq!(hz["status"], "degraded");
+    let parity = &hz["rules"][0]["endpoints"][0]["parity"];
+    assert_eq!(parity["suggested_seed"], "0", "{hz}");
+    assert!(
+        parity["message"]
+            .as_str()
+            .unwrap()
+            .contains(r#"the seed should be "0""#),
+        "{hz}"
+    );
+    assert!(svc.stderr().contains("parity self-check failed"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gap_is_replayed_through_a_dealer() {
+    let mut p = Publisher::bind(0).await.unwrap();
+    let mut router = RouterSocket::new();
+    let rport = match router.bind("tcp://127.0.0.1:0").await.unwrap() {
+        zeromq::Endpoint::Tcp(_, port) => port,
+        _ => panic!(),
+    };
+    let r = rule(
+        8080,
+        "vllm",
+        p.port,
+        &[("127.0.0.1".into(), 9)],
+        json!({"kvReplayPort": rport}),
+    );
+    let svc = Service::start("replay", &json!([r]), &[]);
+    publish_until_seen(
+        &svc,
+        &mut p,
+        RULE,
+        0,
+        0xABCD,
+        &batch(vec![stored(&[0xABCD], &[], false)]),
+    )
+    .await;
+
+    let missing_seq = p.seq;
+    let missing = batch(vec![stored(&[0x77], &[], false)]);
+    let requests = Arc::new(Mutex::new(Vec::<u64>::new()));
+    let seen = requests.clone();
+    let served = missing.clone();
+    let replayer = tokio::spawn(async move {
+        let msg = router.recv().await.unwrap();
+        let frames = msg.into_vec();
+        // [identity, b"", start_seq]
+        let start = u64::from_be_bytes(frames.last().unwrap().as_ref().try_into().unwrap());
+        seen.lock().unwrap().push(start);
+        let id = frames[0].clone();
+        let reply = |parts: Vec<Bytes>| ZmqMessage::try_from(parts).unwrap();
+        router
+            .send(reply(vec![
+                id.clone(),
+                Bytes::new(),
+                Bytes::new(),
+                Bytes::copy_from_slice(&missing_seq.to_be_bytes()),
+                Bytes::from(served),
+            ]))
+            .await
+            .unwrap();
+        router
+            .send(reply(vec![
+                id,
+                Bytes::new(),
+                Bytes::new(),
+                Bytes::from(vec![0xff; 8]),
+                Bytes::new(),
+            ]))
+            .await
+            .unwrap();
+        router
+    });
+    p.send_seq(missing_seq + 1, &batch(vec![stored(&[0x88], &[], false)]))
+        .await;
+    svc.wait_for("replayed and current batches", 10, || async {
+        let inv = svc.inventory(RULE, 0).await;
+        inv.contains(&0x77) && inv.contains(&0x88)
+    })
+    .await;
+    let _router = replayer.await.unwrap();
+    assert_eq!(*requests.lock().unwrap(), vec![missing_seq]);
+    let m = svc.metrics().await;
+    assert_eq!(
+        metric(&m, r#"kvroute_ingest_seq_gaps_total{engine="vllm"}"#),
+        Some(1.0),
+        "{m}"
+    );
+    assert_eq!(
+        metric(
+            &m,
+            r#"kvroute_ingest_replays_total{engine="vllm",outcome="ok"}"#
+        ),
+        Some(1.0),
+        "{m}"
+    );
+    assert!(
+        m.lines()
+            .all(|l| !l.starts_with("kvroute_ingest_clears_total")),
+        "{m}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gap_without_replay_clears_and_restart_clears() {
+    let mut p = Publisher::bind(0).await.unwrap();
+    let r = rule(8080, "vllm", p.port, &[("127.0.0.1".into(), 9)], json!({}));
+    let svc = Service::start("gap", &json!([r]), &[]);
+    publish_until_seen(
+        &svc,
+        &mut p,
+        RULE,
+        0,
+        0xABCD,
+        &batch(vec![stored(&[0xABCD], &[], false)]),
+    )
+    .await;
+
+    // Gap: one batch lost, no replay endpoint -> the endpoint's inventory is cleared and rebuilt.
+    p.seq += 1;
+    p.send(&batch(vec![stored(&[0x99], &[], false)])).await;
+    svc.wait_for("clear after gap", 10, || async {
+        svc.inventory(RULE, 0).await == vec![0x99]
+    })
+    .await;
+    let m = svc.metrics().await;
+    assert_eq!(
+        metric(&m, r#"kvroute_ingest_seq_gaps_total{engine="vllm"}"#),
+        Some(1.0),
+        "{m}"
+    );
+    assert_eq!(
+        metric(
+            &m,
+            r#"kvroute_ingest_clears_total{cause="gap",engine="vllm"}"#
+        ),
+        Some(1.0),
+        "{m}"
+    );
+
+    // Restart: the sequence is back at 0 -> clear, then ingest.
+    p.send_seq(0, &batch(vec![stored(&[0x55], &[], false)]))
+        .await;
+    svc.wait_for("clear after restart", 10, || async {
+        svc.inventory(RULE, 0).await == vec![0x55]
+    })
+    .await;
+    let m = svc.metrics().await;
+    assert_eq!(
+        metric(
+            &m,
+            r#"kvroute_ingest_clears_total{cause="restart",engine="vllm"}"#
+        ),
+        Some(1.0),
+        "{m}"
+    );
+    assert_eq!(
+        metric(
+            &m,
+            r#"kvroute_index_blocks{ep="0",rule="10.0.0.1:8080/tcp"}"#
+        ),
+        Some(1.0),
+        "{m}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sglang_three_ranks_union_into_one_endpoint() {
+    let mut pubs = bind_consecutive(3).await;
+    let r = rule(
+        8080,
+        "sglang",
+        pubs[0].port,
+        &[("127.0.0.1".into(), 9)],
+        json!({"kvDpRankCount": 3}),
+    );
+    let svc = Service::start("sglang", &json!([r]), &[]);
+    for (i, p) in pubs.iter_mut().enumerate() {
+        let probe = 0x1000 + i as u64;
+        publish_until_seen(
+            &svc,
+            p,
+            RULE,
+            0,
+            probe,
+            &batch(vec![stored(&[probe], &[], true)]),
+        )
+        .await;
+    }
+    let v = vectors("sglang-0.5.23.json");
+    let keys: Vec<u64> = v["function_level"]["range64"]["block_hashes_u64"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|k| k.as_u64().unwrap())
+        .collect();
+    // Ranks 0 and 1 hold the same blocks (sent signed, as SGLang does); rank 0 evicts them.
+    pubs[0].send(&batch(vec![stored(&keys, &[], true)])).await;
+    pubs[1].send(&batch(vec![stored(&keys, &[], true)])).await;
+    svc.wait_for("7 blocks", 10, || async {
+        svc.inventory(RULE, 0).await.len() == 7
+    })
+    .await;
+    pubs[0].send(&batch(vec![removed(&keys)])).await;
+    pubs[0].send(&batch(vec![removed(&[0x1000])])).await;
+    svc.wait_for("rank 0 eviction", 10, || async {
+        svc.inventory(RULE, 0).await.len() == 6
+    })
+    .await;
+    let inv = svc.inventory(RULE, 0).await;
+    assert!(
+        keys.iter().all(|k| inv.contains(k)),
+        "rank 1 still holds them"
+    );
+
+    // SGLang's real batches on rank 2: the startup AllBlocksCleared clears rank 2 only; the
+    // unsalted first-block stores pass the parity self-check with sha256_sglang.
+    for b in v["event_batches"].as_array().unwrap() {
+        pubs[2].send(&hx(&b["payload_hex"])).await;
+    }
+    svc.wait_for("evict_all applied", 10, || async {
+        metric(
+            &svc.metrics().await,
+            r#"kvroute_ingest_events_total{engine="sglang",type="block_removed"}"#,
+        ) == Some(3.0)
+    })
+    .await;
+    let m = svc.metrics().await;
+    assert_eq!(
+        metric(
+            &m,
+            r#"kvroute_ingest_clears_total{cause="event",engine="sglang"}"#
+        ),
+        Some(1.0),
+        "{m}"
+    );
+    assert!(
+        m.lines()
+            .all(|l| !l.starts_with("kvroute_ingest_parity_mismatches_total")),
+        "{m}"
+    );
+    for rank in 0..3 {
+        assert_eq!(
+            metric(
+                &m,
+                &format!(
+                    r#"kvroute_ingest_subscriber_connected{{ep="0",rank="{rank}",rule="10.0.0.1:8080/tcp"}}"#
+                )
+            ),
+            Some(1.0)
+        );
+    }
+    let inv = svc.inventory(RULE, 0).await;
+    assert!(inv.contains(&0x1001) && !inv.contains(&0x1002), "{inv:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn trtllm_drain_is_rehashed_from_tokens() {
+    use axum::routing::post;
+    let queue: Arc<Mutex<Vec<Value>>> = Arc::new(Mutex::new(Vec::new()));
+    let calls = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let (q, c) = (queue.clone(), calls.clone());
+    let app = axum::Router::new().route(
+        "/kv_cache_events",
+        post(move || {
+            let (q, c) = (q.clone(), c.clone());
+            async move {
+                c.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                axum::Json(Value::Array(std::mem::take(&mut *q.lock().unwrap())))
+            }
+        }),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let server = tokio::spawn(async move { axum::serve(listener, app).await });
+    let toks = |r: std::ops::Range<u32>| {
+        r.map(|t| json!({"token_id": t, "token_extra_id": 0}))
+            .collect::<Vec<_>>()
+    };
+    queue.lock().unwrap().extend([
+        json!({"event_id": 0, "data": {"type": "created", "num_blocks_per_cache_level": [100, 0]}, "window_size": 16}),
+        json!({"event_id": 1, "data": {"type": "stored", "parent_hash": null, "blocks": [
+            {"block_hash": 501, "tokens": toks(0..4), "cache_level": 0, "priority": 35},
+            {"block_hash": 502, "tokens": toks(4..8), "cache_level": 0, "priority": 35},
+            {"block_hash": 503, "tokens": toks(8..10), "cache_level": 0, "priority": 35}]}, "window_size": 16}),
+    ]);
+    let r = rule(
+        8080,
+        "trtllm",
+        5557,
+        &[("127.0.0.1".into(), port)],
+        json!({"kvBlockSize": 4}),
+    );
+    let svc = Service::start("trtllm", &json!([r]), &[("KVROUTE_TRTLLM_DRAIN_MS", "20")]);
+    let k0 = kvroute_core::hash::trtllm::block_key(0, &[0, 1, 2, 3], None, None);
+    let k1 = kvroute_core::hash::trtllm::block_key(k0, &[4, 5, 6, 7], None, None);
+    let mut want = vec![k0, k1];
+    want.sort_unstable();
+    svc.wait_for("re-hashed blocks", 10, || async {
+        svc.inventory(RULE, 0).await == want
+    })
+    .await;
+    queue.lock().unwrap().push(json!({"event_id": 2, "data": {"type": "removed", "block_hashes": [502]}, "window_size": 16}));
+    svc.wait_for("removal mapped", 10, || async {
+        svc.inventory(RULE, 0).await == vec![k0]
+    })
+    .await;
+    let m = svc.metrics().await;
+    assert_eq!(
+        metric(
+            &m,
+            r#"kvroute_ingest_events_total{engine="trtllm",type="block_stored"}"#
+        ),
+        Some(1.0),
+        "{m}"
+    );
+    assert_eq!(
+        metric(
+            &m,
+            r#"kvroute_ingest_unkeyed_blocks_total{engine="trtllm"}"#
+        ),
+        Some(1.0),
+        "{m}"
+    );
+    assert_eq!(
+        metric(
+            &m,
+            r#"kvroute_ingest_subscriber_connected{ep="0",rank="0",rule="10.0.0.1:8080/tcp"}"#
+        ),
+        Some(1.0),
+        "{m}"
+    );
+    assert!(calls.load(std::sync::atomic::Ordering::Relaxed) >= 2);
+    server.abort();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tokens_key_mode_rehashes_event_tokens() {
+    // The engine's own keys are opaque here (as with vLLM's default pickle hash): the index holds
+    // kvroute's content keys of the events' token ids, and removals map engine keys to them.
+    let mut p = Publisher::bind(0).await.unwrap();
+    let r = rule(
+        8080,
+        "vllm",
+        p.port,
+        &[("127.0.0.1".into(), 9)],
+        json!({"kvKeyMode": "tokens"}),
+    );
+    let svc = Service::start("tokens", &json!([r]), &[("LLB_KV_NONE_HASH_SEED", UNSET)]);
+    let bs = kvroute_core::hash::BlockSize::new(16).unwrap();
+    let probe_tokens: Vec<u32> = (1000..1016).collect();
+    let probe = kvroute_core::hash::content_keys(&probe_tokens, bs, None)[0].0;
+    publish_until_seen(
+        &svc,
+        &mut p,
+        RULE,
+        0,
+        probe,
+        &batch(vec![stored(&[0xDEAD], &probe_tokens, false)]),
+    )
+    .await;
+    let tokens: Vec<u32> = (0..48).collect();
+    let content: Vec<u64> = kvroute_core::hash::content_keys(&tokens, bs, None)
+        .iter()
+        .map(|k| k.0)
+        .collect();
+    p.send(&batch(vec![
+        stored(&[11, 12, 13], &tokens, false),
+        removed(&[13]),
+    ]))
+    .await;
+    svc.wait_for("content keys", 10, || async {
+        svc.inventory(RULE, 0).await.len() == 3
+    })
+    .await;
+    let inv = svc.inventory(RULE, 0).await;
+    assert!(
+        inv.contains(&content[0]) && inv.contains(&content[1]) && !inv.contains(&content[2]),
+        "{inv:?}"
+    );
+    let c = svc.get_json("/v1/rules/1/contract").await;
+    assert_eq!(
+        (c["algo"].as_str(), c["key_mode"].as_str()),
+        (Some("tokens"), Some("tokens"))
+    );
+    let (_, d) = svc
+        .post(
+            "/v1/route",
+            &json!({"rule": "1", "keys": content, "token_count": 48}).to_string(),
+            None,
+        )
+        .await;
+    assert_eq!(
+        (d["reason"].as_str(), d["matched_blocks"].as_u64()),
+        (Some("hit"), Some(2)),
+        "{d}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn publisher_restart_reconnects_and_clears() {
+    let mut p = Publisher::bind(0).await.unwrap();
+    let port = p.port;
+    let r = rule(8080, "vllm", port, &[("127.0.0.1".into(), 9)], json!({}));
+    // Silence is the only disconnect signal the zeromq crate gives: reconnect after 300 ms of it.
+    let svc = Service::start(
+        "restart",
+        &json!([r]),
+        &[("KVROUTE_ZMQ_IDLE_RECONNECT_MS", "300")],
+    );
+    publish_until_seen(
+        &svc,
+        &mut p,
+        RULE,
+        0,
+        0xABCD,
+        &batch(vec![stored(&[0xABCD], &[], false)]),
+    )
+    .await;
+    // Advance the old sequence well past what the restarted engine will reach before the
+    // subscriber is back, so its first message is recognisably "lower than before".
+    for _ in 0..100 {
+        p.send(&batch(vec![stored(&[0xABCD], &[], false)])).await;
+    }
+    svc.wait_for("old sequence applied", 10, || async {
+        metric(
+            &svc.metrics().await,
+            r#"kvroute_ingest_events_total{engine="vllm",type="block_stored"}"#,
+        )
+        .unwrap_or(0.0)
+            >= 100.0
+    })
+    .await;
+    // The engine goes away and comes back on the same port with its sequence restarted at 0.
+    drop(p);
+    svc.wait_for("disconnect seen", 10, || async {
+        metric(
+            &svc.metrics().await,
+            r#"kvroute_ingest_subscriber_connected{ep="0",rank="0",rule="10.0.0.1:8080/tcp"}"#,
+        ) == Some(0.0)
+    })
+    .await;
+    let mut p2 = None;
+    for _ in 0..100 {
+        if let Some(np) = Publisher::bind(port).await {
+            p2 = Some(np);
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    let mut p2 = p2.expect("rebind the publisher port");
+    publish_until_seen(
+        &svc,
+        &mut p2,
+        RULE,
+        0,
+        0xBEEF,
+        &batch(vec![stored(&[0xBEEF], &[], false)]),
+    )
+    .await;
+    assert!(
+        !svc.inventory(RULE, 0).await.contains(&0xABCD),
+        "the restarted engine's old blocks are gone"
+    );
+    let m = svc.metrics().await;
+    assert_eq!(
+        metric(
+            &m,
+            r#"kvroute_ingest_clears_total{cause="restart",engine="vllm"}"#
+        ),
+        Some(1.0),
+        "{m}"
+    );
+}
