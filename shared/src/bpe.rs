@@ -36,6 +36,9 @@ pub enum BpeError {
     Added(String),
 }
 
+/// Pre-token bytes -> their token ids.
+type PieceCache = HashMap<Box<[u8]>, Box<[u32]>>;
+
 /// Most distinct pieces kept in the per-encoder cache before it is cleared.
 const PIECE_CACHE_CAP: usize = 200_000;
 
@@ -49,7 +52,7 @@ pub struct FastBpe {
     added: Option<(AhoCorasick, Vec<u32>)>,
     nfc: bool,
     split: Regex,
-    cache: RefCell<HashMap<Box<[u8]>, Box<[u32]>>>,
+    cache: RefCell<PieceCache>,
 }
 
 /// GPT-2's reversible byte -> printable char table used by byte-level BPE vocabularies.
