@@ -1,13 +1,16 @@
 //! The filter's only window onto Envoy.
 //!
 //! The routing logic ([`crate::plugin`], [`crate::request`]) sees the [`Host`] trait and never
-//! `proxy_wasm`, so it runs in native unit tests against a fake host. [`ProxyHost`] is the real
-//! implementation over the proxy-wasm hostcalls; together with `lib.rs` it is the only code that
-//! touches the SDK. Every hostcall failure is swallowed here and reported as `None`/nothing:
-//! a filter that cannot log or count must still pass the request through (fail open).
+//! `proxy_wasm`, so it runs in native unit tests against a fake host ([`testing::FakeHost`]).
+//! [`ProxyHost`] is the real implementation over the proxy-wasm hostcalls; together with `lib.rs`
+//! it is the only code that touches the SDK. Every hostcall failure is swallowed here and reported
+//! as `None`/`false`: a filter that cannot log or count must still pass the request through
+//! (fail open).
+
+use std::time::{Duration, UNIX_EPOCH};
 
 use proxy_wasm::hostcalls;
-use proxy_wasm::types::{LogLevel, MetricType};
+use proxy_wasm::types::{BufferType, LogLevel, MapType, MetricType};
 
 /// Severity of a log line, mapped onto Envoy's levels by [`ProxyHost`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -18,9 +21,55 @@ pub enum Level {
     Error,
 }
 
-/// Handle of a counter defined in the host's stats store.
+/// Kind of a metric defined in the host's stats store.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MetricKind {
+    Counter,
+    Histogram,
+}
+
+/// Handle of a metric defined in the host's stats store.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct CounterId(pub u32);
+
+/// Which header map a header operation addresses.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Headers {
+    /// The downstream request's headers (before they go upstream).
+    Request,
+    /// The upstream response's headers (before they go to the client).
+    Response,
+    /// The headers of the answer to the last HTTP callout (only inside its callback).
+    CallResponse,
+}
+
+/// Which body an operation reads.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Body {
+    /// The request body buffered so far.
+    Request,
+    /// The current response body chunk.
+    Response,
+    /// The body of the answer to an HTTP callout (only inside its callback).
+    CallResponse,
+}
+
+/// One HTTP callout to make.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Callout<'a> {
+    /// The Envoy cluster to call.
+    pub cluster: &'a str,
+    /// `:method`.
+    pub method: &'a str,
+    /// `:path`.
+    pub path: &'a str,
+    /// `:authority`.
+    pub authority: &'a str,
+    /// Request body (JSON) or none.
+    pub body: Option<&'a [u8]>,
+    /// Envoy answers a synthetic 504 after this long.
+    pub timeout: Duration,
+}
 
 /// What the filter's logic may ask of the proxy.
 pub trait Host {
@@ -28,15 +77,52 @@ pub trait Host {
     fn log(&self, level: Level, message: &str);
 
     /// Defines (or looks up) a counter; `None` when the host refuses, in which case counting is skipped.
-    fn define_counter(&self, name: &str) -> Option<CounterId>;
+    fn define_counter(&self, name: &str) -> Option<CounterId> {
+        self.define_metric(MetricKind::Counter, name)
+    }
+
+    /// Defines (or looks up) a metric of `kind`; `None` when the host refuses.
+    fn define_metric(&self, kind: MetricKind, name: &str) -> Option<CounterId>;
 
     /// Adds `delta` to a counter; failures are ignored (metrics never fail a request).
     fn increment(&self, counter: CounterId, delta: u64);
+
+    /// Records one histogram sample; failures are ignored.
+    fn record(&self, metric: CounterId, value: u64);
+
+    /// Host clock in nanoseconds since the Unix epoch (0 when unavailable).
+    fn now_nanos(&self) -> u64;
+
+    /// One header's value (`None` when absent or not valid UTF-8).
+    fn header(&self, map: Headers, name: &str) -> Option<String>;
+
+    /// Sets (`Some`) or removes (`None`) a header; false when the host refused.
+    fn set_header(&self, map: Headers, name: &str, value: Option<&str>) -> bool;
+
+    /// `size` bytes of a body from offset 0 (`None` when unavailable).
+    fn body(&self, which: Body, size: usize) -> Option<Vec<u8>>;
+
+    /// Starts an HTTP callout; its token, or `None` when the host refused (unknown cluster, ...).
+    fn dispatch(&self, call: &Callout<'_>) -> Option<u32>;
+
+    /// Releases a request paused at its headers or body.
+    fn resume_request(&self);
+
+    /// Sets a Wasm property (Envoy filter state `wasm.<name>`); false when refused.
+    fn set_property(&self, name: &str, value: &str) -> bool;
 }
 
 /// [`Host`] over the proxy-wasm ABI: valid only inside a proxy-wasm VM.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct ProxyHost;
+
+fn map_type(map: Headers) -> MapType {
+    match map {
+        Headers::Request => MapType::HttpRequestHeaders,
+        Headers::Response => MapType::HttpResponseHeaders,
+        Headers::CallResponse => MapType::HttpCallResponseHeaders,
+    }
+}
 
 impl Host for ProxyHost {
     fn log(&self, level: Level, message: &str) {
@@ -50,15 +136,64 @@ impl Host for ProxyHost {
         let _ = hostcalls::log(level, message);
     }
 
-    fn define_counter(&self, name: &str) -> Option<CounterId> {
-        hostcalls::define_metric(MetricType::Counter, name)
-            .ok()
-            .map(CounterId)
+    fn define_metric(&self, kind: MetricKind, name: &str) -> Option<CounterId> {
+        let kind = match kind {
+            MetricKind::Counter => MetricType::Counter,
+            MetricKind::Histogram => MetricType::Histogram,
+        };
+        hostcalls::define_metric(kind, name).ok().map(CounterId)
     }
 
     fn increment(&self, counter: CounterId, delta: u64) {
         let delta = i64::try_from(delta).unwrap_or(i64::MAX);
         let _ = hostcalls::increment_metric(counter.0, delta);
+    }
+
+    fn record(&self, metric: CounterId, value: u64) {
+        let _ = hostcalls::record_metric(metric.0, value);
+    }
+
+    fn now_nanos(&self) -> u64 {
+        hostcalls::get_current_time()
+            .ok()
+            .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
+            .map(|d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX))
+            .unwrap_or(0)
+    }
+
+    fn header(&self, map: Headers, name: &str) -> Option<String> {
+        hostcalls::get_map_value(map_type(map), name).ok().flatten()
+    }
+
+    fn set_header(&self, map: Headers, name: &str, value: Option<&str>) -> bool {
+        hostcalls::set_map_value(map_type(map), name, value).is_ok()
+    }
+
+    fn body(&self, which: Body, size: usize) -> Option<Vec<u8>> {
+        let kind = match which {
+            Body::Request => BufferType::HttpRequestBody,
+            Body::Response => BufferType::HttpResponseBody,
+            Body::CallResponse => BufferType::HttpCallResponseBody,
+        };
+        hostcalls::get_buffer(kind, 0, size).ok().flatten()
+    }
+
+    fn dispatch(&self, call: &Callout<'_>) -> Option<u32> {
+        let headers = vec![
+            (":method", call.method),
+            (":path", call.path),
+            (":authority", call.authority),
+            ("content-type", "application/json"),
+        ];
+        hostcalls::dispatch_http_call(call.cluster, headers, call.body, vec![], call.timeout).ok()
+    }
+
+    fn resume_request(&self) {
+        let _ = hostcalls::resume_http_request();
+    }
+
+    fn set_property(&self, name: &str, value: &str) -> bool {
+        hostcalls::set_property(vec![name], Some(value.as_bytes())).is_ok()
     }
 }
 
@@ -119,26 +254,47 @@ mod entropy {
 
 /// A recording [`Host`] for native unit tests.
 #[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 pub(crate) mod testing {
-    use std::cell::RefCell;
+    use std::cell::{Cell, RefCell};
+    use std::collections::BTreeMap;
 
-    use super::{CounterId, Host, Level};
+    use super::{Body, Callout, CounterId, Headers, Host, Level, MetricKind};
 
-    /// Records logs and counters; `refuse_counters` makes `define_counter` fail.
+    /// A callout the fake host recorded.
+    #[derive(Clone, Debug, PartialEq, Eq)]
+    pub(crate) struct Recorded {
+        pub cluster: String,
+        pub method: String,
+        pub path: String,
+        pub body: Vec<u8>,
+        pub timeout_ms: u128,
+    }
+
+    /// Records logs, metrics, headers and callouts; tests set bodies and call answers.
     #[derive(Default)]
     pub(crate) struct FakeHost {
-        refuse_counters: bool,
+        pub refuse_counters: bool,
+        pub refuse_dispatch: bool,
         logs: RefCell<Vec<(Level, String)>>,
         counters: RefCell<Vec<(String, u64)>>,
+        samples: RefCell<Vec<(String, u64)>>,
+        pub request_headers: RefCell<BTreeMap<String, String>>,
+        pub response_headers: RefCell<BTreeMap<String, String>>,
+        pub call_headers: RefCell<BTreeMap<String, String>>,
+        pub request_body: RefCell<Vec<u8>>,
+        pub response_body: RefCell<Vec<u8>>,
+        pub call_body: RefCell<Vec<u8>>,
+        pub calls: RefCell<Vec<Recorded>>,
+        pub resumed: Cell<u32>,
+        pub clock: Cell<u64>,
+        pub properties: RefCell<BTreeMap<String, String>>,
     }
 
     impl FakeHost {
         /// A host whose `define_counter` always fails.
         pub(crate) fn refusing_counters() -> Self {
-            FakeHost {
-                refuse_counters: true,
-                ..FakeHost::default()
-            }
+            FakeHost { refuse_counters: true, ..FakeHost::default() }
         }
 
         pub(crate) fn logs(&self) -> Vec<(Level, String)> {
@@ -146,19 +302,28 @@ pub(crate) mod testing {
         }
 
         pub(crate) fn counter_names(&self) -> Vec<String> {
-            self.counters
-                .borrow()
-                .iter()
-                .map(|(n, _)| n.clone())
-                .collect()
+            self.counters.borrow().iter().map(|(n, _)| n.clone()).collect()
         }
 
         pub(crate) fn counter(&self, name: &str) -> Option<u64> {
-            self.counters
-                .borrow()
-                .iter()
-                .find(|(n, _)| n == name)
-                .map(|(_, v)| *v)
+            self.counters.borrow().iter().find(|(n, _)| n == name).map(|(_, v)| *v)
+        }
+
+        /// Samples recorded into histogram `name`.
+        pub(crate) fn samples(&self, name: &str) -> Vec<u64> {
+            self.samples.borrow().iter().filter(|(n, _)| n == name).map(|(_, v)| *v).collect()
+        }
+
+        /// Sets the answer the next call-response callback sees.
+        pub(crate) fn answer(&self, status: u16, body: &[u8]) {
+            let mut h = self.call_headers.borrow_mut();
+            h.clear();
+            h.insert(":status".into(), status.to_string());
+            *self.call_body.borrow_mut() = body.to_vec();
+        }
+
+        pub(crate) fn req_header(&self, name: &str) -> Option<String> {
+            self.request_headers.borrow().get(name).cloned()
         }
     }
 
@@ -167,7 +332,7 @@ pub(crate) mod testing {
             self.logs.borrow_mut().push((level, message.to_string()));
         }
 
-        fn define_counter(&self, name: &str) -> Option<CounterId> {
+        fn define_metric(&self, _kind: MetricKind, name: &str) -> Option<CounterId> {
             if self.refuse_counters {
                 return None;
             }
@@ -183,6 +348,74 @@ pub(crate) mod testing {
             if let Some((_, v)) = self.counters.borrow_mut().get_mut(counter.0 as usize) {
                 *v += delta;
             }
+        }
+
+        fn record(&self, metric: CounterId, value: u64) {
+            let name = self.counters.borrow().get(metric.0 as usize).map(|(n, _)| n.clone());
+            if let Some(name) = name {
+                self.samples.borrow_mut().push((name, value));
+            }
+        }
+
+        fn now_nanos(&self) -> u64 {
+            let t = self.clock.get() + 1_000;
+            self.clock.set(t);
+            t
+        }
+
+        fn header(&self, map: Headers, name: &str) -> Option<String> {
+            let m = match map {
+                Headers::Request => &self.request_headers,
+                Headers::Response => &self.response_headers,
+                Headers::CallResponse => &self.call_headers,
+            };
+            m.borrow().get(name).cloned()
+        }
+
+        fn set_header(&self, map: Headers, name: &str, value: Option<&str>) -> bool {
+            let m = match map {
+                Headers::Request => &self.request_headers,
+                Headers::Response => &self.response_headers,
+                Headers::CallResponse => return false,
+            };
+            match value {
+                Some(v) => m.borrow_mut().insert(name.into(), v.into()),
+                None => m.borrow_mut().remove(name),
+            };
+            true
+        }
+
+        fn body(&self, which: Body, size: usize) -> Option<Vec<u8>> {
+            let b = match which {
+                Body::Request => self.request_body.borrow(),
+                Body::Response => self.response_body.borrow(),
+                Body::CallResponse => self.call_body.borrow(),
+            };
+            Some(b[..size.min(b.len())].to_vec())
+        }
+
+        fn dispatch(&self, call: &Callout<'_>) -> Option<u32> {
+            if self.refuse_dispatch {
+                return None;
+            }
+            let mut calls = self.calls.borrow_mut();
+            calls.push(Recorded {
+                cluster: call.cluster.into(),
+                method: call.method.into(),
+                path: call.path.into(),
+                body: call.body.unwrap_or_default().to_vec(),
+                timeout_ms: call.timeout.as_millis(),
+            });
+            Some(calls.len() as u32)
+        }
+
+        fn resume_request(&self) {
+            self.resumed.set(self.resumed.get() + 1);
+        }
+
+        fn set_property(&self, name: &str, value: &str) -> bool {
+            self.properties.borrow_mut().insert(name.into(), value.into());
+            true
         }
     }
 }

@@ -1,24 +1,32 @@
 //! `kvroute-filter`: the proxy-wasm HTTP filter Envoy runs in front of an inference fleet.
 //!
-//! The finished filter tokenizes OpenAI request bodies, hashes token blocks exactly as the engine
-//! does, asks the inventory service which endpoint holds the longest cached prefix and pins the
-//! upstream; every failure fails open. This version is the skeleton: it loads, logs once at start,
-//! counts requests and passes them through.
+//! Per request it turns an OpenAI body into block keys (chat template, tokenizer, the rule's hash
+//! contract), asks the inventory service which endpoint holds the longest cached prefix
+//! (`POST /v1/route`, short timeout) and pins the upstream through Envoy's header-based
+//! stateful_session; every failure fails open. See docs/filter.md.
 //!
-//! Layout: this file and [`host`] are the only code that touches `proxy_wasm`. They adapt the SDK's
-//! root/HTTP contexts onto [`plugin::Plugin`] and [`request::RequestFilter`], which see only the
-//! [`host::Host`] trait and are unit-tested natively. [`testkeys`] exports `kvroute_test_keys`
-//! for the wasm test host.
+//! Layout: this file and [`host`] are the only code that touches `proxy_wasm`. They adapt the
+//! SDK's root/HTTP contexts onto [`plugin::Plugin`] (per VM: configuration, contract and tokenizer
+//! loading) and [`request::RequestFilter`] (per request: a state enum driving pause/resume), which
+//! see only the [`host::Host`] trait and are unit-tested natively. [`config`] parses the plugin
+//! configuration, [`tokens`] tokenizes with a segment cache, [`wire`] holds the inventory
+//! contracts, [`usage`] reads response usage, [`stats`] names the Envoy stats. [`testkeys`] exports
+//! `kvroute_test_keys` for the wasm test host.
 
+pub mod config;
 pub mod host;
 pub mod plugin;
 pub mod request;
+pub mod stats;
 pub mod testkeys;
+pub mod tokens;
+pub mod usage;
+pub mod wire;
 
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, ContextType, LogLevel};
 
-use crate::host::ProxyHost;
+use crate::host::{Body, Headers, Host, ProxyHost};
 use crate::plugin::Plugin;
 use crate::request::{RequestFilter, Step};
 
@@ -34,7 +42,22 @@ struct Root {
     plugin: Plugin,
 }
 
-impl Context for Root {}
+impl Context for Root {
+    fn on_http_call_response(&mut self, token_id: u32, _num_headers: usize, body_size: usize, _num_trailers: usize) {
+        let host = ProxyHost;
+        let status = host.header(Headers::CallResponse, ":status");
+        let body = host.body(Body::CallResponse, body_size).unwrap_or_default();
+        self.plugin.on_call_response(&host, token_id, status.as_deref(), &body);
+        self.tick_soon();
+    }
+}
+
+impl Root {
+    /// Re-arms the tick so the next load starts without waiting for a long idle period.
+    fn tick_soon(&self) {
+        let _ = proxy_wasm::hostcalls::set_tick_period(plugin::LOADING_TICK);
+    }
+}
 
 impl RootContext for Root {
     fn on_vm_start(&mut self, _vm_configuration_size: usize) -> bool {
@@ -42,11 +65,25 @@ impl RootContext for Root {
     }
 
     fn on_configure(&mut self, _plugin_configuration_size: usize) -> bool {
-        // Covers hosts that skip on_vm_start for an already running VM; `start` runs once.
-        self.plugin.start(&ProxyHost)
+        let bytes = proxy_wasm::hostcalls::get_buffer(proxy_wasm::types::BufferType::PluginConfiguration, 0, usize::MAX)
+            .ok()
+            .flatten()
+            .unwrap_or_default();
+        let ok = self.plugin.configure(&ProxyHost, &bytes);
+        // Loads start from the first tick: callouts are not reliable inside on_configure.
+        self.tick_soon();
+        ok
+    }
+
+    fn on_tick(&mut self) {
+        let period = self.plugin.on_tick(&ProxyHost);
+        let _ = proxy_wasm::hostcalls::set_tick_period(period);
     }
 
     fn create_http_context(&self, _context_id: u32) -> Option<Box<dyn HttpContext>> {
+        if self.plugin.note_traffic() {
+            self.tick_soon();
+        }
         Some(Box::new(Http {
             request: self.plugin.new_request(),
         }))
@@ -62,7 +99,19 @@ struct Http {
     request: RequestFilter,
 }
 
-impl Context for Http {}
+impl Context for Http {
+    fn on_http_call_response(&mut self, token_id: u32, _num_headers: usize, body_size: usize, _num_trailers: usize) {
+        let host = ProxyHost;
+        let status = host.header(Headers::CallResponse, ":status");
+        let body = host.body(Body::CallResponse, body_size).unwrap_or_default();
+        self.request.on_route_response(&host, token_id, status.as_deref(), &body);
+    }
+
+    fn on_done(&mut self) -> bool {
+        self.request.on_done(&ProxyHost);
+        true
+    }
+}
 
 impl HttpContext for Http {
     fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
@@ -70,10 +119,15 @@ impl HttpContext for Http {
     }
 
     fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
-        action(
-            self.request
-                .on_request_body(&ProxyHost, body_size, end_of_stream),
-        )
+        action(self.request.on_request_body(&ProxyHost, body_size, end_of_stream))
+    }
+
+    fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
+        action(self.request.on_response_headers(&ProxyHost))
+    }
+
+    fn on_http_response_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+        action(self.request.on_response_body(&ProxyHost, body_size, end_of_stream))
     }
 }
 

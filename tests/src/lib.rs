@@ -8,6 +8,7 @@
 //! Everything the tests need beyond cargo is installed by `scripts/setup.sh` (run by
 //! `scripts/test.sh`); helpers fail with a message saying so when something is missing.
 
+pub mod envoy;
 pub mod golden;
 pub mod harness;
 pub mod wasm;

@@ -1,0 +1,189 @@
+//! The filter's Envoy stats (proxy-wasm `define_metric`), shown by Envoy as `wasmcustom.<name>`.
+//!
+//! proxy-wasm metrics carry no labels, so each label value of the design ("decisions by tier",
+//! "fail-open by reason") is its own counter; the values come from enums only, never from request
+//! data. Histograms take integer samples, so durations are recorded in microseconds (`_us`).
+
+use crate::host::{CounterId, Host, Level, MetricKind};
+
+/// Why a request went upstream without a pin (each is a counter
+/// `kvroute_filter_fail_open_<reason>_total`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FailReason {
+    /// The body exceeded `max_body_bytes`.
+    BodyTooLarge,
+    /// The body is not a routable OpenAI request (malformed JSON, non-UTF-8, missing fields).
+    BadRequest,
+    /// The rule's contract is not loaded yet (or the rule has KV routing off).
+    NoContract,
+    /// The prompt could not be rendered or tokenized.
+    Tokenize,
+    /// The rule's hash contract refused this request (e.g. LoRA with a contract lacking it).
+    Hash,
+    /// Envoy refused to start the callout (unknown cluster, ...).
+    Dispatch,
+    /// The callout timed out (Envoy's synthetic 504).
+    Timeout,
+    /// The inventory service was unreachable (503: refused, reset, no healthy host).
+    Unavailable,
+    /// Any other non-200 answer.
+    Status,
+    /// A 200 whose body is not a valid route answer.
+    BadResponse,
+    /// The request ended (client reset) while the filter held it.
+    Aborted,
+}
+
+impl FailReason {
+    /// Every reason, in counter order.
+    pub const ALL: [FailReason; 11] = [
+        FailReason::BodyTooLarge,
+        FailReason::BadRequest,
+        FailReason::NoContract,
+        FailReason::Tokenize,
+        FailReason::Hash,
+        FailReason::Dispatch,
+        FailReason::Timeout,
+        FailReason::Unavailable,
+        FailReason::Status,
+        FailReason::BadResponse,
+        FailReason::Aborted,
+    ];
+
+    /// The label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FailReason::BodyTooLarge => "body_too_large",
+            FailReason::BadRequest => "bad_request",
+            FailReason::NoContract => "no_contract",
+            FailReason::Tokenize => "tokenize",
+            FailReason::Hash => "hash",
+            FailReason::Dispatch => "dispatch",
+            FailReason::Timeout => "timeout",
+            FailReason::Unavailable => "unavailable",
+            FailReason::Status => "status",
+            FailReason::BadResponse => "bad_response",
+            FailReason::Aborted => "aborted",
+        }
+    }
+}
+
+/// The counters and histograms (names are `kvroute_filter_*`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Stat {
+    /// Every request the filter saw.
+    Requests,
+    /// Requests on a routed path with a JSON body (candidates for a pin).
+    Considered,
+    /// Pins set (a route answer named an endpoint).
+    Pinned,
+    /// Decisions by tier.
+    DecisionTier15,
+    DecisionFallback,
+    DecisionOther,
+    /// Client-supplied pin/routing headers removed.
+    SpoofedHeaders,
+    /// Requests routed without keys because no tokenizer is loaded.
+    NoTokenizer,
+    /// Tokenization segments served from the segment cache / encoded.
+    SegmentHits,
+    SegmentMisses,
+    /// `usage` token counts from responses.
+    CacheHitTokens,
+    CacheMissTokens,
+    /// Responses whose usage was parsed.
+    UsageParsed,
+    /// Root-context loads (contract, tokenizer) that failed and will be retried.
+    LoadFailures,
+    /// Histograms (microseconds).
+    TokenizeUs,
+    FilterUs,
+    FailOpen(FailReason),
+}
+
+const FIXED: [(Stat, &str, MetricKind); 16] = [
+    (Stat::Requests, "kvroute_filter_requests_total", MetricKind::Counter),
+    (Stat::Considered, "kvroute_filter_considered_total", MetricKind::Counter),
+    (Stat::Pinned, "kvroute_filter_pinned_total", MetricKind::Counter),
+    (Stat::DecisionTier15, "kvroute_filter_decisions_tier15_total", MetricKind::Counter),
+    (Stat::DecisionFallback, "kvroute_filter_decisions_fallback_total", MetricKind::Counter),
+    (Stat::DecisionOther, "kvroute_filter_decisions_other_total", MetricKind::Counter),
+    (Stat::SpoofedHeaders, "kvroute_filter_spoofed_headers_total", MetricKind::Counter),
+    (Stat::NoTokenizer, "kvroute_filter_no_tokenizer_total", MetricKind::Counter),
+    (Stat::SegmentHits, "kvroute_filter_segment_cache_hits_total", MetricKind::Counter),
+    (Stat::SegmentMisses, "kvroute_filter_segment_cache_misses_total", MetricKind::Counter),
+    (Stat::CacheHitTokens, "kvroute_filter_cache_hit_tokens_total", MetricKind::Counter),
+    (Stat::CacheMissTokens, "kvroute_filter_cache_miss_tokens_total", MetricKind::Counter),
+    (Stat::UsageParsed, "kvroute_filter_usage_parsed_total", MetricKind::Counter),
+    (Stat::LoadFailures, "kvroute_filter_load_failures_total", MetricKind::Counter),
+    (Stat::TokenizeUs, "kvroute_filter_tokenize_us", MetricKind::Histogram),
+    (Stat::FilterUs, "kvroute_filter_duration_us", MetricKind::Histogram),
+];
+
+/// Metric handles; a refused definition only disables that metric.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Stats {
+    fixed: [Option<CounterId>; 16],
+    fail: [Option<CounterId>; 11],
+}
+
+impl Stats {
+    /// Defines every metric; logs once if the host refused any.
+    pub fn define(host: &dyn Host) -> Stats {
+        let mut s = Stats::default();
+        let mut refused = 0;
+        for (i, (_, name, kind)) in FIXED.iter().enumerate() {
+            s.fixed[i] = host.define_metric(*kind, name);
+            refused += usize::from(s.fixed[i].is_none());
+        }
+        for (i, r) in FailReason::ALL.iter().enumerate() {
+            s.fail[i] = host.define_counter(&format!("kvroute_filter_fail_open_{}_total", r.as_str()));
+            refused += usize::from(s.fail[i].is_none());
+        }
+        if refused > 0 {
+            host.log(Level::Warn, &format!("kvroute-filter: the host refused {refused} metric definitions; those are not counted"));
+        }
+        s
+    }
+
+    fn id(&self, stat: Stat) -> Option<CounterId> {
+        match stat {
+            Stat::FailOpen(r) => FailReason::ALL.iter().position(|x| *x == r).and_then(|i| self.fail[i]),
+            other => FIXED.iter().position(|(s, _, _)| *s == other).and_then(|i| self.fixed[i]),
+        }
+    }
+
+    /// Adds `n` to a counter.
+    pub fn add(&self, host: &dyn Host, stat: Stat, n: u64) {
+        if let Some(id) = self.id(stat) {
+            if n > 0 {
+                host.increment(id, n);
+            }
+        }
+    }
+
+    /// Adds one to a counter.
+    pub fn inc(&self, host: &dyn Host, stat: Stat) {
+        self.add(host, stat, 1);
+    }
+
+    /// Records a histogram sample.
+    pub fn record(&self, host: &dyn Host, stat: Stat, value: u64) {
+        if let Some(id) = self.id(stat) {
+            host.record(id, value);
+        }
+    }
+
+    /// True when the request counter is defined (the smoke test relies on it).
+    pub fn counts_requests(&self) -> bool {
+        self.fixed[0].is_some()
+    }
+}
+
+/// The stat name of a fixed stat (for docs and tests).
+pub fn name(stat: Stat) -> String {
+    match stat {
+        Stat::FailOpen(r) => format!("kvroute_filter_fail_open_{}_total", r.as_str()),
+        other => FIXED.iter().find(|(s, _, _)| *s == other).map(|(_, n, _)| (*n).to_owned()).unwrap_or_default(),
+    }
+}

@@ -1,0 +1,373 @@
+//! Prompt token ids inside the filter: chat template, tokenizer and the segment cache.
+//!
+//! The hot path is kvroute-core's exact [`FastBpe`] when the tokenizer's shape allows it, else HF
+//! `tokenizers`. On the fast path the rendered prompt is cut at added (special) tokens, exactly
+//! where `FastBpe` itself cuts it, and each segment's ids are cached by the segment's full text:
+//! a multi-turn follow-up or a shared system prompt re-encodes only the new segments. Reuse is
+//! exact because the encoder never merges across an added token, so a segment's ids depend on
+//! its text alone (the cache key is the text itself, not a hash, so a hit is provably identical).
+
+use std::cell::{Cell, RefCell};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::Arc;
+
+use aho_corasick::{AhoCorasick, MatchKind};
+use kvroute_core::bpe::FastBpe;
+use kvroute_core::chat::ChatTemplate;
+use kvroute_core::prompt::{Prompt, PromptError, Request, RequestBody};
+use kvroute_core::tokenize::Tokenizer;
+use serde_json::Value;
+
+/// Most text bytes kept in the segment cache before it is emptied (bounds memory per VM).
+const SEGMENT_CACHE_BYTES: usize = 16 << 20;
+
+/// Unix seconds for `strftime_now` in templates; set by the caller before rendering.
+static CLOCK_SECS: AtomicI64 = AtomicI64::new(0);
+
+/// Sets the clock templates read (the request path passes the host's time).
+pub fn set_clock(unix_secs: i64) {
+    CLOCK_SECS.store(unix_secs, Ordering::Relaxed);
+}
+
+/// Why a tokenizer could not be loaded.
+#[derive(Debug, thiserror::Error)]
+pub enum LoadError {
+    #[error("tokenizer.json could not be loaded: {0}")]
+    Tokenizer(String),
+    #[error("tokenizer_config.json chat template could not be loaded: {0}")]
+    Template(String),
+}
+
+enum Encoder {
+    /// The fast exact path, with the added-token splitter it uses.
+    Fast { bpe: FastBpe, added: Option<AhoCorasick> },
+    Hf(Tokenizer),
+}
+
+/// Segment-cache outcome of one encode.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SegmentStats {
+    pub hits: u64,
+    pub misses: u64,
+}
+
+/// A model's tokenizer and chat template, with the segment cache.
+pub struct PromptEncoder {
+    enc: Encoder,
+    template: Option<ChatTemplate>,
+    cache: RefCell<HashMap<Box<str>, Box<[u32]>>>,
+    cache_bytes: Cell<usize>,
+}
+
+impl std::fmt::Debug for PromptEncoder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PromptEncoder")
+            .field("fast", &self.is_fast())
+            .field("template", &self.template.is_some())
+            .finish_non_exhaustive()
+    }
+}
+
+/// True when the post-processor adds nothing around the text (then `add_special_tokens` is moot
+/// and the fast path is exact for completions too).
+fn post_processor_adds_nothing(t: &Value) -> bool {
+    match &t["post_processor"] {
+        Value::Null => true,
+        p => p["type"].as_str() == Some("ByteLevel"),
+    }
+}
+
+fn added_splitter(t: &Value) -> Result<Option<AhoCorasick>, LoadError> {
+    let patterns: Vec<&str> = t["added_tokens"]
+        .as_array()
+        .map(|a| a.iter().filter_map(|tok| tok["content"].as_str()).collect())
+        .unwrap_or_default();
+    if patterns.is_empty() {
+        return Ok(None);
+    }
+    AhoCorasick::builder()
+        .match_kind(MatchKind::LeftmostLongest)
+        .build(&patterns)
+        .map(Some)
+        .map_err(|e| LoadError::Tokenizer(format!("added tokens cannot be indexed: {e}")))
+}
+
+impl PromptEncoder {
+    /// Loads `tokenizer.json` and, when given, the chat template of `tokenizer_config.json`.
+    pub fn load(tokenizer_json: &[u8], config_json: Option<&[u8]>) -> Result<PromptEncoder, LoadError> {
+        let t: Value = serde_json::from_slice(tokenizer_json).map_err(|e| LoadError::Tokenizer(e.to_string()))?;
+        let fast = if post_processor_adds_nothing(&t) {
+            FastBpe::from_tokenizer_json(tokenizer_json).map_err(|e| LoadError::Tokenizer(e.to_string()))?
+        } else {
+            None
+        };
+        let enc = match fast {
+            Some(bpe) => Encoder::Fast { bpe, added: added_splitter(&t)? },
+            None => Encoder::Hf(Tokenizer::from_bytes(tokenizer_json).map_err(|e| LoadError::Tokenizer(e.to_string()))?),
+        };
+        let template = match config_json {
+            None => None,
+            Some(c) => {
+                let mut tpl = ChatTemplate::new(c).map_err(|e| LoadError::Template(e.to_string()))?;
+                tpl.set_clock(Arc::new(|| CLOCK_SECS.load(Ordering::Relaxed)));
+                Some(tpl)
+            }
+        };
+        Ok(PromptEncoder { enc, template, cache: RefCell::new(HashMap::new()), cache_bytes: Cell::new(0) })
+    }
+
+    /// True when the fast exact encoder (and the segment cache) is in use.
+    pub fn is_fast(&self) -> bool {
+        matches!(self.enc, Encoder::Fast { .. })
+    }
+
+    /// True when chat requests can be rendered.
+    pub fn has_template(&self) -> bool {
+        self.template.is_some()
+    }
+
+    /// The token ids the engine computes for `request` (vLLM defaults: completions with special
+    /// tokens, chat without), and how the segment cache did.
+    pub fn tokens(&self, request: &Request) -> Result<(Vec<u32>, SegmentStats), PromptError> {
+        match &request.body {
+            RequestBody::Completion(Prompt::TokenIds(ids)) => Ok((ids.clone(), SegmentStats::default())),
+            RequestBody::Completion(Prompt::Text(text)) => self.encode(text, request.add_special_tokens.unwrap_or(true)),
+            RequestBody::Chat(chat) => {
+                let template = self.template.as_ref().ok_or(PromptError::NoChatTemplate)?;
+                let text = template.render(chat)?;
+                self.encode(&text, request.add_special_tokens.unwrap_or(false))
+            }
+        }
+    }
+
+    fn encode(&self, text: &str, add_special_tokens: bool) -> Result<(Vec<u32>, SegmentStats), PromptError> {
+        match &self.enc {
+            Encoder::Hf(t) => Ok((t.encode(text, add_special_tokens)?, SegmentStats::default())),
+            Encoder::Fast { bpe, added } => {
+                let mut out = Vec::with_capacity(text.len() / 3 + 8);
+                let mut stats = SegmentStats::default();
+                let mut at = 0;
+                if let Some(ac) = added {
+                    for m in ac.find_iter(text) {
+                        self.segment(bpe, &text[at..m.start()], &mut out, &mut stats);
+                        // An added token alone encodes to its id: through the encoder, so the
+                        // id mapping stays FastBpe's.
+                        self.segment(bpe, &text[m.start()..m.end()], &mut out, &mut stats);
+                        at = m.end();
+                    }
+                }
+                self.segment(bpe, &text[at..], &mut out, &mut stats);
+                Ok((out, stats))
+            }
+        }
+    }
+
+    fn segment(&self, bpe: &FastBpe, seg: &str, out: &mut Vec<u32>, stats: &mut SegmentStats) {
+        if seg.is_empty() {
+            return;
+        }
+        if let Some(ids) = self.cache.borrow().get(seg) {
+            out.extend_from_slice(ids);
+            stats.hits += 1;
+            return;
+        }
+        stats.misses += 1;
+        let ids = bpe.encode(seg);
+        out.extend_from_slice(&ids);
+        let mut cache = self.cache.borrow_mut();
+        if self.cache_bytes.get() + seg.len() > SEGMENT_CACHE_BYTES {
+            cache.clear();
+            self.cache_bytes.set(0);
+        }
+        self.cache_bytes.set(self.cache_bytes.get() + seg.len());
+        cache.insert(seg.into(), ids.into_boxed_slice());
+    }
+
+    /// Empties the segment cache and the encoder's piece cache (the bench's "cold" case).
+    pub fn clear_caches(&self) {
+        self.cache.borrow_mut().clear();
+        self.cache_bytes.set(0);
+        if let Encoder::Fast { bpe, .. } = &self.enc {
+            bpe.clear_cache();
+        }
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+pub(crate) mod tests {
+    use super::*;
+
+    /// A byte-level BPE tokenizer small enough to inline: vocabulary = the 256 byte symbols plus a
+    /// few merges and two added tokens.
+    pub(crate) fn tiny_tokenizer_json() -> String {
+        let mut vocab = serde_json::Map::new();
+        let mut n = 0u32;
+        // GPT-2 byte table: printable ranges map to themselves, the rest to 256+.
+        let mut extra = 0u32;
+        for b in 0..=255u32 {
+            let printable = matches!(b, 33..=126 | 0xA1..=0xAC | 0xAE..=0xFF);
+            let c = if printable { char::from_u32(b).unwrap() } else { extra += 1; char::from_u32(255 + extra).unwrap() };
+            vocab.insert(c.to_string(), n.into());
+            n += 1;
+        }
+        for m in ["he", "ll", "hell", "hello"] {
+            vocab.insert(m.into(), n.into());
+            n += 1;
+        }
+        serde_json::json!({
+            "version": "1.0", "truncation": null, "padding": null,
+            "added_tokens": [
+                {"id": 1000, "content": "<|im_start|>", "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": true},
+                {"id": 1001, "content": "<|im_end|>", "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": true}
+            ],
+            "normalizer": null,
+            "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true},
+            "post_processor": {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true},
+            "decoder": {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true},
+            "model": {"type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": "", "end_of_word_suffix": "",
+                      "fuse_unk": false, "byte_fallback": false, "ignore_merges": false,
+                      "vocab": vocab, "merges": ["h e", "l l", "he ll", "hell o"]}
+        })
+        .to_string()
+    }
+
+    pub(crate) const TINY_CONFIG: &str = r#"{"chat_template": "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}", "eos_token": "<|im_end|>"}"#;
+
+    fn chat(messages: serde_json::Value) -> Request {
+        Request::from_json(serde_json::json!({"model": "m", "messages": messages}).to_string().as_bytes()).unwrap()
+    }
+
+    #[test]
+    fn segment_cache_reuses_earlier_turns_and_matches_uncached_ids() {
+        let tok = tiny_tokenizer_json();
+        let enc = PromptEncoder::load(tok.as_bytes(), Some(TINY_CONFIG.as_bytes())).unwrap();
+        assert!(enc.is_fast() && enc.has_template());
+        let first = chat(serde_json::json!([{"role": "system", "content": "hello hello"}, {"role": "user", "content": "hello there"}]));
+        let (ids1, s1) = enc.tokens(&first).unwrap();
+        // Within one prompt only the repeated special tokens and separators hit.
+        assert!(s1.misses >= 4, "{s1:?}");
+        let follow = chat(serde_json::json!([
+            {"role": "system", "content": "hello hello"}, {"role": "user", "content": "hello there"},
+            {"role": "assistant", "content": "hello"}, {"role": "user", "content": "more"}]));
+        let (ids2, s2) = enc.tokens(&follow).unwrap();
+        assert!(s2.hits > s2.misses, "{s2:?}");
+        // The cached result equals a cold encode, and the first turns are a prefix.
+        enc.clear_caches();
+        let (cold, _) = enc.tokens(&follow).unwrap();
+        assert_eq!(ids2, cold);
+        assert_eq!(&ids2[..ids1.len() - 3], &ids1[..ids1.len() - 3]);
+        assert!(ids2.contains(&1000) && ids2.contains(&1001));
+        // The hello merges applied.
+        assert!(ids2.contains(&259), "{ids2:?}");
+    }
+
+    #[test]
+    fn token_id_prompts_need_no_tokenizer_work_and_chat_needs_a_template() {
+        let tok = tiny_tokenizer_json();
+        let enc = PromptEncoder::load(tok.as_bytes(), None).unwrap();
+        let r = Request::from_json(br#"{"prompt": [5, 6, 7]}"#).unwrap();
+        assert_eq!(enc.tokens(&r).unwrap().0, vec![5, 6, 7]);
+        let r = Request::from_json(br#"{"prompt": "hello"}"#).unwrap();
+        assert_eq!(enc.tokens(&r).unwrap().0, vec![259]);
+        assert!(matches!(enc.tokens(&chat(serde_json::json!([{"role": "user", "content": "x"}]))), Err(PromptError::NoChatTemplate)));
+        assert!(PromptEncoder::load(b"nope", None).is_err());
+    }
+}
+
+/// Parity with the reference path (HF tokenizers + the same template) on the real Qwen3
+/// tokenizer, when the fixture is installed (scripts/setup.sh); skipped otherwise.
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+mod fixture_parity {
+    use super::*;
+    use kvroute_core::prompt::PromptTokens;
+
+    fn fixture() -> Option<std::path::PathBuf> {
+        let dir = std::env::var_os("KVROUTE_TOKENIZER_DIR")
+            .map(std::path::PathBuf::from)
+            .unwrap_or_else(|| std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.cache/fixtures/qwen3"));
+        dir.join("tokenizer.json").is_file().then_some(dir)
+    }
+
+    #[test]
+    fn matches_hf_on_chat_and_completions() {
+        let Some(dir) = fixture() else {
+            eprintln!("skipped: no Qwen3 tokenizer fixture");
+            return;
+        };
+        let json = std::fs::read(dir.join("tokenizer.json")).unwrap();
+        let config = std::fs::read(dir.join("tokenizer_config.json")).unwrap();
+        let enc = PromptEncoder::load(&json, Some(&config)).unwrap();
+        assert!(enc.is_fast());
+        let hf = Tokenizer::from_bytes(&json).unwrap();
+        let tpl = ChatTemplate::new(&config).unwrap();
+        let bodies = [
+            serde_json::json!({"model": "m", "messages": [
+                {"role": "system", "content": "You are a careful assistant. Réponds en français. 你好 🚀"},
+                {"role": "user", "content": "Explain, step by step, how a paged KV cache works.\n\n  Indented   text\ttabs."},
+                {"role": "assistant", "content": "Sure: blocks <|im_end|> are hashed."},
+                {"role": "user", "content": "And again?"}]}),
+            serde_json::json!({"prompt": "Plain completion text with <|endoftext|> inside and numbers 12345."}),
+        ];
+        for b in bodies {
+            let req = Request::from_json(b.to_string().as_bytes()).unwrap();
+            let want = PromptTokens::from_request(&req, &hf, Some(&tpl)).unwrap();
+            for round in 0..2 {
+                let (got, _) = enc.tokens(&req).unwrap();
+                assert_eq!(got, want, "round {round}: {b}");
+            }
+        }
+    }
+}
+
+/// Stage timings on the real tokenizer (`cargo test --release -p kvroute-filter stage_timings --
+/// --ignored --nocapture`): where a request's filter time goes, natively.
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+mod stage_timings {
+    use super::*;
+    use std::time::Instant;
+
+    #[test]
+    #[ignore = "timing report, not a test"]
+    fn stage_timings() {
+        let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.cache/fixtures/qwen3");
+        let json = std::fs::read(dir.join("tokenizer.json")).unwrap();
+        let config = std::fs::read(dir.join("tokenizer_config.json")).unwrap();
+        let enc = PromptEncoder::load(&json, Some(&config)).unwrap();
+        let mut seed = 7u64;
+        let mut word = || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            ["ka", "lo", "mi", "tren", "sor", "vel", "di", "ux", "pra", "ne", "qui", "shal"][(seed % 12) as usize].repeat(1 + (seed % 3) as usize)
+        };
+        let mut msgs = vec![serde_json::json!({"role": "system", "content": "You are helpful."})];
+        for i in 0..40 {
+            let text: Vec<String> = (0..150).map(|_| word()).collect();
+            msgs.push(serde_json::json!({"role": if i % 2 == 0 {"user"} else {"assistant"}, "content": text.join(" ")}));
+        }
+        let body = serde_json::json!({"model": "m", "messages": msgs}).to_string();
+        let t = Instant::now();
+        let req = Request::from_json(body.as_bytes()).unwrap();
+        let parse = t.elapsed();
+        let RequestBody::Chat(chat) = &req.body else { panic!() };
+        let t = Instant::now();
+        let text = enc.template.as_ref().unwrap().render(chat).unwrap();
+        let render = t.elapsed();
+        enc.clear_caches();
+        let t = Instant::now();
+        let (ids, _) = enc.encode(&text, false).unwrap();
+        let cold = t.elapsed();
+        let t = Instant::now();
+        let _ = enc.encode(&text, false).unwrap();
+        let warm = t.elapsed();
+        let contract = kvroute_core::hash::HashContract::new(kvroute_core::hash::HashAlgo::Sha256Cbor, kvroute_core::hash::BlockSize::new(16).unwrap()).with_seed("0");
+        let t = Instant::now();
+        let keys = contract.keys(&ids, &Default::default()).unwrap();
+        let hash = t.elapsed();
+        eprintln!("{} bytes body, {} tokens, {} keys: parse {parse:?}, render {render:?}, encode cold {cold:?}, encode cached {warm:?}, hash {hash:?}", body.len(), ids.len(), keys.len());
+    }
+}

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Measures the latency the kvroute filter adds in Envoy (p50/p99 versus Envoy without the filter)
+# for ~1k and ~8k-token chat prompts, cold and as a multi-turn follow-up, with the filter
+# tokenizing and with tokenization offloaded to the inventory service. Writes docs/filter-bench.md.
+#
+# Needs what scripts/setup.sh installs (Envoy 1.40, the Qwen3 tokenizer fixture). Builds the .wasm
+# and the inventory service first. Takes a few minutes; run on an otherwise idle machine.
+#
+#   scripts/bench-filter.sh            # 100 samples per cell
+#   KVROUTE_BENCH_SAMPLES=300 scripts/bench-filter.sh
+#   KVROUTE_BENCH_OUT=/tmp/bench.md scripts/bench-filter.sh
+set -euo pipefail
+
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$REPO"
+[[ -f .cache/env.sh ]] && source .cache/env.sh
+
+./scripts/build-wasm.sh
+# A release service: a debug build's route handler (and its offload tokenizer) would dominate.
+cargo build --release -p kvroute-inventory
+export KVROUTE_INVENTORY_BIN="$REPO/target/release/kvroute-inventory"
+export KVROUTE_BENCH_OUT="${KVROUTE_BENCH_OUT:-$REPO/docs/filter-bench.md}"
+cargo test -p kvroute-tests --test filter_bench -- --ignored --nocapture --test-threads 1
+echo "bench-filter.sh: results in $KVROUTE_BENCH_OUT"
