@@ -187,7 +187,7 @@ impl Plugin {
         let now = host.now_nanos();
         let have_contract = self.vm.contract.borrow().is_some();
         if now >= self.next_contract_ns {
-            let path = format!("/v1/rules/{rule}/contract");
+            let path = format!("/v1/rules/{}/contract", path_segment(&rule));
             self.dispatch(host, &path, Load::Contract);
             return LOADING_TICK;
         }
@@ -336,6 +336,20 @@ fn embedded_encoder(host: &dyn Host) -> Option<Rc<PromptEncoder>> {
     None
 }
 
+/// Percent-encodes a rule id for one URL path segment: ids look like `10.0.0.1:8080/tcp` or
+/// `[fd00::1]:80/tcp`, whose `/` and brackets must not split or break the path.
+fn path_segment(id: &str) -> String {
+    let mut out = String::with_capacity(id.len() + 6);
+    for b in id.bytes() {
+        if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'.' | b'_' | b'~' | b':') {
+            out.push(b as char);
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
+}
+
 #[cfg(test)]
 #[allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 mod tests {
@@ -371,6 +385,8 @@ mod tests {
         p.configure(&host, br#"{"rule":"10.0.0.1:8080","inventory_cluster":"inv"}"#);
         assert_eq!(p.on_tick(&host), LOADING_TICK);
         assert_eq!(host.calls.borrow()[0].path, "/v1/rules/10.0.0.1:8080/contract");
+        assert_eq!(path_segment("10.0.0.1:8080/tcp"), "10.0.0.1:8080%2Ftcp");
+        assert_eq!(path_segment("[fd00::1]:80/tcp"), "%5Bfd00::1%5D:80%2Ftcp");
         // A second tick while the call is pending starts nothing.
         p.on_tick(&host);
         assert_eq!(host.calls.borrow().len(), 1);

@@ -13,6 +13,7 @@ use super::{BlockKey, BlockSize};
 /// `k_{-1}`: "kvroute1" as big-endian bytes.
 const ROOT: u64 = u64::from_be_bytes(*b"kvroute1");
 
+#[derive(Clone)]
 pub(crate) struct ContentHasher {
     parent: u64,
     buf: Vec<u8>,

@@ -299,6 +299,7 @@ fn reject_lora(algo: HashAlgo, extra: &ExtraKeys) -> Result<(), HashError> {
     Ok(())
 }
 
+#[derive(Clone)]
 enum Inner {
     Vllm(vllm::VllmHasher),
     Sglang(sglang::SglangHasher),
@@ -307,6 +308,8 @@ enum Inner {
 }
 
 /// Streaming block hasher for one request: block `i`'s key from block `i` and the chain state.
+/// Cloning snapshots the chain state, so a caller can cache the state after a shared prefix.
+#[derive(Clone)]
 pub struct BlockHasher {
     block_size: BlockSize,
     inner: Inner,

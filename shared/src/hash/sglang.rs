@@ -10,6 +10,7 @@ use super::BlockKey;
 
 const SALT_PREFIX: &[u8] = b"sglang-cache-salt-v1\0";
 
+#[derive(Clone)]
 pub(crate) struct SglangHasher {
     parent: Option<[u8; 32]>,
     buf: Vec<u8>,

@@ -49,6 +49,7 @@ pub fn cache_salt_id(salt: &str) -> u64 {
     u64::from_le_bytes(first)
 }
 
+#[derive(Clone)]
 pub(crate) struct TrtllmHasher {
     parent: u64,
     salt: Option<u64>,

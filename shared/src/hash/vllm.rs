@@ -58,6 +58,7 @@ fn digest(algo: HashAlgo, input: &[u8]) -> Result<NoneHash, HashError> {
 }
 
 /// Streaming vLLM hasher: holds the parent digest and a reusable CBOR buffer.
+#[derive(Clone)]
 pub(crate) struct VllmHasher {
     algo: HashAlgo,
     parent: NoneHash,

@@ -1,0 +1,147 @@
+#!/usr/bin/env bash
+# README command one: the whole kvroute stack on 127.0.0.1, in memory (no Redis).
+#
+#   inventory service  http://127.0.0.1:${KVROUTE_INVENTORY_PORT:-8090}
+#   3 vLLM simulators  http://127.0.0.10-12:8000 (ZMQ events on :5557, replay on :5657), Qwen3 tokenizer
+#   Envoy + filter     http://127.0.0.1:${KVROUTE_GATEWAY_PORT:-10000}  (admin :${KVROUTE_ADMIN_PORT:-9901})
+#
+# It installs what is missing (scripts/setup.sh), builds the filter .wasm and the binaries (release),
+# starts everything, waits until each part is ready, drives a short multi-turn workload through the
+# gateway and a round-robin baseline over the same simulators (caches reset in between), prints
+# the cached-token ratio and TTFT of both, then keeps the stack up until Ctrl-C.
+# KVROUTE_STACK_EXIT=1 stops it after the demo (used by the end-to-end test of this script).
+set -euo pipefail
+
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$REPO"
+export KVROUTE_CACHE="${KVROUTE_CACHE:-$REPO/.cache}"
+INV_PORT="${KVROUTE_INVENTORY_PORT:-8090}"
+GW_PORT="${KVROUTE_GATEWAY_PORT:-10000}"
+ADMIN_PORT="${KVROUTE_ADMIN_PORT:-9901}"
+MODEL="Qwen/Qwen3-0.6B"
+SLUG="Qwen__Qwen3-0.6B"
+SIMS=(127.0.0.10 127.0.0.11 127.0.0.12)
+SIM_PORT=8000
+ZMQ_PORT=5557
+REPLAY_PORT=5657
+VIP="127.0.0.1"
+RULE_ID="$VIP:$GW_PORT"
+
+say() { echo "stack.sh: $*"; }
+die() { echo "stack.sh: $*" >&2; exit 1; }
+
+say "setup"
+./scripts/setup.sh
+say "building the filter .wasm"
+./scripts/build-wasm.sh
+# shellcheck source=/dev/null
+source "$KVROUTE_CACHE/env.sh"
+say "building kvroute-inventory, kvroute-engine-sim, kvroute-bench (release)"
+cargo build --release -q -p kvroute-inventory -p kvroute-engine-sim
+BIN="$REPO/target/release"
+
+RUN="$KVROUTE_CACHE/stack"
+rm -rf "$RUN"
+mkdir -p "$RUN/tokenizers/$SLUG" "$RUN/logs"
+cp "$KVROUTE_TOKENIZER_DIR"/tokenizer.json "$KVROUTE_TOKENIZER_DIR"/tokenizer_config.json "$RUN/tokenizers/$SLUG/"
+head -c 24 /dev/urandom | base64 | tr -d '/+=' >"$RUN/admin-token"
+
+for port in "$INV_PORT" "$GW_PORT" "$ADMIN_PORT"; do
+    if (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null; then
+        die "port $port on 127.0.0.1 is in use (another stack running?); set KVROUTE_INVENTORY_PORT / KVROUTE_GATEWAY_PORT / KVROUTE_ADMIN_PORT"
+    fi
+done
+
+PIDS=()
+cleanup() {
+    trap - EXIT INT TERM
+    if ((${#PIDS[@]})); then
+        kill "${PIDS[@]}" 2>/dev/null || true
+        wait "${PIDS[@]}" 2>/dev/null || true
+    fi
+}
+trap cleanup EXIT
+trap 'echo; say "stopping"; exit 0' INT TERM
+
+# wait_http URL NAME LOG: polls until URL answers 2xx, at most 60 s, or fails with the log's tail.
+wait_http() {
+    local url=$1 name=$2 log=$3 deadline=$((SECONDS + 60))
+    until curl -fsS -o /dev/null --max-time 2 "$url"; do
+        if ((SECONDS > deadline)); then
+            tail -20 "$log" >&2 || true
+            die "$name did not become ready at $url within 60 s (log: $log)"
+        fi
+        sleep 0.2
+    done
+}
+
+say "starting the inventory service on 127.0.0.1:$INV_PORT"
+"$BIN/kvroute-inventory" serve --listen "127.0.0.1:$INV_PORT" --tokenizer-dir "$RUN" \
+    --auth-token-file "$RUN/admin-token" >"$RUN/logs/inventory.log" 2>&1 &
+PIDS+=($!)
+for ip in "${SIMS[@]}"; do
+    say "starting a vLLM simulator on $ip:$SIM_PORT"
+    "$BIN/kvroute-engine-sim" --listen "$ip:$SIM_PORT" --engine vllm --seed 0 --block-size 16 \
+        --kv-blocks 160 --zmq-port "$ZMQ_PORT" --replay-port "$REPLAY_PORT" --topic kv-events \
+        --tokenizer-dir "$KVROUTE_TOKENIZER_DIR" --model "$MODEL" --name "sim-$ip" \
+        >"$RUN/logs/sim-$ip.log" 2>&1 &
+    PIDS+=($!)
+done
+wait_http "http://127.0.0.1:$INV_PORT/healthz" "inventory" "$RUN/logs/inventory.log"
+for ip in "${SIMS[@]}"; do
+    wait_http "http://$ip:$SIM_PORT/health" "simulator $ip" "$RUN/logs/sim-$ip.log"
+done
+
+say "loading the rule $RULE_ID (vLLM, sha256_cbor, PYTHONHASHSEED=0, block 16, kvExactMode 3)"
+endpoints=""
+for ip in "${SIMS[@]}"; do
+    endpoints+="${endpoints:+,}{\"endpointIP\":\"$ip\",\"targetPort\":$SIM_PORT,\"weight\":1}"
+done
+rule="{\"serviceArguments\":{\"externalIP\":\"$VIP\",\"port\":$GW_PORT,\"protocol\":\"tcp\",\"sel\":0,\"mode\":4,
+\"kvExactMode\":3,\"kvEngineType\":\"vllm\",\"kvHashAlgo\":\"sha256_cbor\",\"kvBlockSize\":16,\"kvZmqPort\":$ZMQ_PORT,
+\"kvReplayPort\":$REPLAY_PORT,\"kvModel\":\"$MODEL\"},\"endpoints\":[$endpoints]}"
+curl -fsS -X POST "http://127.0.0.1:$INV_PORT/netlox/v1/config/loadbalancer" \
+    -H "authorization: Bearer $(cat "$RUN/admin-token")" -H 'content-type: application/json' \
+    --data "$rule" >/dev/null || die "the inventory refused the rule (log: $RUN/logs/inventory.log)"
+
+say "starting Envoy with the filter on 127.0.0.1:$GW_PORT"
+# The shipped envoy/envoy.yaml, with this machine's addresses: what a user copies is what runs here.
+sed -e "s#/etc/kvroute/kvroute_filter.wasm#$KVROUTE_WASM#" \
+    -e "s#\"rule\": \"10.0.0.1:8080\"#\"rule\": \"$RULE_ID\"#" \
+    -e "s#address: 0.0.0.0, port_value: 10000#address: 127.0.0.1, port_value: $GW_PORT#" \
+    -e "s#address: 127.0.0.1, port_value: 9901#address: 127.0.0.1, port_value: $ADMIN_PORT#" \
+    -e "s#address: 10.0.0.10, port_value: 8000#address: ${SIMS[0]}, port_value: $SIM_PORT#" \
+    -e "s#address: 10.0.0.11, port_value: 8000#address: ${SIMS[1]}, port_value: $SIM_PORT#" \
+    -e "s#address: 10.0.0.12, port_value: 8000#address: ${SIMS[2]}, port_value: $SIM_PORT#" \
+    -e "s#address: kvroute-inventory, port_value: 8080#address: 127.0.0.1, port_value: $INV_PORT#" \
+    envoy/envoy.yaml >"$RUN/envoy.yaml"
+"$KVROUTE_ENVOY" -c "$RUN/envoy.yaml" --disable-hot-restart --log-level warn --concurrency 2 \
+    >"$RUN/logs/envoy.log" 2>&1 &
+PIDS+=($!)
+wait_http "http://127.0.0.1:$ADMIN_PORT/ready" "Envoy" "$RUN/logs/envoy.log"
+
+sims_csv=""
+for ip in "${SIMS[@]}"; do sims_csv+="${sims_csv:+,}http://$ip:$SIM_PORT"; done
+say "driving a multi-turn workload: kvroute through the gateway, then round robin (caches reset in between)"
+"$BIN/kvroute-bench" --preset small --workloads multi-turn --strategies gateway,round-robin \
+    --gateway "http://127.0.0.1:$GW_PORT" --sims "$sims_csv" --model "$MODEL" \
+    --tokenizer-dir "$KVROUTE_TOKENIZER_DIR" --markdown "$RUN/demo.md" || die "the workload failed"
+
+cat <<MSG
+
+kvroute is running:
+  gateway (OpenAI API)  http://127.0.0.1:$GW_PORT/v1/chat/completions   model "$MODEL"
+  inventory service     http://127.0.0.1:$INV_PORT  (/metrics, /healthz, /netlox/v1/config/loadbalancer/all)
+  inventory of sim 0    http://127.0.0.1:$INV_PORT/netlox/v1/config/ai/kv/inventory?service_id=$RULE_ID&ep_idx=0
+  Envoy admin           http://127.0.0.1:$ADMIN_PORT/stats?filter=kvroute
+  simulators            $sims_csv
+  logs                  $RUN/logs/
+Try:
+  curl -s http://127.0.0.1:$GW_PORT/v1/chat/completions -H 'content-type: application/json' \\
+    -d '{"model":"$MODEL","messages":[{"role":"user","content":"Hello"}]}' -D - | grep -i x-kvroute
+MSG
+if [[ "${KVROUTE_STACK_EXIT:-0}" == 1 ]]; then
+    exit 0
+fi
+say "Ctrl-C stops everything"
+wait "${PIDS[0]}"
