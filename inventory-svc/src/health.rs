@@ -95,6 +95,12 @@ async fn scrape_loop(state: Arc<AppState>, rule: Arc<RuleRuntime>) {
                     _ => None,
                 },
             };
+            // Placement compares free cache: the engine's own capacity when it publishes one.
+            if let Some(cap) = text.as_deref().and_then(crate::score::parse_num_gpu_blocks) {
+                rule.eps[i]
+                    .capacity
+                    .store(cap, std::sync::atomic::Ordering::Relaxed);
+            }
             if let Some(load) = text.as_deref().and_then(parse_load) {
                 rule.eps[i].record_scrape(Instant::now(), load);
                 state

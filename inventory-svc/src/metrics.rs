@@ -35,6 +35,10 @@ pub struct Metrics {
     pub route_decisions: IntCounterVec,
     pub tier15_spills: IntCounter,
     pub tier15_cold_seeds: IntCounter,
+    /// Decisions sent to a prefix family's remembered home (placement memory).
+    pub tier15_remembered: IntCounter,
+    /// New prefix families placed by free cache (footprint) instead of `sel`.
+    pub tier15_placements: IntCounter,
     pub route_latency: Histogram,
     /// `rule`, `ep`: 1 healthy, 0 unhealthy.
     pub endpoint_healthy: IntGaugeVec,
@@ -93,6 +97,14 @@ impl Metrics {
             route_decisions: cv("kvroute_route_decisions_total", "Routing decisions by tier and reason.", &["tier", "reason"])?,
             tier15_spills: c("kvroute_tier15_spills_total", "Tier 1.5 decisions moved off the best-overlap endpoint by load.")?,
             tier15_cold_seeds: c("kvroute_tier15_cold_seeds_total", "Tier 1.5 hits sent to a cold endpoint to seed it.")?,
+            tier15_remembered: c(
+                "kvroute_tier15_remembered_total",
+                "Tier 1.5 decisions sent to a prefix family's remembered home past the exact match.",
+            )?,
+            tier15_placements: c(
+                "kvroute_tier15_footprint_placements_total",
+                "New prefix families placed on the endpoint with the most free cache instead of by sel.",
+            )?,
             route_latency: {
                 let h = Histogram::with_opts(
                     HistogramOpts::new("kvroute_route_duration_seconds", "Time to answer POST /v1/route.").buckets(vec![

@@ -65,7 +65,11 @@ fn parse(args: &[String]) -> Result<Args, String> {
     let mut tokenizer = None;
     let mut it = args.iter();
     while let Some(flag) = it.next() {
-        let mut value = || it.next().cloned().ok_or_else(|| format!("{flag} needs a value"));
+        let mut value = || {
+            it.next()
+                .cloned()
+                .ok_or_else(|| format!("{flag} needs a value"))
+        };
         match flag.as_str() {
             "--engine" => engine = Some(value()?),
             "--algo" => algo = Some(value()?),
@@ -84,12 +88,24 @@ fn parse(args: &[String]) -> Result<Args, String> {
         .filter(|e| !e.algos().is_empty())
         .ok_or_else(|| format!("--engine {engine_name:?} is not one of vllm, sglang, trtllm"))?;
     let algo = match algo {
-        None => engine.default_algo().ok_or("--engine has no hash contract")?,
+        None => engine
+            .default_algo()
+            .ok_or("--engine has no hash contract")?,
         Some(a) => {
-            let allowed: Vec<&str> = engine.algos().iter().map(|a| a.as_str()).chain(["tokens"]).collect();
+            let allowed: Vec<&str> = engine
+                .algos()
+                .iter()
+                .map(|a| a.as_str())
+                .chain(["tokens"])
+                .collect();
             HashAlgo::parse(&a)
                 .filter(|h| engine.algos().contains(h) || *h == HashAlgo::Tokens)
-                .ok_or_else(|| format!("--algo {a:?} does not fit --engine {engine}; allowed: {}", allowed.join(", ")))?
+                .ok_or_else(|| {
+                    format!(
+                        "--algo {a:?} does not fit --engine {engine}; allowed: {}",
+                        allowed.join(", ")
+                    )
+                })?
         }
     };
     let bs_raw = block_size.ok_or("--block-size is required (>= 1)")?;
@@ -100,21 +116,46 @@ fn parse(args: &[String]) -> Result<Args, String> {
         .ok_or_else(|| format!("--block-size {bs_raw:?} must be an integer >= 1"))?;
     let input = match (tokens, text, chat, tokenizer) {
         (Some(t), None, None, None) => Input::Tokens(parse_tokens(&t)?),
-        (None, Some(text), None, Some(dir)) => Input::Text { text, tokenizer: dir.into() },
-        (None, None, Some(file), Some(dir)) => Input::Chat { file: file.into(), tokenizer: dir.into() },
+        (None, Some(text), None, Some(dir)) => Input::Text {
+            text,
+            tokenizer: dir.into(),
+        },
+        (None, None, Some(file), Some(dir)) => Input::Chat {
+            file: file.into(),
+            tokenizer: dir.into(),
+        },
         (None, Some(_), None, None) | (None, None, Some(_), None) => {
             return Err("--text and --chat need --tokenizer DIR (holding tokenizer.json)".into())
         }
-        _ => return Err("give exactly one of --tokens, --text (with --tokenizer) or --chat (with --tokenizer)".into()),
+        _ => return Err(
+            "give exactly one of --tokens, --text (with --tokenizer) or --chat (with --tokenizer)"
+                .into(),
+        ),
     };
-    let contract = HashContract { algo, block_size, seed };
-    Ok(Args { engine, contract, extra: ExtraKeys { cache_salt: salt, ..ExtraKeys::default() }, input })
+    let contract = HashContract {
+        algo,
+        block_size,
+        seed,
+    };
+    Ok(Args {
+        engine,
+        contract,
+        extra: ExtraKeys {
+            cache_salt: salt,
+            ..ExtraKeys::default()
+        },
+        input,
+    })
 }
 
 fn parse_tokens(s: &str) -> Result<Vec<u32>, String> {
     s.split(',')
         .filter(|t| !t.trim().is_empty())
-        .map(|t| t.trim().parse::<u32>().map_err(|_| format!("--tokens: {t:?} is not a token id (0..4294967295)")))
+        .map(|t| {
+            t.trim()
+                .parse::<u32>()
+                .map_err(|_| format!("--tokens: {t:?} is not a token id (0..4294967295)"))
+        })
         .collect()
 }
 
@@ -127,7 +168,8 @@ fn tokens_of(input: &Input) -> Result<Vec<u32>, String> {
     use kvroute_core::prompt::{Endpoint, PromptTokens, Request};
     use kvroute_core::tokenize::Tokenizer;
     let load = |dir: &Path| -> Result<(Tokenizer, Option<ChatTemplate>), String> {
-        let tok = Tokenizer::from_bytes(&read(&dir.join("tokenizer.json"))?).map_err(|e| e.to_string())?;
+        let tok = Tokenizer::from_bytes(&read(&dir.join("tokenizer.json"))?)
+            .map_err(|e| e.to_string())?;
         let cfg = dir.join("tokenizer_config.json");
         let tpl = match cfg.exists() {
             true => Some(ChatTemplate::new(&read(&cfg)?).map_err(|e| e.to_string())?),
@@ -140,16 +182,20 @@ fn tokens_of(input: &Input) -> Result<Vec<u32>, String> {
         Input::Text { text, tokenizer } => {
             let (tok, _) = load(tokenizer)?;
             let body = json!({"model": "preflight", "prompt": text}).to_string();
-            let req = Request::from_json_for(body.as_bytes(), Endpoint::Completions).map_err(|e| e.to_string())?;
+            let req = Request::from_json_for(body.as_bytes(), Endpoint::Completions)
+                .map_err(|e| e.to_string())?;
             PromptTokens::from_request(&req, &tok, None).map_err(|e| e.to_string())
         }
         Input::Chat { file, tokenizer } => {
             let (tok, tpl) = load(tokenizer)?;
-            let mut body: Value = serde_json::from_slice(&read(file)?).map_err(|e| format!("{}: {e}", file.display()))?;
+            let mut body: Value = serde_json::from_slice(&read(file)?)
+                .map_err(|e| format!("{}: {e}", file.display()))?;
             if body.get("model").is_none() {
                 body["model"] = json!("preflight");
             }
-            let req = Request::from_json_for(body.to_string().as_bytes(), Endpoint::ChatCompletions).map_err(|e| e.to_string())?;
+            let req =
+                Request::from_json_for(body.to_string().as_bytes(), Endpoint::ChatCompletions)
+                    .map_err(|e| e.to_string())?;
             PromptTokens::from_request(&req, &tok, tpl.as_ref()).map_err(|e| e.to_string())
         }
     }
@@ -157,9 +203,21 @@ fn tokens_of(input: &Input) -> Result<Vec<u32>, String> {
 
 fn compute(args: &Args) -> Result<Value, String> {
     let tokens = tokens_of(&args.input)?;
-    let keys = args.contract.keys(&tokens, &args.extra).map_err(|e| e.to_string())?;
+    let keys = args
+        .contract
+        .keys(&tokens, &args.extra)
+        .map_err(|e| e.to_string())?;
     let signed = args.engine.signed_keys() && args.contract.algo != HashAlgo::Tokens;
-    let keys: Vec<Value> = keys.iter().map(|k| if signed { json!(k.as_i64()) } else { json!(k.0) }).collect();
+    let keys: Vec<Value> = keys
+        .iter()
+        .map(|k| {
+            if signed {
+                json!(k.as_i64())
+            } else {
+                json!(k.0)
+            }
+        })
+        .collect();
     Ok(json!({
         "engine": args.engine,
         "algo": args.contract.algo,

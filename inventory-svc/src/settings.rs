@@ -27,6 +27,16 @@ pub enum SpillRelief {
     Off,
 }
 
+/// How a new prefix family (no overlap anywhere) is placed (`KVROUTE_PLACEMENT`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Placement {
+    /// Most free cache (capacity minus blocks homed) among under-cap endpoints, for `sel` round
+    /// robin and least loaded; hash and priority rules keep their `sel`.
+    Footprint,
+    /// Always the rule's `sel`.
+    Sel,
+}
+
 /// Scoring and ingestion tuning.
 #[derive(Clone, Debug)]
 pub struct Settings {
@@ -66,6 +76,15 @@ pub struct Settings {
     pub zmq_idle_reconnect: Duration,
     /// `KVROUTE_AFFINITY_SCOPE`: `tenant` (default) or `tenant_model` (the model joins the sticky key).
     pub affinity_scope_model: bool,
+    /// `KVROUTE_PLACEMENT`: footprint (default) or sel.
+    pub placement: Placement,
+    /// `KVROUTE_PLACEMENT_MEMORY_ENTRIES`: placement memory bound per rule; 0 disables the memory.
+    pub memory_entries: usize,
+    /// `KVROUTE_PLACEMENT_MEMORY_TTL_MS`: a remembered family is forgotten this long after last use.
+    pub memory_ttl: Duration,
+    /// `KVROUTE_PLACEMENT_CAPACITY_BLOCKS`: cache capacity assumed for an endpoint whose
+    /// `vllm:cache_config_info` num_gpu_blocks was not scraped; 0 = unknown.
+    pub capacity_blocks: u64,
 }
 
 impl Default for Settings {
@@ -88,6 +107,10 @@ impl Default for Settings {
             replay_timeout: Duration::from_millis(2000),
             affinity_scope_model: false,
             zmq_idle_reconnect: Duration::from_millis(30_000),
+            placement: Placement::Footprint,
+            memory_entries: 65_536,
+            memory_ttl: Duration::from_millis(1_800_000),
+            capacity_blocks: 0,
         }
     }
 }
@@ -161,6 +184,22 @@ pub const ENV_VARS: &[(&str, &str)] = &[
         "KVROUTE_AFFINITY_SCOPE",
         "tenant | tenant_model: what the sticky fallback hashes (default tenant)",
     ),
+    (
+        "KVROUTE_PLACEMENT",
+        "footprint | sel: how a new prefix family is placed (default footprint)",
+    ),
+    (
+        "KVROUTE_PLACEMENT_MEMORY_ENTRIES",
+        "placement memory entries per rule, 0 disables (default 65536)",
+    ),
+    (
+        "KVROUTE_PLACEMENT_MEMORY_TTL_MS",
+        "a remembered prefix family is forgotten after this long unused (default 1800000)",
+    ),
+    (
+        "KVROUTE_PLACEMENT_CAPACITY_BLOCKS",
+        "cache blocks assumed per endpoint when num_gpu_blocks is not scraped, 0 = unknown (default 0)",
+    ),
 ];
 
 impl Settings {
@@ -214,6 +253,18 @@ impl Settings {
         num("KVROUTE_REPLAY_TIMEOUT_MS", 10, 600_000, &mut |n| {
             s.replay_timeout = Duration::from_millis(n)
         });
+        num(
+            "KVROUTE_PLACEMENT_MEMORY_ENTRIES",
+            0,
+            16_777_216,
+            &mut |n| s.memory_entries = n as usize,
+        );
+        num("KVROUTE_PLACEMENT_MEMORY_TTL_MS", 1, 86_400_000, &mut |n| {
+            s.memory_ttl = Duration::from_millis(n)
+        });
+        num("KVROUTE_PLACEMENT_CAPACITY_BLOCKS", 0, 1 << 40, &mut |n| {
+            s.capacity_blocks = n
+        });
         if let Some(v) = lookup("LOXILB_KV_LB_MODE").filter(|v| !v.is_empty()) {
             match v.trim().to_ascii_lowercase().as_str() {
                 "off" | "0" => s.lb_mode = LbMode::Off,
@@ -231,6 +282,13 @@ impl Settings {
                     "LOXILB_KV_LOAD_PENALTY: got {v:?}, allowed a number 0..=1e6"
                 )),
             }
+        }
+        match lookup("KVROUTE_PLACEMENT").as_deref() {
+            None | Some("") | Some("footprint") => {}
+            Some("sel") => s.placement = Placement::Sel,
+            Some(v) => errs.push(format!(
+                "KVROUTE_PLACEMENT: got {v:?}, allowed footprint, sel"
+            )),
         }
         match lookup("KVROUTE_AFFINITY_SCOPE").as_deref() {
             None | Some("") | Some("tenant") => {}

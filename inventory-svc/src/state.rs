@@ -16,7 +16,7 @@ use crate::index::{BlockIndex, EndpointId, MemIndex};
 use crate::ingest::parity::ParityReport;
 use crate::metrics::Metrics;
 use crate::rules::RuleSpec;
-use crate::score::HashRing;
+use crate::score::{HashRing, PlacementMemory};
 use crate::settings::Settings;
 
 /// Locks a mutex, recovering from poisoning (a panicked holder leaves plain data usable).
@@ -36,6 +36,8 @@ pub struct EpRuntime {
     pub connected: Vec<AtomicBool>,
     /// Parity report of the latest mismatch (any rank).
     pub parity: Mutex<Option<ParityReport>>,
+    /// Cache capacity in blocks scraped from the engine (`num_gpu_blocks`); 0 = not scraped.
+    pub capacity: AtomicU64,
 }
 
 impl EpRuntime {
@@ -46,6 +48,7 @@ impl EpRuntime {
             scraped: Mutex::new(None),
             connected: (0..ranks.max(1)).map(|_| AtomicBool::new(false)).collect(),
             parity: Mutex::new(None),
+            capacity: AtomicU64::new(0),
         }
     }
 
@@ -90,6 +93,8 @@ pub struct RuleRuntime {
     pub index: Arc<dyn BlockIndex>,
     pub eps: Vec<EpRuntime>,
     pub ring: HashRing,
+    /// Where each prefix family was sent, remembered past eviction.
+    pub memory: PlacementMemory,
     pub created: Instant,
     pub hit_seq: AtomicU64,
     pub rr_seq: AtomicU64,
@@ -207,6 +212,7 @@ impl AppState {
                 .collect(),
             index: Arc::new(MemIndex::new()),
             ring: HashRing::new(&addrs),
+            memory: PlacementMemory::new(self.settings.memory_entries, self.settings.memory_ttl),
             created: Instant::now(),
             hit_seq: AtomicU64::new(0),
             rr_seq: AtomicU64::new(0),

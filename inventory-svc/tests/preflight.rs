@@ -10,12 +10,20 @@ use std::process::{Command, Output};
 use serde_json::Value;
 
 fn run(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_kvroute-inventory")).arg("hash").args(args).output().expect("run binary")
+    Command::new(env!("CARGO_BIN_EXE_kvroute-inventory"))
+        .arg("hash")
+        .args(args)
+        .output()
+        .expect("run binary")
 }
 
 fn ok_json(args: &[&str]) -> Value {
     let out = run(args);
-    assert!(out.status.success(), "{args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     serde_json::from_slice(&out.stdout).expect("JSON on stdout")
 }
 
@@ -46,21 +54,52 @@ fn fixture(name: &str) -> Value {
 
 #[test]
 fn vllm_keys_are_the_engines_unsigned_keys() {
-    let v = ok_json(&["--engine", "vllm", "--seed", "0", "--block-size", "16", "--tokens", &range(33)]);
+    let v = ok_json(&[
+        "--engine",
+        "vllm",
+        "--seed",
+        "0",
+        "--block-size",
+        "16",
+        "--tokens",
+        &range(33),
+    ]);
     // vLLM 0.33.0, sha256_cbor, PYTHONHASHSEED=0, range(32): the trailing partial block has no key.
-    assert_eq!(v["keys"], serde_json::json!([12687895063098490012u64, 1814341696565857452u64]));
+    assert_eq!(
+        v["keys"],
+        serde_json::json!([12687895063098490012u64, 1814341696565857452u64])
+    );
     assert_eq!(v["tokens"].as_array().unwrap().len(), 33);
     assert_eq!(v["algo"], "sha256_cbor");
 }
 
 #[test]
 fn sglang_keys_are_signed_and_trtllm_unsigned() {
-    let v = ok_json(&["--engine", "sglang", "--block-size", "16", "--tokens", &range(64)]);
+    let v = ok_json(&[
+        "--engine",
+        "sglang",
+        "--block-size",
+        "16",
+        "--tokens",
+        &range(64),
+    ]);
     assert_eq!(
         v["keys"],
-        serde_json::json!([6738917275443968386i64, 5080553031686747138i64, -7164637995261029506i64, 3374555260141370485i64])
+        serde_json::json!([
+            6738917275443968386i64,
+            5080553031686747138i64,
+            -7164637995261029506i64,
+            3374555260141370485i64
+        ])
     );
-    let v = ok_json(&["--engine", "trtllm", "--block-size", "16", "--tokens", &range(64)]);
+    let v = ok_json(&[
+        "--engine",
+        "trtllm",
+        "--block-size",
+        "16",
+        "--tokens",
+        &range(64),
+    ]);
     assert_eq!(v["keys"][2], serde_json::json!(16381328358817759988u64));
 }
 
@@ -70,15 +109,41 @@ fn text_and_chat_inputs_tokenize_like_the_reference() {
     let completions = fixture("qwen3-completions.json");
     let case = &completions["cases"][0];
     let prompt = case["request"]["prompt"].as_str().unwrap();
-    let v = ok_json(&["--engine", "vllm", "--block-size", "1", "--text", prompt, "--tokenizer", &dir]);
+    let v = ok_json(&[
+        "--engine",
+        "vllm",
+        "--block-size",
+        "1",
+        "--text",
+        prompt,
+        "--tokenizer",
+        &dir,
+    ]);
     assert_eq!(v["tokens"], case["expected_ids"]);
-    assert_eq!(v["keys"].as_array().unwrap().len(), case["expected_ids"].as_array().unwrap().len());
+    assert_eq!(
+        v["keys"].as_array().unwrap().len(),
+        case["expected_ids"].as_array().unwrap().len()
+    );
 
     let chats = fixture("qwen3-chat.json");
-    let case = chats["cases"].as_array().unwrap().iter().find(|c| c["name"] == "history_with_think_block").unwrap();
+    let case = chats["cases"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["name"] == "history_with_think_block")
+        .unwrap();
     let tmp = std::env::temp_dir().join(format!("kvroute-preflight-{}.json", std::process::id()));
     std::fs::write(&tmp, case["request"].to_string()).unwrap();
-    let v = ok_json(&["--engine", "sglang", "--block-size", "16", "--chat", tmp.to_str().unwrap(), "--tokenizer", &dir]);
+    let v = ok_json(&[
+        "--engine",
+        "sglang",
+        "--block-size",
+        "16",
+        "--chat",
+        tmp.to_str().unwrap(),
+        "--tokenizer",
+        &dir,
+    ]);
     std::fs::remove_file(&tmp).ok();
     assert_eq!(v["tokens"], case["expected_ids"]);
     let n = case["expected_ids"].as_array().unwrap().len();
@@ -88,25 +153,110 @@ fn text_and_chat_inputs_tokenize_like_the_reference() {
 #[test]
 fn bad_arguments_exit_2_with_one_line_naming_the_flag() {
     let cases: &[(&[&str], &str)] = &[
-        (&["--block-size", "16", "--tokens", "1"], "--engine is required"),
-        (&["--engine", "ollama", "--block-size", "16", "--tokens", "1"], "--engine \"ollama\""),
-        (&["--engine", "llamacpp", "--block-size", "16", "--tokens", "1"], "--engine \"llamacpp\""),
-        (&["--engine", "sglang", "--algo", "sha256_cbor", "--block-size", "16", "--tokens", "1"], "allowed: sha256_sglang, tokens"),
-        (&["--engine", "vllm", "--tokens", "1"], "--block-size is required"),
-        (&["--engine", "vllm", "--block-size", "0", "--tokens", "1"], "--block-size \"0\" must be an integer >= 1"),
-        (&["--engine", "vllm", "--block-size", "16", "--tokens", "1,x"], "--tokens: \"x\""),
-        (&["--engine", "vllm", "--block-size", "16", "--text", "hi"], "need --tokenizer"),
-        (&["--engine", "vllm", "--block-size", "16"], "give exactly one of"),
-        (&["--engine", "vllm", "--block-size", "16", "--tokens", "1", "--bogus"], "unknown argument \"--bogus\""),
-        (&["--engine", "vllm", "--algo", "xxhash_cbor", "--block-size", "16", "--tokens", "1"], "PYTHONHASHSEED"),
-        (&["--engine", "vllm", "--block-size", "16", "--text", "hi", "--tokenizer", "/nonexistent"], "cannot read"),
+        (
+            &["--block-size", "16", "--tokens", "1"],
+            "--engine is required",
+        ),
+        (
+            &["--engine", "ollama", "--block-size", "16", "--tokens", "1"],
+            "--engine \"ollama\"",
+        ),
+        (
+            &[
+                "--engine",
+                "llamacpp",
+                "--block-size",
+                "16",
+                "--tokens",
+                "1",
+            ],
+            "--engine \"llamacpp\"",
+        ),
+        (
+            &[
+                "--engine",
+                "sglang",
+                "--algo",
+                "sha256_cbor",
+                "--block-size",
+                "16",
+                "--tokens",
+                "1",
+            ],
+            "allowed: sha256_sglang, tokens",
+        ),
+        (
+            &["--engine", "vllm", "--tokens", "1"],
+            "--block-size is required",
+        ),
+        (
+            &["--engine", "vllm", "--block-size", "0", "--tokens", "1"],
+            "--block-size \"0\" must be an integer >= 1",
+        ),
+        (
+            &["--engine", "vllm", "--block-size", "16", "--tokens", "1,x"],
+            "--tokens: \"x\"",
+        ),
+        (
+            &["--engine", "vllm", "--block-size", "16", "--text", "hi"],
+            "need --tokenizer",
+        ),
+        (
+            &["--engine", "vllm", "--block-size", "16"],
+            "give exactly one of",
+        ),
+        (
+            &[
+                "--engine",
+                "vllm",
+                "--block-size",
+                "16",
+                "--tokens",
+                "1",
+                "--bogus",
+            ],
+            "unknown argument \"--bogus\"",
+        ),
+        (
+            &[
+                "--engine",
+                "vllm",
+                "--algo",
+                "xxhash_cbor",
+                "--block-size",
+                "16",
+                "--tokens",
+                "1",
+            ],
+            "PYTHONHASHSEED",
+        ),
+        (
+            &[
+                "--engine",
+                "vllm",
+                "--block-size",
+                "16",
+                "--text",
+                "hi",
+                "--tokenizer",
+                "/nonexistent",
+            ],
+            "cannot read",
+        ),
     ];
     for (args, want) in cases {
         let out = run(args);
         let err = String::from_utf8_lossy(&out.stderr);
         assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
-        assert!(err.contains(want), "{args:?}: stderr {err:?} lacks {want:?}");
-        assert_eq!(err.trim_end().lines().count(), 1, "{args:?}: more than one line: {err:?}");
+        assert!(
+            err.contains(want),
+            "{args:?}: stderr {err:?} lacks {want:?}"
+        );
+        assert_eq!(
+            err.trim_end().lines().count(),
+            1,
+            "{args:?}: more than one line: {err:?}"
+        );
         assert!(out.stdout.is_empty(), "{args:?}: printed on stdout");
     }
 }

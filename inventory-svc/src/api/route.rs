@@ -29,7 +29,7 @@ use serde::{Deserialize, Serialize};
 
 use super::error::{parse_json, ApiError};
 use crate::index::EndpointId;
-use crate::score::{decide, EpView, HashRing, ScoreInput, Tier};
+use crate::score::{decide, EpView, HashRing, Reason, ScoreInput, Tier, Update};
 use crate::state::AppState;
 
 /// A block key on the wire: unsigned, or signed as SGLang publishes it.
@@ -83,7 +83,7 @@ pub struct RouteResponse {
     pub matched_blocks: u32,
     /// `tier15` or `fallback`.
     pub tier: String,
-    /// `hit`, `spill`, `cold_seed`, `miss_no_overlap`, `miss_short_prompt`, `miss_no_keys`, `miss_warmup`, `kv_off`.
+    /// `hit`, `remembered`, `spill`, `cold_seed`, `miss_no_overlap`, `miss_short_prompt`, `miss_no_keys`, `miss_warmup`, `kv_off`.
     pub reason: String,
     /// kvExactMode 1: the decode endpoint.
     pub decode_endpoint: Option<String>,
@@ -185,6 +185,11 @@ pub fn answer(
             load: rule.eps[i].load(now, s.inflight_window, fresh),
             blocks: rule.index.block_count(EndpointId(i as u8)),
             matched: matched.get(i).copied().unwrap_or(0),
+            capacity: match rule.eps[i].capacity.load(Ordering::Relaxed) {
+                0 => s.capacity_blocks,
+                c => c,
+            },
+            homed: rule.memory.homed(i),
         })
         .collect();
     let affinity = req.affinity_key.as_deref().map(|a| {
@@ -204,6 +209,7 @@ pub fn answer(
         ring: &rule.ring,
         hit_seq: rule.hit_seq.load(Ordering::Relaxed),
         rr_seq: rule.rr_seq.load(Ordering::Relaxed),
+        recall: rule.memory.recall(&keys, now),
         settings: s,
     });
     let m = &state.metrics;
@@ -213,7 +219,11 @@ pub fn answer(
     match d.reason {
         crate::score::Reason::Spill => m.tier15_spills.inc(),
         crate::score::Reason::ColdSeed => m.tier15_cold_seeds.inc(),
+        crate::score::Reason::Remembered => m.tier15_remembered.inc(),
         _ => {}
+    }
+    if d.placed {
+        m.tier15_placements.inc();
     }
     if d.counted_hit {
         rule.hit_seq.fetch_add(1, Ordering::Relaxed);
@@ -229,6 +239,16 @@ pub fn answer(
     if rule.spec.kv_enabled() && !keys.is_empty() && !s.spec_ttl.is_zero() {
         rule.index
             .speculate(EndpointId(ep as u8), &keys, now, s.spec_ttl);
+    }
+    // A miss makes the chosen endpoint the family's home; a hit refreshes it; a spill or cold
+    // seed is a detour and must not be remembered, or a hot family would end up homed everywhere.
+    let how = match d.reason {
+        Reason::MissNoOverlap => Some(Update::Place),
+        Reason::Hit | Reason::Remembered => Some(Update::Keep),
+        _ => None,
+    };
+    if let (Some(how), true) = (how, rule.spec.kv_enabled()) {
+        rule.memory.record(&keys, ep, how, now);
     }
     Ok(RouteResponse {
         rule_id: rule.id,

@@ -9,19 +9,32 @@
 //!   skip KV scoring and fall back to the rule's `sel`;
 //! * positive overlap: each endpoint's cap is `max(1, ceil(mlf/100 x total load x w_i / sum w))`;
 //!   the highest overlap under its cap wins, ties by lower load then lower index;
-//! * spill relief (tri-state): a winner at or over its cap spills to the least-loaded under-cap endpoint;
+//! * spill relief (tri-state): a winner at or over its cap spills to the under-cap endpoint with
+//!   the most overlap, ties least loaded;
 //! * cold-start seeding: every Nth hit goes to the lowest-index endpoint holding fewer than the
 //!   cold threshold of blocks, so a new replica gets warm;
 //! * miss: the rule's `sel` — round robin, consistent hash on the affinity key (150 virtual nodes
 //!   per endpoint), priority (weight), least loaded; unhealthy endpoints are never chosen;
 //! * kvExactMode 1: only prefill endpoints are scored; the decode endpoint is the least loaded.
+//!
+//! Placement that survives evictions (issue 7, see `docs/placement.md`):
+//! * the [`PlacementMemory`] remembers which endpoint served each prefix family; its home counts
+//!   as holding the remembered depth, so it wins when the exact inventory has no or a shorter
+//!   match (an exact longer match still wins), and ties between equal overlaps go to the home;
+//! * a new family (no overlap anywhere) under `sel` round robin or least loaded is placed on the
+//!   under-cap endpoint with the most free cache (capacity minus blocks homed there), so the
+//!   fleet's aggregate cache holds distinct prefixes instead of duplicates.
 
+mod capacity;
+mod memory;
 mod ring;
 
+pub use capacity::parse_num_gpu_blocks;
+pub use memory::{PlacementMemory, Recall, Update};
 pub use ring::HashRing;
 
 use crate::rules::{EpRole, ExactMode, Sel};
-use crate::settings::{LbMode, Settings, SpillRelief};
+use crate::settings::{LbMode, Placement, Settings, SpillRelief};
 
 /// Which tier made the decision.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -59,6 +72,9 @@ pub enum Reason {
     MissNoKeys,
     /// The rule has no KV scoring (kvExactMode 0 or an engine without events).
     KvOff,
+    /// Sent to the family's remembered home, which the exact inventory no longer (or only
+    /// partly) shows holding it.
+    Remembered,
 }
 
 impl Reason {
@@ -72,11 +88,12 @@ impl Reason {
             Reason::MissShortPrompt => "miss_short_prompt",
             Reason::MissNoKeys => "miss_no_keys",
             Reason::KvOff => "kv_off",
+            Reason::Remembered => "remembered",
         }
     }
 
     /// Every reason, for pre-registering metric series.
-    pub const ALL: [Reason; 7] = [
+    pub const ALL: [Reason; 8] = [
         Reason::Hit,
         Reason::Spill,
         Reason::ColdSeed,
@@ -84,6 +101,7 @@ impl Reason {
         Reason::MissShortPrompt,
         Reason::MissNoKeys,
         Reason::KvOff,
+        Reason::Remembered,
     ];
 }
 
@@ -99,6 +117,10 @@ pub struct EpView {
     pub blocks: u64,
     /// Leading request blocks the endpoint holds.
     pub matched: u32,
+    /// Cache capacity in blocks (scraped `num_gpu_blocks` or configured); 0 = unknown.
+    pub capacity: u64,
+    /// Distinct blocks of remembered families homed here (the placement memory's footprint).
+    pub homed: u64,
 }
 
 /// Everything one decision depends on.
@@ -116,6 +138,8 @@ pub struct ScoreInput<'a> {
     pub hit_seq: u64,
     /// Per-rule counter of decisions so far (round robin).
     pub rr_seq: u64,
+    /// The placement memory's answer for this request.
+    pub recall: Option<Recall>,
     pub settings: &'a Settings,
 }
 
@@ -131,6 +155,8 @@ pub struct Decision {
     pub decode: Option<usize>,
     /// True when this was a positive-overlap decision (counts toward `hit_seq`).
     pub counted_hit: bool,
+    /// True when a miss was placed by free cache (footprint) rather than by `sel`.
+    pub placed: bool,
 }
 
 fn eligible(e: &EpView, mode: ExactMode) -> bool {
@@ -166,6 +192,7 @@ pub fn decide(inp: &ScoreInput<'_>) -> Decision {
         reason,
         decode,
         counted_hit: false,
+        placed: false,
     };
     if !inp.kv_enabled {
         return fallback(Reason::KvOff);
@@ -176,23 +203,42 @@ pub fn decide(inp: &ScoreInput<'_>) -> Decision {
     if inp.n_keys == 0 {
         return fallback(Reason::MissNoKeys);
     }
-    let positive: Vec<usize> = cands
-        .iter()
-        .copied()
-        .filter(|&i| inp.eps[i].matched > 0)
-        .collect();
-    if positive.is_empty() {
-        return fallback(Reason::MissNoOverlap);
-    }
+    let home = inp.recall.map(|r| r.ep);
+    // Overlap as scored: the exact match, or the remembered depth on the family's home.
+    let overlap = |i: usize| match inp.recall {
+        Some(r) if r.ep == i => inp.eps[i].matched.max(r.depth),
+        _ => inp.eps[i].matched,
+    };
+    let positive: Vec<usize> = cands.iter().copied().filter(|&i| overlap(i) > 0).collect();
     let total_load: u64 = cands.iter().map(|&i| inp.eps[i].load).sum();
     let sum_w: u64 = cands.iter().map(|&i| u64::from(inp.eps[i].weight)).sum();
     let mlf = inp.settings.mean_load_factor;
     let over = |i: usize| inp.eps[i].load >= cap_for(total_load, inp.eps[i].weight, sum_w, mlf);
-    // Best overlap, ties by lower load, then lower index.
+    if positive.is_empty() {
+        return match place(inp, &cands, &over) {
+            Some(ep) => Decision {
+                ep: Some(ep),
+                placed: true,
+                ..fallback(Reason::MissNoOverlap)
+            },
+            None => fallback(Reason::MissNoOverlap),
+        };
+    }
+    // Best overlap, ties to the family's home (so equal copies do not split a family), then
+    // lower load, then lower index.
     let better = |a: usize, b: usize| {
         let (ea, eb) = (&inp.eps[a], &inp.eps[b]);
-        (ea.matched, std::cmp::Reverse(ea.load), std::cmp::Reverse(a))
-            > (eb.matched, std::cmp::Reverse(eb.load), std::cmp::Reverse(b))
+        (
+            overlap(a),
+            home == Some(a),
+            std::cmp::Reverse(ea.load),
+            std::cmp::Reverse(a),
+        ) > (
+            overlap(b),
+            home == Some(b),
+            std::cmp::Reverse(eb.load),
+            std::cmp::Reverse(b),
+        )
     };
     let best_of = |set: &mut dyn Iterator<Item = usize>| {
         set.fold(None, |acc: Option<usize>, i| match acc {
@@ -210,7 +256,7 @@ pub fn decide(inp: &ScoreInput<'_>) -> Decision {
                 .iter()
                 .copied()
                 .fold(None, |acc: Option<(usize, f64)>, i| {
-                    let s = f64::from(inp.eps[i].matched) - p * inp.eps[i].load as f64;
+                    let s = f64::from(overlap(i)) - p * inp.eps[i].load as f64;
                     match acc {
                         Some((_, bs)) if bs >= s => acc,
                         _ => Some((i, s)),
@@ -227,10 +273,14 @@ pub fn decide(inp: &ScoreInput<'_>) -> Decision {
     if relief {
         if let Some(c) = chosen {
             if over(c) {
-                if let Some(t) = least_loaded_of(
-                    inp.eps,
-                    cands.iter().copied().filter(|&i| i != c && !over(i)),
-                ) {
+                // The under-cap endpoint already holding most of the request (so a hot family
+                // spills onto one copy rather than onto every endpoint), ties least loaded.
+                if let Some(t) = cands
+                    .iter()
+                    .copied()
+                    .filter(|&i| i != c && !over(i))
+                    .min_by_key(|&i| (std::cmp::Reverse(overlap(i)), inp.eps[i].load, i))
+                {
                     chosen = Some(t);
                 }
             }
@@ -256,13 +306,16 @@ pub fn decide(inp: &ScoreInput<'_>) -> Decision {
                 reason: Reason::ColdSeed,
                 decode,
                 counted_hit: true,
+                placed: false,
             };
         }
     }
-    let reason = if Some(c) == argmax {
-        Reason::Hit
-    } else {
+    let reason = if Some(c) != argmax {
         Reason::Spill
+    } else if overlap(c) > inp.eps[c].matched {
+        Reason::Remembered
+    } else {
+        Reason::Hit
     };
     Decision {
         ep: Some(c),
@@ -271,7 +324,42 @@ pub fn decide(inp: &ScoreInput<'_>) -> Decision {
         reason,
         decode,
         counted_hit: true,
+        placed: false,
     }
+}
+
+/// Footprint-aware placement of a new prefix family: among under-cap candidates, the one with the
+/// most free cache (capacity minus homed blocks), ties by lower load then lower index. Only for
+/// `sel` round robin and least loaded (hash and priority express an operator's intent), and only
+/// when placement is on. Capacity unknown everywhere compares homed blocks alone.
+fn place(inp: &ScoreInput<'_>, cands: &[usize], over: &dyn Fn(usize) -> bool) -> Option<usize> {
+    if inp.settings.placement != Placement::Footprint
+        || !matches!(inp.sel, Sel::RoundRobin | Sel::LeastLoaded)
+    {
+        return None;
+    }
+    // An endpoint of unknown capacity is assumed as large as the largest known one.
+    let known = cands
+        .iter()
+        .map(|&i| inp.eps[i].capacity)
+        .max()
+        .unwrap_or(0);
+    let free = |i: usize| {
+        let e = &inp.eps[i];
+        let cap = if e.capacity == 0 { known } else { e.capacity };
+        cap as i128 - e.homed as i128
+    };
+    let pick = |it: &mut dyn Iterator<Item = usize>| {
+        it.max_by_key(|&i| {
+            (
+                free(i),
+                std::cmp::Reverse(inp.eps[i].load),
+                std::cmp::Reverse(i),
+            )
+        })
+    };
+    pick(&mut cands.iter().copied().filter(|&i| !over(i)))
+        .or_else(|| least_loaded_of(inp.eps, cands.iter().copied()))
 }
 
 fn least_loaded(eps: &[EpView], f: impl Fn(&EpView) -> bool) -> Option<usize> {
@@ -316,6 +404,8 @@ mod tests {
             load,
             blocks: 100,
             matched,
+            capacity: 0,
+            homed: 0,
         }
     }
 
@@ -336,6 +426,7 @@ mod tests {
             ring: &ring,
             hit_seq,
             rr_seq: 0,
+            recall: None,
             settings: s,
         })
     }
@@ -449,6 +540,80 @@ mod tests {
         assert_eq!((d.ep, d.decode, d.reason), (Some(2), Some(3), Reason::Hit));
     }
 
+    fn run_recall(eps: &[EpView], s: &Settings, recall: Option<Recall>) -> Decision {
+        let ring = HashRing::new(&["a:1".to_owned(), "b:1".to_owned(), "c:1".to_owned()]);
+        decide(&ScoreInput {
+            exact_mode: ExactMode::SingleRole,
+            kv_enabled: true,
+            sel: Sel::RoundRobin,
+            eps,
+            n_keys: 40,
+            token_count: 640,
+            affinity: None,
+            ring: &ring,
+            hit_seq: 0,
+            rr_seq: 1,
+            recall,
+            settings: s,
+        })
+    }
+
+    #[test]
+    fn remembered_home_wins_until_an_exact_match_is_longer() {
+        let s = Settings::default();
+        let home = Some(Recall { ep: 2, depth: 32 });
+        // Evicted everywhere: the family goes home, not by round robin.
+        let d = run_recall(&[ep(0, 0), ep(0, 0), ep(0, 0)], &s, home);
+        assert_eq!(
+            (d.ep, d.tier, d.reason, d.matched),
+            (Some(2), Tier::Tier15, Reason::Remembered, 0)
+        );
+        // A short exact match elsewhere loses to the remembered depth.
+        let d = run_recall(&[ep(4, 0), ep(0, 0), ep(1, 0)], &s, home);
+        assert_eq!(
+            (d.ep, d.reason, d.matched),
+            (Some(2), Reason::Remembered, 1)
+        );
+        // A longer exact match wins.
+        let d = run_recall(&[ep(33, 0), ep(0, 0), ep(0, 0)], &s, home);
+        assert_eq!((d.ep, d.reason), (Some(0), Reason::Hit));
+        // Equal exact copies: the home takes the tie even when busier.
+        let d = run_recall(&[ep(40, 0), ep(0, 2), ep(40, 1)], &s, home);
+        assert_eq!((d.ep, d.reason), (Some(2), Reason::Hit));
+        // A home over its cap still spills (load caps bound hot spots).
+        let d = run_recall(&[ep(0, 0), ep(0, 1), ep(0, 9)], &s, home);
+        assert_eq!((d.ep, d.reason), (Some(0), Reason::Spill));
+    }
+
+    #[test]
+    fn new_families_go_where_they_fit() {
+        let s = Settings::default();
+        let mut eps = [ep(0, 0), ep(0, 0), ep(0, 0)];
+        for (e, (cap, homed)) in eps.iter_mut().zip([(100, 90), (100, 20), (200, 150)]) {
+            e.capacity = cap;
+            e.homed = homed;
+        }
+        let d = run_recall(&eps, &s, None);
+        assert_eq!(
+            (d.ep, d.tier, d.reason, d.placed),
+            (Some(1), Tier::Fallback, Reason::MissNoOverlap, true)
+        );
+        // Unknown capacity is taken as the largest known one.
+        eps[1].capacity = 0;
+        eps[1].homed = 190;
+        assert_eq!(run_recall(&eps, &s, None).ep, Some(2));
+        // The most free endpoint at its load cap is passed over.
+        eps[2].load = 5;
+        assert_eq!(run_recall(&eps, &s, None).ep, Some(0));
+        // Placement off: round robin (rr_seq 1).
+        let off = Settings {
+            placement: Placement::Sel,
+            ..Settings::default()
+        };
+        let d = run_recall(&eps, &off, None);
+        assert_eq!((d.ep, d.placed), (Some(1), false));
+    }
+
     #[test]
     fn consistent_hash_is_sticky_and_skips_unhealthy() {
         let addrs: Vec<String> = (0..4).map(|i| format!("10.0.0.{i}:80")).collect();
@@ -467,6 +632,7 @@ mod tests {
                 ring: &ring,
                 hit_seq: 0,
                 rr_seq: 7,
+                recall: None,
                 settings: &s,
             })
             .ep

@@ -1,0 +1,294 @@
+//! Placement memory: where each prefix family was sent, remembered past the engine's eviction.
+//!
+//! The exact inventory forgets a prefix the moment the engine evicts it; a router that then sees no
+//! match places the next request of that family by load, and the family ends up cached on several
+//! engines that crowd each other out (issue 7). This memory keeps a bounded map from a request's
+//! leading block keys to the endpoint that served them, so the family goes back to its home.
+//!
+//! Shape: an approximate prefix tree sampled at block indices `3, 7, 15, 31, ...` (`2^k - 1`,
+//! k >= 2) plus the request's last full block. Block keys are chained hashes, so the key at index
+//! `i` names the whole prefix `0..=i`; the deepest remembered key of a request is its family.
+//! Shallower than 4 blocks is not remembered: a shared chat-template header is not a family.
+//!
+//! Footprint: each entry owns the blocks between the previous sampled index of the request that
+//! created it and its own index, credited to its endpoint, so the sum per endpoint estimates the
+//! distinct blocks homed there (shared prefixes are counted once, since their entries are shared).
+//!
+//! Bounds: at most `max_entries` entries (least recently used go first) and a TTL since last use.
+//! Invariants: `homed[ep]` equals the sum of `blocks` over live entries of `ep`.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use kvroute_core::hash::BlockKey;
+
+use crate::state::lock;
+
+/// Shallowest block index remembered (4 blocks).
+const FIRST_LEVEL: usize = 3;
+
+/// One remembered prefix.
+#[derive(Clone, Copy, Debug)]
+struct Entry {
+    ep: u8,
+    /// Blocks this entry credits to `ep`'s footprint.
+    blocks: u32,
+    last: Instant,
+    /// Matches the LRU queue's stamp while this is the entry's latest position.
+    stamp: u64,
+}
+
+#[derive(Default)]
+struct Inner {
+    map: HashMap<u64, Entry>,
+    /// (key, stamp) in use order; stale pairs (stamp differs) are skipped lazily.
+    lru: VecDeque<(u64, u64)>,
+    next_stamp: u64,
+    homed: Vec<u64>,
+}
+
+/// What the memory knows about one request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Recall {
+    /// Endpoint index that served the family.
+    pub ep: usize,
+    /// Leading blocks the remembered family covers.
+    pub depth: u32,
+}
+
+/// How a decision may change the memory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Update {
+    /// A placement (no usable home): the chosen endpoint becomes the home, replacing any other.
+    Place,
+    /// Any other decision: refresh entries, add missing ones, keep existing homes.
+    Keep,
+}
+
+/// The per-rule memory (see the module docs).
+pub struct PlacementMemory {
+    inner: Mutex<Inner>,
+    max_entries: usize,
+    ttl: Duration,
+}
+
+/// The sampled indices for a request of `n` keys, ascending: `3, 7, 15, ... < n` and `n - 1`.
+fn points(n: usize) -> impl Iterator<Item = usize> {
+    let levels = std::iter::successors(Some(FIRST_LEVEL), |l| l.checked_mul(2)?.checked_add(1))
+        .take_while(move |&l| l < n);
+    let last = (n > FIRST_LEVEL).then(|| n - 1);
+    levels
+        .chain(last)
+        .scan(None, |prev: &mut Option<usize>, i| {
+            // The last block may coincide with a level: yield each index once.
+            let dup = *prev == Some(i);
+            *prev = Some(i);
+            Some((!dup).then_some(i))
+        })
+        .flatten()
+}
+
+impl PlacementMemory {
+    /// An empty memory; `max_entries == 0` disables it (recall finds nothing, record stores nothing).
+    pub fn new(max_entries: usize, ttl: Duration) -> PlacementMemory {
+        PlacementMemory {
+            inner: Mutex::new(Inner::default()),
+            max_entries,
+            ttl,
+        }
+    }
+
+    /// The deepest remembered prefix of `keys`, if any is live.
+    pub fn recall(&self, keys: &[BlockKey], now: Instant) -> Option<Recall> {
+        if self.max_entries == 0 {
+            return None;
+        }
+        let inner = lock(&self.inner);
+        // Deepest first: every index, so a previous turn's last block (not a sampled level of
+        // this longer request) is found too. Bounded by the request's key count.
+        (FIRST_LEVEL..keys.len()).rev().find_map(|i| {
+            let e = inner.map.get(&keys[i].0)?;
+            (now.saturating_duration_since(e.last) <= self.ttl).then_some(Recall {
+                ep: usize::from(e.ep),
+                depth: (i + 1) as u32,
+            })
+        })
+    }
+
+    /// Records that `keys` were sent to `ep`.
+    pub fn record(&self, keys: &[BlockKey], ep: usize, how: Update, now: Instant) {
+        let Ok(ep8) = u8::try_from(ep) else { return };
+        if self.max_entries == 0 {
+            return;
+        }
+        let mut inner = lock(&self.inner);
+        let inner = &mut *inner;
+        if inner.homed.len() <= ep {
+            inner.homed.resize(ep + 1, 0);
+        }
+        let mut prev: isize = -1;
+        for i in points(keys.len()) {
+            let k = keys[i].0;
+            let seg = (i as isize - prev) as u32;
+            prev = i as isize;
+            inner.next_stamp += 1;
+            let stamp = inner.next_stamp;
+            match inner.map.get_mut(&k) {
+                Some(e) => {
+                    let expired = now.saturating_duration_since(e.last) > self.ttl;
+                    if e.ep != ep8 && (how == Update::Place || expired) {
+                        let old = usize::from(e.ep);
+                        if let Some(h) = inner.homed.get_mut(old) {
+                            *h = h.saturating_sub(u64::from(e.blocks));
+                        }
+                        inner.homed[ep] += u64::from(e.blocks);
+                        e.ep = ep8;
+                    }
+                    e.last = now;
+                    e.stamp = stamp;
+                }
+                None => {
+                    inner.map.insert(
+                        k,
+                        Entry {
+                            ep: ep8,
+                            blocks: seg,
+                            last: now,
+                            stamp,
+                        },
+                    );
+                    inner.homed[ep] += u64::from(seg);
+                }
+            }
+            inner.lru.push_back((k, stamp));
+        }
+        self.evict(inner, now);
+    }
+
+    /// Drops expired and least recently used entries past the bound; compacts the queue.
+    fn evict(&self, inner: &mut Inner, now: Instant) {
+        while let Some(&(k, stamp)) = inner.lru.front() {
+            let drop = match inner.map.get(&k) {
+                Some(e) if e.stamp == stamp => {
+                    inner.map.len() > self.max_entries
+                        || now.saturating_duration_since(e.last) > self.ttl
+                }
+                // Stale queue position (the entry was used again later) or already gone.
+                _ => {
+                    inner.lru.pop_front();
+                    continue;
+                }
+            };
+            if !drop {
+                break;
+            }
+            inner.lru.pop_front();
+            if let Some(e) = inner.map.remove(&k) {
+                if let Some(h) = inner.homed.get_mut(usize::from(e.ep)) {
+                    *h = h.saturating_sub(u64::from(e.blocks));
+                }
+            }
+        }
+        // Stale pairs accumulate when hot entries are touched; rebuild once they dominate.
+        if inner.lru.len() > 4 * inner.map.len() + 1024 {
+            let map = &inner.map;
+            inner
+                .lru
+                .retain(|(k, s)| map.get(k).is_some_and(|e| e.stamp == *s));
+        }
+    }
+
+    /// Distinct blocks homed on endpoint `ep` (the footprint estimate).
+    pub fn homed(&self, ep: usize) -> u64 {
+        lock(&self.inner).homed.get(ep).copied().unwrap_or(0)
+    }
+
+    /// Live entries (for tests and gauges).
+    pub fn len(&self) -> usize {
+        lock(&self.inner).map.len()
+    }
+
+    /// True when nothing is remembered.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn keys(family: u64, n: usize) -> Vec<BlockKey> {
+        (0..n as u64).map(|i| BlockKey(family * 1000 + i)).collect()
+    }
+
+    #[test]
+    fn sampled_points_are_levels_and_the_last_block() {
+        assert_eq!(points(3).collect::<Vec<_>>(), Vec::<usize>::new());
+        assert_eq!(points(4).collect::<Vec<_>>(), vec![3]);
+        assert_eq!(points(8).collect::<Vec<_>>(), vec![3, 7]);
+        assert_eq!(points(20).collect::<Vec<_>>(), vec![3, 7, 15, 19]);
+    }
+
+    #[test]
+    fn recall_finds_the_deepest_family() {
+        let m = PlacementMemory::new(100, Duration::from_secs(60));
+        let now = Instant::now();
+        let a = keys(1, 20);
+        m.record(&a, 2, Update::Place, now);
+        // A longer request of the same family (next chat turn) finds the previous last block.
+        let mut longer = a.clone();
+        longer.extend(keys(9, 10));
+        assert_eq!(m.recall(&longer, now), Some(Recall { ep: 2, depth: 20 }));
+        // Sharing only 3 blocks is not a family.
+        let mut other = a[..3].to_vec();
+        other.extend(keys(5, 10));
+        assert_eq!(m.recall(&other, now), None);
+        // The footprint counts each block once.
+        assert_eq!(m.homed(2), 20);
+        m.record(&a, 2, Update::Keep, now);
+        assert_eq!(m.homed(2), 20);
+    }
+
+    #[test]
+    fn keep_does_not_move_a_home_but_place_does() {
+        let m = PlacementMemory::new(100, Duration::from_secs(60));
+        let now = Instant::now();
+        let a = keys(1, 8);
+        m.record(&a, 0, Update::Place, now);
+        m.record(&a, 1, Update::Keep, now);
+        assert_eq!(m.recall(&a, now).map(|r| r.ep), Some(0));
+        m.record(&a, 1, Update::Place, now);
+        assert_eq!(m.recall(&a, now).map(|r| r.ep), Some(1));
+        assert_eq!((m.homed(0), m.homed(1)), (0, 8));
+    }
+
+    #[test]
+    fn bounded_by_entries_and_ttl() {
+        let m = PlacementMemory::new(4, Duration::from_secs(10));
+        let t0 = Instant::now();
+        for f in 0..10 {
+            m.record(&keys(f, 8), (f % 3) as usize, Update::Place, t0);
+        }
+        assert!(m.len() <= 4, "{}", m.len());
+        let total: u64 = (0..3).map(|e| m.homed(e)).sum();
+        assert_eq!(total, 4 * 4, "each live entry credits 4 blocks");
+        // The newest family survives, the oldest went.
+        assert!(m.recall(&keys(9, 8), t0).is_some());
+        assert!(m.recall(&keys(0, 8), t0).is_none());
+        // Past the TTL nothing is recalled, and the next record sweeps the footprint.
+        let late = t0 + Duration::from_secs(11);
+        assert!(m.recall(&keys(9, 8), late).is_none());
+        m.record(&keys(20, 4), 0, Update::Place, late);
+        assert_eq!((m.len(), m.homed(0) + m.homed(1) + m.homed(2)), (1, 4));
+    }
+
+    #[test]
+    fn disabled_memory_is_inert() {
+        let m = PlacementMemory::new(0, Duration::from_secs(10));
+        let now = Instant::now();
+        m.record(&keys(1, 8), 0, Update::Place, now);
+        assert!(m.recall(&keys(1, 8), now).is_none() && m.is_empty());
+    }
+}
