@@ -487,8 +487,9 @@ async fn spill_and_cold_seed_metrics() {
     let keys = [0xA1u64, 0xA2, 0xA3];
     let req = json!({"rule": "1", "keys": keys, "token_count": 48}).to_string();
 
-    // Spill relief (default on for kvExactMode 3): the second request finds ep0 at its cap
-    // (ceil(1.75 x 1 / 2) = 1 in flight) and moves to the idle ep1.
+    // Spill relief (default on for kvExactMode 3): request k finds ep0 with k-1 in flight and a
+    // cap of ceil(1.75 x k / 2) counting itself, so requests 1..=7 stay on the cache (a lone
+    // conversation never spills) and the 8th, with 7 in flight against a cap of 7, moves to ep1.
     let mut p = Publisher::bind(0).await.unwrap();
     let svc = Service::start(
         "spill",
@@ -496,13 +497,15 @@ async fn spill_and_cold_seed_metrics() {
         &[],
     );
     seed_ep0(&svc, &mut p, &keys).await;
-    let (_, a) = svc.post("/v1/route", &req, None).await;
+    for k in 1..=7 {
+        let (_, a) = svc.post("/v1/route", &req, None).await;
+        assert_eq!(
+            (a["reason"].as_str(), a["endpoint"].as_str()),
+            (Some("hit"), Some("127.0.0.1:1")),
+            "request {k}: {a}"
+        );
+    }
     let (_, b) = svc.post("/v1/route", &req, None).await;
-    assert_eq!(
-        (a["reason"].as_str(), a["endpoint"].as_str()),
-        (Some("hit"), Some("127.0.0.1:1")),
-        "{a}"
-    );
     assert_eq!(
         (b["reason"].as_str(), b["endpoint"].as_str()),
         (Some("spill"), Some("127.0.0.2:1")),

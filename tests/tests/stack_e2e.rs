@@ -55,21 +55,50 @@ struct Sim {
 async fn start_sim(ip: &str, zmq_port: u16, dir: &TempDir) -> Result<Sim> {
     let name = format!("sim-{ip}");
     let mut cmd = Command::new(bin("kvroute-engine-sim")?);
-    cmd.args(["--listen", &format!("{ip}:0"), "--engine", "vllm", "--block-size", "16", "--kv-blocks", "400"])
-        .args(["--zmq-port", &zmq_port.to_string(), "--topic", "kv-events", "--model", MODEL, "--name", &name])
-        .arg("--tokenizer-dir")
-        .arg(harness::tokenizer_dir()?);
+    cmd.args([
+        "--listen",
+        &format!("{ip}:0"),
+        "--engine",
+        "vllm",
+        "--block-size",
+        "16",
+        "--kv-blocks",
+        "400",
+    ])
+    .args([
+        "--zmq-port",
+        &zmq_port.to_string(),
+        "--topic",
+        "kv-events",
+        "--model",
+        MODEL,
+        "--name",
+        &name,
+    ])
+    .arg("--tokenizer-dir")
+    .arg(harness::tokenizer_dir()?);
     let mut child = ChildGuard::spawn(&name, cmd, &dir.path().join(format!("{name}.log")))?;
     let addr = printed_addr(&mut child, "listening on ").await?;
-    Ok(Sim { name, addr, child: Some(child) })
+    Ok(Sim {
+        name,
+        addr,
+        child: Some(child),
+    })
 }
 
 /// The shipped envoy.yaml with this test's addresses; health checks faster than production so
 /// the dead simulator is noticed within the test's deadline.
-fn envoy_config(gw_port: u16, admin_port: u16, inventory: SocketAddr, sims: &[Sim], rule: &str) -> Result<Value> {
+fn envoy_config(
+    gw_port: u16,
+    admin_port: u16,
+    inventory: SocketAddr,
+    sims: &[Sim],
+    rule: &str,
+) -> Result<Value> {
     let text = std::fs::read_to_string(harness::repo_root().join("envoy/envoy.yaml"))?;
     let mut cfg: Value = serde_yaml::from_str(&text)?;
-    cfg["admin"]["address"]["socket_address"] = json!({"address": "127.0.0.1", "port_value": admin_port});
+    cfg["admin"]["address"]["socket_address"] =
+        json!({"address": "127.0.0.1", "port_value": admin_port});
     let listener = &mut cfg["static_resources"]["listeners"][0];
     listener["address"]["socket_address"] = json!({"address": "127.0.0.1", "port_value": gw_port});
     let filters = listener["filter_chains"][0]["filters"][0]["typed_config"]["http_filters"]
@@ -81,13 +110,20 @@ fn envoy_config(gw_port: u16, admin_port: u16, inventory: SocketAddr, sims: &[Si
         .context("the wasm filter in envoy.yaml")?;
     let config = &mut wasm["typed_config"]["config"];
     config["vm_config"]["code"]["local"]["filename"] = json!(harness::wasm_module()?);
-    let mut plugin: Value = serde_json::from_str(config["configuration"]["value"].as_str().context("plugin config")?)?;
+    let mut plugin: Value = serde_json::from_str(
+        config["configuration"]["value"]
+            .as_str()
+            .context("plugin config")?,
+    )?;
     plugin["rule"] = json!(rule);
     // The production 25 ms callout budget is for a dedicated gateway; this 2-core machine runs
     // Envoy, the service and three simulators at once.
     plugin["timeout_ms"] = json!(500);
     config["configuration"]["value"] = json!(plugin.to_string());
-    for cluster in cfg["static_resources"]["clusters"].as_array_mut().context("clusters")? {
+    for cluster in cfg["static_resources"]["clusters"]
+        .as_array_mut()
+        .context("clusters")?
+    {
         match cluster["name"].as_str() {
             Some("engines") => {
                 let eps: Vec<Value> = sims
@@ -109,9 +145,18 @@ fn envoy_config(gw_port: u16, admin_port: u16, inventory: SocketAddr, sims: &[Si
     Ok(cfg)
 }
 
-async fn inventory_blocks(client: &reqwest::Client, inv: SocketAddr, rule: &str, ep: usize) -> Result<u64> {
+async fn inventory_blocks(
+    client: &reqwest::Client,
+    inv: SocketAddr,
+    rule: &str,
+    ep: usize,
+) -> Result<u64> {
     let url = format!("http://{inv}/netlox/v1/config/ai/kv/inventory");
-    let r = client.get(url).query(&[("service_id", rule), ("ep_idx", &ep.to_string())]).send().await?;
+    let r = client
+        .get(url)
+        .query(&[("service_id", rule), ("ep_idx", &ep.to_string())])
+        .send()
+        .await?;
     if !r.status().is_success() {
         bail!("inventory answered {}", r.status());
     }
@@ -119,17 +164,35 @@ async fn inventory_blocks(client: &reqwest::Client, inv: SocketAddr, rule: &str,
     v["total"].as_u64().context("total")
 }
 
-async fn chat(client: &reqwest::Client, gw: u16, messages: &[Value]) -> Result<(String, u64, String)> {
+async fn chat(
+    client: &reqwest::Client,
+    gw: u16,
+    messages: &[Value],
+) -> Result<(String, u64, String)> {
     let body = json!({"model": MODEL, "messages": messages, "max_tokens": 8});
-    let r = client.post(format!("http://127.0.0.1:{gw}/v1/chat/completions")).json(&body).send().await?;
+    let r = client
+        .post(format!("http://127.0.0.1:{gw}/v1/chat/completions"))
+        .json(&body)
+        .send()
+        .await?;
     let status = r.status();
-    let sim = r.headers().get(SIM_HEADER).and_then(|v| v.to_str().ok()).unwrap_or_default().to_owned();
+    let sim = r
+        .headers()
+        .get(SIM_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default()
+        .to_owned();
     let v: Value = r.json().await.with_context(|| format!("status {status}"))?;
     if status != 200 {
         bail!("status {status}: {v}");
     }
-    let cached = v["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap_or(0);
-    let answer = v["choices"][0]["message"]["content"].as_str().unwrap_or_default().to_owned();
+    let cached = v["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap_or(0);
+    let answer = v["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap_or_default()
+        .to_owned();
     Ok((sim, cached, answer))
 }
 
@@ -137,7 +200,11 @@ async fn chat(client: &reqwest::Client, gw: u16, messages: &[Value]) -> Result<(
 async fn conversation_sticks_to_its_prefix_and_falls_back_when_the_engine_dies() {
     let dir = TempDir::new("stack-e2e").unwrap();
     // One ZMQ port for the rule (kvZmqPort), free on the first simulator's address.
-    let zmq_port = TcpListener::bind((SIM_IPS[0], 0)).unwrap().local_addr().unwrap().port();
+    let zmq_port = TcpListener::bind((SIM_IPS[0], 0))
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
     let mut sims = Vec::new();
     for ip in SIM_IPS {
         sims.push(start_sim(ip, zmq_port, &dir).await.unwrap());
@@ -154,12 +221,12 @@ async fn conversation_sticks_to_its_prefix_and_falls_back_when_the_engine_dies()
         .arg(dir.path())
         .arg("--auth-token-file")
         .arg(dir.path().join("token"))
-        .env("KVROUTE_HEALTH_INTERVAL_MS", "200")
-        // Load comes from the engines' own metrics: a conversation's sequential turns are not
-        // concurrent load, and must not be spilled as if they were.
-        .env("KVROUTE_SCRAPE_INTERVAL_MS", "100");
-    let mut inv_child = ChildGuard::spawn("kvroute-inventory", cmd, &dir.path().join("inventory.log")).unwrap();
-    let inv = printed_addr(&mut inv_child, "kvroute-inventory listening on ").await.unwrap();
+        .env("KVROUTE_HEALTH_INTERVAL_MS", "200");
+    let mut inv_child =
+        ChildGuard::spawn("kvroute-inventory", cmd, &dir.path().join("inventory.log")).unwrap();
+    let inv = printed_addr(&mut inv_child, "kvroute-inventory listening on ")
+        .await
+        .unwrap();
 
     let gw_port = harness::free_port().unwrap();
     // The filter names the rule by VIP:port; the inventory API by the numeric id it assigns.
@@ -168,7 +235,10 @@ async fn conversation_sticks_to_its_prefix_and_falls_back_when_the_engine_dies()
         .iter()
         .map(|s| json!({"endpointIP": s.addr.ip().to_string(), "targetPort": s.addr.port(), "weight": 1}))
         .collect();
-    let client = reqwest::Client::builder().timeout(Duration::from_secs(30)).build().unwrap();
+    let client = reqwest::Client::builder()
+        .timeout(Duration::from_secs(30))
+        .build()
+        .unwrap();
     let r = client
         .post(format!("http://{inv}/netlox/v1/config/loadbalancer"))
         .bearer_auth(TOKEN)
@@ -178,8 +248,15 @@ async fn conversation_sticks_to_its_prefix_and_falls_back_when_the_engine_dies()
         .send()
         .await
         .unwrap();
-    assert!(r.status().is_success(), "rule refused: {}", r.text().await.unwrap());
-    let rule_id = r.json::<Value>().await.unwrap()["id"].as_u64().expect("rule id").to_string();
+    assert!(
+        r.status().is_success(),
+        "rule refused: {}",
+        r.text().await.unwrap()
+    );
+    let rule_id = r.json::<Value>().await.unwrap()["id"]
+        .as_u64()
+        .expect("rule id")
+        .to_string();
 
     let admin_port = harness::free_port().unwrap();
     let cfg = envoy_config(gw_port, admin_port, inv, &sims, &rule).unwrap();
@@ -191,22 +268,37 @@ async fn conversation_sticks_to_its_prefix_and_falls_back_when_the_engine_dies()
     let deadline = Instant::now() + Duration::from_secs(60);
     while !envoy.log().contains("tokenizer loaded") {
         chat(&client, gw_port, &warmup).await.unwrap();
-        assert!(Instant::now() < deadline, "the filter never loaded its tokenizer:\n{}", envoy.log());
+        assert!(
+            Instant::now() < deadline,
+            "the filter never loaded its tokenizer:\n{}",
+            envoy.log()
+        );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 
     let system = "You are the operations assistant of a large inference fleet. ".repeat(30);
-    let mut messages = vec![json!({"role": "system", "content": system}), json!({"role": "user", "content": "First question: what is prefill?"})];
+    let mut messages = vec![
+        json!({"role": "system", "content": system}),
+        json!({"role": "user", "content": "First question: what is prefill?"}),
+    ];
     // Turn 1 lands somewhere; the engine's BlockStored reaches the inventory.
     let (home, _, answer) = chat(&client, gw_port, &messages).await.unwrap();
-    let home_idx = sims.iter().position(|s| s.name == home).unwrap_or_else(|| panic!("unknown simulator {home:?}"));
+    let home_idx = sims
+        .iter()
+        .position(|s| s.name == home)
+        .unwrap_or_else(|| panic!("unknown simulator {home:?}"));
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {
-        let n = inventory_blocks(&client, inv, &rule_id, home_idx).await.unwrap();
+        let n = inventory_blocks(&client, inv, &rule_id, home_idx)
+            .await
+            .unwrap();
         if n >= 10 {
             break;
         }
-        assert!(Instant::now() < deadline, "the inventory never showed {home}'s blocks (has {n})");
+        assert!(
+            Instant::now() < deadline,
+            "the inventory never showed {home}'s blocks (has {n})"
+        );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 
@@ -214,19 +306,44 @@ async fn conversation_sticks_to_its_prefix_and_falls_back_when_the_engine_dies()
     // and reuses it.
     messages.push(json!({"role": "assistant", "content": answer}));
     for turn in 2..=4 {
-        messages.push(json!({"role": "user", "content": format!("Question {turn}: and what about decode?")}));
+        messages.push(
+            json!({"role": "user", "content": format!("Question {turn}: and what about decode?")}),
+        );
         let (sim, cached, answer) = chat(&client, gw_port, &messages).await.unwrap();
         if sim != home {
-            let m = client.get(format!("http://{inv}/metrics")).send().await.unwrap().text().await.unwrap();
-            let lines: Vec<&str> = m.lines().filter(|l| l.contains("decision") || l.contains("inventory_blocks") || l.contains("load")).collect();
+            let m = client
+                .get(format!("http://{inv}/metrics"))
+                .send()
+                .await
+                .unwrap()
+                .text()
+                .await
+                .unwrap();
+            let lines: Vec<&str> = m
+                .lines()
+                .filter(|l| {
+                    l.contains("decision") || l.contains("inventory_blocks") || l.contains("load")
+                })
+                .collect();
             let stats = envoy.stats("kvroute_filter").await.unwrap();
-            panic!("turn {turn} went to {sim}, not {home} holding its prefix\n{}\n{stats:?}", lines.join("\n"));
+            panic!(
+                "turn {turn} went to {sim}, not {home} holding its prefix\n{}\n{stats:?}",
+                lines.join("\n")
+            );
         }
-        assert!(cached >= 160, "turn {turn} reused only {cached} cached tokens");
+        assert!(
+            cached >= 160,
+            "turn {turn} reused only {cached} cached tokens"
+        );
         messages.push(json!({"role": "assistant", "content": answer}));
     }
     let stats = envoy.stats("kvroute_filter").await.unwrap();
-    assert!(stats.iter().any(|(k, v)| k.ends_with("kvroute_filter_pinned_total") && *v >= 3), "{stats:?}");
+    assert!(
+        stats
+            .iter()
+            .any(|(k, v)| k.ends_with("kvroute_filter_pinned_total") && *v >= 3),
+        "{stats:?}"
+    );
 
     // Kill the home simulator: once Envoy's health check sees it, the conversation falls back.
     drop(sims[home_idx].child.take());
@@ -234,17 +351,32 @@ async fn conversation_sticks_to_its_prefix_and_falls_back_when_the_engine_dies()
     let dead = sims[home_idx].addr.to_string();
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {
-        let text = client.get(&admin).send().await.unwrap().text().await.unwrap();
-        if text.lines().any(|l| l.contains(&dead) && l.contains("health_flags") && l.contains("failed_active_hc")) {
+        let text = client
+            .get(&admin)
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        if text.lines().any(|l| {
+            l.contains(&dead) && l.contains("health_flags") && l.contains("failed_active_hc")
+        }) {
             break;
         }
-        assert!(Instant::now() < deadline, "Envoy never marked {dead} unhealthy");
+        assert!(
+            Instant::now() < deadline,
+            "Envoy never marked {dead} unhealthy"
+        );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     messages.push(json!({"role": "user", "content": "Last question: summarise."}));
     for _ in 0..3 {
         let (sim, _, _) = chat(&client, gw_port, &messages).await.unwrap();
         assert_ne!(sim, home, "a dead simulator cannot answer");
-        assert!(sims.iter().any(|s| s.name == sim), "unknown simulator {sim:?}");
+        assert!(
+            sims.iter().any(|s| s.name == sim),
+            "unknown simulator {sim:?}"
+        );
     }
 }

@@ -7,7 +7,8 @@
 //! Policy (the seed's Tier 1.5):
 //! * prompts shorter than `LLB_KV_MIN_MATCH_TOKENS`, rules in warm-up and rules without KV events
 //!   skip KV scoring and fall back to the rule's `sel`;
-//! * positive overlap: each endpoint's cap is `max(1, ceil(mlf/100 x total load x w_i / sum w))`;
+//! * positive overlap: each endpoint's cap is `max(1, ceil(mlf/100 x total load x w_i / sum w))`,
+//!   the total including the request being routed;
 //!   the highest overlap under its cap wins, ties by lower load then lower index;
 //! * spill relief (tri-state): a winner at or over its cap spills to the under-cap endpoint with
 //!   the most overlap, ties least loaded;
@@ -213,7 +214,11 @@ pub fn decide(inp: &ScoreInput<'_>) -> Decision {
     let total_load: u64 = cands.iter().map(|&i| inp.eps[i].load).sum();
     let sum_w: u64 = cands.iter().map(|&i| u64::from(inp.eps[i].weight)).sum();
     let mlf = inp.settings.mean_load_factor;
-    let over = |i: usize| inp.eps[i].load >= cap_for(total_load, inp.eps[i].weight, sum_w, mlf);
+    // The cap counts the request being routed: with it, the fleet carries `total_load + 1`, and an
+    // endpoint is over its cap when taking this request too would exceed it. Without the +1 a
+    // lone conversation (one request recently sent to its home, the rest of the fleet idle) would
+    // spill every follow-up turn away from the cache that holds it.
+    let over = |i: usize| inp.eps[i].load >= cap_for(total_load + 1, inp.eps[i].weight, sum_w, mlf);
     if positive.is_empty() {
         return match place(inp, &cands, &over) {
             Some(ep) => Decision {
