@@ -27,6 +27,11 @@ source "$KVROUTE_CACHE/env.sh"
 step "building workspace binaries"
 cargo build --workspace --bins
 
+# The workspace lints (no unwrap/expect/panic outside tests) only bite under clippy.
+step "formatting and lints"
+cargo fmt --all -- --check
+cargo clippy --workspace --all-targets -q -- -D warnings
+
 step "running tests"
 if (($# > 0)); then
     cargo test "$@"
