@@ -66,7 +66,7 @@ trap 'echo; say "stopping"; exit 0' INT TERM
 # wait_http URL NAME LOG: polls until URL answers 2xx, at most 60 s, or fails with the log's tail.
 wait_http() {
     local url=$1 name=$2 log=$3 deadline=$((SECONDS + 60))
-    until curl -fsS -o /dev/null --max-time 2 "$url"; do
+    until curl -fs -o /dev/null --max-time 2 "$url"; do
         if ((SECONDS > deadline)); then
             tail -20 "$log" >&2 || true
             die "$name did not become ready at $url within 60 s (log: $log)"
@@ -100,14 +100,18 @@ done
 rule="{\"serviceArguments\":{\"externalIP\":\"$VIP\",\"port\":$GW_PORT,\"protocol\":\"tcp\",\"sel\":0,\"mode\":4,
 \"kvExactMode\":3,\"kvEngineType\":\"vllm\",\"kvHashAlgo\":\"sha256_cbor\",\"kvBlockSize\":16,\"kvZmqPort\":$ZMQ_PORT,
 \"kvReplayPort\":$REPLAY_PORT,\"kvModel\":\"$MODEL\"},\"endpoints\":[$endpoints]}"
-curl -fsS -X POST "http://127.0.0.1:$INV_PORT/netlox/v1/config/loadbalancer" \
+created=$(curl -fsS -X POST "http://127.0.0.1:$INV_PORT/netlox/v1/config/loadbalancer" \
     -H "authorization: Bearer $(cat "$RUN/admin-token")" -H 'content-type: application/json' \
-    --data "$rule" >/dev/null || die "the inventory refused the rule (log: $RUN/logs/inventory.log)"
+    --data "$rule") || die "the inventory refused the rule (log: $RUN/logs/inventory.log)"
+SERVICE_ID=$(python3 -c 'import json,sys; print(json.load(sys.stdin)["id"])' <<<"$created")
 
 say "starting Envoy with the filter on 127.0.0.1:$GW_PORT"
 # The shipped envoy/envoy.yaml, with this machine's addresses: what a user copies is what runs here.
+# One change: the route callout budget is 100 ms instead of 25 ms, because on a small machine the
+# gateway, the service, three simulators and the load generator share the same cores.
 sed -e "s#/etc/kvroute/kvroute_filter.wasm#$KVROUTE_WASM#" \
     -e "s#\"rule\": \"10.0.0.1:8080\"#\"rule\": \"$RULE_ID\"#" \
+    -e "s#\"timeout_ms\": 25,#\"timeout_ms\": 100,#" \
     -e "s#address: 0.0.0.0, port_value: 10000#address: 127.0.0.1, port_value: $GW_PORT#" \
     -e "s#address: 127.0.0.1, port_value: 9901#address: 127.0.0.1, port_value: $ADMIN_PORT#" \
     -e "s#address: 10.0.0.10, port_value: 8000#address: ${SIMS[0]}, port_value: $SIM_PORT#" \
@@ -119,6 +123,18 @@ sed -e "s#/etc/kvroute/kvroute_filter.wasm#$KVROUTE_WASM#" \
     >"$RUN/logs/envoy.log" 2>&1 &
 PIDS+=($!)
 wait_http "http://127.0.0.1:$ADMIN_PORT/ready" "Envoy" "$RUN/logs/envoy.log"
+
+# Each Envoy worker VM fetches and parses the tokenizer on its first request (about a second);
+# until then requests pass unpinned. Warm up until a request no longer finds the tokenizer missing.
+no_tok() { curl -fs "http://127.0.0.1:$ADMIN_PORT/stats?filter=kvroute_filter_no_tokenizer_total" | awk '{s+=$2} END {print s+0}'; }
+deadline=$((SECONDS + 60))
+for i in $(seq 1 600); do
+    before=$(no_tok)
+    curl -fs -o /dev/null "http://127.0.0.1:$GW_PORT/v1/chat/completions" -H 'content-type: application/json' \
+        -d "{\"model\":\"$MODEL\",\"messages\":[{\"role\":\"user\",\"content\":\"warm-up $i\"}],\"max_tokens\":1}" || true
+    if ((i > 4)) && [[ "$(no_tok)" == "$before" ]]; then break; fi
+    ((SECONDS < deadline)) || die "the filter did not load its tokenizer within 60 s (log: $RUN/logs/envoy.log)"
+done
 
 sims_csv=""
 for ip in "${SIMS[@]}"; do sims_csv+="${sims_csv:+,}http://$ip:$SIM_PORT"; done
@@ -132,7 +148,7 @@ cat <<MSG
 kvroute is running:
   gateway (OpenAI API)  http://127.0.0.1:$GW_PORT/v1/chat/completions   model "$MODEL"
   inventory service     http://127.0.0.1:$INV_PORT  (/metrics, /healthz, /netlox/v1/config/loadbalancer/all)
-  inventory of sim 0    http://127.0.0.1:$INV_PORT/netlox/v1/config/ai/kv/inventory?service_id=$RULE_ID&ep_idx=0
+  inventory of sim 0    http://127.0.0.1:$INV_PORT/netlox/v1/config/ai/kv/inventory?service_id=$SERVICE_ID&ep_idx=0
   Envoy admin           http://127.0.0.1:$ADMIN_PORT/stats?filter=kvroute
   simulators            $sims_csv
   logs                  $RUN/logs/
