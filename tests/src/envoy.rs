@@ -39,7 +39,11 @@ pub fn base64(input: &[u8]) -> String {
     const A: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
     let mut out = String::new();
     for chunk in input.chunks(3) {
-        let b = [chunk[0], *chunk.get(1).unwrap_or(&0), *chunk.get(2).unwrap_or(&0)];
+        let b = [
+            chunk[0],
+            *chunk.get(1).unwrap_or(&0),
+            *chunk.get(2).unwrap_or(&0),
+        ];
         let n = (u32::from(b[0]) << 16) | (u32::from(b[1]) << 8) | u32::from(b[2]);
         for i in 0..4 {
             if i <= chunk.len() {
@@ -85,16 +89,28 @@ impl Engine {
             events: Arc::default(),
             healthy: Arc::new(AtomicBool::new(true)),
         };
-        let app = Router::new().fallback(engine).layer(DefaultBodyLimit::disable()).with_state(state.clone());
+        let app = Router::new()
+            .fallback(engine)
+            .layer(DefaultBodyLimit::disable())
+            .with_state(state.clone());
         let task = tokio::spawn(async move {
             let _ = axum::serve(listener, app).await;
         });
-        Ok(Engine { name: name.to_owned(), addr, state, task })
+        Ok(Engine {
+            name: name.to_owned(),
+            addr,
+            state,
+            task,
+        })
     }
 
     /// Requests received so far (probes and drains excluded).
     pub fn received(&self) -> Vec<Received> {
-        self.state.received.lock().map(|r| r.clone()).unwrap_or_default()
+        self.state
+            .received
+            .lock()
+            .map(|r| r.clone())
+            .unwrap_or_default()
     }
 
     /// Makes `/health` answer 503 (false) or 200 (true).
@@ -126,31 +142,58 @@ impl Drop for Engine {
     }
 }
 
-async fn engine(State(s): State<EngineState>, method: Method, uri: Uri, headers: HeaderMap, body: Bytes) -> Response {
+async fn engine(
+    State(s): State<EngineState>,
+    method: Method,
+    uri: Uri,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
     match uri.path() {
         "/health" => {
-            let code = if s.healthy.load(Ordering::Relaxed) { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
+            let code = if s.healthy.load(Ordering::Relaxed) {
+                StatusCode::OK
+            } else {
+                StatusCode::SERVICE_UNAVAILABLE
+            };
             return code.into_response();
         }
         "/kv_cache_events" => {
-            let drained: Vec<Value> = s.events.lock().map(|mut q| q.drain(..).collect()).unwrap_or_default();
+            let drained: Vec<Value> = s
+                .events
+                .lock()
+                .map(|mut q| q.drain(..).collect())
+                .unwrap_or_default();
             return axum::Json(Value::Array(drained)).into_response();
         }
         _ => {}
     }
     let headers_vec = headers
         .iter()
-        .map(|(k, v)| (k.as_str().to_owned(), String::from_utf8_lossy(v.as_bytes()).into_owned()))
+        .map(|(k, v)| {
+            (
+                k.as_str().to_owned(),
+                String::from_utf8_lossy(v.as_bytes()).into_owned(),
+            )
+        })
         .collect();
     if let Ok(mut r) = s.received.lock() {
-        r.push(Received { method: method.to_string(), path: uri.to_string(), headers: headers_vec, body: body.clone() });
+        r.push(Received {
+            method: method.to_string(),
+            path: uri.to_string(),
+            headers: headers_vec,
+            body: body.clone(),
+        });
     }
     let mut resp = if headers.contains_key(SSE_HEADER) {
         let sse = "data: {\"choices\":[{\"delta\":{\"content\":\"hi\"}}],\"usage\":null}\n\n\
                    data: {\"choices\":[],\"usage\":{\"prompt_tokens\":40,\"prompt_tokens_details\":{\"cached_tokens\":32}}}\n\n\
                    data: [DONE]\n\n";
         let mut r = (StatusCode::OK, sse).into_response();
-        r.headers_mut().insert("content-type", HeaderValue::from_static("text/event-stream"));
+        r.headers_mut().insert(
+            "content-type",
+            HeaderValue::from_static("text/event-stream"),
+        );
         r
     } else {
         (StatusCode::OK, body).into_response()
@@ -171,7 +214,10 @@ pub fn inventory_bin() -> Result<PathBuf> {
         .map(PathBuf::from)
         .unwrap_or_else(|| harness::repo_root().join("target/debug/kvroute-inventory"));
     if !p.is_file() {
-        bail!("{} not found: run `cargo build -p kvroute-inventory` (or set KVROUTE_INVENTORY_BIN)", p.display());
+        bail!(
+            "{} not found: run `cargo build -p kvroute-inventory` (or set KVROUTE_INVENTORY_BIN)",
+            p.display()
+        );
     }
     Ok(p)
 }
@@ -194,7 +240,8 @@ impl Inventory {
         std::fs::create_dir_all(&staged)?;
         let fixture = harness::tokenizer_dir()?;
         for f in ["tokenizer.json", "tokenizer_config.json"] {
-            std::fs::copy(fixture.join(f), staged.join(f)).with_context(|| format!("staging {f}"))?;
+            std::fs::copy(fixture.join(f), staged.join(f))
+                .with_context(|| format!("staging {f}"))?;
         }
         let token = dir.path().join("token");
         std::fs::write(&token, TOKEN)?;
@@ -216,16 +263,28 @@ impl Inventory {
         let deadline = Instant::now() + Duration::from_secs(30);
         let addr = loop {
             child.ensure_running()?;
-            if let Some(a) = child.log().lines().find_map(|l| l.strip_prefix("kvroute-inventory listening on ").map(|a| a.trim().to_owned())) {
+            if let Some(a) = child.log().lines().find_map(|l| {
+                l.strip_prefix("kvroute-inventory listening on ")
+                    .map(|a| a.trim().to_owned())
+            }) {
                 break a;
             }
             if Instant::now() >= deadline {
-                bail!("inventory did not print its address; log:\n{}", child.log_tail(30));
+                bail!(
+                    "inventory did not print its address; log:\n{}",
+                    child.log_tail(30)
+                );
             }
             tokio::time::sleep(Duration::from_millis(25)).await;
         };
-        let addr: SocketAddr = addr.parse().with_context(|| format!("inventory address {addr:?}"))?;
-        Ok(Inventory { addr, child, _dir: dir })
+        let addr: SocketAddr = addr
+            .parse()
+            .with_context(|| format!("inventory address {addr:?}"))?;
+        Ok(Inventory {
+            addr,
+            child,
+            _dir: dir,
+        })
     }
 
     /// Adds a TensorRT-LLM rule (VIP 10.0.0.1:8080, block 16, kvModel Qwen3) over `engines`; returns its id.
@@ -240,7 +299,10 @@ impl Inventory {
             "endpoints": eps,
         });
         let resp = reqwest::Client::new()
-            .post(format!("http://{}/netlox/v1/config/loadbalancer", self.addr))
+            .post(format!(
+                "http://{}/netlox/v1/config/loadbalancer",
+                self.addr
+            ))
             .bearer_auth(TOKEN)
             .json(&rule)
             .send()
@@ -248,23 +310,36 @@ impl Inventory {
         let status = resp.status();
         let body: Value = resp.json().await.unwrap_or(Value::Null);
         if !status.is_success() {
-            bail!("adding the rule failed: {status} {body}; log:\n{}", self.child.log_tail(30));
+            bail!(
+                "adding the rule failed: {status} {body}; log:\n{}",
+                self.child.log_tail(30)
+            );
         }
         body["id"].as_u64().context("rule id")
     }
 
     /// Polls until endpoint `ep` of rule `rule` holds at least `n` blocks.
     pub async fn wait_for_blocks(&self, rule: u64, ep: usize, n: usize) -> Result<()> {
-        let url = format!("http://{}/netlox/v1/config/ai/kv/inventory?service_id={rule}&ep_idx={ep}&limit=10000", self.addr);
+        let url = format!(
+            "http://{}/netlox/v1/config/ai/kv/inventory?service_id={rule}&ep_idx={ep}&limit=10000",
+            self.addr
+        );
         let deadline = Instant::now() + Duration::from_secs(20);
         loop {
-            let v: Value = reqwest::get(&url).await?.json().await.unwrap_or(Value::Null);
+            let v: Value = reqwest::get(&url)
+                .await?
+                .json()
+                .await
+                .unwrap_or(Value::Null);
             let have = v["blocks"].as_array().map_or(0, Vec::len);
             if have >= n {
                 return Ok(());
             }
             if Instant::now() >= deadline {
-                bail!("endpoint {ep} holds {have} blocks, wanted {n}; log:\n{}", self.child.log_tail(30));
+                bail!(
+                    "endpoint {ep} holds {have} blocks, wanted {n}; log:\n{}",
+                    self.child.log_tail(30)
+                );
             }
             tokio::time::sleep(Duration::from_millis(25)).await;
         }
@@ -307,7 +382,9 @@ impl FakeInventory {
         let contract = json!({"rule_id": 1, "name": "10.0.0.1:8080/tcp", "vip": "10.0.0.1:8080", "engine": "trtllm",
             "algo": "blockhash_trtllm", "seed": null, "block_size": BLOCK, "key_mode": "engine", "model": MODEL,
             "kv_exact_mode": 3, "kv_enabled": true});
-        let app = Router::new().fallback(fake).with_state(FakeState { fault, contract });
+        let app = Router::new()
+            .fallback(fake)
+            .with_state(FakeState { fault, contract });
         let task = tokio::spawn(async move {
             let _ = axum::serve(listener, app).await;
         });
@@ -324,7 +401,8 @@ impl Drop for FakeInventory {
 async fn fake(State(s): State<FakeState>, uri: Uri) -> Response {
     let mut resp = fake_answer(s, uri).await;
     // No pooled connections: once the stand-in is dropped, Envoy's next callout is refused.
-    resp.headers_mut().insert("connection", HeaderValue::from_static("close"));
+    resp.headers_mut()
+        .insert("connection", HeaderValue::from_static("close"));
     resp
 }
 
@@ -339,7 +417,11 @@ async fn fake_answer(s: FakeState, uri: Uri) -> Response {
     match s.fault {
         Fault::Slow => {
             tokio::time::sleep(Duration::from_secs(1)).await;
-            (StatusCode::OK, r#"{"endpoint":"127.0.0.1:1","matched_blocks":0,"tier":"fallback"}"#).into_response()
+            (
+                StatusCode::OK,
+                r#"{"endpoint":"127.0.0.1:1","matched_blocks":0,"tier":"fallback"}"#,
+            )
+                .into_response()
         }
         Fault::Error => (StatusCode::INTERNAL_SERVER_ERROR, "boom").into_response(),
         Fault::Garbage => (StatusCode::OK, "\u{1}not json at all").into_response(),
@@ -387,7 +469,8 @@ pub fn bootstrap(b: &Bootstrap<'_>) -> Result<Value> {
     let mut plugin = b.plugin.clone();
     if let Value::Object(m) = &mut plugin {
         m.entry("rule").or_insert(json!("10.0.0.1:8080"));
-        m.entry("inventory_cluster").or_insert(json!("kvroute_inventory"));
+        m.entry("inventory_cluster")
+            .or_insert(json!("kvroute_inventory"));
         m.entry("pin_header").or_insert(json!(PIN_HEADER));
         m.entry("max_body_bytes").or_insert(json!(1 << 20));
         // Envoy on a loaded 2-core test machine: the default 25 ms is the production value,
@@ -420,8 +503,10 @@ pub fn bootstrap(b: &Bootstrap<'_>) -> Result<Value> {
             "@type": "type.googleapis.com/envoy.extensions.http.stateful_session.header.v3.HeaderBasedSessionState",
             "name": PIN_HEADER}},
         "strict": false}}));
-    filters.push(json!({"name": "envoy.filters.http.router", "typed_config": {
-        "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}));
+    filters.push(
+        json!({"name": "envoy.filters.http.router", "typed_config": {
+        "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}),
+    );
     let endpoints: Vec<Value> = b
         .engines
         .iter()
@@ -482,13 +567,13 @@ pub fn wasmplugin_companions() -> Vec<Value> {
         json!({"name": "envoy.filters.http.buffer", "typed_config": {
             "@type": "type.googleapis.com/envoy.extensions.filters.http.buffer.v3.Buffer", "max_request_bytes": 16777216}}),
         json!({"name": "envoy.filters.http.header_mutation", "typed_config": {
-            "@type": "type.googleapis.com/envoy.extensions.filters.http.header_mutation.v3.HeaderMutation",
-            "mutations": {"request_mutations": [
-                from_state(PIN_HEADER, "kvroute_pin"),
-                from_state("x-kvroute-tier", "kvroute_tier"),
-                from_state("x-kvroute-matched-blocks", "kvroute_matched_blocks"),
-                from_state("x-prefiller-host-port", "kvroute_prefiller"),
-            ]}}}),
+        "@type": "type.googleapis.com/envoy.extensions.filters.http.header_mutation.v3.HeaderMutation",
+        "mutations": {"request_mutations": [
+            from_state(PIN_HEADER, "kvroute_pin"),
+            from_state("x-kvroute-tier", "kvroute_tier"),
+            from_state("x-kvroute-matched-blocks", "kvroute_matched_blocks"),
+            from_state("x-prefiller-host-port", "kvroute_prefiller"),
+        ]}}}),
     ]
 }
 
@@ -505,18 +590,35 @@ impl Gateway {
         b.listener_port = harness::free_port()?;
         b.admin_port = harness::free_port()?;
         let envoy = harness::Envoy::start(&bootstrap(&b)?, b.admin_port).await?;
-        harness::wait_for_tcp(harness::local(b.listener_port), Duration::from_secs(10), None).await?;
-        let client = reqwest::Client::builder().timeout(Duration::from_secs(20)).build()?;
-        let gw = Gateway { envoy, base: format!("http://{}", harness::local(b.listener_port)), client };
+        harness::wait_for_tcp(
+            harness::local(b.listener_port),
+            Duration::from_secs(10),
+            None,
+        )
+        .await?;
+        let client = reqwest::Client::builder()
+            .timeout(Duration::from_secs(20))
+            .build()?;
+        let gw = Gateway {
+            envoy,
+            base: format!("http://{}", harness::local(b.listener_port)),
+            client,
+        };
         for e in b.engines {
-            gw.wait_for_health(e, "healthy", Duration::from_secs(20)).await?;
+            gw.wait_for_health(e, "healthy", Duration::from_secs(20))
+                .await?;
         }
         Ok(gw)
     }
 
     /// Waits until Envoy's `/clusters` shows `engine` with health flag `flag` (`healthy`, or
     /// `/failed_active_hc` for unhealthy).
-    pub async fn wait_for_health(&self, engine: &Engine, flag: &str, timeout: Duration) -> Result<()> {
+    pub async fn wait_for_health(
+        &self,
+        engine: &Engine,
+        flag: &str,
+        timeout: Duration,
+    ) -> Result<()> {
         let url = format!("http://{}/clusters", self.envoy.admin);
         let needle = format!("engines::{}::health_flags::{flag}", engine.addr);
         let deadline = Instant::now() + timeout;
@@ -526,7 +628,10 @@ impl Gateway {
                 return Ok(());
             }
             if Instant::now() >= deadline {
-                bail!("{} never reached health {flag:?} in /clusters:\n{text}", engine.addr);
+                bail!(
+                    "{} never reached health {flag:?} in /clusters:\n{text}",
+                    engine.addr
+                );
             }
             tokio::time::sleep(Duration::from_millis(25)).await;
         }
@@ -535,8 +640,13 @@ impl Gateway {
     /// Waits until the worker's filter has its contract and tokenizer: one request makes the
     /// worker VM start loading its tokenizer (VMs without traffic never load one).
     pub async fn wait_until_routing(&self, timeout: Duration) -> Result<()> {
-        self.wait_for_log("rule contract loaded", 2, timeout).await?;
-        let r = self.client.get(format!("{}/kvroute-warmup", self.base)).send().await?;
+        self.wait_for_log("rule contract loaded", 2, timeout)
+            .await?;
+        let r = self
+            .client
+            .get(format!("{}/kvroute-warmup", self.base))
+            .send()
+            .await?;
         if r.status() != 200 {
             bail!("warm-up request answered {}", r.status());
         }
@@ -554,7 +664,10 @@ impl Gateway {
             if Instant::now() >= deadline {
                 let log = self.envoy.log();
                 let tail: Vec<&str> = log.lines().rev().take(40).collect();
-                bail!("Envoy never logged {needle:?}; tail:\n{}", tail.into_iter().rev().collect::<Vec<_>>().join("\n"));
+                bail!(
+                    "Envoy never logged {needle:?}; tail:\n{}",
+                    tail.into_iter().rev().collect::<Vec<_>>().join("\n")
+                );
             }
             tokio::time::sleep(Duration::from_millis(25)).await;
         }
@@ -562,12 +675,22 @@ impl Gateway {
 
     /// Waits until Envoy's health checker sees `engine` as unhealthy (`failed_active_hc`).
     pub async fn wait_for_unhealthy(&self, engine: &Engine, timeout: Duration) -> Result<()> {
-        self.wait_for_health(engine, "/failed_active_hc", timeout).await
+        self.wait_for_health(engine, "/failed_active_hc", timeout)
+            .await
     }
 
     /// POSTs `body` to `path` with JSON content type and extra headers.
-    pub async fn post(&self, path: &str, body: Vec<u8>, headers: &[(&str, &str)]) -> Result<reqwest::Response> {
-        let mut r = self.client.post(format!("{}{path}", self.base)).header("content-type", "application/json").body(body);
+    pub async fn post(
+        &self,
+        path: &str,
+        body: Vec<u8>,
+        headers: &[(&str, &str)],
+    ) -> Result<reqwest::Response> {
+        let mut r = self
+            .client
+            .post(format!("{}{path}", self.base))
+            .header("content-type", "application/json")
+            .body(body);
         for (k, v) in headers {
             r = r.header(*k, *v);
         }
@@ -577,16 +700,14 @@ impl Gateway {
     /// A `wasmcustom.<name>` stat (0 when absent).
     pub async fn stat(&self, name: &str) -> Result<u64> {
         let full = format!("wasmcustom.{name}");
-        Ok(self.envoy.stats(&full).await?.get(&full).copied().unwrap_or(0))
+        Ok(self
+            .envoy
+            .stats(&full)
+            .await?
+            .get(&full)
+            .copied()
+            .unwrap_or(0))
     }
-}
-
-/// The number of distinct values (for round-robin assertions).
-pub fn distinct<T: Ord + Clone>(items: &[T]) -> usize {
-    let mut v = items.to_vec();
-    v.sort();
-    v.dedup();
-    v.len()
 }
 
 /// A 127.0.0.1 address nothing listens on (the kernel just handed the port out and it was

@@ -44,7 +44,8 @@ pub fn vectors_dir() -> PathBuf {
 
 fn load(name: &str) -> Result<Value> {
     let path = vectors_dir().join(name);
-    let text = std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
+    let text =
+        std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
     serde_json::from_str(&text).with_context(|| format!("parsing {}", path.display()))
 }
 
@@ -56,7 +57,11 @@ fn u32s(v: &Value) -> Result<Vec<u32>> {
     v.as_array()
         .ok_or_else(|| anyhow!("expected token array, got {v}"))?
         .iter()
-        .map(|t| t.as_u64().and_then(|t| u32::try_from(t).ok()).ok_or_else(|| anyhow!("bad token {t}")))
+        .map(|t| {
+            t.as_u64()
+                .and_then(|t| u32::try_from(t).ok())
+                .ok_or_else(|| anyhow!("bad token {t}"))
+        })
         .collect()
 }
 
@@ -68,7 +73,9 @@ pub fn key_bits(v: &Value) -> Result<u64> {
 }
 
 fn str_at<'a>(v: &'a Value, ptr: &str) -> Result<&'a str> {
-    v.pointer(ptr).and_then(Value::as_str).ok_or_else(|| anyhow!("missing string at {ptr}"))
+    v.pointer(ptr)
+        .and_then(Value::as_str)
+        .ok_or_else(|| anyhow!("missing string at {ptr}"))
 }
 
 /// Every case from every vector file.
@@ -93,30 +100,49 @@ pub fn vllm_cases() -> Result<Vec<Case>> {
         for (seq_name, blocks) in seqs {
             let (tokens, want) = blocks_of(blocks)?;
             out.push(Case {
-                name: format!("vllm/{algo}/seed={}/{seq_name}", seed.as_deref().unwrap_or("unset")),
-                contract: HashContract { algo, block_size: block, seed: seed.clone() },
+                name: format!(
+                    "vllm/{algo}/seed={}/{seq_name}",
+                    seed.as_deref().unwrap_or("unset")
+                ),
+                contract: HashContract {
+                    algo,
+                    block_size: block,
+                    seed: seed.clone(),
+                },
                 extra: ExtraKeys::default(),
                 tokens,
                 want,
             });
         }
     }
-    for ev in d["extra_key_vectors"].as_array().context("extra_key_vectors")? {
+    for ev in d["extra_key_vectors"]
+        .as_array()
+        .context("extra_key_vectors")?
+    {
         let algo = HashAlgo::parse(str_at(ev, "/algo")?).context("algo")?;
         let seed = ev["PYTHONHASHSEED"].as_str().map(str::to_owned);
         let (tokens, want) = blocks_of(&ev["blocks"])?;
         let mut extra = ExtraKeys::default();
-        let first = ev.pointer("/blocks/0/extra_keys_hashed").and_then(Value::as_array).context("extra keys")?;
+        let first = ev
+            .pointer("/blocks/0/extra_keys_hashed")
+            .and_then(Value::as_array)
+            .context("extra keys")?;
         for k in first {
             match k[0].as_str() {
-                Some("lora") => extra.lora = Some((str_at(k, "/1")?.into(), str_at(k, "/2")?.into())),
+                Some("lora") => {
+                    extra.lora = Some((str_at(k, "/1")?.into(), str_at(k, "/2")?.into()))
+                }
                 Some("cache_salt") => extra.cache_salt = Some(str_at(k, "/1")?.into()),
                 other => bail!("unknown extra key kind {other:?}"),
             }
         }
         out.push(Case {
             name: format!("vllm/{algo}/extra/{}", str_at(ev, "/case")?),
-            contract: HashContract { algo, block_size: block, seed },
+            contract: HashContract {
+                algo,
+                block_size: block,
+                seed,
+            },
             extra,
             tokens,
             want,
@@ -159,13 +185,23 @@ fn chained_store_cases(
                 false => chains
                     .get(&key_bits(&ev["parent_block_hash"])?)
                     .cloned()
-                    .ok_or_else(|| anyhow!("{prefix}: parent of batch {bi} event {ei} never stored"))?,
+                    .ok_or_else(|| {
+                        anyhow!("{prefix}: parent of batch {bi} event {ei} never stored")
+                    })?,
             };
             let own = u32s(&ev["token_ids"])?;
-            let hashes: Vec<u64> =
-                ev["block_hashes"].as_array().context("block_hashes")?.iter().map(key_bits).collect::<Result<_>>()?;
+            let hashes: Vec<u64> = ev["block_hashes"]
+                .as_array()
+                .context("block_hashes")?
+                .iter()
+                .map(key_bits)
+                .collect::<Result<_>>()?;
             if own.len() != hashes.len() * block {
-                bail!("{prefix}: batch {bi} event {ei}: {} tokens for {} blocks", own.len(), hashes.len());
+                bail!(
+                    "{prefix}: batch {bi} event {ei}: {} tokens for {} blocks",
+                    own.len(),
+                    hashes.len()
+                );
             }
             for (i, h) in hashes.iter().enumerate() {
                 tokens.extend_from_slice(&own[i * block..(i + 1) * block]);
@@ -175,7 +211,10 @@ fn chained_store_cases(
             out.push(Case {
                 name: format!("{prefix}/batch{bi}/event{ei}"),
                 contract: contract.clone(),
-                extra: ExtraKeys { cache_salt: salt_of(ev), ..ExtraKeys::default() },
+                extra: ExtraKeys {
+                    cache_salt: salt_of(ev),
+                    ..ExtraKeys::default()
+                },
                 tokens,
                 want: keys,
             });
@@ -194,10 +233,17 @@ pub fn vllm_capture_cases() -> Result<Vec<Case>> {
         block_size: bs(cfg["block_size"].as_u64().context("block_size")? as u32)?,
         seed: Some(str_at(cfg, "/none_hash_seed")?.into()),
     };
-    let batches = d["decoded_events"].as_array().context("decoded_events")?.iter().map(|b| b["events"].clone());
+    let batches = d["decoded_events"]
+        .as_array()
+        .context("decoded_events")?
+        .iter()
+        .map(|b| b["events"].clone());
     let out = chained_store_cases("vllm-cpu-capture", &contract, batches, |_| None)?;
     if out.len() < 20 {
-        bail!("expected at least 20 stored events in the capture, found {}", out.len());
+        bail!(
+            "expected at least 20 stored events in the capture, found {}",
+            out.len()
+        );
     }
     Ok(out)
 }
@@ -206,17 +252,34 @@ pub fn vllm_capture_cases() -> Result<Vec<Case>> {
 pub fn sglang_cases() -> Result<Vec<Case>> {
     let d = load("sglang-0.5.23.json")?;
     let f = &d["function_level"]["range64"];
-    let contract = HashContract::new(HashAlgo::Sha256Sglang, bs(f["page_size"].as_u64().context("page_size")? as u32)?);
+    let contract = HashContract::new(
+        HashAlgo::Sha256Sglang,
+        bs(f["page_size"].as_u64().context("page_size")? as u32)?,
+    );
     let mut out = vec![Case {
         name: "sglang/function/range64".into(),
         contract: contract.clone(),
         extra: ExtraKeys::default(),
         tokens: u32s(&f["tokens"])?,
-        want: f["block_hashes_i64"].as_array().context("keys")?.iter().map(key_bits).collect::<Result<_>>()?,
+        want: f["block_hashes_i64"]
+            .as_array()
+            .context("keys")?
+            .iter()
+            .map(key_bits)
+            .collect::<Result<_>>()?,
     }];
-    let batches = d["event_batches"].as_array().context("event_batches")?.iter().map(|b| b["decoded_generic"][1].clone());
+    let batches = d["event_batches"]
+        .as_array()
+        .context("event_batches")?
+        .iter()
+        .map(|b| b["decoded_generic"][1].clone());
     let salt = |ev: &Value| ev["cache_salt"].as_str().map(str::to_owned);
-    out.extend(chained_store_cases("sglang/events", &contract, batches, salt)?);
+    out.extend(chained_store_cases(
+        "sglang/events",
+        &contract,
+        batches,
+        salt,
+    )?);
     if out.len() < 4 {
         bail!("expected at least 4 SGLang cases, found {}", out.len());
     }
@@ -233,7 +296,12 @@ pub fn trtllm_cases() -> Result<Vec<Case>> {
         bs(d["tokens_per_block"].as_u64().context("tokens_per_block")? as u32)?,
     );
     let keys = |blocks: &Value| -> Result<Vec<u64>> {
-        blocks.as_array().context("blocks")?.iter().map(|b| key_bits(&b["block_hash_u64"])).collect()
+        blocks
+            .as_array()
+            .context("blocks")?
+            .iter()
+            .map(|b| key_bits(&b["block_hash_u64"]))
+            .collect()
     };
     Ok(vec![
         Case {
@@ -246,14 +314,20 @@ pub fn trtllm_cases() -> Result<Vec<Case>> {
         Case {
             name: "trtllm/v1/cache_salt=tenant-a".into(),
             contract: contract.clone(),
-            extra: ExtraKeys { cache_salt: Some("tenant-a".into()), ..ExtraKeys::default() },
+            extra: ExtraKeys {
+                cache_salt: Some("tenant-a".into()),
+                ..ExtraKeys::default()
+            },
             tokens: tokens.clone(),
             want: keys(&v["v1_block_key_cache_salt_tenant-a"]["blocks"])?,
         },
         Case {
             name: "trtllm/v1/lora_task_id=7".into(),
             contract,
-            extra: ExtraKeys { lora_task_id: Some(7), ..ExtraKeys::default() },
+            extra: ExtraKeys {
+                lora_task_id: Some(7),
+                ..ExtraKeys::default()
+            },
             tokens,
             want: keys(&v["v1_block_key_lora_task_id_7"])?,
         },

@@ -35,8 +35,10 @@ impl Prose {
     }
 
     fn words(&mut self, n: usize) -> String {
-        const SYL: [&str; 24] = ["ka", "lo", "mi", "tren", "sor", "vel", "di", "ux", "pra", "ne", "qui", "shal",
-                                 "or", "bet", "fi", "gan", "ho", "jus", "ze", "cri", "mon", "ta", "wel", "yo"];
+        const SYL: [&str; 24] = [
+            "ka", "lo", "mi", "tren", "sor", "vel", "di", "ux", "pra", "ne", "qui", "shal", "or",
+            "bet", "fi", "gan", "ho", "jus", "ze", "cri", "mon", "ta", "wel", "yo",
+        ];
         let mut s = String::new();
         for i in 0..n {
             let k = 1 + (self.next() % 3) as usize;
@@ -62,14 +64,22 @@ struct Counter {
 impl Counter {
     fn tokens(&self, messages: &Value) -> usize {
         let body = json!({"model": "m", "messages": messages}).to_string();
-        PromptTokens::from_request(&Request::from_json(body.as_bytes()).unwrap(), &self.tok, Some(&self.tpl)).unwrap().len()
+        PromptTokens::from_request(
+            &Request::from_json(body.as_bytes()).unwrap(),
+            &self.tok,
+            Some(&self.tpl),
+        )
+        .unwrap()
+        .len()
     }
 }
 
 /// A conversation: system prompt and `turns` alternating turns of 150 words, ending on a user turn.
 fn conversation(seed: u64, turns: usize) -> Vec<Value> {
     let mut p = Prose(seed | 1);
-    let mut msgs = vec![json!({"role": "system", "content": format!("You are a helpful assistant. {}", p.words(40))})];
+    let mut msgs = vec![
+        json!({"role": "system", "content": format!("You are a helpful assistant. {}", p.words(40))}),
+    ];
     for i in 0..turns {
         let role = if i % 2 == 0 { "user" } else { "assistant" };
         msgs.push(json!({"role": role, "content": p.words(150)}));
@@ -83,7 +93,9 @@ fn conversation(seed: u64, turns: usize) -> Vec<Value> {
 /// The number of turns that makes a conversation reach `target` tokens (the prose has a stable
 /// tokens-per-word ratio, so one calibration per size suffices).
 fn turns_for(counter: &Counter, target: usize) -> usize {
-    (1..200).find(|t| counter.tokens(&Value::Array(conversation(1, *t))) >= target).unwrap_or(200)
+    (1..200)
+        .find(|t| counter.tokens(&Value::Array(conversation(1, *t))) >= target)
+        .unwrap_or(200)
 }
 
 fn percentile(sorted: &[f64], q: f64) -> f64 {
@@ -96,7 +108,10 @@ async fn measure(gw: &Gateway, bodies: &[Vec<u8>]) -> Vec<f64> {
     let mut out = Vec::with_capacity(bodies.len());
     for b in bodies {
         let t0 = Instant::now();
-        let r = gw.post("/v1/chat/completions", b.clone(), &[]).await.unwrap();
+        let r = gw
+            .post("/v1/chat/completions", b.clone(), &[])
+            .await
+            .unwrap();
         assert_eq!(r.status(), 200);
         let _ = r.bytes().await.unwrap();
         out.push(t0.elapsed().as_secs_f64() * 1000.0);
@@ -117,20 +132,28 @@ struct Case {
 #[ignore = "benchmark: run by scripts/bench-filter.sh"]
 async fn bench_filter_latency() {
     let load_before = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
-    let samples: usize = std::env::var("KVROUTE_BENCH_SAMPLES").ok().and_then(|s| s.parse().ok()).unwrap_or(100);
+    let samples: usize = std::env::var("KVROUTE_BENCH_SAMPLES")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(100);
     let dir = harness::tokenizer_dir().unwrap();
     let counter = Counter {
         tok: Tokenizer::from_bytes(&std::fs::read(dir.join("tokenizer.json")).unwrap()).unwrap(),
         tpl: ChatTemplate::new(&std::fs::read(dir.join("tokenizer_config.json")).unwrap()).unwrap(),
     };
-    let body = |msgs: &[Value]| serde_json::to_vec(&json!({"model": "Qwen/Qwen3-0.6B", "messages": msgs, "max_tokens": 1})).unwrap();
+    let body = |msgs: &[Value]| {
+        serde_json::to_vec(&json!({"model": "Qwen/Qwen3-0.6B", "messages": msgs, "max_tokens": 1}))
+            .unwrap()
+    };
 
     // Workloads: for each size, `samples` cold conversations and `samples` follow-ups of one.
     let mut cases = Vec::new();
     let mut sizes = Vec::new();
     for target in [1000usize, 8000] {
         let turns = turns_for(&counter, target);
-        let cold: Vec<Vec<u8>> = (0..samples as u64).map(|i| body(&conversation(1000 + i * 7919 + target as u64, turns))).collect();
+        let cold: Vec<Vec<u8>> = (0..samples as u64)
+            .map(|i| body(&conversation(1000 + i * 7919 + target as u64, turns)))
+            .collect();
         let base = conversation(42 + target as u64, turns);
         let n = counter.tokens(&Value::Array(base.clone()));
         let mut p = Prose(99);
@@ -143,8 +166,14 @@ async fn bench_filter_latency() {
             })
             .collect();
         sizes.push((target, n));
-        cases.push(Case { name: format!("{}k cold", target / 1000), cold });
-        cases.push(Case { name: format!("{}k follow-up", target / 1000), cold: follow });
+        cases.push(Case {
+            name: format!("{}k cold", target / 1000),
+            cold,
+        });
+        cases.push(Case {
+            name: format!("{}k follow-up", target / 1000),
+            cold: follow,
+        });
     }
 
     let a = Engine::start("engine-a").await.unwrap();
@@ -164,18 +193,33 @@ async fn bench_filter_latency() {
     // The production callout timeout; a slow answer would show as fail-open, which is counted.
     let setups = [
         ("no filter", mk(json!({}), true)),
-        ("filter, tokenize: filter", mk(json!({"timeout_ms": 25}), false)),
-        ("filter, tokenize: service", mk(json!({"timeout_ms": 25, "tokenize": "service"}), false)),
+        (
+            "filter, tokenize: filter",
+            mk(json!({"timeout_ms": 25}), false),
+        ),
+        (
+            "filter, tokenize: service",
+            mk(json!({"timeout_ms": 25, "tokenize": "service"}), false),
+        ),
     ];
     let mut results: Vec<(String, Rows, String)> = Vec::new();
     for (label, bootstrap) in setups {
         let gw = Gateway::start(bootstrap).await.unwrap();
         if label != "no filter" {
-            gw.wait_for_log("rule contract loaded", 2, Duration::from_secs(60)).await.unwrap();
-            let warm = gw.client.get(format!("{}/warmup", gw.base)).send().await.unwrap();
+            gw.wait_for_log("rule contract loaded", 2, Duration::from_secs(60))
+                .await
+                .unwrap();
+            let warm = gw
+                .client
+                .get(format!("{}/warmup", gw.base))
+                .send()
+                .await
+                .unwrap();
             assert_eq!(warm.status(), 200);
             if label.contains("tokenize: filter") {
-                gw.wait_for_log("tokenizer loaded", 1, Duration::from_secs(60)).await.unwrap();
+                gw.wait_for_log("tokenizer loaded", 1, Duration::from_secs(60))
+                    .await
+                    .unwrap();
             } else {
                 // The service loads its tokenizer on the first offloaded request; do that once
                 // here, without the filter's 25 ms timeout, so the run measures steady state.
@@ -183,7 +227,12 @@ async fn bench_filter_latency() {
                 let r = gw.client.post(format!("http://{}/v1/route", inv.addr))
                     .json(&json!({"rule": "10.0.0.1:8080", "model": "Qwen/Qwen3-0.6B", "messages": msgs}))
                     .timeout(Duration::from_secs(60)).send().await.unwrap();
-                assert_eq!(r.status(), 200, "offload warm-up: {}", r.text().await.unwrap_or_default());
+                assert_eq!(
+                    r.status(),
+                    200,
+                    "offload warm-up: {}",
+                    r.text().await.unwrap_or_default()
+                );
             }
         }
         // Warm-up: first calls in a VM are slower (V8 tiers up).
@@ -192,8 +241,17 @@ async fn bench_filter_latency() {
         let mut rows = Vec::new();
         for c in &cases {
             let lat = measure(&gw, &c.cold).await;
-            rows.push((c.name.clone(), percentile(&lat, 0.5), percentile(&lat, 0.99)));
-            eprintln!("{label:>28} | {:>13} | p50 {:7.3} ms | p99 {:7.3} ms", c.name, percentile(&lat, 0.5), percentile(&lat, 0.99));
+            rows.push((
+                c.name.clone(),
+                percentile(&lat, 0.5),
+                percentile(&lat, 0.99),
+            ));
+            eprintln!(
+                "{label:>28} | {:>13} | p50 {:7.3} ms | p99 {:7.3} ms",
+                c.name,
+                percentile(&lat, 0.5),
+                percentile(&lat, 0.99)
+            );
         }
         let mut fail = String::new();
         if label != "no filter" {
@@ -212,14 +270,29 @@ async fn bench_filter_latency() {
     md.push_str("without it at the same percentile. The inventory is the real `kvroute-inventory` (release build) on\n");
     md.push_str("127.0.0.1; the callout timeout is the production 25 ms. Cold = a new conversation per request\n");
     md.push_str("(unseen synthetic prose); follow-up = one long conversation plus a new short user turn.\n\n");
-    md.push_str(&format!("Samples per cell: {samples}. Prompt sizes (Qwen3 tokens, chat template applied): "));
-    md.push_str(&sizes.iter().map(|(t, n)| format!("~{}k = {n}", t / 1000)).collect::<Vec<_>>().join(", "));
+    md.push_str(&format!(
+        "Samples per cell: {samples}. Prompt sizes (Qwen3 tokens, chat template applied): "
+    ));
+    md.push_str(
+        &sizes
+            .iter()
+            .map(|(t, n)| format!("~{}k = {n}", t / 1000))
+            .collect::<Vec<_>>()
+            .join(", "),
+    );
     md.push_str(".\n\n| setup | prompt | p50 ms | p99 ms | added p50 ms | added p99 ms |\n|---|---|---|---|---|---|\n");
     for (label, rows, _) in &results {
         for (i, (name, p50, p99)) in rows.iter().enumerate() {
             let (b50, b99) = (base[i].1, base[i].2);
-            let added = if label == "no filter" { ("-".to_owned(), "-".to_owned()) } else { (format!("{:.2}", p50 - b50), format!("{:.2}", p99 - b99)) };
-            md.push_str(&format!("| {label} | {name} | {p50:.2} | {p99:.2} | {} | {} |\n", added.0, added.1));
+            let added = if label == "no filter" {
+                ("-".to_owned(), "-".to_owned())
+            } else {
+                (format!("{:.2}", p50 - b50), format!("{:.2}", p99 - b99))
+            };
+            md.push_str(&format!(
+                "| {label} | {name} | {p50:.2} | {p99:.2} | {} | {} |\n",
+                added.0, added.1
+            ));
         }
     }
     md.push('\n');
@@ -231,9 +304,13 @@ async fn bench_filter_latency() {
         load_after.trim()
     ));
     for (label, _, fail) in &results[1..] {
-        md.push_str(&format!("Fail-open requests during the run ({label}): {fail}.\n"));
+        md.push_str(&format!(
+            "Fail-open requests during the run ({label}): {fail}.\n"
+        ));
     }
-    let out = std::env::var_os("KVROUTE_BENCH_OUT").map(std::path::PathBuf::from).unwrap_or_else(|| harness::repo_root().join("docs/filter-bench.md"));
+    let out = std::env::var_os("KVROUTE_BENCH_OUT")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| harness::repo_root().join("docs/filter-bench.md"));
     std::fs::write(&out, md).unwrap();
     eprintln!("wrote {}", out.display());
 }

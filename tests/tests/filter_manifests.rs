@@ -13,8 +13,18 @@ use serde_json::Value;
 
 /// Every plugin configuration field the filter accepts (filter/src/config.rs; unknown ones are refused).
 const PLUGIN_FIELDS: [&str; 12] = [
-    "rule", "inventory_cluster", "inventory_authority", "timeout_ms", "max_body_bytes", "pin_header",
-    "tokenize", "tokenizer", "model", "refresh_ms", "pin_mode", "_comment",
+    "rule",
+    "inventory_cluster",
+    "inventory_authority",
+    "timeout_ms",
+    "max_body_bytes",
+    "pin_header",
+    "tokenize",
+    "tokenizer",
+    "model",
+    "refresh_ms",
+    "pin_mode",
+    "_comment",
 ];
 
 fn path(rel: &str) -> PathBuf {
@@ -25,7 +35,10 @@ fn path(rel: &str) -> PathBuf {
 fn docs(rel: &str) -> Vec<Value> {
     let text = std::fs::read_to_string(path(rel)).unwrap_or_else(|e| panic!("{rel}: {e}"));
     serde_yaml::Deserializer::from_str(&text)
-        .map(|d| serde_json::to_value(<serde_yaml::Value as serde::Deserialize>::deserialize(d).unwrap()).unwrap())
+        .map(|d| {
+            serde_json::to_value(<serde_yaml::Value as serde::Deserialize>::deserialize(d).unwrap())
+                .unwrap()
+        })
         .filter(|v| !v.is_null())
         .collect()
 }
@@ -37,9 +50,14 @@ fn find<'a>(docs: &'a [Value], kind: &str, name: &str) -> &'a Value {
 }
 
 fn check_plugin_config(cfg: &Value, what: &str) {
-    let obj = cfg.as_object().unwrap_or_else(|| panic!("{what}: plugin configuration is not an object: {cfg}"));
+    let obj = cfg
+        .as_object()
+        .unwrap_or_else(|| panic!("{what}: plugin configuration is not an object: {cfg}"));
     for k in obj.keys() {
-        assert!(PLUGIN_FIELDS.contains(&k.as_str()), "{what}: unknown plugin field {k}");
+        assert!(
+            PLUGIN_FIELDS.contains(&k.as_str()),
+            "{what}: unknown plugin field {k}"
+        );
     }
     for required in ["rule", "inventory_cluster", "pin_header"] {
         assert!(obj.contains_key(required), "{what}: {required} missing");
@@ -51,31 +69,59 @@ fn check_plugin_config(cfg: &Value, what: &str) {
 fn envoy_yaml_has_the_filter_pinning_and_health_checks() {
     let d = docs("envoy.yaml");
     let bootstrap = &d[0];
-    let hcm = &bootstrap["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"];
-    let filters: Vec<&str> = hcm["http_filters"].as_array().unwrap().iter().map(|f| f["name"].as_str().unwrap()).collect();
+    let hcm = &bootstrap["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+        ["typed_config"];
+    let filters: Vec<&str> = hcm["http_filters"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|f| f["name"].as_str().unwrap())
+        .collect();
     assert_eq!(
         filters,
-        ["envoy.filters.http.header_mutation", "envoy.filters.http.wasm", "envoy.filters.http.stateful_session", "envoy.filters.http.router"]
+        [
+            "envoy.filters.http.header_mutation",
+            "envoy.filters.http.wasm",
+            "envoy.filters.http.stateful_session",
+            "envoy.filters.http.router"
+        ]
     );
     let f = &hcm["http_filters"];
-    assert_eq!(f[0]["typed_config"]["mutations"]["response_mutations"][0]["remove"], PIN_HEADER);
-    assert_eq!(f[0]["typed_config"]["mutations"]["request_mutations"][0]["remove"], PIN_HEADER);
+    assert_eq!(
+        f[0]["typed_config"]["mutations"]["response_mutations"][0]["remove"],
+        PIN_HEADER
+    );
+    assert_eq!(
+        f[0]["typed_config"]["mutations"]["request_mutations"][0]["remove"],
+        PIN_HEADER
+    );
     let wasm = &f[1]["typed_config"]["config"];
     assert_eq!(wasm["failure_policy"], "FAIL_OPEN");
     assert_eq!(wasm["allow_on_headers_stop_iteration"], true);
     assert_eq!(wasm["vm_config"]["runtime"], "envoy.wasm.runtime.v8");
-    let plugin: Value = serde_json::from_str(wasm["configuration"]["value"].as_str().unwrap()).unwrap();
+    let plugin: Value =
+        serde_json::from_str(wasm["configuration"]["value"].as_str().unwrap()).unwrap();
     check_plugin_config(&plugin, "envoy.yaml");
     let session = &f[2]["typed_config"];
     assert_eq!(session["strict"], false);
     assert_eq!(session["session_state"]["typed_config"]["name"], PIN_HEADER);
     let route = &hcm["route_config"]["virtual_hosts"][0]["routes"][0];
     assert!(route["request_body_buffer_limit"].as_u64().unwrap() >= 4 << 20);
-    let clusters = bootstrap["static_resources"]["clusters"].as_array().unwrap();
+    let clusters = bootstrap["static_resources"]["clusters"]
+        .as_array()
+        .unwrap();
     let engines = clusters.iter().find(|c| c["name"] == "engines").unwrap();
     assert!(engines["health_checks"][0]["http_health_check"]["path"].is_string());
-    assert_eq!(engines["outlier_detection"]["successful_active_health_check_uneject_host"], false);
-    assert!(clusters.iter().any(|c| c["name"] == plugin["inventory_cluster"]), "inventory cluster missing");
+    assert_eq!(
+        engines["outlier_detection"]["successful_active_health_check_uneject_host"],
+        false
+    );
+    assert!(
+        clusters
+            .iter()
+            .any(|c| c["name"] == plugin["inventory_cluster"]),
+        "inventory cluster missing"
+    );
 }
 
 /// Envoy 1.40 itself accepts envoy.yaml (with the module path pointed at the built .wasm).
@@ -85,12 +131,22 @@ fn envoy_validates_envoy_yaml() {
         panic!("Envoy or the .wasm missing: {}", harness::SETUP_HINT);
     };
     let text = std::fs::read_to_string(path("envoy.yaml")).unwrap();
-    let text = text.replace("/etc/kvroute/kvroute_filter.wasm", &wasm.display().to_string());
+    let text = text.replace(
+        "/etc/kvroute/kvroute_filter.wasm",
+        &wasm.display().to_string(),
+    );
     let dir = TempDir::new("validate").unwrap();
     let cfg = dir.path().join("envoy.yaml");
     std::fs::write(&cfg, text).unwrap();
     let out = Command::new(envoy)
-        .args(["--mode", "validate", "--disable-hot-restart", "--log-level", "warn", "--config-path"])
+        .args([
+            "--mode",
+            "validate",
+            "--disable-hot-restart",
+            "--log-level",
+            "warn",
+            "--config-path",
+        ])
         .arg(&cfg)
         .output()
         .unwrap();
@@ -113,10 +169,17 @@ fn istio_envoyfilter_pair_is_complete() {
     assert_eq!(cfg["allow_on_headers_stop_iteration"], true);
     assert_eq!(cfg["failure_policy"], "FAIL_OPEN");
     let remote = &cfg["vm_config"]["code"]["remote"];
-    assert!(remote["http_uri"]["uri"].as_str().unwrap().starts_with("https://"));
+    assert!(remote["http_uri"]["uri"]
+        .as_str()
+        .unwrap()
+        .starts_with("https://"));
     let sha = remote["sha256"].as_str().unwrap();
-    assert!(sha.len() == 64 && sha.bytes().all(|b| b.is_ascii_hexdigit()), "sha256 {sha}");
-    let plugin: Value = serde_json::from_str(cfg["configuration"]["value"].as_str().unwrap()).unwrap();
+    assert!(
+        sha.len() == 64 && sha.bytes().all(|b| b.is_ascii_hexdigit()),
+        "sha256 {sha}"
+    );
+    let plugin: Value =
+        serde_json::from_str(cfg["configuration"]["value"].as_str().unwrap()).unwrap();
     check_plugin_config(&plugin, "envoyfilter.yaml");
     check_inventory_cluster(plugin["inventory_cluster"].as_str().unwrap());
 
@@ -124,21 +187,38 @@ fn istio_envoyfilter_pair_is_complete() {
     let p = &insert["spec"]["configPatches"][0];
     assert_eq!(p["applyTo"], "HTTP_FILTER");
     assert_eq!(p["patch"]["operation"], "INSERT_BEFORE");
-    assert_eq!(p["patch"]["value"]["name"], value["name"], "the insert must name the extension config");
-    assert_eq!(p["patch"]["value"]["config_discovery"]["type_urls"][0], "type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm");
+    assert_eq!(
+        p["patch"]["value"]["name"], value["name"],
+        "the insert must name the extension config"
+    );
+    assert_eq!(
+        p["patch"]["value"]["config_discovery"]["type_urls"][0],
+        "type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm"
+    );
 }
 
 /// `outbound|PORT||SERVICE.NAMESPACE.svc.cluster.local` must name the shipped inventory Service.
 fn check_inventory_cluster(cluster: &str) {
     let parts: Vec<&str> = cluster.split('|').collect();
-    assert_eq!((parts.len(), parts[0], parts[2]), (4, "outbound", ""), "{cluster}");
+    assert_eq!(
+        (parts.len(), parts[0], parts[2]),
+        (4, "outbound", ""),
+        "{cluster}"
+    );
     let host: Vec<&str> = parts[3].split('.').collect();
     assert_eq!(&host[2..], ["svc", "cluster", "local"], "{cluster}");
     let inv = docs("istio/inventory.yaml");
     let svc = find(&inv, "Service", host[0]);
     assert_eq!(svc["metadata"]["namespace"], host[1]);
     let port: u64 = parts[1].parse().unwrap();
-    assert!(svc["spec"]["ports"].as_array().unwrap().iter().any(|p| p["port"] == port), "{cluster}");
+    assert!(
+        svc["spec"]["ports"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|p| p["port"] == port),
+        "{cluster}"
+    );
 }
 
 #[test]
@@ -146,11 +226,17 @@ fn istio_wasmplugin_and_companions_match_the_tested_filters() {
     let d = docs("istio/wasmplugin.yaml");
     let wp = find(&d, "WasmPlugin", "kvroute");
     let spec = &wp["spec"];
-    assert!(spec["url"].as_str().unwrap().starts_with("oci://") || spec["url"].as_str().unwrap().starts_with("https://"));
+    assert!(
+        spec["url"].as_str().unwrap().starts_with("oci://")
+            || spec["url"].as_str().unwrap().starts_with("https://")
+    );
     assert_eq!(spec["sha256"].as_str().unwrap().len(), 64);
     assert_eq!(spec["failStrategy"], "FAIL_OPEN");
     check_plugin_config(&spec["pluginConfig"], "wasmplugin.yaml");
-    assert_eq!(spec["pluginConfig"]["pin_mode"], "filter_state", "a WasmPlugin cannot hold the headers");
+    assert_eq!(
+        spec["pluginConfig"]["pin_mode"], "filter_state",
+        "a WasmPlugin cannot hold the headers"
+    );
     check_inventory_cluster(spec["pluginConfig"]["inventory_cluster"].as_str().unwrap());
 
     // The companion filters are exactly those the WasmPlugin e2e test runs, in the same order.
@@ -162,7 +248,10 @@ fn istio_wasmplugin_and_companions_match_the_tested_filters() {
         .iter()
         .map(|p| {
             assert_eq!(p["patch"]["operation"], "INSERT_BEFORE");
-            assert_eq!(p["match"]["listener"]["filterChain"]["filter"]["subFilter"]["name"], "envoy.filters.http.stateful_session");
+            assert_eq!(
+                p["match"]["listener"]["filterChain"]["filter"]["subFilter"]["name"],
+                "envoy.filters.http.stateful_session"
+            );
             p["patch"]["value"].clone()
         })
         .collect();
@@ -173,23 +262,37 @@ fn istio_wasmplugin_and_companions_match_the_tested_filters() {
 fn istio_engines_service_and_destination_rule() {
     let d = docs("istio/engines.yaml");
     let svc = d.iter().find(|x| x["kind"] == "Service").unwrap();
-    assert_eq!(svc["metadata"]["labels"]["istio.io/persistent-session-header"], PIN_HEADER);
+    assert_eq!(
+        svc["metadata"]["labels"]["istio.io/persistent-session-header"],
+        PIN_HEADER
+    );
     let dr = d.iter().find(|x| x["kind"] == "DestinationRule").unwrap();
     let ns = svc["metadata"]["namespace"].as_str().unwrap();
     let name = svc["metadata"]["name"].as_str().unwrap();
     assert_eq!(dr["spec"]["host"], format!("{name}.{ns}.svc.cluster.local"));
-    assert!(dr["spec"]["trafficPolicy"]["outlierDetection"]["consecutive5xxErrors"].as_u64().unwrap() > 0);
+    assert!(
+        dr["spec"]["trafficPolicy"]["outlierDetection"]["consecutive5xxErrors"]
+            .as_u64()
+            .unwrap()
+            > 0
+    );
     assert!(dr["spec"]["trafficPolicy"]["loadBalancer"]["simple"].is_string());
 
     let inv = docs("istio/inventory.yaml");
     let dep = find(&inv, "Deployment", "kvroute-inventory");
     let c = &dep["spec"]["template"]["spec"]["containers"][0];
-    let args: Vec<&str> = c["args"].as_array().unwrap().iter().map(|a| a.as_str().unwrap()).collect();
+    let args: Vec<&str> = c["args"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| a.as_str().unwrap())
+        .collect();
     assert_eq!(args[0], "serve");
     for flag in ["--listen", "--tokenizer-dir"] {
         assert!(args.contains(&flag), "{flag} missing");
     }
     let rules = find(&inv, "ConfigMap", "kvroute-rules");
-    let parsed: Value = serde_yaml::from_str(rules["data"]["rules.yaml"].as_str().unwrap()).unwrap();
+    let parsed: Value =
+        serde_yaml::from_str(rules["data"]["rules.yaml"].as_str().unwrap()).unwrap();
     assert_eq!(parsed[0]["serviceArguments"]["kvBlockSize"], 16);
 }

@@ -9,7 +9,10 @@ use kvroute_core::hash::{BlockSize, Engine, HashAlgo, HashContract};
 
 /// Flags, as typed.
 #[derive(Parser, Debug, Clone)]
-#[command(name = "kvroute-engine-sim", about = "An LLM inference engine simulator with a real paged KV cache and real KV events")]
+#[command(
+    name = "kvroute-engine-sim",
+    about = "An LLM inference engine simulator with a real paged KV cache and real KV events"
+)]
 pub struct SimArgs {
     /// HTTP address to serve the OpenAI API on (port 0 picks a free port; the bound address is
     /// printed as `listening on ADDR`).
@@ -157,7 +160,8 @@ impl TryFrom<SimArgs> for SimConfig {
     type Error = ConfigError;
 
     fn try_from(a: SimArgs) -> Result<Self, ConfigError> {
-        let engine = Engine::parse(&a.engine).ok_or_else(|| ConfigError::Engine(a.engine.clone()))?;
+        let engine =
+            Engine::parse(&a.engine).ok_or_else(|| ConfigError::Engine(a.engine.clone()))?;
         let algo = match &a.hash_algo {
             Some(s) => HashAlgo::parse(s).ok_or_else(|| ConfigError::Algo(s.clone()))?,
             None => engine.default_algo().unwrap_or(HashAlgo::Tokens),
@@ -166,14 +170,26 @@ impl TryFrom<SimArgs> for SimConfig {
             return Err(ConfigError::AlgoForEngine {
                 algo: algo.as_str().to_string(),
                 engine: engine.as_str().to_string(),
-                allowed: engine.algos().iter().map(|a| a.as_str()).collect::<Vec<_>>().join(", "),
+                allowed: engine
+                    .algos()
+                    .iter()
+                    .map(|a| a.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", "),
             });
         }
-        let block_size = BlockSize::new(a.block_size).ok_or(ConfigError::Zero { flag: "block-size" })?;
+        let block_size =
+            BlockSize::new(a.block_size).ok_or(ConfigError::Zero { flag: "block-size" })?;
         let mut contract = HashContract::new(algo, block_size);
         contract.seed = a.seed.clone();
-        contract.hasher(&Default::default()).map_err(|e| ConfigError::Contract(e.to_string()))?;
-        for (flag, v) in [("kv-blocks", a.kv_blocks), ("max-concurrency", a.max_concurrency), ("event-buffer", a.event_buffer)] {
+        contract
+            .hasher(&Default::default())
+            .map_err(|e| ConfigError::Contract(e.to_string()))?;
+        for (flag, v) in [
+            ("kv-blocks", a.kv_blocks),
+            ("max-concurrency", a.max_concurrency),
+            ("event-buffer", a.event_buffer),
+        ] {
             if v == 0 {
                 return Err(ConfigError::Zero { flag });
             }
@@ -184,7 +200,11 @@ impl TryFrom<SimArgs> for SimConfig {
         for (flag, port) in [("zmq-port", a.zmq_port), ("replay-port", a.replay_port)] {
             if let Some(p) = port {
                 if u32::from(p) + a.dp_ranks - 1 > 65_535 {
-                    return Err(ConfigError::PortRange { flag, port: p, ranks: a.dp_ranks });
+                    return Err(ConfigError::PortRange {
+                        flag,
+                        port: p,
+                        ranks: a.dp_ranks,
+                    });
                 }
             }
         }
@@ -232,16 +252,36 @@ mod tests {
         let c = parse(&[]).unwrap();
         assert_eq!(c.engine, Engine::Vllm);
         assert_eq!(c.contract.algo, HashAlgo::Sha256Cbor);
-        assert_eq!(parse(&["--engine", "sglang"]).unwrap().contract.algo, HashAlgo::Sha256Sglang);
-        assert_eq!(parse(&["--engine", "llamacpp"]).unwrap().contract.algo, HashAlgo::Tokens);
         assert_eq!(
-            parse(&["--engine", "sglang", "--hash-algo", "sha256_cbor"]).unwrap_err().to_string(),
+            parse(&["--engine", "sglang"]).unwrap().contract.algo,
+            HashAlgo::Sha256Sglang
+        );
+        assert_eq!(
+            parse(&["--engine", "llamacpp"]).unwrap().contract.algo,
+            HashAlgo::Tokens
+        );
+        assert_eq!(
+            parse(&["--engine", "sglang", "--hash-algo", "sha256_cbor"])
+                .unwrap_err()
+                .to_string(),
             "--hash-algo sha256_cbor is not what --engine sglang publishes; allowed: sha256_sglang"
         );
-        assert_eq!(parse(&["--engine", "x"]).unwrap_err(), ConfigError::Engine("x".into()));
-        assert_eq!(parse(&["--kv-blocks", "0"]).unwrap_err(), ConfigError::Zero { flag: "kv-blocks" });
-        assert!(matches!(parse(&["--hash-algo", "xxhash_cbor"]), Err(ConfigError::Contract(_))));
+        assert_eq!(
+            parse(&["--engine", "x"]).unwrap_err(),
+            ConfigError::Engine("x".into())
+        );
+        assert_eq!(
+            parse(&["--kv-blocks", "0"]).unwrap_err(),
+            ConfigError::Zero { flag: "kv-blocks" }
+        );
+        assert!(matches!(
+            parse(&["--hash-algo", "xxhash_cbor"]),
+            Err(ConfigError::Contract(_))
+        ));
         assert!(parse(&["--hash-algo", "xxhash_cbor", "--seed", "0"]).is_ok());
-        assert!(matches!(parse(&["--zmq-port", "65535", "--dp-ranks", "2"]), Err(ConfigError::PortRange { .. })));
+        assert!(matches!(
+            parse(&["--zmq-port", "65535", "--dp-ranks", "2"]),
+            Err(ConfigError::PortRange { .. })
+        ));
     }
 }

@@ -127,7 +127,11 @@ pub struct Admitted {
 impl Admitted {
     /// Usage so far (complete once decoded).
     pub fn usage(&self) -> Usage {
-        Usage { prompt_tokens: self.prompt_len, completion_tokens: self.output_ids.len(), cached_tokens: self.cached_tokens }
+        Usage {
+            prompt_tokens: self.prompt_len,
+            completion_tokens: self.output_ids.len(),
+            cached_tokens: self.cached_tokens,
+        }
     }
 
     /// Runs prefill: simulated time for the uncached tokens, then the prompt's full blocks are cached.
@@ -151,9 +155,12 @@ impl Admitted {
         let usage = self.usage();
         let c = &self.engine.counters;
         c.requests.fetch_add(1, Ordering::Relaxed);
-        c.prompt_tokens.fetch_add(usage.prompt_tokens as u64, Ordering::Relaxed);
-        c.cached_tokens.fetch_add(usage.cached_tokens as u64, Ordering::Relaxed);
-        c.generation_tokens.fetch_add(usage.completion_tokens as u64, Ordering::Relaxed);
+        c.prompt_tokens
+            .fetch_add(usage.prompt_tokens as u64, Ordering::Relaxed);
+        c.cached_tokens
+            .fetch_add(usage.cached_tokens as u64, Ordering::Relaxed);
+        c.generation_tokens
+            .fetch_add(usage.completion_tokens as u64, Ordering::Relaxed);
         usage
     }
 
@@ -209,7 +216,12 @@ impl Engine {
                 if matches!(cfg.engine, EngineKind::Sglang | EngineKind::Trtllm) {
                     kv.push_event(KvEvent::Cleared);
                 }
-                Rank { idx, kv: Mutex::new(kv), freed: Notify::new(), step: Notify::new() }
+                Rank {
+                    idx,
+                    kv: Mutex::new(kv),
+                    freed: Notify::new(),
+                    step: Notify::new(),
+                }
             })
             .collect();
         Arc::new(Engine {
@@ -234,25 +246,46 @@ impl Engine {
 
     /// Unix seconds now.
     pub fn unix_now() -> f64 {
-        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs_f64()).unwrap_or(0.0)
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_secs_f64())
+            .unwrap_or(0.0)
     }
 
     /// The request's block keys under the engine's contract.
-    pub fn keys_for(&self, tokens: &[u32], cache_salt: Option<&str>) -> Result<Vec<BlockKey>, SimError> {
-        let extra = ExtraKeys { cache_salt: cache_salt.map(str::to_string), ..Default::default() };
+    pub fn keys_for(
+        &self,
+        tokens: &[u32],
+        cache_salt: Option<&str>,
+    ) -> Result<Vec<BlockKey>, SimError> {
+        let extra = ExtraKeys {
+            cache_salt: cache_salt.map(str::to_string),
+            ..Default::default()
+        };
         Ok(self.cfg.contract.keys(tokens, &extra)?)
     }
 
     /// Queues the request for a slot and KV space, then holds both.
     pub async fn admit(self: &Arc<Self>, enc: Encoded) -> Result<Admitted, SimError> {
         let salt = enc.cache_salt.clone();
-        let extra = ExtraKeys { cache_salt: salt.clone(), ..Default::default() };
+        let extra = ExtraKeys {
+            cache_salt: salt.clone(),
+            ..Default::default()
+        };
         let mut hasher = self.cfg.contract.hasher(&extra)?;
         let keys = hasher.push_tokens(&enc.tokens);
         let n_out = enc.max_tokens.unwrap_or(self.cfg.default_max_tokens);
         let text = fake_output(&enc.tokens, n_out);
-        let words: Vec<String> = if n_out == 0 { Vec::new() } else { text.split(' ').map(str::to_string).collect() };
-        let output_ids = if n_out == 0 { Vec::new() } else { self.encoder.encode_text(&text) };
+        let words: Vec<String> = if n_out == 0 {
+            Vec::new()
+        } else {
+            text.split(' ').map(str::to_string).collect()
+        };
+        let output_ids = if n_out == 0 {
+            Vec::new()
+        } else {
+            self.encoder.encode_text(&text)
+        };
         let prompt_len = enc.tokens.len();
         let mut seq = enc.tokens;
         seq.extend_from_slice(&output_ids);
@@ -261,7 +294,12 @@ impl Engine {
 
         self.waiting.fetch_add(1, Ordering::Relaxed);
         let waiting = GaugeGuard(&self.waiting);
-        let permit = self.slots.clone().acquire_owned().await.map_err(|_| SimError::Shutdown)?;
+        let permit = self
+            .slots
+            .clone()
+            .acquire_owned()
+            .await
+            .map_err(|_| SimError::Shutdown)?;
         let alloc = loop {
             let notified = r.freed.notified();
             tokio::pin!(notified);
@@ -295,7 +333,10 @@ impl Engine {
 
     /// Leading blocks of `keys` cached on each rank.
     pub fn match_keys(&self, keys: &[BlockKey]) -> Vec<usize> {
-        self.ranks.iter().map(|r| lock(&r.kv).match_prefix(keys)).collect()
+        self.ranks
+            .iter()
+            .map(|r| lock(&r.kv).match_prefix(keys))
+            .collect()
     }
 
     /// Mean KV usage over ranks, 0..1.

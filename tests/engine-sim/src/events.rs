@@ -65,12 +65,20 @@ pub struct WireOptions {
 impl WireOptions {
     /// What a GPU engine of this layout writes.
     pub fn gpu(layout: Layout) -> Self {
-        WireOptions { layout, medium: Some("GPU".to_string()) }
+        WireOptions {
+            layout,
+            medium: Some("GPU".to_string()),
+        }
     }
 }
 
 /// Encodes one batch `[ts, [events...], dp_rank]` as msgpack.
-pub fn encode_batch(opts: &WireOptions, ts: f64, events: &[KvEvent], dp_rank: Option<u32>) -> Vec<u8> {
+pub fn encode_batch(
+    opts: &WireOptions,
+    ts: f64,
+    events: &[KvEvent],
+    dp_rank: Option<u32>,
+) -> Vec<u8> {
     let mut out = Vec::with_capacity(64 + events.len() * 64);
     out.push(0x93);
     out.push(0xcb);
@@ -88,7 +96,13 @@ pub fn encode_batch(opts: &WireOptions, ts: f64, events: &[KvEvent], dp_rank: Op
 
 fn encode_event(out: &mut Vec<u8>, opts: &WireOptions, e: &KvEvent) {
     match e {
-        KvEvent::Stored { keys, parent, token_ids, block_size, salt } => {
+        KvEvent::Stored {
+            keys,
+            parent,
+            token_ids,
+            block_size,
+            salt,
+        } => {
             let n = match opts.layout {
                 Layout::Vllm => 11,
                 Layout::VllmBase => 8,
@@ -172,9 +186,20 @@ fn encode_event(out: &mut Vec<u8>, opts: &WireOptions, e: &KvEvent) {
 }
 
 /// TensorRT-LLM's JSON envelope for one event (`POST /kv_cache_events` returns a list of them).
-pub fn trtllm_envelope(event_id: u64, event: &KvEvent, window_size: u32, dp_rank: Option<u32>) -> Value {
+pub fn trtllm_envelope(
+    event_id: u64,
+    event: &KvEvent,
+    window_size: u32,
+    dp_rank: Option<u32>,
+) -> Value {
     let data = match event {
-        KvEvent::Stored { keys, parent, token_ids, block_size, .. } => {
+        KvEvent::Stored {
+            keys,
+            parent,
+            token_ids,
+            block_size,
+            ..
+        } => {
             let bs = (*block_size as usize).max(1);
             let blocks: Vec<Value> = keys
                 .iter()
@@ -201,7 +226,12 @@ pub fn trtllm_envelope(event_id: u64, event: &KvEvent, window_size: u32, dp_rank
 }
 
 /// TensorRT-LLM's first event: the cache's geometry.
-pub fn trtllm_created(event_id: u64, num_blocks: usize, window_size: u32, dp_rank: Option<u32>) -> Value {
+pub fn trtllm_created(
+    event_id: u64,
+    num_blocks: usize,
+    window_size: u32,
+    dp_rank: Option<u32>,
+) -> Value {
     let mut env = json!({"event_id": event_id, "data": {"type": "created", "num_blocks_per_cache_level": [num_blocks, 0]},
                          "window_size": window_size});
     if let (Some(r), Value::Object(m)) = (dp_rank, &mut env) {
@@ -313,11 +343,31 @@ mod tests {
     #[test]
     fn ints_take_their_smallest_form() {
         let mut o = Vec::new();
-        for v in [0i64, 127, 128, 65_536, -1, -33, -129, -40_000, -3_000_000_000] {
+        for v in [
+            0i64,
+            127,
+            128,
+            65_536,
+            -1,
+            -33,
+            -129,
+            -40_000,
+            -3_000_000_000,
+        ] {
             int(&mut o, v);
         }
         let mut expected = Vec::new();
-        for v in [0i64, 127, 128, 65_536, -1, -33, -129, -40_000, -3_000_000_000] {
+        for v in [
+            0i64,
+            127,
+            128,
+            65_536,
+            -1,
+            -33,
+            -129,
+            -40_000,
+            -3_000_000_000,
+        ] {
             if v >= 0 {
                 rmp::encode::write_uint(&mut expected, v as u64).unwrap();
             } else {

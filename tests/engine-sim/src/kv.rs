@@ -24,7 +24,9 @@ use crate::events::KvEvent;
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum KvError {
     /// The request can never fit, however much is evicted.
-    #[error("the request needs {needed} KV blocks (prompt + max_tokens); --kv-blocks is {capacity}")]
+    #[error(
+        "the request needs {needed} KV blocks (prompt + max_tokens); --kv-blocks is {capacity}"
+    )]
     TooLarge {
         /// Blocks the request needs.
         needed: usize,
@@ -125,7 +127,9 @@ impl KvCache {
 
     /// Number of leading `keys` that are cached.
     pub fn match_prefix(&self, keys: &[BlockKey]) -> usize {
-        keys.iter().take_while(|k| self.cached.contains_key(k)).count()
+        keys.iter()
+            .take_while(|k| self.cached.contains_key(k))
+            .count()
     }
 
     /// Blocks a request of `prompt_len + max_output` tokens holds at its end.
@@ -144,13 +148,22 @@ impl KvCache {
     ) -> Result<Option<Allocation>, KvError> {
         let needed = self.blocks_for(total_tokens).max(1);
         if needed > self.blocks.len() {
-            return Err(KvError::TooLarge { needed, capacity: self.blocks.len() });
+            return Err(KvError::TooLarge {
+                needed,
+                capacity: self.blocks.len(),
+            });
         }
         // vLLM recomputes at least the last prompt token, so a full hit gives back one block.
         let max_hit = prompt_len.saturating_sub(1) / self.block_size;
         let hits = self.match_prefix(keys).min(max_hit);
-        let hit_ids: Vec<usize> = keys[..hits].iter().filter_map(|k| self.cached.get(k).copied()).collect();
-        let hits_in_free = hit_ids.iter().filter(|&&b| self.blocks[b].free_pos.is_some()).count();
+        let hit_ids: Vec<usize> = keys[..hits]
+            .iter()
+            .filter_map(|k| self.cached.get(k).copied())
+            .collect();
+        let hits_in_free = hit_ids
+            .iter()
+            .filter(|&&b| self.blocks[b].free_pos.is_some())
+            .count();
         let fresh = needed - hits;
         if fresh > self.free.len() - hits_in_free {
             return Ok(None);
@@ -162,7 +175,9 @@ impl KvCache {
         }
         let mut evicted = Vec::new();
         for _ in 0..fresh {
-            let Some((_, b)) = self.free.pop_first() else { break };
+            let Some((_, b)) = self.free.pop_first() else {
+                break;
+            };
             let block = &mut self.blocks[b];
             block.free_pos = None;
             block.refs = 1;
@@ -177,7 +192,11 @@ impl KvCache {
         for k in evicted {
             self.push_event(KvEvent::Removed { keys: vec![k] });
         }
-        Ok(Some(Allocation { blocks, hit_blocks: hits, committed: hits }))
+        Ok(Some(Allocation {
+            blocks,
+            hit_blocks: hits,
+            committed: hits,
+        }))
     }
 
     fn take_ref(&mut self, b: usize) {
@@ -192,7 +211,13 @@ impl KvCache {
     /// token sequence so far, `tokens` that sequence) and records one `Stored` event per run.
     /// A key already cached by another request leaves this copy unregistered. `salt` is the
     /// request's `cache_salt`, carried by the events.
-    pub fn commit(&mut self, alloc: &mut Allocation, keys: &[BlockKey], tokens: &[u32], salt: Option<&str>) {
+    pub fn commit(
+        &mut self,
+        alloc: &mut Allocation,
+        keys: &[BlockKey],
+        tokens: &[u32],
+        salt: Option<&str>,
+    ) {
         let upto = keys.len().min(alloc.blocks.len());
         let mut run: Vec<BlockKey> = Vec::new();
         let mut run_start = alloc.committed;
@@ -217,11 +242,25 @@ impl KvCache {
         alloc.committed = alloc.committed.max(upto);
     }
 
-    fn flush_run(&mut self, run: &mut Vec<BlockKey>, start: usize, keys: &[BlockKey], tokens: &[u32], salt: Option<&str>) {
+    fn flush_run(
+        &mut self,
+        run: &mut Vec<BlockKey>,
+        start: usize,
+        keys: &[BlockKey],
+        tokens: &[u32],
+        salt: Option<&str>,
+    ) {
         let bs = self.block_size;
         let end = (start + run.len()) * bs;
-        let token_ids = tokens.get(start * bs..end.min(tokens.len())).unwrap_or(&[]).to_vec();
-        let parent = if start == 0 { None } else { keys.get(start - 1).copied() };
+        let token_ids = tokens
+            .get(start * bs..end.min(tokens.len()))
+            .unwrap_or(&[])
+            .to_vec();
+        let parent = if start == 0 {
+            None
+        } else {
+            keys.get(start - 1).copied()
+        };
         self.push_event(KvEvent::Stored {
             keys: std::mem::take(run),
             parent,
@@ -321,7 +360,9 @@ mod tests {
         c.release(a);
         let ev = c.take_events();
         assert_eq!(ev.len(), 1);
-        assert!(matches!(&ev[0].1, KvEvent::Stored { keys, parent: None, token_ids, .. } if keys.len() == 3 && token_ids.len() == 12));
+        assert!(
+            matches!(&ev[0].1, KvEvent::Stored { keys, parent: None, token_ids, .. } if keys.len() == 3 && token_ids.len() == 12)
+        );
         // Same 12-token prompt: 3 blocks cached, but the last token is recomputed.
         let b = c.try_admit(&k, 12, 16).unwrap().unwrap();
         assert_eq!(b.hit_blocks, 2);
@@ -357,7 +398,13 @@ mod tests {
         let mut c = KvCache::new(2, 4, 100);
         let a = c.try_admit(&[], 8, 8).unwrap().unwrap();
         assert_eq!(c.try_admit(&[], 1, 1).unwrap(), None);
-        assert!(matches!(c.try_admit(&[], 9, 12), Err(KvError::TooLarge { needed: 3, capacity: 2 })));
+        assert!(matches!(
+            c.try_admit(&[], 9, 12),
+            Err(KvError::TooLarge {
+                needed: 3,
+                capacity: 2
+            })
+        ));
         c.release(a);
         assert!(c.try_admit(&[], 1, 1).unwrap().is_some());
     }
@@ -382,7 +429,9 @@ mod tests {
         c.release(a);
         c.take_events();
         c.clear(true);
-        let KvEvent::Removed { keys: mut removed } = c.take_events().remove(0).1 else { panic!("removal expected") };
+        let KvEvent::Removed { keys: mut removed } = c.take_events().remove(0).1 else {
+            panic!("removal expected")
+        };
         removed.sort();
         assert_eq!(removed, k);
     }

@@ -35,7 +35,11 @@ pub struct Running {
 }
 
 /// Binds every socket, then serves until `cancel` fires. `on_ready` runs once everything is bound.
-pub async fn run(cfg: SimConfig, cancel: CancellationToken, on_ready: impl FnOnce(&Running)) -> anyhow::Result<()> {
+pub async fn run(
+    cfg: SimConfig,
+    cancel: CancellationToken,
+    on_ready: impl FnOnce(&Running),
+) -> anyhow::Result<()> {
     let encoder = match &cfg.tokenizer_dir {
         Some(dir) => Encoder::load(dir)?,
         None => Encoder::Words,
@@ -47,7 +51,10 @@ pub async fn run(cfg: SimConfig, cancel: CancellationToken, on_ready: impl FnOnc
     for rank in 0..engine.ranks.len() {
         publish::start(engine.clone(), rank, cancel.clone()).await?;
     }
-    let running = Running { addr, engine: engine.clone() };
+    let running = Running {
+        addr,
+        engine: engine.clone(),
+    };
     on_ready(&running);
     let app = server::router(engine);
     // Streamed chunks are small writes: without TCP_NODELAY, Nagle holds each one until the
@@ -57,6 +64,8 @@ pub async fn run(cfg: SimConfig, cancel: CancellationToken, on_ready: impl FnOnc
             tracing::debug!("set_nodelay: {e}");
         }
     });
-    axum::serve(listener, app).with_graceful_shutdown(cancel.cancelled_owned()).await?;
+    axum::serve(listener, app)
+        .with_graceful_shutdown(cancel.cancelled_owned())
+        .await?;
     Ok(())
 }

@@ -33,41 +33,171 @@ pub fn render(e: &Engine) -> (&'static str, String) {
     match e.cfg.engine {
         EngineKind::Vllm => {
             let l = format!("engine=\"0\",model_name=\"{model}\"");
-            gauge(&mut s, "vllm:num_requests_running", "Number of requests in model execution batches.", &l, running as f64);
-            gauge(&mut s, "vllm:num_requests_waiting", "Number of requests waiting to be processed.", &l, waiting as f64);
-            gauge(&mut s, "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", &l, usage);
-            gauge(&mut s, "vllm:gpu_cache_usage_perc", "GPU KV-cache usage. 1 means 100 percent usage.", &l, usage);
+            gauge(
+                &mut s,
+                "vllm:num_requests_running",
+                "Number of requests in model execution batches.",
+                &l,
+                running as f64,
+            );
+            gauge(
+                &mut s,
+                "vllm:num_requests_waiting",
+                "Number of requests waiting to be processed.",
+                &l,
+                waiting as f64,
+            );
+            gauge(
+                &mut s,
+                "vllm:kv_cache_usage_perc",
+                "KV-cache usage. 1 means 100 percent usage.",
+                &l,
+                usage,
+            );
+            gauge(
+                &mut s,
+                "vllm:gpu_cache_usage_perc",
+                "GPU KV-cache usage. 1 means 100 percent usage.",
+                &l,
+                usage,
+            );
             let info = format!(
                 "block_size=\"{}\",cache_dtype=\"auto\",enable_prefix_caching=\"True\",engine=\"0\",num_gpu_blocks=\"{}\",prefix_caching_hash_algo=\"{}\"",
                 e.cfg.contract.block_size.get(),
                 e.cfg.kv_blocks * e.ranks.len(),
                 e.cfg.contract.algo
             );
-            gauge(&mut s, "vllm:cache_config_info", "Information of the LLMEngine CacheConfig", &info, 1.0);
-            counter(&mut s, "vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.", &l, prompt);
-            counter(&mut s, "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", &l, cached);
-            counter(&mut s, "vllm:prompt_tokens", "Number of prefill tokens processed.", &l, prompt);
-            counter(&mut s, "vllm:generation_tokens", "Number of generation tokens processed.", &l, gen);
+            gauge(
+                &mut s,
+                "vllm:cache_config_info",
+                "Information of the LLMEngine CacheConfig",
+                &info,
+                1.0,
+            );
+            counter(
+                &mut s,
+                "vllm:prefix_cache_queries",
+                "Prefix cache queries, in terms of number of queried tokens.",
+                &l,
+                prompt,
+            );
+            counter(
+                &mut s,
+                "vllm:prefix_cache_hits",
+                "Prefix cache hits, in terms of number of cached tokens.",
+                &l,
+                cached,
+            );
+            counter(
+                &mut s,
+                "vllm:prompt_tokens",
+                "Number of prefill tokens processed.",
+                &l,
+                prompt,
+            );
+            counter(
+                &mut s,
+                "vllm:generation_tokens",
+                "Number of generation tokens processed.",
+                &l,
+                gen,
+            );
             let ls = format!("{l},finished_reason=\"length\"");
-            counter(&mut s, "vllm:request_success", "Count of successfully processed requests.", &ls, reqs);
+            counter(
+                &mut s,
+                "vllm:request_success",
+                "Count of successfully processed requests.",
+                &ls,
+                reqs,
+            );
         }
         EngineKind::Sglang => {
             let l = format!("model_name=\"{model}\"");
-            gauge(&mut s, "sglang:num_running_reqs", "The number of running requests.", &l, running as f64);
-            gauge(&mut s, "sglang:num_queue_reqs", "The number of requests in the waiting queue.", &l, waiting as f64);
+            gauge(
+                &mut s,
+                "sglang:num_running_reqs",
+                "The number of running requests.",
+                &l,
+                running as f64,
+            );
+            gauge(
+                &mut s,
+                "sglang:num_queue_reqs",
+                "The number of requests in the waiting queue.",
+                &l,
+                waiting as f64,
+            );
             gauge(&mut s, "sglang:token_usage", "The token usage.", &l, usage);
-            let rate = if prompt == 0 { 0.0 } else { cached as f64 / prompt as f64 };
-            gauge(&mut s, "sglang:cache_hit_rate", "The prefix cache hit rate.", &l, rate);
-            counter(&mut s, "sglang:prompt_tokens", "Number of prefill tokens processed.", &l, prompt);
-            counter(&mut s, "sglang:generation_tokens", "Number of generation tokens processed.", &l, gen);
-            counter(&mut s, "sglang:num_requests", "Number of requests processed.", &l, reqs);
+            let rate = if prompt == 0 {
+                0.0
+            } else {
+                cached as f64 / prompt as f64
+            };
+            gauge(
+                &mut s,
+                "sglang:cache_hit_rate",
+                "The prefix cache hit rate.",
+                &l,
+                rate,
+            );
+            counter(
+                &mut s,
+                "sglang:prompt_tokens",
+                "Number of prefill tokens processed.",
+                &l,
+                prompt,
+            );
+            counter(
+                &mut s,
+                "sglang:generation_tokens",
+                "Number of generation tokens processed.",
+                &l,
+                gen,
+            );
+            counter(
+                &mut s,
+                "sglang:num_requests",
+                "Number of requests processed.",
+                &l,
+                reqs,
+            );
         }
         EngineKind::Llamacpp => {
-            gauge(&mut s, "llamacpp:requests_processing", "Number of requests processing.", "", running as f64);
-            gauge(&mut s, "llamacpp:requests_deferred", "Number of requests deferred.", "", waiting as f64);
-            gauge(&mut s, "llamacpp:kv_cache_usage_ratio", "KV-cache usage. 1 means 100 percent usage.", "", usage);
-            counter(&mut s, "llamacpp:prompt_tokens", "Number of prompt tokens processed.", "", prompt);
-            counter(&mut s, "llamacpp:tokens_predicted", "Number of generation tokens processed.", "", gen);
+            gauge(
+                &mut s,
+                "llamacpp:requests_processing",
+                "Number of requests processing.",
+                "",
+                running as f64,
+            );
+            gauge(
+                &mut s,
+                "llamacpp:requests_deferred",
+                "Number of requests deferred.",
+                "",
+                waiting as f64,
+            );
+            gauge(
+                &mut s,
+                "llamacpp:kv_cache_usage_ratio",
+                "KV-cache usage. 1 means 100 percent usage.",
+                "",
+                usage,
+            );
+            counter(
+                &mut s,
+                "llamacpp:prompt_tokens",
+                "Number of prompt tokens processed.",
+                "",
+                prompt,
+            );
+            counter(
+                &mut s,
+                "llamacpp:tokens_predicted",
+                "Number of generation tokens processed.",
+                "",
+                gen,
+            );
         }
         EngineKind::Trtllm => {
             let (max, free) = e.ranks.iter().fold((0, 0), |(m, f), r| {
@@ -96,10 +226,16 @@ fn braces(labels: &str) -> String {
 
 fn gauge(s: &mut String, name: &str, help: &str, labels: &str, v: f64) {
     let l = braces(labels);
-    let _ = writeln!(s, "# HELP {name} {help}\n# TYPE {name} gauge\n{name}{l} {v:?}");
+    let _ = writeln!(
+        s,
+        "# HELP {name} {help}\n# TYPE {name} gauge\n{name}{l} {v:?}"
+    );
 }
 
 fn counter(s: &mut String, name: &str, help: &str, labels: &str, v: u64) {
     let l = braces(labels);
-    let _ = writeln!(s, "# HELP {name}_total {help}\n# TYPE {name}_total counter\n{name}_total{l} {v}.0");
+    let _ = writeln!(
+        s,
+        "# HELP {name}_total {help}\n# TYPE {name}_total counter\n{name}_total{l} {v}.0"
+    );
 }

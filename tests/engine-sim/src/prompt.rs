@@ -64,7 +64,9 @@ pub enum Encoder {
 impl std::fmt::Debug for Encoder {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            Encoder::Hf { template, .. } => write!(f, "Encoder::Hf(template: {})", template.is_some()),
+            Encoder::Hf { template, .. } => {
+                write!(f, "Encoder::Hf(template: {})", template.is_some())
+            }
             Encoder::Words => f.write_str("Encoder::Words"),
         }
     }
@@ -75,7 +77,10 @@ impl Encoder {
     pub fn load(dir: &Path) -> Result<Self, LoadError> {
         let read = |name: &str| {
             let p = dir.join(name);
-            std::fs::read(&p).map_err(|e| LoadError::Read { path: p.display().to_string(), reason: e.to_string() })
+            std::fs::read(&p).map_err(|e| LoadError::Read {
+                path: p.display().to_string(),
+                reason: e.to_string(),
+            })
         };
         let tokenizer = Tokenizer::from_bytes(&read("tokenizer.json")?)?;
         let template = match read("tokenizer_config.json") {
@@ -96,14 +101,20 @@ impl Encoder {
             },
             Err(_) => None,
         };
-        Ok(Encoder::Hf { tokenizer: Box::new(tokenizer), template })
+        Ok(Encoder::Hf {
+            tokenizer: Box::new(tokenizer),
+            template,
+        })
     }
 
     /// Parses and tokenizes a body sent to `endpoint`.
     pub fn encode(&self, body: &[u8], endpoint: Endpoint) -> Result<Encoded, PromptError> {
         let req = Request::from_json_for(body, endpoint)?;
         let tokens = match self {
-            Encoder::Hf { tokenizer, template } => PromptTokens::from_request(&req, tokenizer, template.as_deref())?,
+            Encoder::Hf {
+                tokenizer,
+                template,
+            } => PromptTokens::from_request(&req, tokenizer, template.as_deref())?,
             Encoder::Words => words_tokens(&req),
         };
         let opts: Value = serde_json::from_slice(body).unwrap_or(Value::Null);
@@ -118,7 +129,10 @@ impl Encoder {
             cache_salt: req.cache_salt.clone(),
             max_tokens,
             stream: opts.get("stream").and_then(Value::as_bool).unwrap_or(false),
-            include_usage: opts.get("stream_options").and_then(|s| s.get("include_usage")).and_then(Value::as_bool),
+            include_usage: opts
+                .get("stream_options")
+                .and_then(|s| s.get("include_usage"))
+                .and_then(Value::as_bool),
         })
     }
 
@@ -167,16 +181,22 @@ fn words_tokens(req: &Request) -> Vec<u32> {
 }
 
 const WORDS: &[&str] = &[
-    "the", "model", "cache", "block", "prefix", "router", "token", "answer", "is", "a", "of", "and", "to", "in",
-    "that", "it", "with", "as", "for", "on", "this", "be", "by", "are", "we", "can", "from", "at", "which", "or",
-    "an", "more", "will", "one", "all", "would", "there", "their", "what", "so", "up", "out", "if", "about",
-    "who", "get", "when", "make", "time", "just", "know", "take", "people", "into", "year", "good", "some",
-    "could", "them", "see", "other", "than", "then", "now",
+    "the", "model", "cache", "block", "prefix", "router", "token", "answer", "is", "a", "of",
+    "and", "to", "in", "that", "it", "with", "as", "for", "on", "this", "be", "by", "are", "we",
+    "can", "from", "at", "which", "or", "an", "more", "will", "one", "all", "would", "there",
+    "their", "what", "so", "up", "out", "if", "about", "who", "get", "when", "make", "time",
+    "just", "know", "take", "people", "into", "year", "good", "some", "could", "them", "see",
+    "other", "than", "then", "now",
 ];
 
 /// Deterministic fake output of `n` words, derived from the prompt (same prompt, same answer).
 pub fn fake_output(prompt: &[u32], n: usize) -> String {
-    let mut seed = xxh3_64(&prompt.iter().flat_map(|t| t.to_le_bytes()).collect::<Vec<u8>>());
+    let mut seed = xxh3_64(
+        &prompt
+            .iter()
+            .flat_map(|t| t.to_le_bytes())
+            .collect::<Vec<u8>>(),
+    );
     let mut out = String::with_capacity(n * 6);
     for i in 0..n {
         // splitmix64 step: cheap, deterministic, well mixed.
@@ -201,7 +221,12 @@ mod tests {
     #[test]
     fn words_encoder_handles_both_endpoints() {
         let e = Encoder::Words;
-        let c = e.encode(br#"{"prompt": "a b c", "max_tokens": 3, "stream": true}"#, Endpoint::Completions).unwrap();
+        let c = e
+            .encode(
+                br#"{"prompt": "a b c", "max_tokens": 3, "stream": true}"#,
+                Endpoint::Completions,
+            )
+            .unwrap();
         assert_eq!(c.tokens, vec![word_id("a"), word_id("b"), word_id("c")]);
         assert_eq!(c.max_tokens, Some(3));
         assert!(c.stream);

@@ -20,8 +20,14 @@ use crate::events::{encode_batch, KvEvent, Layout, WireOptions};
 type ReplayBuffer = Arc<Mutex<VecDeque<(u64, Bytes)>>>;
 
 /// Binds rank `rank`'s PUB (and replay ROUTER) and spawns the tasks that feed them.
-pub async fn start(engine: Arc<Engine>, rank: usize, cancel: CancellationToken) -> anyhow::Result<()> {
-    let Some(base) = engine.cfg.zmq_port else { return Ok(()) };
+pub async fn start(
+    engine: Arc<Engine>,
+    rank: usize,
+    cancel: CancellationToken,
+) -> anyhow::Result<()> {
+    let Some(base) = engine.cfg.zmq_port else {
+        return Ok(());
+    };
     if !matches!(engine.cfg.engine, EngineKind::Vllm | EngineKind::Sglang) {
         return Ok(());
     }
@@ -39,7 +45,12 @@ pub async fn start(engine: Arc<Engine>, rank: usize, cancel: CancellationToken) 
         let rport = u32::from(rbase) + rank as u32;
         let mut router = RouterSocket::new();
         router.bind(&format!("tcp://{host}:{rport}")).await?;
-        tokio::spawn(replay_loop(router, buffer.clone(), Bytes::from(engine.cfg.topic.clone()), cancel.clone()));
+        tokio::spawn(replay_loop(
+            router,
+            buffer.clone(),
+            Bytes::from(engine.cfg.topic.clone()),
+            cancel.clone(),
+        ));
     }
     tokio::spawn(publish_loop(engine, rank, pub_sock, buffer, cancel));
     Ok(())
@@ -52,7 +63,13 @@ fn wire_options(engine: &Engine) -> WireOptions {
     })
 }
 
-async fn publish_loop(engine: Arc<Engine>, rank: usize, mut sock: PubSocket, buffer: ReplayBuffer, cancel: CancellationToken) {
+async fn publish_loop(
+    engine: Arc<Engine>,
+    rank: usize,
+    mut sock: PubSocket,
+    buffer: ReplayBuffer,
+    cancel: CancellationToken,
+) {
     let opts = wire_options(&engine);
     let topic = Bytes::from(engine.cfg.topic.clone());
     let cap = engine.cfg.event_buffer;
@@ -63,12 +80,25 @@ async fn publish_loop(engine: Arc<Engine>, rank: usize, mut sock: PubSocket, buf
             _ = cancel.cancelled() => break,
             _ = r.step.notified() => {}
         }
-        let events: Vec<KvEvent> = lock(&r.kv).take_events().into_iter().map(|(_, e)| e).collect();
+        let events: Vec<KvEvent> = lock(&r.kv)
+            .take_events()
+            .into_iter()
+            .map(|(_, e)| e)
+            .collect();
         if events.is_empty() {
             continue;
         }
-        let payload = Bytes::from(encode_batch(&opts, Engine::unix_now(), &events, Some(r.idx)));
-        let frames = vec![topic.clone(), Bytes::copy_from_slice(&seq.to_be_bytes()), payload.clone()];
+        let payload = Bytes::from(encode_batch(
+            &opts,
+            Engine::unix_now(),
+            &events,
+            Some(r.idx),
+        ));
+        let frames = vec![
+            topic.clone(),
+            Bytes::copy_from_slice(&seq.to_be_bytes()),
+            payload.clone(),
+        ];
         if let Ok(msg) = ZmqMessage::try_from(frames) {
             if let Err(e) = sock.send(msg).await {
                 tracing::warn!(rank, "PUB send failed: {e}");
@@ -85,7 +115,12 @@ async fn publish_loop(engine: Arc<Engine>, rank: usize, mut sock: PubSocket, buf
     }
 }
 
-async fn replay_loop(mut router: RouterSocket, buffer: ReplayBuffer, topic: Bytes, cancel: CancellationToken) {
+async fn replay_loop(
+    mut router: RouterSocket,
+    buffer: ReplayBuffer,
+    topic: Bytes,
+    cancel: CancellationToken,
+) {
     loop {
         let msg = tokio::select! {
             _ = cancel.cancelled() => break,
@@ -93,7 +128,9 @@ async fn replay_loop(mut router: RouterSocket, buffer: ReplayBuffer, topic: Byte
         };
         let Ok(msg) = msg else { continue };
         let frames = msg.into_vec();
-        let (Some(identity), Some(last)) = (frames.first().cloned(), frames.last()) else { continue };
+        let (Some(identity), Some(last)) = (frames.first().cloned(), frames.last()) else {
+            continue;
+        };
         let start = match <[u8; 8]>::try_from(last.as_ref()) {
             Ok(b) => u64::from_be_bytes(b),
             Err(_) => {
@@ -101,15 +138,31 @@ async fn replay_loop(mut router: RouterSocket, buffer: ReplayBuffer, topic: Byte
                 continue;
             }
         };
-        let batches: Vec<(u64, Bytes)> = lock(&buffer).iter().filter(|(s, _)| *s >= start).cloned().collect();
+        let batches: Vec<(u64, Bytes)> = lock(&buffer)
+            .iter()
+            .filter(|(s, _)| *s >= start)
+            .cloned()
+            .collect();
         let empty = Bytes::new();
         for (s, payload) in batches {
-            let frames = vec![identity.clone(), empty.clone(), topic.clone(), Bytes::copy_from_slice(&s.to_be_bytes()), payload];
+            let frames = vec![
+                identity.clone(),
+                empty.clone(),
+                topic.clone(),
+                Bytes::copy_from_slice(&s.to_be_bytes()),
+                payload,
+            ];
             if !send(&mut router, frames).await {
                 break;
             }
         }
-        let end = vec![identity, empty.clone(), empty.clone(), Bytes::from_static(&[0xff; 8]), empty];
+        let end = vec![
+            identity,
+            empty.clone(),
+            empty.clone(),
+            Bytes::from_static(&[0xff; 8]),
+            empty,
+        ];
         send(&mut router, end).await;
     }
 }

@@ -51,7 +51,10 @@ pub fn router(engine: Arc<Engine>) -> Router {
         .route("/reset_prefix_cache", post(reset_prefix_cache))
         .route("/debug/cache", get(debug_cache))
         .route("/debug/cache/match", get(match_keys).post(match_body))
-        .layer(axum::middleware::from_fn_with_state(engine.clone(), name_header))
+        .layer(axum::middleware::from_fn_with_state(
+            engine.clone(),
+            name_header,
+        ))
         .with_state(engine)
 }
 
@@ -68,7 +71,11 @@ struct ApiError(StatusCode, String);
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        let kind = if self.0.is_client_error() { "BadRequestError" } else { "InternalServerError" };
+        let kind = if self.0.is_client_error() {
+            "BadRequestError"
+        } else {
+            "InternalServerError"
+        };
         (self.0, Json(json!({"error": {"message": self.1, "type": kind, "param": null, "code": self.0.as_u16()}}))).into_response()
     }
 }
@@ -83,21 +90,34 @@ impl From<SimError> for ApiError {
     }
 }
 
-async fn encode(engine: &Arc<Engine>, body: Bytes, endpoint: Endpoint) -> Result<Encoded, ApiError> {
+async fn encode(
+    engine: &Arc<Engine>,
+    body: Bytes,
+    endpoint: Endpoint,
+) -> Result<Encoded, ApiError> {
     let e = engine.clone();
     // Tokenizing is CPU work: keep it off the reactor.
     tokio::task::spawn_blocking(move || e.encoder.encode(&body, endpoint))
         .await
-        .map_err(|e| ApiError(StatusCode::INTERNAL_SERVER_ERROR, format!("tokenizer task failed: {e}")))?
+        .map_err(|e| {
+            ApiError(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                format!("tokenizer task failed: {e}"),
+            )
+        })?
         .map_err(|e| ApiError(StatusCode::BAD_REQUEST, e.to_string()))
 }
 
 async fn completions(State(engine): State<Arc<Engine>>, body: Bytes) -> Response {
-    serve(engine, body, Endpoint::Completions).await.unwrap_or_else(IntoResponse::into_response)
+    serve(engine, body, Endpoint::Completions)
+        .await
+        .unwrap_or_else(IntoResponse::into_response)
 }
 
 async fn chat_completions(State(engine): State<Arc<Engine>>, body: Bytes) -> Response {
-    serve(engine, body, Endpoint::ChatCompletions).await.unwrap_or_else(IntoResponse::into_response)
+    serve(engine, body, Endpoint::ChatCompletions)
+        .await
+        .unwrap_or_else(IntoResponse::into_response)
 }
 
 /// What the request task reports, in order.
@@ -153,17 +173,29 @@ fn usage_json(u: &Usage) -> Value {
 
 async fn serve(engine: Arc<Engine>, body: Bytes, endpoint: Endpoint) -> Result<Response, ApiError> {
     let enc = encode(&engine, body, endpoint).await?;
-    let model = enc.model.clone().unwrap_or_else(|| engine.cfg.model.clone());
+    let model = enc
+        .model
+        .clone()
+        .unwrap_or_else(|| engine.cfg.model.clone());
     let stream = enc.stream;
     let include_usage = enc.include_usage.unwrap_or(true);
     let mut rx = spawn_request(engine.clone(), enc);
     match rx.recv().await {
         Some(Piece::Admitted) => {}
         Some(Piece::Failed(e)) => return Err(e.into()),
-        _ => return Err(ApiError(StatusCode::INTERNAL_SERVER_ERROR, "request task ended early".into())),
+        _ => {
+            return Err(ApiError(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "request task ended early".into(),
+            ))
+        }
     }
     let chat = endpoint == Endpoint::ChatCompletions;
-    let id = format!("{}-sim-{}", if chat { "chatcmpl" } else { "cmpl" }, engine.next_id());
+    let id = format!(
+        "{}-sim-{}",
+        if chat { "chatcmpl" } else { "cmpl" },
+        engine.next_id()
+    );
     let created = Engine::unix_now() as u64;
     if !stream {
         let mut text = String::new();
@@ -175,20 +207,37 @@ async fn serve(engine: Arc<Engine>, body: Bytes, endpoint: Endpoint) -> Result<R
                 Piece::Admitted | Piece::Failed(_) => {}
             }
         }
-        let usage = usage.ok_or_else(|| ApiError(StatusCode::INTERNAL_SERVER_ERROR, "request task ended early".into()))?;
+        let usage = usage.ok_or_else(|| {
+            ApiError(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "request task ended early".into(),
+            )
+        })?;
         let choice = if chat {
             json!({"index": 0, "message": {"role": "assistant", "content": text, "tool_calls": []}, "logprobs": null,
                    "finish_reason": "length", "stop_reason": null})
         } else {
             json!({"index": 0, "text": text, "logprobs": null, "finish_reason": "length", "stop_reason": null})
         };
-        let object = if chat { "chat.completion" } else { "text_completion" };
-        return Ok(Json(json!({"id": id, "object": object, "created": created, "model": model,
-                               "choices": [choice], "usage": usage_json(&usage)}))
+        let object = if chat {
+            "chat.completion"
+        } else {
+            "text_completion"
+        };
+        return Ok(Json(
+            json!({"id": id, "object": object, "created": created, "model": model,
+                               "choices": [choice], "usage": usage_json(&usage)}),
+        )
         .into_response());
     }
-    let object = if chat { "chat.completion.chunk" } else { "text_completion" };
-    let sse = move |v: Value| Ok::<Bytes, std::convert::Infallible>(Bytes::from(format!("data: {v}\n\n")));
+    let object = if chat {
+        "chat.completion.chunk"
+    } else {
+        "text_completion"
+    };
+    let sse = move |v: Value| {
+        Ok::<Bytes, std::convert::Infallible>(Bytes::from(format!("data: {v}\n\n")))
+    };
     let stream = futures::stream::unfold((rx, true, false), move |(mut rx, first, done)| {
         let id = id.clone();
         let model = model.clone();
@@ -207,11 +256,21 @@ async fn serve(engine: Arc<Engine>, body: Bytes, endpoint: Endpoint) -> Result<R
             let chunk = |choices: Value| json!({"id": id, "object": object, "created": created, "model": model, "choices": choices});
             match rx.recv().await {
                 Some(Piece::Word(w)) => {
-                    let delta = if first && chat { json!({"role": "assistant", "content": w}) } else { json!({"content": w}) };
-                    Some((sse(chunk(json!([choice(delta, Value::Null)]))), (rx, false, false)))
+                    let delta = if first && chat {
+                        json!({"role": "assistant", "content": w})
+                    } else {
+                        json!({"content": w})
+                    };
+                    Some((
+                        sse(chunk(json!([choice(delta, Value::Null)]))),
+                        (rx, false, false),
+                    ))
                 }
                 Some(Piece::Done(u)) => {
-                    let mut out = format!("data: {}\n\n", chunk(json!([choice(json!({"content": ""}), json!("length"))])));
+                    let mut out = format!(
+                        "data: {}\n\n",
+                        chunk(json!([choice(json!({"content": ""}), json!("length"))]))
+                    );
                     if include_usage {
                         let mut c = chunk(json!([]));
                         if let Value::Object(m) = &mut c {
@@ -222,7 +281,9 @@ async fn serve(engine: Arc<Engine>, body: Bytes, endpoint: Endpoint) -> Result<R
                     out.push_str("data: [DONE]\n\n");
                     Some((Ok(Bytes::from(out)), (rx, false, true)))
                 }
-                Some(Piece::Admitted | Piece::Failed(_)) => Some((Ok(Bytes::new()), (rx, first, false))),
+                Some(Piece::Admitted | Piece::Failed(_)) => {
+                    Some((Ok(Bytes::new()), (rx, first, false)))
+                }
                 None => None,
             }
         }
@@ -236,9 +297,11 @@ async fn serve(engine: Arc<Engine>, body: Bytes, endpoint: Endpoint) -> Result<R
 
 async fn models(State(engine): State<Arc<Engine>>) -> Json<Value> {
     let m = &engine.cfg.model;
-    Json(json!({"object": "list", "data": [{"id": m, "object": "model", "created": Engine::unix_now() as u64,
+    Json(
+        json!({"object": "list", "data": [{"id": m, "object": "model", "created": Engine::unix_now() as u64,
         "owned_by": engine.cfg.engine.as_str(), "root": m, "parent": null,
-        "max_model_len": engine.cfg.kv_blocks * engine.cfg.contract.block_size.get()}]}))
+        "max_model_len": engine.cfg.kv_blocks * engine.cfg.contract.block_size.get()}]}),
+    )
 }
 
 async fn metrics(State(engine): State<Arc<Engine>>) -> Response {
@@ -248,11 +311,13 @@ async fn metrics(State(engine): State<Arc<Engine>>) -> Response {
 
 async fn server_info(State(engine): State<Arc<Engine>>) -> Json<Value> {
     let path = model_path(&engine);
-    Json(json!({"model_path": path, "tokenizer_path": path, "served_model_name": engine.cfg.model,
+    Json(
+        json!({"model_path": path, "tokenizer_path": path, "served_model_name": engine.cfg.model,
         "page_size": engine.cfg.contract.block_size.get(), "dp_size": engine.cfg.dp_ranks,
         "max_running_requests": engine.cfg.max_concurrency, "max_total_num_tokens": engine.cfg.kv_blocks * engine.cfg.contract.block_size.get(),
         "kv_events_config": engine.cfg.zmq_port.map(|p| json!({"publisher": "zmq", "endpoint": format!("tcp://*:{p}"), "topic": engine.cfg.topic})),
-        "engine": engine.cfg.engine.as_str(), "hash_algo": engine.cfg.contract.algo.as_str(), "sim_name": engine.name}))
+        "engine": engine.cfg.engine.as_str(), "hash_algo": engine.cfg.contract.algo.as_str(), "sim_name": engine.name}),
+    )
 }
 
 async fn model_info(State(engine): State<Arc<Engine>>) -> Json<Value> {
@@ -261,13 +326,21 @@ async fn model_info(State(engine): State<Arc<Engine>>) -> Json<Value> {
 }
 
 fn model_path(engine: &Engine) -> String {
-    engine.cfg.tokenizer_dir.as_ref().map(|p| p.display().to_string()).unwrap_or_else(|| engine.cfg.model.clone())
+    engine
+        .cfg
+        .tokenizer_dir
+        .as_ref()
+        .map(|p| p.display().to_string())
+        .unwrap_or_else(|| engine.cfg.model.clone())
 }
 
 /// TensorRT-LLM's drain: every pending event of every rank, then the queue is empty.
 async fn kv_cache_events(State(engine): State<Arc<Engine>>) -> Result<Json<Value>, ApiError> {
     if engine.cfg.engine != EngineKind::Trtllm {
-        return Err(ApiError(StatusCode::NOT_FOUND, "/kv_cache_events is served in --engine trtllm only".into()));
+        return Err(ApiError(
+            StatusCode::NOT_FOUND,
+            "/kv_cache_events is served in --engine trtllm only".into(),
+        ));
     }
     let window = (engine.cfg.kv_blocks * engine.cfg.contract.block_size.get()) as u32;
     let multi = engine.ranks.len() > 1;
@@ -290,10 +363,16 @@ async fn reset_prefix_cache(State(engine): State<Arc<Engine>>) -> StatusCode {
 }
 
 async fn debug_cache(State(engine): State<Arc<Engine>>) -> Json<Value> {
-    let ranks: Vec<Value> = engine.ranks.iter().map(|r| json!(lock(&r.kv).stats())).collect();
-    Json(json!({"name": engine.name, "engine": engine.cfg.engine.as_str(), "block_size": engine.cfg.contract.block_size.get(),
+    let ranks: Vec<Value> = engine
+        .ranks
+        .iter()
+        .map(|r| json!(lock(&r.kv).stats()))
+        .collect();
+    Json(
+        json!({"name": engine.name, "engine": engine.cfg.engine.as_str(), "block_size": engine.cfg.contract.block_size.get(),
         "hash_algo": engine.cfg.contract.algo.as_str(), "running": engine.running.load(Ordering::Relaxed),
-        "waiting": engine.waiting.load(Ordering::Relaxed), "ranks": ranks}))
+        "waiting": engine.waiting.load(Ordering::Relaxed), "ranks": ranks}),
+    )
 }
 
 #[derive(serde::Deserialize)]
@@ -301,7 +380,10 @@ struct KeysQuery {
     keys: String,
 }
 
-async fn match_keys(State(engine): State<Arc<Engine>>, Query(q): Query<KeysQuery>) -> Result<Json<Value>, ApiError> {
+async fn match_keys(
+    State(engine): State<Arc<Engine>>,
+    Query(q): Query<KeysQuery>,
+) -> Result<Json<Value>, ApiError> {
     let keys = q
         .keys
         .split(',')
@@ -310,16 +392,26 @@ async fn match_keys(State(engine): State<Arc<Engine>>, Query(q): Query<KeysQuery
             s.parse::<u64>()
                 .map(BlockKey)
                 .or_else(|_| s.parse::<i64>().map(BlockKey::from_i64))
-                .map_err(|_| ApiError(StatusCode::BAD_REQUEST, format!("keys: {s:?} is not a u64 or i64 block key")))
+                .map_err(|_| {
+                    ApiError(
+                        StatusCode::BAD_REQUEST,
+                        format!("keys: {s:?} is not a u64 or i64 block key"),
+                    )
+                })
         })
         .collect::<Result<Vec<_>, _>>()?;
     let per_rank = engine.match_keys(&keys);
-    Ok(Json(json!({"matched_blocks": per_rank.iter().max().copied().unwrap_or(0), "per_rank": per_rank,
-        "running": engine.running.load(Ordering::Relaxed), "waiting": engine.waiting.load(Ordering::Relaxed)})))
+    Ok(Json(
+        json!({"matched_blocks": per_rank.iter().max().copied().unwrap_or(0), "per_rank": per_rank,
+        "running": engine.running.load(Ordering::Relaxed), "waiting": engine.waiting.load(Ordering::Relaxed)}),
+    ))
 }
 
 /// The oracle's question: how much of this request would hit here, and how busy is the engine.
-async fn match_body(State(engine): State<Arc<Engine>>, body: Bytes) -> Result<Json<Value>, ApiError> {
+async fn match_body(
+    State(engine): State<Arc<Engine>>,
+    body: Bytes,
+) -> Result<Json<Value>, ApiError> {
     let endpoint = match serde_json::from_slice::<Value>(&body) {
         Ok(v) if v.get("messages").is_some() => Endpoint::ChatCompletions,
         _ => Endpoint::Completions,
@@ -330,7 +422,9 @@ async fn match_body(State(engine): State<Arc<Engine>>, body: Bytes) -> Result<Js
     let best = per_rank.iter().max().copied().unwrap_or(0);
     let bs = engine.cfg.contract.block_size.get();
     let cached = (best.min(enc.tokens.len().saturating_sub(1) / bs)) * bs;
-    Ok(Json(json!({"prompt_tokens": enc.tokens.len(), "matched_blocks": best, "cached_tokens": cached, "per_rank": per_rank,
+    Ok(Json(
+        json!({"prompt_tokens": enc.tokens.len(), "matched_blocks": best, "cached_tokens": cached, "per_rank": per_rank,
         "running": engine.running.load(Ordering::Relaxed), "waiting": engine.waiting.load(Ordering::Relaxed),
-        "kv_usage": engine.kv_usage()})))
+        "kv_usage": engine.kv_usage()}),
+    ))
 }

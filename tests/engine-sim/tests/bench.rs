@@ -9,14 +9,33 @@ use std::time::{Duration, Instant};
 use serde_json::Value;
 
 fn inventory_built() -> bool {
-    PathBuf::from(env!("CARGO_BIN_EXE_kvroute-bench")).with_file_name("kvroute-inventory").is_file()
+    PathBuf::from(env!("CARGO_BIN_EXE_kvroute-bench"))
+        .with_file_name("kvroute-inventory")
+        .is_file()
 }
 
 /// Runs the bench with `args` (bounded: the child is killed after 120 s) and returns its JSON.
 fn bench(args: &[&str]) -> Value {
-    let out = std::env::temp_dir().join(format!("kvroute-bench-test-{}-{}.json", std::process::id(), args.join("_").len()));
+    let out = std::env::temp_dir().join(format!(
+        "kvroute-bench-test-{}-{}.json",
+        std::process::id(),
+        args.join("_").len()
+    ));
     let mut child = Command::new(env!("CARGO_BIN_EXE_kvroute-bench"))
-        .args(["--users", "6", "--turns", "2", "--groups", "2", "--prefix-words", "120", "--ramp-ms", "200", "--endpoints", "2"])
+        .args([
+            "--users",
+            "6",
+            "--turns",
+            "2",
+            "--groups",
+            "2",
+            "--prefix-words",
+            "120",
+            "--ramp-ms",
+            "200",
+            "--endpoints",
+            "2",
+        ])
         .args(args)
         .arg("--json")
         .arg(&out)
@@ -41,12 +60,22 @@ fn bench(args: &[&str]) -> Value {
 }
 
 fn find<'a>(v: &'a Value, workload: &str, strategy: &str) -> &'a Value {
-    v["summaries"].as_array().unwrap().iter().find(|s| s["workload"] == workload && s["strategy"] == strategy).unwrap()
+    v["summaries"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|s| s["workload"] == workload && s["strategy"] == strategy)
+        .unwrap()
 }
 
 #[test]
 fn bench_runs_baselines_and_oracle() {
-    let v = bench(&["--workloads", "multi-turn,one-shot", "--strategies", "round-robin,sticky,oracle"]);
+    let v = bench(&[
+        "--workloads",
+        "multi-turn,one-shot",
+        "--strategies",
+        "round-robin,sticky,oracle",
+    ]);
     for strategy in ["round-robin", "sticky", "oracle"] {
         let mt = find(&v, "multi-turn", strategy);
         assert_eq!(mt["errors"], 0, "{strategy}: {mt}");
@@ -67,12 +96,25 @@ fn bench_routes_through_the_inventory() {
     );
     // vLLM over ZMQ (one 127.0.0.x per simulator) and TensorRT-LLM over the HTTP drain.
     for engine in ["vllm", "trtllm"] {
-        let v = bench(&["--engine", engine, "--workloads", "multi-turn", "--strategies", "kvroute-engine,kvroute-tokens"]);
+        let v = bench(&[
+            "--engine",
+            engine,
+            "--workloads",
+            "multi-turn",
+            "--strategies",
+            "kvroute-engine,kvroute-tokens",
+        ]);
         for strategy in ["kvroute-engine", "kvroute-tokens"] {
             let s = find(&v, "multi-turn", strategy);
             assert_eq!(s["errors"], 0, "{engine} {strategy}: {s}");
-            assert!(s["cached_ratio"].as_f64().unwrap() > 0.3, "{engine} {strategy}: {s}");
-            assert!(s["reasons"]["hit"].as_u64().unwrap_or(0) > 0, "{engine} {strategy}: the inventory found hits: {s}");
+            assert!(
+                s["cached_ratio"].as_f64().unwrap() > 0.3,
+                "{engine} {strategy}: {s}"
+            );
+            assert!(
+                s["reasons"]["hit"].as_u64().unwrap_or(0) > 0,
+                "{engine} {strategy}: the inventory found hits: {s}"
+            );
         }
     }
 }

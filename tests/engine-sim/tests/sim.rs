@@ -19,7 +19,11 @@ fn contract(algo: HashAlgo, seed: Option<&str>) -> HashContract {
 }
 
 fn core_keys(c: &HashContract, tokens: &[u32]) -> Vec<u64> {
-    c.keys(tokens, &ExtraKeys::default()).unwrap().into_iter().map(|k| k.0).collect()
+    c.keys(tokens, &ExtraKeys::default())
+        .unwrap()
+        .into_iter()
+        .map(|k| k.0)
+        .collect()
 }
 
 /// What the simulator generates for `prompt` with the word tokenizer.
@@ -31,15 +35,29 @@ fn output_ids(prompt: &[u32], n: usize) -> Vec<u32> {
 async fn vllm_publishes_core_keys_and_replays_them() {
     let (zp, rp) = (free_port(), free_port());
     let sim = Sim::start(&[
-        "--engine", "vllm", "--seed", "0", "--zmq-port", &zp.to_string(), "--replay-port", &rp.to_string(),
-        "--decode-us-per-token", "10", "--name", "sim-a",
+        "--engine",
+        "vllm",
+        "--seed",
+        "0",
+        "--zmq-port",
+        &zp.to_string(),
+        "--replay-port",
+        &rp.to_string(),
+        "--decode-us-per-token",
+        "10",
+        "--name",
+        "sim-a",
     ]);
     let mut sub = Sub::connect(zp).await;
     let mut all = join(&sim, &mut sub).await;
 
     // 40 prompt tokens + 8 output tokens: 2 prompt blocks, then a third completed by the output.
     let prompt: Vec<u32> = (0..40).map(|t| 1000 + t).collect();
-    let (headers, resp) = post(&sim.url("/v1/completions"), &json!({"prompt": prompt, "max_tokens": 8})).await;
+    let (headers, resp) = post(
+        &sim.url("/v1/completions"),
+        &json!({"prompt": prompt, "max_tokens": 8}),
+    )
+    .await;
     assert_eq!(headers.get("x-kvroute-sim").unwrap(), "sim-a");
     assert_eq!(resp["usage"]["prompt_tokens"], 40);
     assert_eq!(resp["usage"]["completion_tokens"], 8);
@@ -62,12 +80,26 @@ async fn vllm_publishes_core_keys_and_replays_them() {
         })
         .await;
     all.extend(frames);
-    let prompt_ev = stored.iter().find(|s| s.0.first() == Some(&want[0])).expect("prompt BlockStored");
-    assert_eq!(prompt_ev.0, want[..2].to_vec(), "prompt blocks carry kvroute-core's sha256_cbor keys");
+    let prompt_ev = stored
+        .iter()
+        .find(|s| s.0.first() == Some(&want[0]))
+        .expect("prompt BlockStored");
+    assert_eq!(
+        prompt_ev.0,
+        want[..2].to_vec(),
+        "prompt blocks carry kvroute-core's sha256_cbor keys"
+    );
     assert_eq!(prompt_ev.1, None);
     assert_eq!(prompt_ev.2, prompt[..32].to_vec());
-    let out_ev = stored.iter().find(|s| s.0 == vec![want[2]]).expect("output BlockStored");
-    assert_eq!(out_ev.1, Some(want[1]), "the output block chains to the prompt's last full block");
+    let out_ev = stored
+        .iter()
+        .find(|s| s.0 == vec![want[2]])
+        .expect("output BlockStored");
+    assert_eq!(
+        out_ev.1,
+        Some(want[1]),
+        "the output block chains to the prompt's last full block"
+    );
     assert_eq!(out_ev.2, seq_tokens[32..48].to_vec());
 
     // Frames: empty topic, consecutive seqs (the first probes may predate the subscription), dp_rank 0.
@@ -80,12 +112,23 @@ async fn vllm_publishes_core_keys_and_replays_them() {
 
     // Replay from seq 0 returns every batch since start, the ones seen with the same bytes, then the end marker.
     let mut dealer = DealerSocket::new();
-    dealer.connect(&format!("tcp://127.0.0.1:{}", sim.replay_port.unwrap())).await.unwrap();
-    let req = ZmqMessage::try_from(vec![bytes::Bytes::new(), bytes::Bytes::copy_from_slice(&0u64.to_be_bytes())]).unwrap();
+    dealer
+        .connect(&format!("tcp://127.0.0.1:{}", sim.replay_port.unwrap()))
+        .await
+        .unwrap();
+    let req = ZmqMessage::try_from(vec![
+        bytes::Bytes::new(),
+        bytes::Bytes::copy_from_slice(&0u64.to_be_bytes()),
+    ])
+    .unwrap();
     dealer.send(req).await.unwrap();
     let mut replayed = Vec::new();
     for _ in 0..1000 {
-        let m = tokio::time::timeout(Duration::from_secs(10), dealer.recv()).await.unwrap().unwrap().into_vec();
+        let m = tokio::time::timeout(Duration::from_secs(10), dealer.recv())
+            .await
+            .unwrap()
+            .unwrap()
+            .into_vec();
         assert!(m[0].is_empty(), "reply starts with the empty delimiter");
         if m[2].as_ref() == [0xff; 8] {
             assert_eq!(m.len(), 4);
@@ -93,12 +136,22 @@ async fn vllm_publishes_core_keys_and_replays_them() {
             break;
         }
         assert_eq!(m.len(), 4);
-        replayed.push((u64::from_be_bytes(m[2].as_ref().try_into().unwrap()), m[3].clone()));
+        replayed.push((
+            u64::from_be_bytes(m[2].as_ref().try_into().unwrap()),
+            m[3].clone(),
+        ));
     }
     let last = all.last().unwrap().seq;
-    assert_eq!(replayed.iter().map(|r| r.0).collect::<Vec<_>>(), (0..=last).collect::<Vec<_>>());
+    assert_eq!(
+        replayed.iter().map(|r| r.0).collect::<Vec<_>>(),
+        (0..=last).collect::<Vec<_>>()
+    );
     for f in &all {
-        assert_eq!(replayed[f.seq as usize].1, f.payload, "replayed batch {} differs from the published one", f.seq);
+        assert_eq!(
+            replayed[f.seq as usize].1, f.payload,
+            "replayed batch {} differs from the published one",
+            f.seq
+        );
     }
 }
 
@@ -112,22 +165,52 @@ async fn repeated_prompt_reports_cached_tokens() {
     assert_eq!(first["usage"]["prompt_tokens"], 100);
     assert_eq!(first["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
     let (_, second) = post(&sim.url("/v1/completions"), &body).await;
-    assert_eq!(second["usage"]["prompt_tokens_details"]["cached_tokens"], 96);
-    assert_eq!(second["choices"][0]["text"], first["choices"][0]["text"], "output is deterministic");
+    assert_eq!(
+        second["usage"]["prompt_tokens_details"]["cached_tokens"],
+        96
+    );
+    assert_eq!(
+        second["choices"][0]["text"], first["choices"][0]["text"],
+        "output is deterministic"
+    );
 
     // Chat: the second turn extends the first, so its cached prefix covers turn one.
-    let mut messages = vec![json!({"role": "system", "content": words.join(" ")}), json!({"role": "user", "content": "hello there"})];
-    let (_, t1) = post(&sim.url("/v1/chat/completions"), &json!({"messages": messages, "max_tokens": 8})).await;
+    let mut messages = vec![
+        json!({"role": "system", "content": words.join(" ")}),
+        json!({"role": "user", "content": "hello there"}),
+    ];
+    let (_, t1) = post(
+        &sim.url("/v1/chat/completions"),
+        &json!({"messages": messages, "max_tokens": 8}),
+    )
+    .await;
     assert_eq!(t1["object"], "chat.completion");
     messages.push(json!({"role": "assistant", "content": t1["choices"][0]["message"]["content"]}));
     messages.push(json!({"role": "user", "content": "and again"}));
-    let (_, t2) = post(&sim.url("/v1/chat/completions"), &json!({"messages": messages, "max_tokens": 8})).await;
+    let (_, t2) = post(
+        &sim.url("/v1/chat/completions"),
+        &json!({"messages": messages, "max_tokens": 8}),
+    )
+    .await;
     let p1 = t1["usage"]["prompt_tokens"].as_u64().unwrap();
-    let cached2 = t2["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap();
-    assert!(cached2 >= p1 / 16 * 16, "turn two reuses turn one's blocks: {cached2} cached, turn one had {p1} tokens");
+    let cached2 = t2["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap();
+    assert!(
+        cached2 >= p1 / 16 * 16,
+        "turn two reuses turn one's blocks: {cached2} cached, turn one had {p1} tokens"
+    );
 
     // The oracle's view agrees.
-    let m: Value = reqwest::Client::new().post(sim.url("/debug/cache/match")).json(&body).send().await.unwrap().json().await.unwrap();
+    let m: Value = reqwest::Client::new()
+        .post(sim.url("/debug/cache/match"))
+        .json(&body)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
     assert_eq!(m["matched_blocks"], 6);
     assert_eq!(m["cached_tokens"], 96);
 }
@@ -135,19 +218,43 @@ async fn repeated_prompt_reports_cached_tokens() {
 #[tokio::test]
 async fn small_capacity_evicts_tail_first_and_publishes_block_removed() {
     let zp = free_port();
-    let sim = Sim::start(&["--engine", "vllm", "--kv-blocks", "4", "--zmq-port", &zp.to_string(), "--decode-us-per-token", "10"]);
+    let sim = Sim::start(&[
+        "--engine",
+        "vllm",
+        "--kv-blocks",
+        "4",
+        "--zmq-port",
+        &zp.to_string(),
+        "--decode-us-per-token",
+        "10",
+    ]);
     let mut sub = Sub::connect(zp).await;
     // Probes (2 blocks each) fill and recycle the 4-block cache; start from a clean state after.
     join(&sim, &mut sub).await;
-    reqwest::Client::new().post(sim.url("/reset_prefix_cache")).send().await.unwrap();
-    sub.until(Duration::from_secs(10), |f| f.events().iter().any(|e| ev_type(e) == "AllBlocksCleared")).await;
+    reqwest::Client::new()
+        .post(sim.url("/reset_prefix_cache"))
+        .send()
+        .await
+        .unwrap();
+    sub.until(Duration::from_secs(10), |f| {
+        f.events().iter().any(|e| ev_type(e) == "AllBlocksCleared")
+    })
+    .await;
 
     let c = contract(HashAlgo::Sha256Cbor, None);
     let a: Vec<u32> = (0..48).map(|t| 5000 + t).collect();
     let b: Vec<u32> = (0..48).map(|t| 7000 + t).collect();
     let ka = core_keys(&c, &a);
-    post(&sim.url("/v1/completions"), &json!({"prompt": a, "max_tokens": 0})).await;
-    post(&sim.url("/v1/completions"), &json!({"prompt": b, "max_tokens": 0})).await;
+    post(
+        &sim.url("/v1/completions"),
+        &json!({"prompt": a, "max_tokens": 0}),
+    )
+    .await;
+    post(
+        &sim.url("/v1/completions"),
+        &json!({"prompt": b, "max_tokens": 0}),
+    )
+    .await;
     let mut removed = Vec::new();
     sub.until(Duration::from_secs(10), |f| {
         for ev in f.events() {
@@ -161,7 +268,9 @@ async fn small_capacity_evicts_tail_first_and_publishes_block_removed() {
     // A's blocks were freed tail first, so its end goes before its beginning.
     assert_eq!(removed, vec![ka[2], ka[1]]);
     let keys = ka.iter().map(u64::to_string).collect::<Vec<_>>().join(",");
-    let m: Value = serde_json::from_str(&get_text(&sim.url(&format!("/debug/cache/match?keys={keys}"))).await).unwrap();
+    let m: Value =
+        serde_json::from_str(&get_text(&sim.url(&format!("/debug/cache/match?keys={keys}"))).await)
+            .unwrap();
     assert_eq!(m["matched_blocks"], 1);
 
     // A request that can never fit is refused, not queued forever.
@@ -173,7 +282,10 @@ async fn small_capacity_evicts_tail_first_and_publishes_block_removed() {
         .unwrap();
     assert_eq!(r.status(), 400);
     let err: Value = r.json().await.unwrap();
-    assert_eq!(err["error"]["message"], "the request needs 7 KV blocks (prompt + max_tokens); --kv-blocks is 4");
+    assert_eq!(
+        err["error"]["message"],
+        "the request needs 7 KV blocks (prompt + max_tokens); --kv-blocks is 4"
+    );
 }
 
 #[tokio::test]
@@ -183,68 +295,153 @@ async fn sse_stream_ends_with_a_usage_chunk() {
                       "stream_options": {"include_usage": true}});
     let mut texts = Vec::new();
     for _ in 0..2 {
-        let r = reqwest::Client::new().post(sim.url("/v1/chat/completions")).json(&body).send().await.unwrap();
-        assert_eq!(r.headers().get("content-type").unwrap(), "text/event-stream");
+        let r = reqwest::Client::new()
+            .post(sim.url("/v1/chat/completions"))
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(
+            r.headers().get("content-type").unwrap(),
+            "text/event-stream"
+        );
         assert!(r.headers().get("x-kvroute-sim").is_some());
         let text = r.text().await.unwrap();
         texts.push(text);
     }
     let text = &texts[1];
-    let data: Vec<&str> = text.split("\n\n").filter(|l| !l.is_empty()).map(|l| l.strip_prefix("data: ").unwrap()).collect();
+    let data: Vec<&str> = text
+        .split("\n\n")
+        .filter(|l| !l.is_empty())
+        .map(|l| l.strip_prefix("data: ").unwrap())
+        .collect();
     assert_eq!(*data.last().unwrap(), "[DONE]");
-    let chunks: Vec<Value> = data[..data.len() - 1].iter().map(|d| serde_json::from_str(d).unwrap()).collect();
+    let chunks: Vec<Value> = data[..data.len() - 1]
+        .iter()
+        .map(|d| serde_json::from_str(d).unwrap())
+        .collect();
     assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
-    let content: String = chunks.iter().filter_map(|c| c["choices"][0]["delta"]["content"].as_str()).collect();
+    let content: String = chunks
+        .iter()
+        .filter_map(|c| c["choices"][0]["delta"]["content"].as_str())
+        .collect();
     assert_eq!(content.split(' ').count(), 6);
     let usage = chunks.last().unwrap();
     assert_eq!(usage["choices"], json!([]));
     assert_eq!(usage["usage"]["completion_tokens"], 6);
     let p = usage["usage"]["prompt_tokens"].as_u64().unwrap();
     // Second identical request: its full blocks were cached by the first.
-    assert_eq!(usage["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap(), (p - 1) / 16 * 16);
-    assert_eq!(chunks[chunks.len() - 2]["choices"][0]["finish_reason"], "length");
+    assert_eq!(
+        usage["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap(),
+        (p - 1) / 16 * 16
+    );
+    assert_eq!(
+        chunks[chunks.len() - 2]["choices"][0]["finish_reason"],
+        "length"
+    );
 }
 
 #[tokio::test]
 async fn trtllm_drain_returns_events_once() {
     let sim = Sim::start(&["--engine", "trtllm", "--decode-us-per-token", "10"]);
     let client = reqwest::Client::new();
-    let drain = || async { client.post(sim.url("/kv_cache_events")).json(&json!({})).send().await.unwrap().json::<Value>().await.unwrap() };
+    let drain = || async {
+        client
+            .post(sim.url("/kv_cache_events"))
+            .json(&json!({}))
+            .send()
+            .await
+            .unwrap()
+            .json::<Value>()
+            .await
+            .unwrap()
+    };
     let first = drain().await;
     assert_eq!(first[0]["data"]["type"], "created");
     assert_eq!(first[0]["event_id"], 0);
     let prompt: Vec<u32> = (0..32).collect();
-    post(&sim.url("/v1/completions"), &json!({"prompt": prompt, "max_tokens": 0})).await;
+    post(
+        &sim.url("/v1/completions"),
+        &json!({"prompt": prompt, "max_tokens": 0}),
+    )
+    .await;
     let events = drain().await;
-    let stored = events.as_array().unwrap().iter().find(|e| e["data"]["type"] == "stored").unwrap();
-    let got: Vec<u64> = stored["data"]["blocks"].as_array().unwrap().iter().map(|b| b["block_hash"].as_u64().unwrap()).collect();
-    assert_eq!(got, core_keys(&contract(HashAlgo::BlockhashTrtllm, None), &prompt));
+    let stored = events
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|e| e["data"]["type"] == "stored")
+        .unwrap();
+    let got: Vec<u64> = stored["data"]["blocks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|b| b["block_hash"].as_u64().unwrap())
+        .collect();
+    assert_eq!(
+        got,
+        core_keys(&contract(HashAlgo::BlockhashTrtllm, None), &prompt)
+    );
     assert_eq!(stored["data"]["parent_hash"], Value::Null);
-    assert_eq!(stored["data"]["blocks"][1]["tokens"][0], json!({"type": "unique_token", "token_id": 16, "token_extra_id": 0}));
+    assert_eq!(
+        stored["data"]["blocks"][1]["tokens"][0],
+        json!({"type": "unique_token", "token_id": 16, "token_extra_id": 0})
+    );
     assert_eq!(stored["event_id"], 1);
     assert_eq!(drain().await, json!([]), "the drain emptied the queue");
     // Other engines do not serve it.
     let vllm = Sim::start(&[]);
-    assert_eq!(client.post(vllm.url("/kv_cache_events")).send().await.unwrap().status(), 404);
+    assert_eq!(
+        client
+            .post(vllm.url("/kv_cache_events"))
+            .send()
+            .await
+            .unwrap()
+            .status(),
+        404
+    );
 }
 
 #[tokio::test]
 async fn sglang_ranks_publish_signed_keys_on_port_plus_rank() {
     let zp = free_port_pair();
-    let sim = Sim::start(&["--engine", "sglang", "--dp-ranks", "2", "--zmq-port", &zp.to_string(), "--decode-us-per-token", "10"]);
+    let sim = Sim::start(&[
+        "--engine",
+        "sglang",
+        "--dp-ranks",
+        "2",
+        "--zmq-port",
+        &zp.to_string(),
+        "--decode-us-per-token",
+        "10",
+    ]);
     let mut subs = [Sub::connect(zp).await, Sub::connect(zp + 1).await];
     let c = contract(HashAlgo::Sha256Sglang, None);
     // Requests alternate between ranks; send until both SUBs have joined and seen a store.
     let mut seen = [None::<common::Frame>, None];
     for i in 0..60u32 {
         let prompt: Vec<u32> = (0..32).map(|t| 10_000 * (i + 1) + t).collect();
-        post(&sim.url("/v1/completions"), &json!({"prompt": prompt, "max_tokens": 0})).await;
+        post(
+            &sim.url("/v1/completions"),
+            &json!({"prompt": prompt, "max_tokens": 0}),
+        )
+        .await;
         for (r, sub) in subs.iter_mut().enumerate() {
             while let Some(f) = sub.recv(Duration::from_millis(50)).await {
                 if let Some(ev) = f.events().iter().find(|e| ev_type(e) == "BlockStored") {
                     let toks = u32s(field(ev, "token_ids").unwrap());
-                    assert_eq!(hashes(ev), core_keys(&c, &toks), "SGLang keys are kvroute-core's sha256_sglang keys");
-                    assert_eq!(ev.as_map().unwrap().len(), 7, "SGLang's seven BlockStored fields");
+                    assert_eq!(
+                        hashes(ev),
+                        core_keys(&c, &toks),
+                        "SGLang keys are kvroute-core's sha256_sglang keys"
+                    );
+                    assert_eq!(
+                        ev.as_map().unwrap().len(),
+                        7,
+                        "SGLang's seven BlockStored fields"
+                    );
                     seen[r] = Some(f.clone());
                 }
             }
@@ -253,8 +450,14 @@ async fn sglang_ranks_publish_signed_keys_on_port_plus_rank() {
             break;
         }
     }
-    assert_eq!(seen[0].as_ref().expect("rank 0 published").dp_rank(), Some(0));
-    assert_eq!(seen[1].as_ref().expect("rank 1 published").dp_rank(), Some(1));
+    assert_eq!(
+        seen[0].as_ref().expect("rank 0 published").dp_rank(),
+        Some(0)
+    );
+    assert_eq!(
+        seen[1].as_ref().expect("rank 1 published").dp_rank(),
+        Some(1)
+    );
     let info: Value = serde_json::from_str(&get_text(&sim.url("/get_server_info")).await).unwrap();
     assert_eq!(info["page_size"], 16);
     assert_eq!(info["dp_size"], 2);
@@ -263,7 +466,11 @@ async fn sglang_ranks_publish_signed_keys_on_port_plus_rank() {
 #[tokio::test]
 async fn metrics_use_the_engines_names() {
     let vllm = Sim::start(&["--kv-blocks", "123", "--model", "m1"]);
-    post(&vllm.url("/v1/completions"), &json!({"prompt": "a b c", "max_tokens": 2})).await;
+    post(
+        &vllm.url("/v1/completions"),
+        &json!({"prompt": "a b c", "max_tokens": 2}),
+    )
+    .await;
     let text = get_text(&vllm.url("/metrics")).await;
     for line in [
         "vllm:num_requests_running{engine=\"0\",model_name=\"m1\"} 0.0",
@@ -271,7 +478,10 @@ async fn metrics_use_the_engines_names() {
         "vllm:kv_cache_usage_perc{engine=\"0\",model_name=\"m1\"} 0.0",
         "vllm:prompt_tokens_total{engine=\"0\",model_name=\"m1\"} 3.0",
     ] {
-        assert!(text.lines().any(|l| l == line), "missing {line:?} in\n{text}");
+        assert!(
+            text.lines().any(|l| l == line),
+            "missing {line:?} in\n{text}"
+        );
     }
     assert!(text.contains("num_gpu_blocks=\"123\""));
     let sg = Sim::start(&["--engine", "sglang"]);
@@ -288,7 +498,14 @@ async fn metrics_use_the_engines_names() {
 async fn queue_and_simulated_time_shape_ttft() {
     // One slot, 2 ms per uncached prompt token: a 100-token prompt prefills in ~200 ms cold and
     // ~8 ms warm (96 cached), and a second concurrent request waits for the first.
-    let sim = Sim::start(&["--max-concurrency", "1", "--prefill-us-per-token", "2000", "--decode-us-per-token", "10"]);
+    let sim = Sim::start(&[
+        "--max-concurrency",
+        "1",
+        "--prefill-us-per-token",
+        "2000",
+        "--decode-us-per-token",
+        "10",
+    ]);
     let body = json!({"prompt": (0..100).collect::<Vec<u32>>(), "max_tokens": 1});
     let t = std::time::Instant::now();
     post(&sim.url("/v1/completions"), &body).await;
@@ -303,7 +520,10 @@ async fn queue_and_simulated_time_shape_ttft() {
     let (url, b1, b2) = (sim.url("/v1/completions"), other(1000), other(2000));
     let (a, b) = tokio::join!(post(&url, &b1), post(&url, &b2));
     let both = t.elapsed();
-    assert!(both >= Duration::from_millis(400), "two cold prompts through one slot take two prefills: {both:?}");
+    assert!(
+        both >= Duration::from_millis(400),
+        "two cold prompts through one slot take two prefills: {both:?}"
+    );
     assert_eq!(a.1["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
     assert_eq!(b.1["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
 }
@@ -311,15 +531,32 @@ async fn queue_and_simulated_time_shape_ttft() {
 #[tokio::test]
 async fn cache_salt_enters_keys_and_events() {
     let zp = free_port();
-    let sim = Sim::start(&["--engine", "vllm", "--seed", "0", "--zmq-port", &zp.to_string(), "--decode-us-per-token", "10"]);
+    let sim = Sim::start(&[
+        "--engine",
+        "vllm",
+        "--seed",
+        "0",
+        "--zmq-port",
+        &zp.to_string(),
+        "--decode-us-per-token",
+        "10",
+    ]);
     let mut sub = Sub::connect(zp).await;
     join(&sim, &mut sub).await;
     let prompt: Vec<u32> = (0..33).map(|t| 3000 + t).collect();
     let salted = json!({"prompt": prompt, "max_tokens": 0, "cache_salt": "tenant-a"});
     post(&sim.url("/v1/completions"), &salted).await;
     let c = contract(HashAlgo::Sha256Cbor, Some("0"));
-    let extra = ExtraKeys { cache_salt: Some("tenant-a".into()), ..Default::default() };
-    let want: Vec<u64> = c.keys(&prompt, &extra).unwrap().into_iter().map(|k| k.0).collect();
+    let extra = ExtraKeys {
+        cache_salt: Some("tenant-a".into()),
+        ..Default::default()
+    };
+    let want: Vec<u64> = c
+        .keys(&prompt, &extra)
+        .unwrap()
+        .into_iter()
+        .map(|k| k.0)
+        .collect();
     assert_ne!(want, core_keys(&c, &prompt), "the salt changes the keys");
     let mut got = None;
     sub.until(Duration::from_secs(10), |f| {
@@ -332,11 +569,22 @@ async fn cache_salt_enters_keys_and_events() {
     })
     .await;
     let ev = got.unwrap();
-    let extra_keys = field(&ev, "extra_keys").unwrap().as_array().unwrap().clone();
-    assert_eq!(extra_keys[0], rmpv::Value::Array(vec![rmpv::Value::from("tenant-a")]));
+    let extra_keys = field(&ev, "extra_keys")
+        .unwrap()
+        .as_array()
+        .unwrap()
+        .clone();
+    assert_eq!(
+        extra_keys[0],
+        rmpv::Value::Array(vec![rmpv::Value::from("tenant-a")])
+    );
     assert_eq!(extra_keys[1], rmpv::Value::Nil);
     // Unsalted, the same prompt does not hit the salted blocks.
-    let (_, r) = post(&sim.url("/v1/completions"), &json!({"prompt": prompt, "max_tokens": 0})).await;
+    let (_, r) = post(
+        &sim.url("/v1/completions"),
+        &json!({"prompt": prompt, "max_tokens": 0}),
+    )
+    .await;
     assert_eq!(r["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
     let (_, r) = post(&sim.url("/v1/completions"), &salted).await;
     assert_eq!(r["usage"]["prompt_tokens_details"]["cached_tokens"], 32);

@@ -153,13 +153,36 @@ pub fn jump_hash(mut key: u64, n: usize) -> usize {
 
 impl Router {
     /// A router over `sims`.
-    pub fn new(strategy: Strategy, sims: Vec<String>, encoder: Arc<Encoder>) -> anyhow::Result<Self> {
+    pub fn new(
+        strategy: Strategy,
+        sims: Vec<String>,
+        encoder: Arc<Encoder>,
+    ) -> anyhow::Result<Self> {
         if sims.is_empty() && strategy != Strategy::Gateway {
-            bail!("strategy {} needs at least one simulator", strategy.as_str());
+            bail!(
+                "strategy {} needs at least one simulator",
+                strategy.as_str()
+            );
         }
-        let by_addr = sims.iter().enumerate().map(|(i, u)| (u.trim_start_matches("http://").to_string(), i)).collect();
-        let http = reqwest::Client::builder().pool_max_idle_per_host(64).tcp_nodelay(true).build()?;
-        Ok(Router { strategy, sims, by_addr, rr: AtomicUsize::new(0), inventory: None, gateways: Vec::new(), encoder, http })
+        let by_addr = sims
+            .iter()
+            .enumerate()
+            .map(|(i, u)| (u.trim_start_matches("http://").to_string(), i))
+            .collect();
+        let http = reqwest::Client::builder()
+            .pool_max_idle_per_host(64)
+            .tcp_nodelay(true)
+            .build()?;
+        Ok(Router {
+            strategy,
+            sims,
+            by_addr,
+            rr: AtomicUsize::new(0),
+            inventory: None,
+            gateways: Vec::new(),
+            encoder,
+            http,
+        })
     }
 
     fn next_rr(&self, n: usize) -> usize {
@@ -168,20 +191,35 @@ impl Router {
 
     async fn pick(&self, body: &Value, tenant: &str) -> anyhow::Result<Pick> {
         let n = self.sims.len();
-        let simple = |i: usize| Pick { url: self.sims[i].clone(), route: None, reason: None };
+        let simple = |i: usize| Pick {
+            url: self.sims[i].clone(),
+            route: None,
+            reason: None,
+        };
         match self.strategy {
             Strategy::RoundRobin => Ok(simple(self.next_rr(n))),
-            Strategy::Sticky => Ok(simple(jump_hash(xxhash_rust::xxh3::xxh3_64(tenant.as_bytes()), n))),
+            Strategy::Sticky => Ok(simple(jump_hash(
+                xxhash_rust::xxh3::xxh3_64(tenant.as_bytes()),
+                n,
+            ))),
             Strategy::Gateway => {
                 if self.gateways.is_empty() {
                     bail!("strategy gateway needs --gateway URL");
                 }
-                Ok(Pick { url: self.gateways[self.next_rr(self.gateways.len())].clone(), route: None, reason: None })
+                Ok(Pick {
+                    url: self.gateways[self.next_rr(self.gateways.len())].clone(),
+                    route: None,
+                    reason: None,
+                })
             }
             Strategy::Oracle => {
                 let t = Instant::now();
                 let asks = self.sims.iter().map(|u| {
-                    let req = self.http.post(format!("{u}/debug/cache/match")).json(body).send();
+                    let req = self
+                        .http
+                        .post(format!("{u}/debug/cache/match"))
+                        .json(body)
+                        .send();
                     async move { req.await.ok()?.json::<Value>().await.ok() }
                 });
                 let answers = futures::future::join_all(asks).await;
@@ -191,28 +229,53 @@ impl Router {
                     let i = (start + k) % n;
                     let Some(a) = &answers[i] else { continue };
                     let m = a["matched_blocks"].as_u64().unwrap_or(0);
-                    let load = a["running"].as_u64().unwrap_or(0) + a["waiting"].as_u64().unwrap_or(0);
+                    let load =
+                        a["running"].as_u64().unwrap_or(0) + a["waiting"].as_u64().unwrap_or(0);
                     if best.is_none_or(|(bm, bl, _)| m > bm || (m == bm && load < bl)) {
                         best = Some((m, load, i));
                     }
                 }
                 let i = best.map(|b| b.2).unwrap_or(start);
-                Ok(Pick { url: self.sims[i].clone(), route: Some(t.elapsed()), reason: None })
+                Ok(Pick {
+                    url: self.sims[i].clone(),
+                    route: Some(t.elapsed()),
+                    reason: None,
+                })
             }
             Strategy::KvrouteEngine | Strategy::KvrouteTokens => {
-                let inv = self.inventory.as_ref().ok_or_else(|| anyhow!("kvroute strategies need the inventory"))?;
+                let inv = self
+                    .inventory
+                    .as_ref()
+                    .ok_or_else(|| anyhow!("kvroute strategies need the inventory"))?;
                 let t = Instant::now();
                 let bytes = serde_json::to_vec(body)?;
                 let enc = self.encoder.clone();
                 let contract = inv.contract.clone();
-                let (keys, count) = tokio::task::spawn_blocking(move || -> anyhow::Result<(Vec<u64>, usize)> {
-                    let e = enc.encode(&bytes, Endpoint::ChatCompletions)?;
-                    let extra = ExtraKeys { cache_salt: e.cache_salt.clone(), ..Default::default() };
-                    Ok((contract.keys(&e.tokens, &extra)?.into_iter().map(|k| k.0).collect(), e.tokens.len()))
-                })
-                .await??;
+                let (keys, count) =
+                    tokio::task::spawn_blocking(move || -> anyhow::Result<(Vec<u64>, usize)> {
+                        let e = enc.encode(&bytes, Endpoint::ChatCompletions)?;
+                        let extra = ExtraKeys {
+                            cache_salt: e.cache_salt.clone(),
+                            ..Default::default()
+                        };
+                        Ok((
+                            contract
+                                .keys(&e.tokens, &extra)?
+                                .into_iter()
+                                .map(|k| k.0)
+                                .collect(),
+                            e.tokens.len(),
+                        ))
+                    })
+                    .await??;
                 let req = json!({"rule": inv.rule, "model": body.get("model"), "keys": keys, "token_count": count, "affinity_key": tenant});
-                let ans = self.http.post(format!("{}/v1/route", inv.url)).json(&req).timeout(Duration::from_secs(2)).send().await;
+                let ans = self
+                    .http
+                    .post(format!("{}/v1/route", inv.url))
+                    .json(&req)
+                    .timeout(Duration::from_secs(2))
+                    .send()
+                    .await;
                 let route = t.elapsed();
                 let parsed = match ans {
                     Ok(r) if r.status().is_success() => r.json::<Value>().await.ok(),
@@ -223,11 +286,21 @@ impl Router {
                     Some(v) => {
                         let ep = v["endpoint"].as_str().unwrap_or("");
                         let reason = v["reason"].as_str().unwrap_or("").to_string();
-                        (self.by_addr.get(ep).copied().unwrap_or_else(|| self.next_rr(n)), reason)
+                        (
+                            self.by_addr
+                                .get(ep)
+                                .copied()
+                                .unwrap_or_else(|| self.next_rr(n)),
+                            reason,
+                        )
                     }
                     None => (self.next_rr(n), "fail_open".to_string()),
                 };
-                Ok(Pick { url: self.sims[i].clone(), route: Some(route), reason: Some(reason) })
+                Ok(Pick {
+                    url: self.sims[i].clone(),
+                    route: Some(route),
+                    reason: Some(reason),
+                })
             }
         }
     }
@@ -244,21 +317,41 @@ struct Outcome {
 
 async fn send(http: &reqwest::Client, url: &str, body: &Value) -> anyhow::Result<Outcome> {
     let t = Instant::now();
-    let mut resp = http.post(format!("{url}/v1/chat/completions")).json(body).timeout(Duration::from_secs(120)).send().await?;
+    let mut resp = http
+        .post(format!("{url}/v1/chat/completions"))
+        .json(body)
+        .timeout(Duration::from_secs(120))
+        .send()
+        .await?;
     let status = resp.status();
-    let served_by = resp.headers().get(SIM_HEADER).and_then(|v| v.to_str().ok()).map(str::to_string);
+    let served_by = resp
+        .headers()
+        .get(SIM_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_string);
     if !status.is_success() {
         let text = resp.text().await.unwrap_or_default();
-        bail!("{url}: HTTP {status}: {}", text.chars().take(200).collect::<String>());
+        bail!(
+            "{url}: HTTP {status}: {}",
+            text.chars().take(200).collect::<String>()
+        );
     }
     let mut buf = String::new();
-    let mut out = Outcome { served_by, content: String::new(), prompt_tokens: 0, cached_tokens: 0, ttft: Duration::ZERO };
+    let mut out = Outcome {
+        served_by,
+        content: String::new(),
+        prompt_tokens: 0,
+        cached_tokens: 0,
+        ttft: Duration::ZERO,
+    };
     let mut first = None;
     while let Some(chunk) = resp.chunk().await? {
         buf.push_str(&String::from_utf8_lossy(&chunk));
         while let Some(end) = buf.find("\n\n") {
             let event: String = buf.drain(..end + 2).collect();
-            let Some(data) = event.trim().strip_prefix("data: ") else { continue };
+            let Some(data) = event.trim().strip_prefix("data: ") else {
+                continue;
+            };
             if data == "[DONE]" {
                 continue;
             }
@@ -271,7 +364,9 @@ async fn send(http: &reqwest::Client, url: &str, body: &Value) -> anyhow::Result
             }
             if let Some(u) = v.get("usage").filter(|u| !u.is_null()) {
                 out.prompt_tokens = u["prompt_tokens"].as_u64().unwrap_or(0);
-                out.cached_tokens = u["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap_or(0);
+                out.cached_tokens = u["prompt_tokens_details"]["cached_tokens"]
+                    .as_u64()
+                    .unwrap_or(0);
             }
         }
     }
@@ -280,7 +375,13 @@ async fn send(http: &reqwest::Client, url: &str, body: &Value) -> anyhow::Result
 }
 
 /// Runs every session through `router`, at most `concurrency` requests in flight.
-pub async fn run(router: Arc<Router>, sessions: Vec<Session>, shape: &Shape, model: &str, concurrency: usize) -> (Vec<Record>, Duration) {
+pub async fn run(
+    router: Arc<Router>,
+    sessions: Vec<Session>,
+    shape: &Shape,
+    model: &str,
+    concurrency: usize,
+) -> (Vec<Record>, Duration) {
     let sem = Arc::new(Semaphore::new(concurrency.max(1)));
     let records = Arc::new(Mutex::new(Vec::new()));
     let t0 = tokio::time::Instant::now();

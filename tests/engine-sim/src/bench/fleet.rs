@@ -45,7 +45,9 @@ impl Proc {
         });
         match rx.recv_timeout(deadline) {
             Ok(a) => {
-                let addr = a.parse().with_context(|| format!("bad ready address {a:?}"))?;
+                let addr = a
+                    .parse()
+                    .with_context(|| format!("bad ready address {a:?}"))?;
                 Ok(Proc { child, addr })
             }
             Err(_) => {
@@ -109,17 +111,42 @@ impl Fleet {
     /// share one port; TensorRT-LLM and llama.cpp simulators all use 127.0.0.1.
     pub fn start(spec: &SimSpec, n: usize) -> anyhow::Result<Fleet> {
         let zmq = matches!(spec.engine.as_str(), "vllm" | "sglang");
-        let zmq_port = if zmq { Some(free_port("127.0.0.1")?) } else { None };
+        let zmq_port = if zmq {
+            Some(free_port("127.0.0.1")?)
+        } else {
+            None
+        };
         let mut sims = Vec::with_capacity(n);
         let mut names = Vec::with_capacity(n);
         for i in 0..n {
-            let ip = if zmq { format!("127.0.0.{}", 10 + i) } else { "127.0.0.1".to_string() };
+            let ip = if zmq {
+                format!("127.0.0.{}", 10 + i)
+            } else {
+                "127.0.0.1".to_string()
+            };
             let name = format!("sim-{i}");
             let mut cmd = Command::new(&spec.bin);
-            cmd.args(["--listen", &format!("{ip}:0"), "--engine", &spec.engine, "--name", &name])
-                .args(["--kv-blocks", &spec.kv_blocks.to_string(), "--block-size", &spec.block_size.to_string()])
-                .args(["--prefill-us-per-token", &spec.prefill_us.to_string(), "--decode-us-per-token", &spec.decode_us.to_string()])
-                .args(["--max-concurrency", &spec.max_concurrency.to_string()]);
+            cmd.args([
+                "--listen",
+                &format!("{ip}:0"),
+                "--engine",
+                &spec.engine,
+                "--name",
+                &name,
+            ])
+            .args([
+                "--kv-blocks",
+                &spec.kv_blocks.to_string(),
+                "--block-size",
+                &spec.block_size.to_string(),
+            ])
+            .args([
+                "--prefill-us-per-token",
+                &spec.prefill_us.to_string(),
+                "--decode-us-per-token",
+                &spec.decode_us.to_string(),
+            ])
+            .args(["--max-concurrency", &spec.max_concurrency.to_string()]);
             if let Some(p) = zmq_port {
                 cmd.args(["--zmq-port", &p.to_string()]);
             }
@@ -132,17 +159,29 @@ impl Fleet {
             sims.push(Proc::spawn(cmd, Duration::from_secs(60))?);
             names.push(name);
         }
-        Ok(Fleet { sims, names, zmq_port })
+        Ok(Fleet {
+            sims,
+            names,
+            zmq_port,
+        })
     }
 
     /// Base URLs.
     pub fn urls(&self) -> Vec<String> {
-        self.sims.iter().map(|p| format!("http://{}", p.addr)).collect()
+        self.sims
+            .iter()
+            .map(|p| format!("http://{}", p.addr))
+            .collect()
     }
 }
 
 /// The loxilb-shaped rule the inventory needs for this fleet.
-pub fn rule_json(spec: &SimSpec, fleet: &Fleet, vip_port: u16, key_mode: &str) -> serde_json::Value {
+pub fn rule_json(
+    spec: &SimSpec,
+    fleet: &Fleet,
+    vip_port: u16,
+    key_mode: &str,
+) -> serde_json::Value {
     let endpoints: Vec<serde_json::Value> = fleet
         .sims
         .iter()
@@ -157,12 +196,20 @@ pub fn rule_json(spec: &SimSpec, fleet: &Fleet, vip_port: u16, key_mode: &str) -
 }
 
 /// Starts the inventory service on 127.0.0.1 with `rules` (in-memory, no Redis).
-pub fn start_inventory(bin: &Path, rules: &serde_json::Value, seed: Option<&str>, dir: &Path) -> anyhow::Result<Proc> {
+pub fn start_inventory(
+    bin: &Path,
+    rules: &serde_json::Value,
+    seed: Option<&str>,
+    dir: &Path,
+) -> anyhow::Result<Proc> {
     let cfg = dir.join(format!("kvroute-bench-rules-{}.json", std::process::id()));
     std::fs::write(&cfg, serde_json::to_vec_pretty(rules)?)?;
     let mut cmd = Command::new(bin);
-    cmd.args(["serve", "--listen", "127.0.0.1:0", "--config"]).arg(&cfg);
-    cmd.env("KVROUTE_TRTLLM_DRAIN_MS", "20").env("KVROUTE_HEALTH_INTERVAL_MS", "1000").env("KVROUTE_SCRAPE_INTERVAL_MS", "200");
+    cmd.args(["serve", "--listen", "127.0.0.1:0", "--config"])
+        .arg(&cfg);
+    cmd.env("KVROUTE_TRTLLM_DRAIN_MS", "20")
+        .env("KVROUTE_HEALTH_INTERVAL_MS", "1000")
+        .env("KVROUTE_SCRAPE_INTERVAL_MS", "200");
     if let Some(s) = seed {
         cmd.env("LLB_KV_NONE_HASH_SEED", s);
     }

@@ -30,7 +30,10 @@ use workload::{Arrival, Kind, Shape};
 
 /// Flags of `kvroute-bench`.
 #[derive(Parser, Debug, Clone)]
-#[command(name = "kvroute-bench", about = "Drive workloads through routing strategies over simulated engines and report prefill saved")]
+#[command(
+    name = "kvroute-bench",
+    about = "Drive workloads through routing strategies over simulated engines and report prefill saved"
+)]
 pub struct BenchArgs {
     /// small (about a minute) or full (issue 5's sizes).
     #[arg(long, default_value = "small")]
@@ -117,7 +120,10 @@ pub struct BenchArgs {
 }
 
 fn list<T>(s: &str, what: &str, parse: impl Fn(&str) -> Option<T>) -> anyhow::Result<Vec<T>> {
-    s.split(',').filter(|p| !p.is_empty()).map(|p| parse(p.trim()).ok_or_else(|| anyhow!("{what}: unknown value {p:?}"))).collect()
+    s.split(',')
+        .filter(|p| !p.is_empty())
+        .map(|p| parse(p.trim()).ok_or_else(|| anyhow!("{what}: unknown value {p:?}")))
+        .collect()
 }
 
 fn shape_for(args: &BenchArgs) -> anyhow::Result<(Shape, usize)> {
@@ -129,16 +135,34 @@ fn shape_for(args: &BenchArgs) -> anyhow::Result<(Shape, usize)> {
     let (mut shape, kv) = match args.preset.as_str() {
         "small" => (
             Shape {
-                users: 48, turns: 4, groups: 4, prefix_words: 800, message_words: 24, questions: 8, requests: 96,
-                hot_share: 0.75, max_tokens: 16, arrival, ramp: Duration::from_millis(args.ramp_ms),
+                users: 48,
+                turns: 4,
+                groups: 4,
+                prefix_words: 800,
+                message_words: 24,
+                questions: 8,
+                requests: 96,
+                hot_share: 0.75,
+                max_tokens: 16,
+                arrival,
+                ramp: Duration::from_millis(args.ramp_ms),
             },
             // ~52 blocks per system prompt: one endpoint cannot hold all four, the fleet can.
             96,
         ),
         "full" => (
             Shape {
-                users: 200, turns: 5, groups: 10, prefix_words: 1000, message_words: 40, questions: 20, requests: 400,
-                hot_share: 0.75, max_tokens: 32, arrival, ramp: Duration::from_millis(args.ramp_ms),
+                users: 200,
+                turns: 5,
+                groups: 10,
+                prefix_words: 1000,
+                message_words: 40,
+                questions: 20,
+                requests: 400,
+                hot_share: 0.75,
+                max_tokens: 32,
+                arrival,
+                ramp: Duration::from_millis(args.ramp_ms),
             },
             // ~64 blocks per system prompt, 10 prompts over 4 endpoints: about 3 fit per endpoint.
             256,
@@ -162,36 +186,67 @@ fn shape_for(args: &BenchArgs) -> anyhow::Result<(Shape, usize)> {
 
 /// Waits (bounded) until the inventory holds blocks for every endpoint: proves the event path
 /// works before anything is measured. Sends one warm-up request per simulator, then resets them.
-async fn warm_up(http: &reqwest::Client, inv_url: &str, rule: &str, sims: &[String], model: &str) -> anyhow::Result<()> {
+async fn warm_up(
+    http: &reqwest::Client,
+    inv_url: &str,
+    rule: &str,
+    sims: &[String],
+    model: &str,
+) -> anyhow::Result<()> {
     let deadline = Instant::now() + Duration::from_secs(20);
     for (i, s) in sims.iter().enumerate() {
         let mut tries = 0u32;
         loop {
             tries += 1;
             let body = json!({"model": model, "prompt": format!("warm up {i} {tries} {}", "lorem ipsum dolor ".repeat(20)), "max_tokens": 1});
-            http.post(format!("{s}/v1/completions")).json(&body).send().await?.error_for_status()?;
-            let url = format!("{inv_url}/netlox/v1/config/ai/kv/inventory?service_id={rule}&ep_idx={i}&limit=1");
+            http.post(format!("{s}/v1/completions"))
+                .json(&body)
+                .send()
+                .await?
+                .error_for_status()?;
+            let url = format!(
+                "{inv_url}/netlox/v1/config/ai/kv/inventory?service_id={rule}&ep_idx={i}&limit=1"
+            );
             let got = match http.get(&url).send().await {
-                Ok(r) => r.json::<serde_json::Value>().await.ok().and_then(|v| v["total"].as_u64()).unwrap_or(0),
+                Ok(r) => r
+                    .json::<serde_json::Value>()
+                    .await
+                    .ok()
+                    .and_then(|v| v["total"].as_u64())
+                    .unwrap_or(0),
                 Err(_) => 0,
             };
             if got > 0 {
                 break;
             }
             if Instant::now() > deadline {
-                bail!("the inventory never saw blocks from {s}: is its event subscription working?");
+                bail!(
+                    "the inventory never saw blocks from {s}: is its event subscription working?"
+                );
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
     }
     for s in sims {
-        http.post(format!("{s}/reset_prefix_cache")).send().await?.error_for_status()?;
+        http.post(format!("{s}/reset_prefix_cache"))
+            .send()
+            .await?
+            .error_for_status()?;
     }
     // The reset's AllBlocksCleared must reach the inventory before measuring: poll until empty.
     for (i, _) in sims.iter().enumerate() {
         loop {
-            let url = format!("{inv_url}/netlox/v1/config/ai/kv/inventory?service_id={rule}&ep_idx={i}&limit=1");
-            let total = http.get(&url).send().await?.json::<serde_json::Value>().await?["total"].as_u64().unwrap_or(0);
+            let url = format!(
+                "{inv_url}/netlox/v1/config/ai/kv/inventory?service_id={rule}&ep_idx={i}&limit=1"
+            );
+            let total = http
+                .get(&url)
+                .send()
+                .await?
+                .json::<serde_json::Value>()
+                .await?["total"]
+                .as_u64()
+                .unwrap_or(0);
             if total == 0 {
                 break;
             }
@@ -209,13 +264,26 @@ pub async fn main(args: BenchArgs) -> anyhow::Result<Vec<Summary>> {
     let kinds = list(&args.workloads, "--workloads", Kind::parse)?;
     let strategies = match &args.strategies {
         Some(s) => list(s, "--strategies", Strategy::parse)?,
-        None => Strategy::ALL.into_iter().filter(|s| *s != Strategy::Gateway || args.gateway.is_some()).collect(),
+        None => Strategy::ALL
+            .into_iter()
+            .filter(|s| *s != Strategy::Gateway || args.gateway.is_some())
+            .collect(),
     };
-    let endpoint_counts = list(&args.endpoints, "--endpoints", |s| s.parse::<usize>().ok().filter(|n| *n > 0))?;
+    let endpoint_counts = list(&args.endpoints, "--endpoints", |s| {
+        s.parse::<usize>().ok().filter(|n| *n > 0)
+    })?;
     let (shape, kv_blocks) = shape_for(&args)?;
-    let engine = EngineKind::parse(&args.engine).ok_or_else(|| anyhow!("--engine {:?}: allowed vllm, sglang, trtllm, llamacpp", args.engine))?;
-    let block_size = BlockSize::new(args.block_size).ok_or_else(|| anyhow!("--block-size must be >= 1"))?;
-    let algo = engine.default_algo().unwrap_or(kvroute_core::hash::HashAlgo::Tokens);
+    let engine = EngineKind::parse(&args.engine).ok_or_else(|| {
+        anyhow!(
+            "--engine {:?}: allowed vllm, sglang, trtllm, llamacpp",
+            args.engine
+        )
+    })?;
+    let block_size =
+        BlockSize::new(args.block_size).ok_or_else(|| anyhow!("--block-size must be >= 1"))?;
+    let algo = engine
+        .default_algo()
+        .unwrap_or(kvroute_core::hash::HashAlgo::Tokens);
     let mut engine_contract = HashContract::new(algo, block_size);
     if engine == EngineKind::Vllm {
         engine_contract.seed = Some(args.seed.clone());
@@ -226,9 +294,14 @@ pub async fn main(args: BenchArgs) -> anyhow::Result<Vec<Summary>> {
     });
     let sim_bin = match &args.sim_bin {
         Some(p) => p.clone(),
-        None => fleet::sibling("kvroute-engine-sim").ok_or_else(|| anyhow!("kvroute-engine-sim not found next to kvroute-bench; pass --sim-bin"))?,
+        None => fleet::sibling("kvroute-engine-sim").ok_or_else(|| {
+            anyhow!("kvroute-engine-sim not found next to kvroute-bench; pass --sim-bin")
+        })?,
     };
-    let inventory_bin = args.inventory_bin.clone().or_else(|| fleet::sibling("kvroute-inventory"));
+    let inventory_bin = args
+        .inventory_bin
+        .clone()
+        .or_else(|| fleet::sibling("kvroute-inventory"));
     let spec = SimSpec {
         bin: sim_bin,
         engine: args.engine.clone(),
@@ -240,9 +313,20 @@ pub async fn main(args: BenchArgs) -> anyhow::Result<Vec<Summary>> {
         decode_us: args.decode_us,
         max_concurrency: args.sim_concurrency,
     };
-    let given_sims: Option<Vec<String>> = args.sims.as_ref().map(|s| s.split(',').map(|u| u.trim().trim_end_matches('/').to_string()).collect());
-    let gateways: Vec<String> =
-        args.gateway.as_ref().map(|s| s.split(',').map(|u| u.trim().trim_end_matches('/').to_string()).collect()).unwrap_or_default();
+    let given_sims: Option<Vec<String>> = args.sims.as_ref().map(|s| {
+        s.split(',')
+            .map(|u| u.trim().trim_end_matches('/').to_string())
+            .collect()
+    });
+    let gateways: Vec<String> = args
+        .gateway
+        .as_ref()
+        .map(|s| {
+            s.split(',')
+                .map(|u| u.trim().trim_end_matches('/').to_string())
+                .collect()
+        })
+        .unwrap_or_default();
     let http = reqwest::Client::new();
     let tmp = std::env::temp_dir();
 
@@ -270,14 +354,20 @@ pub async fn main(args: BenchArgs) -> anyhow::Result<Vec<Summary>> {
                     continue;
                 }
                 if strategy.needs_inventory() && given_sims.is_some() {
-                    eprintln!("skipping {}: it starts its own inventory and simulators (drop --sims)", strategy.as_str());
+                    eprintln!(
+                        "skipping {}: it starts its own inventory and simulators (drop --sims)",
+                        strategy.as_str()
+                    );
                     continue;
                 }
                 // A fresh fleet per run: every strategy starts from empty caches.
                 let (fleet, urls) = match &given_sims {
                     Some(urls) => {
                         for u in urls {
-                            http.post(format!("{u}/reset_prefix_cache")).send().await.with_context(|| format!("reset {u}"))?;
+                            http.post(format!("{u}/reset_prefix_cache"))
+                                .send()
+                                .await
+                                .with_context(|| format!("reset {u}"))?;
                         }
                         (None, urls.clone())
                     }
@@ -292,26 +382,49 @@ pub async fn main(args: BenchArgs) -> anyhow::Result<Vec<Summary>> {
                 let mut _inventory: Option<Proc> = None;
                 if strategy.needs_inventory() {
                     let (Some(bin), Some(f)) = (&inventory_bin, &fleet) else {
-                        bail!("kvroute strategies need simulators started by the bench (not --sims)");
+                        bail!(
+                            "kvroute strategies need simulators started by the bench (not --sims)"
+                        );
                     };
-                    let key_mode = if strategy == Strategy::KvrouteTokens { "tokens" } else { "engine" };
+                    let key_mode = if strategy == Strategy::KvrouteTokens {
+                        "tokens"
+                    } else {
+                        "engine"
+                    };
                     let vip = fleet::free_port("127.0.0.1")?;
                     let rules = fleet::rule_json(&spec, f, vip, key_mode);
                     let inv = fleet::start_inventory(bin, &rules, spec.seed.as_deref(), &tmp)?;
                     let inv_url = format!("http://{}", inv.addr);
                     let rule = format!("127.0.0.1:{vip}");
                     warm_up(&http, &inv_url, &rule, &urls, &args.model).await?;
-                    router.inventory = Some(Inventory { url: inv_url, rule, contract: contract_for(strategy, engine_contract.clone()) });
+                    router.inventory = Some(Inventory {
+                        url: inv_url,
+                        rule,
+                        contract: contract_for(strategy, engine_contract.clone()),
+                    });
                     _inventory = Some(inv);
                 }
-                let (records, wall) = driver::run(Arc::new(router), sessions.clone(), &shape, &args.model, concurrency).await;
-                let s = report::summarize(kind.as_str(), strategy.as_str(), urls.len(), &records, wall);
+                let (records, wall) = driver::run(
+                    Arc::new(router),
+                    sessions.clone(),
+                    &shape,
+                    &args.model,
+                    concurrency,
+                )
+                .await;
+                let s =
+                    report::summarize(kind.as_str(), strategy.as_str(), urls.len(), &records, wall);
                 if strategy == Strategy::RoundRobin {
                     rr_ratio = Some(s.cached_ratio);
                 }
                 if s.errors > 0 {
                     if let Some(e) = records.iter().find_map(|r| r.error.as_ref()) {
-                        eprintln!("{} / {}: {} errors, first: {e}", kind.as_str(), strategy.as_str(), s.errors);
+                        eprintln!(
+                            "{} / {}: {} errors, first: {e}",
+                            kind.as_str(),
+                            strategy.as_str(),
+                            s.errors
+                        );
                     }
                 }
                 let line = report::row(&s, rr_ratio);
@@ -324,7 +437,12 @@ pub async fn main(args: BenchArgs) -> anyhow::Result<Vec<Summary>> {
         }
     }
     if let Some(p) = &args.json {
-        std::fs::write(p, serde_json::to_vec_pretty(&json!({"shape": shape, "kv_blocks": kv_blocks, "summaries": summaries}))?)?;
+        std::fs::write(
+            p,
+            serde_json::to_vec_pretty(
+                &json!({"shape": shape, "kv_blocks": kv_blocks, "summaries": summaries}),
+            )?,
+        )?;
     }
     if let Some(p) = &args.markdown {
         std::fs::write(p, &md)?;

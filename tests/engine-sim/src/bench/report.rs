@@ -65,7 +65,13 @@ fn sorted(mut v: Vec<f64>) -> Vec<f64> {
 }
 
 /// Summarises one run.
-pub fn summarize(workload: &str, strategy: &str, endpoints: usize, records: &[Record], wall: Duration) -> Summary {
+pub fn summarize(
+    workload: &str,
+    strategy: &str,
+    endpoints: usize,
+    records: &[Record],
+    wall: Duration,
+) -> Summary {
     let ok: Vec<&Record> = records.iter().filter(|r| r.error.is_none()).collect();
     let prompt: u64 = ok.iter().map(|r| r.prompt_tokens).sum();
     let cached: u64 = ok.iter().map(|r| r.cached_tokens).sum();
@@ -91,11 +97,19 @@ pub fn summarize(workload: &str, strategy: &str, endpoints: usize, records: &[Re
         endpoints,
         requests: ok.len(),
         errors: records.len() - ok.len(),
-        cached_ratio: if prompt == 0 { 0.0 } else { cached as f64 / prompt as f64 },
+        cached_ratio: if prompt == 0 {
+            0.0
+        } else {
+            cached as f64 / prompt as f64
+        },
         ttft_p50_ms: quantile(&ttft, 0.5),
         ttft_p90_ms: quantile(&ttft, 0.9),
         ttft_p99_ms: quantile(&ttft, 0.99),
-        throughput_rps: if wall.is_zero() { 0.0 } else { ok.len() as f64 / wall.as_secs_f64() },
+        throughput_rps: if wall.is_zero() {
+            0.0
+        } else {
+            ok.len() as f64 / wall.as_secs_f64()
+        },
         load_spread: if mean == 0.0 { 0.0 } else { max / mean },
         engines_per_prefix: if per_group.is_empty() {
             0.0
@@ -153,10 +167,29 @@ mod tests {
         assert_eq!(quantile(&v, 0.99), 99.0);
         assert_eq!(quantile(&[], 0.5), 0.0);
         let rec = |sim: &str, group, p, c| Record {
-            session: 0, group, turn: 0, served_by: Some(sim.into()), prompt_tokens: p, cached_tokens: c,
-            ttft_ms: 10.0, latency_ms: 20.0, route_ms: None, reason: None, error: None,
+            session: 0,
+            group,
+            turn: 0,
+            served_by: Some(sim.into()),
+            prompt_tokens: p,
+            cached_tokens: c,
+            ttft_ms: 10.0,
+            latency_ms: 20.0,
+            route_ms: None,
+            reason: None,
+            error: None,
         };
-        let s = summarize("w", "s", 2, &[rec("a", 0, 100, 50), rec("b", 0, 100, 0), rec("a", 1, 200, 150)], Duration::from_secs(1));
+        let s = summarize(
+            "w",
+            "s",
+            2,
+            &[
+                rec("a", 0, 100, 50),
+                rec("b", 0, 100, 0),
+                rec("a", 1, 200, 150),
+            ],
+            Duration::from_secs(1),
+        );
         assert!((s.cached_ratio - 0.5).abs() < 1e-9);
         assert!((s.load_spread - 2.0 / 1.5).abs() < 1e-9);
         assert!((s.engines_per_prefix - 1.5).abs() < 1e-9);

@@ -125,8 +125,9 @@ impl Rng {
 }
 
 const SYLLABLES: &[&str] = &[
-    "ka", "lo", "mi", "ne", "ru", "ta", "vo", "zi", "pe", "so", "da", "fu", "gi", "ha", "ju", "ke", "ly", "mo", "nu", "po",
-    "ri", "se", "tu", "va", "we", "xo", "yu", "ze", "bra", "cli", "dro", "fla", "gre", "pla", "sto", "tri",
+    "ka", "lo", "mi", "ne", "ru", "ta", "vo", "zi", "pe", "so", "da", "fu", "gi", "ha", "ju", "ke",
+    "ly", "mo", "nu", "po", "ri", "se", "tu", "va", "we", "xo", "yu", "ze", "bra", "cli", "dro",
+    "fla", "gre", "pla", "sto", "tri",
 ];
 
 /// `n` pseudo-random words.
@@ -159,7 +160,9 @@ pub fn generate(kind: Kind, shape: &Shape, seed: u64) -> Vec<Session> {
     match kind {
         Kind::MultiTurn => {
             for u in 0..shape.users {
-                let turns = (0..shape.turns).map(|_| words(&mut rng, shape.message_words)).collect();
+                let turns = (0..shape.turns)
+                    .map(|_| words(&mut rng, shape.message_words))
+                    .collect();
                 sessions.push(Session {
                     tenant: format!("user-{u}"),
                     group: u % groups.len(),
@@ -176,7 +179,10 @@ pub fn generate(kind: Kind, shape: &Shape, seed: u64) -> Vec<Session> {
                         tenant: format!("reader-{g}-{q}"),
                         group: g,
                         system: doc.clone(),
-                        turns: vec![format!("Question {q}: {}", words(&mut rng, shape.message_words))],
+                        turns: vec![format!(
+                            "Question {q}: {}",
+                            words(&mut rng, shape.message_words)
+                        )],
                         start: Duration::ZERO,
                     });
                 }
@@ -187,7 +193,10 @@ pub fn generate(kind: Kind, shape: &Shape, seed: u64) -> Vec<Session> {
                 sessions.push(Session {
                     tenant: format!("client-{i}"),
                     group: i,
-                    system: Arc::new(format!("Unique task {i}. {}", words(&mut rng, shape.prefix_words / 2))),
+                    system: Arc::new(format!(
+                        "Unique task {i}. {}",
+                        words(&mut rng, shape.prefix_words / 2)
+                    )),
                     turns: vec![words(&mut rng, shape.message_words)],
                     start: Duration::ZERO,
                 });
@@ -195,7 +204,11 @@ pub fn generate(kind: Kind, shape: &Shape, seed: u64) -> Vec<Session> {
         }
         Kind::HotPrefix => {
             for i in 0..shape.requests {
-                let g = if rng.unit() < shape.hot_share || groups.len() == 1 { 0 } else { 1 + rng.below(groups.len() - 1) };
+                let g = if rng.unit() < shape.hot_share || groups.len() == 1 {
+                    0
+                } else {
+                    1 + rng.below(groups.len() - 1)
+                };
                 sessions.push(Session {
                     tenant: format!("caller-{i}"),
                     group: g,
@@ -245,7 +258,10 @@ mod tests {
         let a = generate(Kind::MultiTurn, &shape(), 7);
         let b = generate(Kind::MultiTurn, &shape(), 7);
         assert_eq!(a.len(), 6);
-        assert_eq!(a.iter().map(|s| s.turns.clone()).collect::<Vec<_>>(), b.iter().map(|s| s.turns.clone()).collect::<Vec<_>>());
+        assert_eq!(
+            a.iter().map(|s| s.turns.clone()).collect::<Vec<_>>(),
+            b.iter().map(|s| s.turns.clone()).collect::<Vec<_>>()
+        );
         assert!(a.iter().all(|s| s.turns.len() == 3));
         assert_eq!(generate(Kind::DocQa, &shape(), 7).len(), 6);
         let hot = generate(Kind::HotPrefix, &shape(), 7);

@@ -10,7 +10,9 @@ use tokio_util::sync::CancellationToken;
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()))
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
+        )
         .with_writer(std::io::stderr)
         .init();
     let cfg = SimConfig::try_from(SimArgs::parse())?;
@@ -22,7 +24,11 @@ async fn main() -> anyhow::Result<()> {
     });
     kvroute_engine_sim::run(cfg, cancel, |r| {
         let mut out = std::io::stdout();
-        let _ = writeln!(out, "listening on {} name={} engine={}", r.addr, r.engine.name, r.engine.cfg.engine);
+        let _ = writeln!(
+            out,
+            "listening on {} name={} engine={}",
+            r.addr, r.engine.name, r.engine.cfg.engine
+        );
         let _ = out.flush();
     })
     .await

@@ -26,7 +26,11 @@ impl Drop for Sim {
 
 /// A port free right now (the simulator binds it a moment later; fine on 127.0.0.1 in tests).
 pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
 }
 
 /// Two consecutive free ports (for `--dp-ranks 2`).
@@ -44,7 +48,10 @@ impl Sim {
     /// Starts the binary with `args` plus `--listen 127.0.0.1:0`; waits (bounded) for its ready line.
     pub fn start(args: &[&str]) -> Sim {
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvroute-engine-sim"));
-        cmd.args(["--listen", "127.0.0.1:0"]).args(args).stdout(Stdio::piped()).stderr(Stdio::inherit());
+        cmd.args(["--listen", "127.0.0.1:0"])
+            .args(args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit());
         let mut child = cmd.spawn().expect("spawn kvroute-engine-sim");
         let stdout = child.stdout.take().unwrap();
         let (tx, rx) = std::sync::mpsc::channel();
@@ -63,9 +70,22 @@ impl Sim {
                 panic!("simulator did not print its ready line within 30 s");
             }
         };
-        let addr = line.strip_prefix("listening on ").and_then(|r| r.split_whitespace().next()).unwrap().to_string();
-        let find = |flag: &str| args.iter().position(|a| *a == flag).map(|i| args[i + 1].parse().unwrap());
-        Sim { child, addr, zmq_port: find("--zmq-port"), replay_port: find("--replay-port") }
+        let addr = line
+            .strip_prefix("listening on ")
+            .and_then(|r| r.split_whitespace().next())
+            .unwrap()
+            .to_string();
+        let find = |flag: &str| {
+            args.iter()
+                .position(|a| *a == flag)
+                .map(|i| args[i + 1].parse().unwrap())
+        };
+        Sim {
+            child,
+            addr,
+            zmq_port: find("--zmq-port"),
+            replay_port: find("--replay-port"),
+        }
     }
 
     pub fn url(&self, path: &str) -> String {
@@ -80,7 +100,13 @@ impl Sim {
 }
 
 pub async fn post(url: &str, body: &Value) -> (reqwest::header::HeaderMap, Value) {
-    let r = reqwest::Client::new().post(url).json(body).timeout(Duration::from_secs(30)).send().await.unwrap();
+    let r = reqwest::Client::new()
+        .post(url)
+        .json(body)
+        .timeout(Duration::from_secs(30))
+        .send()
+        .await
+        .unwrap();
     let headers = r.headers().clone();
     let status = r.status();
     let v: Value = r.json().await.unwrap();
@@ -89,7 +115,15 @@ pub async fn post(url: &str, body: &Value) -> (reqwest::header::HeaderMap, Value
 }
 
 pub async fn get_text(url: &str) -> String {
-    reqwest::Client::new().get(url).timeout(Duration::from_secs(10)).send().await.unwrap().text().await.unwrap()
+    reqwest::Client::new()
+        .get(url)
+        .timeout(Duration::from_secs(10))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap()
 }
 
 /// One decoded PUB message.
@@ -104,7 +138,10 @@ pub struct Frame {
 impl Frame {
     /// The batch's events.
     pub fn events(&self) -> Vec<rmpv::Value> {
-        self.batch.as_array().unwrap()[1].as_array().unwrap().clone()
+        self.batch.as_array().unwrap()[1]
+            .as_array()
+            .unwrap()
+            .clone()
     }
 
     pub fn dp_rank(&self) -> Option<u64> {
@@ -114,11 +151,18 @@ impl Frame {
 
 /// A field of a msgpack map event.
 pub fn field<'a>(ev: &'a rmpv::Value, name: &str) -> Option<&'a rmpv::Value> {
-    ev.as_map().unwrap().iter().find(|(k, _)| k.as_str() == Some(name)).map(|(_, v)| v)
+    ev.as_map()
+        .unwrap()
+        .iter()
+        .find(|(k, _)| k.as_str() == Some(name))
+        .map(|(_, v)| v)
 }
 
 pub fn ev_type(ev: &rmpv::Value) -> String {
-    field(ev, "type").and_then(|v| v.as_str()).unwrap_or("").to_string()
+    field(ev, "type")
+        .and_then(|v| v.as_str())
+        .unwrap_or("")
+        .to_string()
 }
 
 /// Block hashes as u64 bits (SGLang's negative ints included).
@@ -133,7 +177,11 @@ pub fn hashes(ev: &rmpv::Value) -> Vec<u64> {
 }
 
 pub fn u32s(v: &rmpv::Value) -> Vec<u32> {
-    v.as_array().unwrap().iter().map(|t| t.as_u64().unwrap() as u32).collect()
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_u64().unwrap() as u32)
+        .collect()
 }
 
 /// A SUB connected to a PUB port.
@@ -144,27 +192,44 @@ pub struct Sub {
 impl Sub {
     pub async fn connect(port: u16) -> Sub {
         let mut sock = SubSocket::new();
-        sock.connect(&format!("tcp://127.0.0.1:{port}")).await.unwrap();
+        sock.connect(&format!("tcp://127.0.0.1:{port}"))
+            .await
+            .unwrap();
         sock.subscribe("").await.unwrap();
         Sub { sock }
     }
 
     /// The next message within `timeout`.
     pub async fn recv(&mut self, timeout: Duration) -> Option<Frame> {
-        let msg = tokio::time::timeout(timeout, self.sock.recv()).await.ok()?.ok()?;
+        let msg = tokio::time::timeout(timeout, self.sock.recv())
+            .await
+            .ok()?
+            .ok()?;
         let frames = msg.into_vec();
         assert_eq!(frames.len(), 3, "PUB messages have 3 frames");
         let seq = u64::from_be_bytes(frames[1].as_ref().try_into().unwrap());
         let batch = rmpv::decode::read_value(&mut frames[2].as_ref()).unwrap();
-        Some(Frame { topic: frames[0].clone(), seq, payload: frames[2].clone(), batch })
+        Some(Frame {
+            topic: frames[0].clone(),
+            seq,
+            payload: frames[2].clone(),
+            batch,
+        })
     }
 
     /// Messages until one satisfies `pred` (bounded by `deadline`).
-    pub async fn until(&mut self, deadline: Duration, mut pred: impl FnMut(&Frame) -> bool) -> Vec<Frame> {
+    pub async fn until(
+        &mut self,
+        deadline: Duration,
+        mut pred: impl FnMut(&Frame) -> bool,
+    ) -> Vec<Frame> {
         let end = Instant::now() + deadline;
         let mut seen = Vec::new();
         while Instant::now() < end {
-            if let Some(f) = self.recv(end.saturating_duration_since(Instant::now())).await {
+            if let Some(f) = self
+                .recv(end.saturating_duration_since(Instant::now()))
+                .await
+            {
                 let done = pred(&f);
                 seen.push(f);
                 if done {
@@ -172,7 +237,10 @@ impl Sub {
                 }
             }
         }
-        panic!("no matching ZMQ message within {deadline:?}; saw {} messages", seen.len());
+        panic!(
+            "no matching ZMQ message within {deadline:?}; saw {} messages",
+            seen.len()
+        );
     }
 }
 
@@ -181,7 +249,11 @@ impl Sub {
 pub async fn join(sim: &Sim, sub: &mut Sub) -> Vec<Frame> {
     for i in 0..50u32 {
         let prompt: Vec<u32> = (0..32).map(|t| 900_000 + i * 100 + t).collect();
-        post(&sim.url("/v1/completions"), &serde_json::json!({"prompt": prompt, "max_tokens": 0})).await;
+        post(
+            &sim.url("/v1/completions"),
+            &serde_json::json!({"prompt": prompt, "max_tokens": 0}),
+        )
+        .await;
         if let Some(f) = sub.recv(Duration::from_millis(200)).await {
             let mut got = vec![f];
             // Drain what else the probes produced.
