@@ -144,7 +144,9 @@ pub enum ConfigError {
 }
 
 fn header_name_ok(s: &str) -> bool {
-    !s.is_empty() && s.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+    !s.is_empty()
+        && s.bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
 }
 
 impl Config {
@@ -153,7 +155,8 @@ impl Config {
         if bytes.iter().all(u8::is_ascii_whitespace) {
             return Ok(Config::default());
         }
-        let raw: RawConfig = serde_json::from_slice(bytes).map_err(|e| ConfigError::Json(e.to_string()))?;
+        let raw: RawConfig =
+            serde_json::from_slice(bytes).map_err(|e| ConfigError::Json(e.to_string()))?;
         Config::try_from(raw)
     }
 }
@@ -164,23 +167,50 @@ impl TryFrom<RawConfig> for Config {
     fn try_from(raw: RawConfig) -> Result<Config, ConfigError> {
         let d = Config::default();
         let mut problems = Vec::new();
-        let mut range = |field: &'static str, v: Option<u64>, lo: u64, hi: u64, allowed: &'static str, dflt: u64| {
+        let mut range = |field: &'static str,
+                         v: Option<u64>,
+                         lo: u64,
+                         hi: u64,
+                         allowed: &'static str,
+                         dflt: u64| {
             match v {
                 None => dflt,
                 Some(x) if (lo..=hi).contains(&x) => x,
                 Some(x) => {
-                    problems.push(Problem { field, value: x.to_string(), allowed });
+                    problems.push(Problem {
+                        field,
+                        value: x.to_string(),
+                        allowed,
+                    });
                     dflt
                 }
             }
         };
         let timeout = range("timeout_ms", raw.timeout_ms, 1, 10_000, "1..=10000", 25);
-        let max_body = range("max_body_bytes", raw.max_body_bytes, 1024, 64 << 20, "1024..=67108864", 4 << 20);
-        let refresh = range("refresh_ms", raw.refresh_ms, 1000, 3_600_000, "1000..=3600000", 30_000);
+        let max_body = range(
+            "max_body_bytes",
+            raw.max_body_bytes,
+            1024,
+            64 << 20,
+            "1024..=67108864",
+            4 << 20,
+        );
+        let refresh = range(
+            "refresh_ms",
+            raw.refresh_ms,
+            1000,
+            3_600_000,
+            "1000..=3600000",
+            30_000,
+        );
         let mut text = |field: &'static str, v: Option<String>, dflt: &str, header: bool| match v {
             None => dflt.to_owned(),
             Some(s) if s.is_empty() => {
-                problems.push(Problem { field, value: "\"\"".into(), allowed: "a non-empty string" });
+                problems.push(Problem {
+                    field,
+                    value: "\"\"".into(),
+                    allowed: "a non-empty string",
+                });
                 dflt.to_owned()
             }
             Some(s) if header && !header_name_ok(&s) => {
@@ -193,12 +223,26 @@ impl TryFrom<RawConfig> for Config {
             }
             Some(s) => s,
         };
-        let inventory_cluster = text("inventory_cluster", raw.inventory_cluster, &d.inventory_cluster, false);
-        let inventory_authority = text("inventory_authority", raw.inventory_authority, &d.inventory_authority, false);
+        let inventory_cluster = text(
+            "inventory_cluster",
+            raw.inventory_cluster,
+            &d.inventory_cluster,
+            false,
+        );
+        let inventory_authority = text(
+            "inventory_authority",
+            raw.inventory_authority,
+            &d.inventory_authority,
+            false,
+        );
         let pin_header = text("pin_header", raw.pin_header, &d.pin_header, true);
         if let Some(r) = &raw.rule {
             if r.is_empty() {
-                problems.push(Problem { field: "rule", value: "\"\"".into(), allowed: "a rule id or VIP:port" });
+                problems.push(Problem {
+                    field: "rule",
+                    value: "\"\"".into(),
+                    allowed: "a rule id or VIP:port",
+                });
             }
         }
         if !problems.is_empty() {
@@ -242,18 +286,29 @@ mod tests {
         assert_eq!(c.rule.as_deref(), Some("10.0.0.1:8080"));
         assert_eq!(c.timeout, Duration::from_millis(40));
         assert_eq!((c.max_body_bytes, c.pin_header.as_str()), (2048, "x-pin"));
-        assert_eq!((c.tokenize, c.tokenizer), (TokenizeMode::Service, TokenizerSource::None));
+        assert_eq!(
+            (c.tokenize, c.tokenizer),
+            (TokenizeMode::Service, TokenizerSource::None)
+        );
     }
 
     #[test]
     fn lists_every_problem_with_field_value_and_range() {
-        let err = Config::parse(br#"{"timeout_ms":0,"max_body_bytes":1,"pin_header":"X Pin","rule":""}"#)
-            .unwrap_err()
-            .to_string();
-        for part in ["timeout_ms: got 0, allowed 1..=10000", "max_body_bytes: got 1", "pin_header: got \"X Pin\"", "rule"] {
+        let err =
+            Config::parse(br#"{"timeout_ms":0,"max_body_bytes":1,"pin_header":"X Pin","rule":""}"#)
+                .unwrap_err()
+                .to_string();
+        for part in [
+            "timeout_ms: got 0, allowed 1..=10000",
+            "max_body_bytes: got 1",
+            "pin_header: got \"X Pin\"",
+            "rule",
+        ] {
             assert!(err.contains(part), "{err}");
         }
-        let err = Config::parse(br#"{"tokenize":"gpu"}"#).unwrap_err().to_string();
+        let err = Config::parse(br#"{"tokenize":"gpu"}"#)
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("tokenize (filter|service)"), "{err}");
         assert!(Config::parse(br#"{"nope":1}"#).is_err());
     }

@@ -294,7 +294,10 @@ pub(crate) mod testing {
     impl FakeHost {
         /// A host whose `define_counter` always fails.
         pub(crate) fn refusing_counters() -> Self {
-            FakeHost { refuse_counters: true, ..FakeHost::default() }
+            FakeHost {
+                refuse_counters: true,
+                ..FakeHost::default()
+            }
         }
 
         pub(crate) fn logs(&self) -> Vec<(Level, String)> {
@@ -302,16 +305,29 @@ pub(crate) mod testing {
         }
 
         pub(crate) fn counter_names(&self) -> Vec<String> {
-            self.counters.borrow().iter().map(|(n, _)| n.clone()).collect()
+            self.counters
+                .borrow()
+                .iter()
+                .map(|(n, _)| n.clone())
+                .collect()
         }
 
         pub(crate) fn counter(&self, name: &str) -> Option<u64> {
-            self.counters.borrow().iter().find(|(n, _)| n == name).map(|(_, v)| *v)
+            self.counters
+                .borrow()
+                .iter()
+                .find(|(n, _)| n == name)
+                .map(|(_, v)| *v)
         }
 
         /// Samples recorded into histogram `name`.
         pub(crate) fn samples(&self, name: &str) -> Vec<u64> {
-            self.samples.borrow().iter().filter(|(n, _)| n == name).map(|(_, v)| *v).collect()
+            self.samples
+                .borrow()
+                .iter()
+                .filter(|(n, _)| n == name)
+                .map(|(_, v)| *v)
+                .collect()
         }
 
         /// Sets the answer the next call-response callback sees.
@@ -351,7 +367,11 @@ pub(crate) mod testing {
         }
 
         fn record(&self, metric: CounterId, value: u64) {
-            let name = self.counters.borrow().get(metric.0 as usize).map(|(n, _)| n.clone());
+            let name = self
+                .counters
+                .borrow()
+                .get(metric.0 as usize)
+                .map(|(n, _)| n.clone());
             if let Some(name) = name {
                 self.samples.borrow_mut().push((name, value));
             }
@@ -414,7 +434,9 @@ pub(crate) mod testing {
         }
 
         fn set_property(&self, name: &str, value: &str) -> bool {
-            self.properties.borrow_mut().insert(name.into(), value.into());
+            self.properties
+                .borrow_mut()
+                .insert(name.into(), value.into());
             true
         }
     }

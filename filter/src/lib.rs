@@ -43,11 +43,18 @@ struct Root {
 }
 
 impl Context for Root {
-    fn on_http_call_response(&mut self, token_id: u32, _num_headers: usize, body_size: usize, _num_trailers: usize) {
+    fn on_http_call_response(
+        &mut self,
+        token_id: u32,
+        _num_headers: usize,
+        body_size: usize,
+        _num_trailers: usize,
+    ) {
         let host = ProxyHost;
         let status = host.header(Headers::CallResponse, ":status");
         let body = host.body(Body::CallResponse, body_size).unwrap_or_default();
-        self.plugin.on_call_response(&host, token_id, status.as_deref(), &body);
+        self.plugin
+            .on_call_response(&host, token_id, status.as_deref(), &body);
         self.tick_soon();
     }
 }
@@ -65,10 +72,14 @@ impl RootContext for Root {
     }
 
     fn on_configure(&mut self, _plugin_configuration_size: usize) -> bool {
-        let bytes = proxy_wasm::hostcalls::get_buffer(proxy_wasm::types::BufferType::PluginConfiguration, 0, usize::MAX)
-            .ok()
-            .flatten()
-            .unwrap_or_default();
+        let bytes = proxy_wasm::hostcalls::get_buffer(
+            proxy_wasm::types::BufferType::PluginConfiguration,
+            0,
+            usize::MAX,
+        )
+        .ok()
+        .flatten()
+        .unwrap_or_default();
         let ok = self.plugin.configure(&ProxyHost, &bytes);
         // Loads start from the first tick: callouts are not reliable inside on_configure.
         self.tick_soon();
@@ -100,11 +111,18 @@ struct Http {
 }
 
 impl Context for Http {
-    fn on_http_call_response(&mut self, token_id: u32, _num_headers: usize, body_size: usize, _num_trailers: usize) {
+    fn on_http_call_response(
+        &mut self,
+        token_id: u32,
+        _num_headers: usize,
+        body_size: usize,
+        _num_trailers: usize,
+    ) {
         let host = ProxyHost;
         let status = host.header(Headers::CallResponse, ":status");
         let body = host.body(Body::CallResponse, body_size).unwrap_or_default();
-        self.request.on_route_response(&host, token_id, status.as_deref(), &body);
+        self.request
+            .on_route_response(&host, token_id, status.as_deref(), &body);
     }
 
     fn on_done(&mut self) -> bool {
@@ -119,7 +137,10 @@ impl HttpContext for Http {
     }
 
     fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
-        action(self.request.on_request_body(&ProxyHost, body_size, end_of_stream))
+        action(
+            self.request
+                .on_request_body(&ProxyHost, body_size, end_of_stream),
+        )
     }
 
     fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
@@ -127,7 +148,10 @@ impl HttpContext for Http {
     }
 
     fn on_http_response_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
-        action(self.request.on_response_body(&ProxyHost, body_size, end_of_stream))
+        action(
+            self.request
+                .on_response_body(&ProxyHost, body_size, end_of_stream),
+        )
     }
 }
 

@@ -105,9 +105,15 @@ impl Plugin {
             host.log(Level::Info, START_MESSAGE);
             let stats = Stats::define(host);
             if !stats.counts_requests() {
-                host.log(Level::Warn, "cannot define counter kvroute_filter_requests_total; not counting");
+                host.log(
+                    Level::Warn,
+                    "cannot define counter kvroute_filter_requests_total; not counting",
+                );
             }
-            self.vm = Rc::new(VmState { stats, ..VmState::default() });
+            self.vm = Rc::new(VmState {
+                stats,
+                ..VmState::default()
+            });
         }
         true
     }
@@ -119,7 +125,10 @@ impl Plugin {
         let config = match Config::parse(bytes) {
             Ok(c) => c,
             Err(e) => {
-                host.log(Level::Error, &format!("kvroute-filter: {e}; passing requests through unrouted"));
+                host.log(
+                    Level::Error,
+                    &format!("kvroute-filter: {e}; passing requests through unrouted"),
+                );
                 Config::default()
             }
         };
@@ -171,16 +180,20 @@ impl Plugin {
 
     /// The model whose tokenizer to load: configured, else the rule's `kvModel`.
     fn model(&self) -> Option<String> {
-        self.vm
-            .config
-            .model
-            .clone()
-            .or_else(|| self.vm.contract.borrow().as_ref().and_then(|c| c.raw.model.clone()))
+        self.vm.config.model.clone().or_else(|| {
+            self.vm
+                .contract
+                .borrow()
+                .as_ref()
+                .and_then(|c| c.raw.model.clone())
+        })
     }
 
     /// Root tick: starts the next due load; returns the tick period wanted next.
     pub fn on_tick(&mut self, host: &dyn Host) -> Duration {
-        let Some(rule) = self.vm.config.rule.clone() else { return IDLE_TICK };
+        let Some(rule) = self.vm.config.rule.clone() else {
+            return IDLE_TICK;
+        };
         if self.pending.is_some() {
             return LOADING_TICK;
         }
@@ -194,13 +207,19 @@ impl Plugin {
         let wants_tokenizer = self.needs_tokenizer() && self.traffic_seen.get();
         if have_contract && wants_tokenizer && now >= self.next_tokenizer_ns {
             let Some(slug) = self.model().and_then(|m| kvroute_core::slug::slug(&m).ok()) else {
-                self.no_tokenizer(host, "the rule names no model (kvModel) and the plugin config sets none");
+                self.no_tokenizer(
+                    host,
+                    "the rule names no model (kvModel) and the plugin config sets none",
+                );
                 self.next_tokenizer_ns = now.saturating_add(BACKOFF_MAX_NS);
                 return IDLE_TICK;
             };
             let (path, what) = match self.tokenizer_json {
                 None => (format!("/v1/tokenizers/{slug}"), Load::Tokenizer),
-                Some(_) => (format!("/v1/tokenizers/{slug}/tokenizer_config.json"), Load::TokenizerConfig),
+                Some(_) => (
+                    format!("/v1/tokenizers/{slug}/tokenizer_config.json"),
+                    Load::TokenizerConfig,
+                ),
             };
             self.dispatch(host, &path, what);
             return LOADING_TICK;
@@ -224,7 +243,11 @@ impl Plugin {
         };
         match host.dispatch(&call) {
             Some(token) => self.pending = Some((token, what)),
-            None => self.failed(host, what, &format!("cannot call cluster {:?} for {path}", c.inventory_cluster)),
+            None => self.failed(
+                host,
+                what,
+                &format!("cannot call cluster {:?} for {path}", c.inventory_cluster),
+            ),
         }
     }
 
@@ -236,7 +259,10 @@ impl Plugin {
         match what {
             Load::Contract => {
                 self.next_contract_ns = at;
-                host.log(Level::Warn, &format!("kvroute-filter: loading the rule contract failed ({why}); retrying"));
+                host.log(
+                    Level::Warn,
+                    &format!("kvroute-filter: loading the rule contract failed ({why}); retrying"),
+                );
             }
             Load::Tokenizer | Load::TokenizerConfig => {
                 self.next_tokenizer_ns = at;
@@ -256,8 +282,16 @@ impl Plugin {
     }
 
     /// The answer to a root callout: `status` is `:status`, `body` the response body.
-    pub fn on_call_response(&mut self, host: &dyn Host, token: u32, status: Option<&str>, body: &[u8]) {
-        let Some((want, what)) = self.pending else { return };
+    pub fn on_call_response(
+        &mut self,
+        host: &dyn Host,
+        token: u32,
+        status: Option<&str>,
+        body: &[u8],
+    ) {
+        let Some((want, what)) = self.pending else {
+            return;
+        };
         if want != token {
             return;
         }
@@ -268,15 +302,25 @@ impl Plugin {
             return;
         }
         match what {
-            Load::Contract => match RuleContract::parse(body).and_then(|raw| Ok((raw.hash_contract()?, raw))) {
+            Load::Contract => match RuleContract::parse(body)
+                .and_then(|raw| Ok((raw.hash_contract()?, raw)))
+            {
                 Ok((hash, raw)) => {
                     let changed = self.vm.contract.borrow().as_ref().map(|c| &c.raw) != Some(&raw);
                     if changed {
-                        host.log(Level::Info, &format!("kvroute-filter: rule contract loaded: {}", String::from_utf8_lossy(body)));
+                        host.log(
+                            Level::Info,
+                            &format!(
+                                "kvroute-filter: rule contract loaded: {}",
+                                String::from_utf8_lossy(body)
+                            ),
+                        );
                     }
                     *self.vm.contract.borrow_mut() = Some(LoadedContract { raw, hash });
                     self.backoff_ns = BACKOFF_MIN_NS;
-                    self.next_contract_ns = host.now_nanos().saturating_add(nanos(self.vm.config.refresh));
+                    self.next_contract_ns = host
+                        .now_nanos()
+                        .saturating_add(nanos(self.vm.config.refresh));
                 }
                 Err(e) => self.failed(host, what, &e.to_string()),
             },
@@ -285,7 +329,9 @@ impl Plugin {
                 self.next_tokenizer_ns = 0;
             }
             Load::TokenizerConfig => {
-                let Some(json) = self.tokenizer_json.take() else { return };
+                let Some(json) = self.tokenizer_json.take() else {
+                    return;
+                };
                 let start = host.now_nanos();
                 match PromptEncoder::load(&json, Some(body)) {
                     Ok(enc) => {
@@ -321,7 +367,10 @@ fn embedded_encoder(host: &dyn Host) -> Option<Rc<PromptEncoder>> {
     match PromptEncoder::load(JSON, Some(CONFIG)) {
         Ok(e) => Some(Rc::new(e)),
         Err(e) => {
-            host.log(Level::Error, &format!("kvroute-filter: embedded tokenizer: {e}"));
+            host.log(
+                Level::Error,
+                &format!("kvroute-filter: embedded tokenizer: {e}"),
+            );
             None
         }
     }
@@ -382,9 +431,15 @@ mod tests {
     fn loads_contract_then_tokenizer_then_template() {
         let host = FakeHost::default();
         let mut p = Plugin::new();
-        p.configure(&host, br#"{"rule":"10.0.0.1:8080","inventory_cluster":"inv"}"#);
+        p.configure(
+            &host,
+            br#"{"rule":"10.0.0.1:8080","inventory_cluster":"inv"}"#,
+        );
         assert_eq!(p.on_tick(&host), LOADING_TICK);
-        assert_eq!(host.calls.borrow()[0].path, "/v1/rules/10.0.0.1:8080/contract");
+        assert_eq!(
+            host.calls.borrow()[0].path,
+            "/v1/rules/10.0.0.1:8080/contract"
+        );
         assert_eq!(path_segment("10.0.0.1:8080/tcp"), "10.0.0.1:8080%2Ftcp");
         assert_eq!(path_segment("[fd00::1]:80/tcp"), "%5Bfd00::1%5D:80%2Ftcp");
         // A second tick while the call is pending starts nothing.
@@ -401,7 +456,10 @@ mod tests {
         assert_eq!(host.calls.borrow()[1].path, "/v1/tokenizers/Org__M");
         p.on_call_response(&host, 2, Some("200"), tiny_tokenizer_json().as_bytes());
         p.on_tick(&host);
-        assert_eq!(host.calls.borrow()[2].path, "/v1/tokenizers/Org__M/tokenizer_config.json");
+        assert_eq!(
+            host.calls.borrow()[2].path,
+            "/v1/tokenizers/Org__M/tokenizer_config.json"
+        );
         p.on_call_response(&host, 3, Some("200"), TINY_CONFIG.as_bytes());
         assert!(p.vm().encoder.borrow().is_some());
         assert_eq!(p.on_tick(&host), IDLE_TICK);
@@ -430,7 +488,11 @@ mod tests {
         host.clock.set(host.clock.get() + 100_000_000_000);
         p.on_tick(&host);
         p.on_call_response(&host, 4, Some("404"), b"not staged");
-        let warns = host.logs().iter().filter(|(_, m)| m.contains("no tokenizer")).count();
+        let warns = host
+            .logs()
+            .iter()
+            .filter(|(_, m)| m.contains("no tokenizer"))
+            .count();
         assert_eq!(warns, 1);
     }
 
@@ -440,7 +502,10 @@ mod tests {
         let mut p = Plugin::new();
         assert!(p.configure(&host, br#"{"timeout_ms": 0}"#));
         assert_eq!(p.vm().config.rule, None);
-        assert!(host.logs().iter().any(|(l, m)| *l == Level::Error && m.contains("timeout_ms: got 0")));
+        assert!(host
+            .logs()
+            .iter()
+            .any(|(l, m)| *l == Level::Error && m.contains("timeout_ms: got 0")));
         assert_eq!(p.on_tick(&host), IDLE_TICK);
         assert!(host.calls.borrow().is_empty());
     }

@@ -103,7 +103,12 @@ impl RequestFilter {
 
     /// Headers a client may not set: the pin and what the filter itself writes upstream.
     fn routing_headers(&self) -> [&str; 4] {
-        [self.vm.config.pin_header.as_str(), PREFILLER_HEADER, TIER_HEADER, MATCHED_HEADER]
+        [
+            self.vm.config.pin_header.as_str(),
+            PREFILLER_HEADER,
+            TIER_HEADER,
+            MATCHED_HEADER,
+        ]
     }
 
     /// Request headers arrived: strip routing headers, decide whether to read the body.
@@ -124,8 +129,13 @@ impl RequestFilter {
             return Step::Continue;
         }
         let method = host.header(Headers::Request, ":method");
-        let endpoint = host.header(Headers::Request, ":path").as_deref().and_then(routed_endpoint);
-        let (Some("POST"), Some(endpoint)) = (method.as_deref(), endpoint) else { return Step::Continue };
+        let endpoint = host
+            .header(Headers::Request, ":path")
+            .as_deref()
+            .and_then(routed_endpoint);
+        let (Some("POST"), Some(endpoint)) = (method.as_deref(), endpoint) else {
+            return Step::Continue;
+        };
         if let Some(ct) = host.header(Headers::Request, "content-type") {
             if !ct.to_ascii_lowercase().contains("json") {
                 return Step::Continue;
@@ -138,9 +148,15 @@ impl RequestFilter {
         if end_of_stream {
             return self.fail_open(host, FailReason::BadRequest, "no body");
         }
-        let declared = host.header(Headers::Request, "content-length").and_then(|v| v.trim().parse::<usize>().ok());
+        let declared = host
+            .header(Headers::Request, "content-length")
+            .and_then(|v| v.trim().parse::<usize>().ok());
         if declared.is_some_and(|n| n > self.vm.config.max_body_bytes) {
-            return self.fail_open(host, FailReason::BodyTooLarge, "content-length over max_body_bytes");
+            return self.fail_open(
+                host,
+                FailReason::BodyTooLarge,
+                "content-length over max_body_bytes",
+            );
         }
         self.state = RequestState::ReadingBody;
         match self.vm.config.pin_mode {
@@ -151,7 +167,12 @@ impl RequestFilter {
     }
 
     /// A request body chunk arrived (`body_size` is everything buffered so far).
-    pub fn on_request_body(&mut self, host: &dyn Host, body_size: usize, end_of_stream: bool) -> Step {
+    pub fn on_request_body(
+        &mut self,
+        host: &dyn Host,
+        body_size: usize,
+        end_of_stream: bool,
+    ) -> Step {
         if self.state != RequestState::ReadingBody {
             return Step::Continue;
         }
@@ -170,7 +191,9 @@ impl RequestFilter {
     /// Builds the route question for a complete body and sends it.
     fn ask(&mut self, host: &dyn Host, body: &[u8]) -> Step {
         let vm = self.vm.clone();
-        let Some(endpoint) = self.endpoint else { return self.fail_open(host, FailReason::BadRequest, "no endpoint") };
+        let Some(endpoint) = self.endpoint else {
+            return self.fail_open(host, FailReason::BadRequest, "no endpoint");
+        };
         let request = match Request::from_json_for(body, endpoint) {
             Ok(r) => r,
             Err(e) => return self.fail_open(host, FailReason::BadRequest, &e.to_string()),
@@ -178,8 +201,15 @@ impl RequestFilter {
         let Some(contract) = vm.contract.borrow().clone() else {
             return self.fail_open(host, FailReason::NoContract, "rule contract not loaded");
         };
-        let Some(rule) = vm.config.rule.as_deref() else { return self.fail_open(host, FailReason::NoContract, "no rule") };
-        let mut route = RouteRequest { rule, model: request.model.as_deref(), affinity_key: request.user.as_deref(), ..Default::default() };
+        let Some(rule) = vm.config.rule.as_deref() else {
+            return self.fail_open(host, FailReason::NoContract, "no rule");
+        };
+        let mut route = RouteRequest {
+            rule,
+            model: request.model.as_deref(),
+            affinity_key: request.user.as_deref(),
+            ..Default::default()
+        };
         let offload = vm.config.tokenize == TokenizeMode::Service;
         let tokens: Option<Vec<u32>> = match (&contract.hash, &request.body) {
             // KV off for the rule: the service applies its fallback.
@@ -201,27 +231,39 @@ impl RequestFilter {
                         let t0 = host.now_nanos();
                         crate::tokens::set_clock(i64::try_from(t0 / 1_000_000_000).unwrap_or(0));
                         let res = enc.tokens(&request);
-                        vm.stats.record(host, Stat::TokenizeUs, host.now_nanos().saturating_sub(t0) / 1000);
+                        vm.stats.record(
+                            host,
+                            Stat::TokenizeUs,
+                            host.now_nanos().saturating_sub(t0) / 1000,
+                        );
                         match res {
                             Ok((ids, seg)) => {
                                 vm.stats.add(host, Stat::SegmentHits, seg.hits);
                                 vm.stats.add(host, Stat::SegmentMisses, seg.misses);
                                 Some(ids)
                             }
-                            Err(e) => return self.fail_open(host, FailReason::Tokenize, &e.to_string()),
+                            Err(e) => {
+                                return self.fail_open(host, FailReason::Tokenize, &e.to_string())
+                            }
                         }
                     }
                 }
             }
         };
         // Offloaded chat: the messages travel as the client sent them (re-read from the body).
-        let messages_holder: Option<serde_json::Value> = match (&request.body, offload && contract.hash.is_some()) {
-            (RequestBody::Chat(_), true) => serde_json::from_slice::<serde_json::Value>(body).ok().and_then(|mut v| v.get_mut("messages").map(serde_json::Value::take)),
-            _ => None,
-        };
+        let messages_holder: Option<serde_json::Value> =
+            match (&request.body, offload && contract.hash.is_some()) {
+                (RequestBody::Chat(_), true) => serde_json::from_slice::<serde_json::Value>(body)
+                    .ok()
+                    .and_then(|mut v| v.get_mut("messages").map(serde_json::Value::take)),
+                _ => None,
+            };
         route.messages = messages_holder.as_ref();
         if let (Some(ids), Some(hash)) = (&tokens, &contract.hash) {
-            let extra = ExtraKeys { cache_salt: request.cache_salt.clone(), ..ExtraKeys::default() };
+            let extra = ExtraKeys {
+                cache_salt: request.cache_salt.clone(),
+                ..ExtraKeys::default()
+            };
             let keys: Vec<BlockKey> = match hash.hasher(&extra) {
                 Ok(mut h) => h.push_tokens(ids),
                 Err(e) => return self.fail_open(host, FailReason::Hash, &e.to_string()),
@@ -252,7 +294,13 @@ impl RequestFilter {
     }
 
     /// The route callout answered (`status` is its `:status`). Resumes the request in every case.
-    pub fn on_route_response(&mut self, host: &dyn Host, token: u32, status: Option<&str>, body: &[u8]) {
+    pub fn on_route_response(
+        &mut self,
+        host: &dyn Host,
+        token: u32,
+        status: Option<&str>,
+        body: &[u8],
+    ) {
         if self.state != (RequestState::AwaitingRoute { token }) {
             return;
         }
@@ -268,7 +316,11 @@ impl RequestFilter {
                 host.resume_request();
             }
             Err(reason) => {
-                self.fail_open(host, reason, &format!("route answer status {}", status.unwrap_or("none")));
+                self.fail_open(
+                    host,
+                    reason,
+                    &format!("route answer status {}", status.unwrap_or("none")),
+                );
                 host.resume_request();
             }
         }
@@ -300,7 +352,14 @@ impl RequestFilter {
                 pinned
             }
         };
-        vm.stats.inc(host, if pinned { Stat::Pinned } else { Stat::FailOpen(FailReason::Status) });
+        vm.stats.inc(
+            host,
+            if pinned {
+                Stat::Pinned
+            } else {
+                Stat::FailOpen(FailReason::Status)
+            },
+        );
         vm.stats.inc(
             host,
             match a.tier.as_str() {
@@ -315,7 +374,11 @@ impl RequestFilter {
     fn finish(&mut self, host: &dyn Host, pinned: bool) {
         self.state = RequestState::Forwarded { pinned };
         if self.started_ns > 0 {
-            self.vm.stats.record(host, Stat::FilterUs, host.now_nanos().saturating_sub(self.started_ns) / 1000);
+            self.vm.stats.record(
+                host,
+                Stat::FilterUs,
+                host.now_nanos().saturating_sub(self.started_ns) / 1000,
+            );
         }
     }
 
@@ -323,7 +386,10 @@ impl RequestFilter {
     /// (A request held by the callout is resumed by the caller.)
     fn fail_open(&mut self, host: &dyn Host, reason: FailReason, detail: &str) -> Step {
         self.vm.stats.inc(host, Stat::FailOpen(reason));
-        host.log(Level::Debug, &format!("kvroute-filter: unpinned ({}): {detail}", reason.as_str()));
+        host.log(
+            Level::Debug,
+            &format!("kvroute-filter: unpinned ({}): {detail}", reason.as_str()),
+        );
         self.finish(host, false);
         Step::Continue
     }
@@ -343,7 +409,12 @@ impl RequestFilter {
     }
 
     /// A response body chunk (never held): keep the tail, parse usage at the end.
-    pub fn on_response_body(&mut self, host: &dyn Host, body_size: usize, end_of_stream: bool) -> Step {
+    pub fn on_response_body(
+        &mut self,
+        host: &dyn Host,
+        body_size: usize,
+        end_of_stream: bool,
+    ) -> Step {
         if !self.track_usage {
             return Step::Continue;
         }
@@ -367,7 +438,10 @@ impl RequestFilter {
 
     /// The stream ended: a request still held was abandoned by the client.
     pub fn on_done(&mut self, host: &dyn Host) {
-        if matches!(self.state, RequestState::ReadingBody | RequestState::AwaitingRoute { .. }) {
+        if matches!(
+            self.state,
+            RequestState::ReadingBody | RequestState::AwaitingRoute { .. }
+        ) {
             self.vm.stats.inc(host, Stat::FailOpen(FailReason::Aborted));
             self.state = RequestState::Forwarded { pinned: false };
         }
@@ -418,7 +492,14 @@ mod tests {
         assert_eq!(r.on_request_body(host, body.len() / 2, false), Step::Pause);
         assert_eq!(r.on_request_body(host, body.len(), true), Step::Pause);
         let call = host.calls.borrow().last().cloned().unwrap();
-        assert_eq!((call.cluster.as_str(), call.method.as_str(), call.path.as_str()), ("kvroute_inventory", "POST", "/v1/route"));
+        assert_eq!(
+            (
+                call.cluster.as_str(),
+                call.method.as_str(),
+                call.path.as_str()
+            ),
+            ("kvroute_inventory", "POST", "/v1/route")
+        );
         (r, serde_json::from_slice(&call.body).unwrap())
     }
 
@@ -444,12 +525,18 @@ mod tests {
         r.on_route_response(&host, token, Some("200"), HIT);
         assert_eq!(host.resumed.get(), 1);
         assert_eq!(r.state(), RequestState::Forwarded { pinned: true });
-        assert_eq!(host.req_header("x-kvroute-pin").as_deref(), Some("MTI3LjAuMC4xOjgwMDE="));
+        assert_eq!(
+            host.req_header("x-kvroute-pin").as_deref(),
+            Some("MTI3LjAuMC4xOjgwMDE=")
+        );
         assert_eq!(host.req_header(TIER_HEADER).as_deref(), Some("tier15"));
         assert_eq!(host.req_header(MATCHED_HEADER).as_deref(), Some("3"));
         assert_eq!(host.req_header(PREFILLER_HEADER), None);
         assert_eq!(host.counter("kvroute_filter_pinned_total"), Some(1));
-        assert_eq!(host.counter("kvroute_filter_decisions_tier15_total"), Some(1));
+        assert_eq!(
+            host.counter("kvroute_filter_decisions_tier15_total"),
+            Some(1)
+        );
         assert_eq!(host.samples("kvroute_filter_tokenize_us").len(), 1);
         assert_eq!(host.samples("kvroute_filter_duration_us").len(), 1);
         // The request body was never written.
@@ -463,8 +550,14 @@ mod tests {
         let (mut r, _) = to_callout(&host, &p, "/v1/completions", br#"{"prompt":[1,2,3,4,5]}"#);
         let pd = br#"{"endpoint":"127.0.0.1:8001","matched_blocks":2,"tier":"tier15","decode_endpoint":"127.0.0.1:9001"}"#;
         r.on_route_response(&host, 1, Some("200"), pd);
-        assert_eq!(host.req_header("x-kvroute-pin").as_deref(), Some("MTI3LjAuMC4xOjkwMDE="));
-        assert_eq!(host.req_header(PREFILLER_HEADER).as_deref(), Some("127.0.0.1:8001"));
+        assert_eq!(
+            host.req_header("x-kvroute-pin").as_deref(),
+            Some("MTI3LjAuMC4xOjkwMDE=")
+        );
+        assert_eq!(
+            host.req_header(PREFILLER_HEADER).as_deref(),
+            Some("127.0.0.1:8001")
+        );
     }
 
     #[test]
@@ -485,7 +578,11 @@ mod tests {
             assert_eq!(host.resumed.get(), 1, "{stat}");
             assert_eq!(r.state(), RequestState::Forwarded { pinned: false });
             assert_eq!(host.req_header("x-kvroute-pin"), None);
-            assert_eq!(host.counter(&format!("kvroute_filter_fail_open_{stat}_total")), Some(1), "{stat}");
+            assert_eq!(
+                host.counter(&format!("kvroute_filter_fail_open_{stat}_total")),
+                Some(1),
+                "{stat}"
+            );
         }
     }
 
@@ -505,7 +602,10 @@ mod tests {
         assert_eq!(r.state(), RequestState::Passthrough);
         assert_eq!(host.req_header("x-kvroute-pin"), None);
         assert_eq!(host.req_header(PREFILLER_HEADER), None);
-        assert_eq!(host.counter("kvroute_filter_spoofed_headers_total"), Some(2));
+        assert_eq!(
+            host.counter("kvroute_filter_spoofed_headers_total"),
+            Some(2)
+        );
     }
 
     #[test]
@@ -513,33 +613,62 @@ mod tests {
         let host = FakeHost::default();
         let p = ready(&host, CFG);
         // Wrong method, unknown path, non-JSON content type: released at the headers.
-        for (method, path, ct) in [("GET", "/v1/chat/completions", "application/json"), ("POST", "/v2/x", "application/json"), ("POST", "/v1/completions", "text/plain")] {
+        for (method, path, ct) in [
+            ("GET", "/v1/chat/completions", "application/json"),
+            ("POST", "/v2/x", "application/json"),
+            ("POST", "/v1/completions", "text/plain"),
+        ] {
             post(&host, path, b"{}");
-            host.request_headers.borrow_mut().insert(":method".into(), method.into());
-            host.request_headers.borrow_mut().insert("content-type".into(), ct.into());
+            host.request_headers
+                .borrow_mut()
+                .insert(":method".into(), method.into());
+            host.request_headers
+                .borrow_mut()
+                .insert("content-type".into(), ct.into());
             let mut r = p.new_request();
-            assert_eq!(r.on_request_headers(&host, false), Step::Continue, "{method} {path} {ct}");
+            assert_eq!(
+                r.on_request_headers(&host, false),
+                Step::Continue,
+                "{method} {path} {ct}"
+            );
             assert_eq!(r.on_request_body(&host, 2, true), Step::Continue);
         }
         // Malformed, non-UTF-8, missing fields: read, then released unpinned.
-        for body in [&b"{not json"[..], b"\xff\xfe\x00", br#"{"model":"m"}"#, br#"{"messages":"x"}"#, b"[]"] {
+        for body in [
+            &b"{not json"[..],
+            b"\xff\xfe\x00",
+            br#"{"model":"m"}"#,
+            br#"{"messages":"x"}"#,
+            b"[]",
+        ] {
             post(&host, "/v1/chat/completions", body);
             let mut r = p.new_request();
             assert_eq!(r.on_request_headers(&host, false), Step::Pause);
             assert_eq!(r.on_request_body(&host, body.len(), true), Step::Continue);
             assert_eq!(r.state(), RequestState::Forwarded { pinned: false });
         }
-        assert_eq!(host.counter("kvroute_filter_fail_open_bad_request_total"), Some(5));
+        assert_eq!(
+            host.counter("kvroute_filter_fail_open_bad_request_total"),
+            Some(5)
+        );
         // Too large, by content-length or by size.
         post(&host, "/v1/completions", b"{}");
-        host.request_headers.borrow_mut().insert("content-length".into(), "999999999".into());
+        host.request_headers
+            .borrow_mut()
+            .insert("content-length".into(), "999999999".into());
         let mut r = p.new_request();
         assert_eq!(r.on_request_headers(&host, false), Step::Continue);
         post(&host, "/v1/completions", b"{}");
         let mut r = p.new_request();
         assert_eq!(r.on_request_headers(&host, false), Step::Pause);
-        assert_eq!(r.on_request_body(&host, (4 << 20) + 1, false), Step::Continue);
-        assert_eq!(host.counter("kvroute_filter_fail_open_body_too_large_total"), Some(2));
+        assert_eq!(
+            r.on_request_body(&host, (4 << 20) + 1, false),
+            Step::Continue
+        );
+        assert_eq!(
+            host.counter("kvroute_filter_fail_open_body_too_large_total"),
+            Some(2)
+        );
         assert!(host.calls.borrow().is_empty());
         assert_eq!(host.counter(REQUESTS_TOTAL), Some(10));
     }
@@ -553,7 +682,10 @@ mod tests {
         let mut r = p.new_request();
         r.on_request_headers(&host, false);
         assert_eq!(r.on_request_body(&host, 18, true), Step::Continue);
-        assert_eq!(host.counter("kvroute_filter_fail_open_no_contract_total"), Some(1));
+        assert_eq!(
+            host.counter("kvroute_filter_fail_open_no_contract_total"),
+            Some(1)
+        );
         p.on_tick(&host);
         p.on_call_response(&host, 1, Some("200"), CONTRACT);
         let (_, sent) = to_callout(&host, &p, "/v1/completions", br#"{"prompt":"hello"}"#);
@@ -569,9 +701,20 @@ mod tests {
         let host = FakeHost::default();
         let p = ready(&host, r#"{"rule":"1","tokenize":"service"}"#);
         let (_, sent) = to_callout(&host, &p, "/v1/completions", br#"{"prompt":"hello there"}"#);
-        assert_eq!((sent["prompt"].as_str(), sent["keys"].as_array().map(Vec::len)), (Some("hello there"), Some(0)));
+        assert_eq!(
+            (
+                sent["prompt"].as_str(),
+                sent["keys"].as_array().map(Vec::len)
+            ),
+            (Some("hello there"), Some(0))
+        );
         let msgs = json!([{"role": "user", "content": "hi"}]);
-        let (_, sent) = to_callout(&host, &p, "/v1/chat/completions", json!({"messages": msgs}).to_string().as_bytes());
+        let (_, sent) = to_callout(
+            &host,
+            &p,
+            "/v1/chat/completions",
+            json!({"messages": msgs}).to_string().as_bytes(),
+        );
         assert_eq!(sent["messages"], msgs);
         assert!(host.samples("kvroute_filter_tokenize_us").is_empty());
     }
@@ -590,9 +733,18 @@ mod tests {
         assert_eq!(host.resumed.get(), 1);
         assert_eq!(host.req_header("x-kvroute-pin"), None);
         let props = host.properties.borrow();
-        assert_eq!(props.get("kvroute_pin").map(String::as_str), Some("MTI3LjAuMC4xOjgwMDE="));
-        assert_eq!(props.get("kvroute_tier").map(String::as_str), Some("tier15"));
-        assert_eq!(props.get("kvroute_matched_blocks").map(String::as_str), Some("3"));
+        assert_eq!(
+            props.get("kvroute_pin").map(String::as_str),
+            Some("MTI3LjAuMC4xOjgwMDE=")
+        );
+        assert_eq!(
+            props.get("kvroute_tier").map(String::as_str),
+            Some("tier15")
+        );
+        assert_eq!(
+            props.get("kvroute_matched_blocks").map(String::as_str),
+            Some("3")
+        );
     }
 
     #[test]
@@ -604,7 +756,10 @@ mod tests {
         let mut r = p.new_request();
         r.on_request_headers(&host, false);
         assert_eq!(r.on_request_body(&host, 18, true), Step::Continue);
-        assert_eq!(host.counter("kvroute_filter_fail_open_dispatch_total"), Some(1));
+        assert_eq!(
+            host.counter("kvroute_filter_fail_open_dispatch_total"),
+            Some(1)
+        );
     }
 
     #[test]
@@ -613,8 +768,12 @@ mod tests {
         let p = ready(&host, CFG);
         let (mut r, _) = to_callout(&host, &p, "/v1/completions", br#"{"prompt":"hello"}"#);
         r.on_route_response(&host, 1, Some("200"), HIT);
-        host.response_headers.borrow_mut().insert("x-kvroute-pin".into(), "MTI3LjAuMC4xOjgwMDE=".into());
-        host.response_headers.borrow_mut().insert("content-type".into(), "text/event-stream".into());
+        host.response_headers
+            .borrow_mut()
+            .insert("x-kvroute-pin".into(), "MTI3LjAuMC4xOjgwMDE=".into());
+        host.response_headers
+            .borrow_mut()
+            .insert("content-type".into(), "text/event-stream".into());
         r.on_response_headers(&host);
         assert_eq!(host.response_headers.borrow().get("x-kvroute-pin"), None);
         for (chunk, eos) in [
@@ -624,8 +783,14 @@ mod tests {
             *host.response_body.borrow_mut() = chunk.to_vec();
             r.on_response_body(&host, chunk.len(), eos);
         }
-        assert_eq!(host.counter("kvroute_filter_cache_hit_tokens_total"), Some(32));
-        assert_eq!(host.counter("kvroute_filter_cache_miss_tokens_total"), Some(16));
+        assert_eq!(
+            host.counter("kvroute_filter_cache_hit_tokens_total"),
+            Some(32)
+        );
+        assert_eq!(
+            host.counter("kvroute_filter_cache_miss_tokens_total"),
+            Some(16)
+        );
     }
 
     #[test]
@@ -648,7 +813,10 @@ mod tests {
         let p = ready(&host, CFG);
         let (mut r, _) = to_callout(&host, &p, "/v1/completions", br#"{"prompt":"hello"}"#);
         r.on_done(&host);
-        assert_eq!(host.counter("kvroute_filter_fail_open_aborted_total"), Some(1));
+        assert_eq!(
+            host.counter("kvroute_filter_fail_open_aborted_total"),
+            Some(1)
+        );
         r.on_route_response(&host, 1, Some("200"), HIT);
         assert_eq!(host.resumed.get(), 0);
     }

@@ -102,22 +102,86 @@ pub enum Stat {
 }
 
 const FIXED: [(Stat, &str, MetricKind); 16] = [
-    (Stat::Requests, "kvroute_filter_requests_total", MetricKind::Counter),
-    (Stat::Considered, "kvroute_filter_considered_total", MetricKind::Counter),
-    (Stat::Pinned, "kvroute_filter_pinned_total", MetricKind::Counter),
-    (Stat::DecisionTier15, "kvroute_filter_decisions_tier15_total", MetricKind::Counter),
-    (Stat::DecisionFallback, "kvroute_filter_decisions_fallback_total", MetricKind::Counter),
-    (Stat::DecisionOther, "kvroute_filter_decisions_other_total", MetricKind::Counter),
-    (Stat::SpoofedHeaders, "kvroute_filter_spoofed_headers_total", MetricKind::Counter),
-    (Stat::NoTokenizer, "kvroute_filter_no_tokenizer_total", MetricKind::Counter),
-    (Stat::SegmentHits, "kvroute_filter_segment_cache_hits_total", MetricKind::Counter),
-    (Stat::SegmentMisses, "kvroute_filter_segment_cache_misses_total", MetricKind::Counter),
-    (Stat::CacheHitTokens, "kvroute_filter_cache_hit_tokens_total", MetricKind::Counter),
-    (Stat::CacheMissTokens, "kvroute_filter_cache_miss_tokens_total", MetricKind::Counter),
-    (Stat::UsageParsed, "kvroute_filter_usage_parsed_total", MetricKind::Counter),
-    (Stat::LoadFailures, "kvroute_filter_load_failures_total", MetricKind::Counter),
-    (Stat::TokenizeUs, "kvroute_filter_tokenize_us", MetricKind::Histogram),
-    (Stat::FilterUs, "kvroute_filter_duration_us", MetricKind::Histogram),
+    (
+        Stat::Requests,
+        "kvroute_filter_requests_total",
+        MetricKind::Counter,
+    ),
+    (
+        Stat::Considered,
+        "kvroute_filter_considered_total",
+        MetricKind::Counter,
+    ),
+    (
+        Stat::Pinned,
+        "kvroute_filter_pinned_total",
+        MetricKind::Counter,
+    ),
+    (
+        Stat::DecisionTier15,
+        "kvroute_filter_decisions_tier15_total",
+        MetricKind::Counter,
+    ),
+    (
+        Stat::DecisionFallback,
+        "kvroute_filter_decisions_fallback_total",
+        MetricKind::Counter,
+    ),
+    (
+        Stat::DecisionOther,
+        "kvroute_filter_decisions_other_total",
+        MetricKind::Counter,
+    ),
+    (
+        Stat::SpoofedHeaders,
+        "kvroute_filter_spoofed_headers_total",
+        MetricKind::Counter,
+    ),
+    (
+        Stat::NoTokenizer,
+        "kvroute_filter_no_tokenizer_total",
+        MetricKind::Counter,
+    ),
+    (
+        Stat::SegmentHits,
+        "kvroute_filter_segment_cache_hits_total",
+        MetricKind::Counter,
+    ),
+    (
+        Stat::SegmentMisses,
+        "kvroute_filter_segment_cache_misses_total",
+        MetricKind::Counter,
+    ),
+    (
+        Stat::CacheHitTokens,
+        "kvroute_filter_cache_hit_tokens_total",
+        MetricKind::Counter,
+    ),
+    (
+        Stat::CacheMissTokens,
+        "kvroute_filter_cache_miss_tokens_total",
+        MetricKind::Counter,
+    ),
+    (
+        Stat::UsageParsed,
+        "kvroute_filter_usage_parsed_total",
+        MetricKind::Counter,
+    ),
+    (
+        Stat::LoadFailures,
+        "kvroute_filter_load_failures_total",
+        MetricKind::Counter,
+    ),
+    (
+        Stat::TokenizeUs,
+        "kvroute_filter_tokenize_us",
+        MetricKind::Histogram,
+    ),
+    (
+        Stat::FilterUs,
+        "kvroute_filter_duration_us",
+        MetricKind::Histogram,
+    ),
 ];
 
 /// Metric handles; a refused definition only disables that metric.
@@ -137,7 +201,8 @@ impl Stats {
             refused += usize::from(s.fixed[i].is_none());
         }
         for (i, r) in FailReason::ALL.iter().enumerate() {
-            s.fail[i] = host.define_counter(&format!("kvroute_filter_fail_open_{}_total", r.as_str()));
+            s.fail[i] =
+                host.define_counter(&format!("kvroute_filter_fail_open_{}_total", r.as_str()));
             refused += usize::from(s.fail[i].is_none());
         }
         if refused > 0 {
@@ -148,8 +213,14 @@ impl Stats {
 
     fn id(&self, stat: Stat) -> Option<CounterId> {
         match stat {
-            Stat::FailOpen(r) => FailReason::ALL.iter().position(|x| *x == r).and_then(|i| self.fail[i]),
-            other => FIXED.iter().position(|(s, _, _)| *s == other).and_then(|i| self.fixed[i]),
+            Stat::FailOpen(r) => FailReason::ALL
+                .iter()
+                .position(|x| *x == r)
+                .and_then(|i| self.fail[i]),
+            other => FIXED
+                .iter()
+                .position(|(s, _, _)| *s == other)
+                .and_then(|i| self.fixed[i]),
         }
     }
 
@@ -184,6 +255,10 @@ impl Stats {
 pub fn name(stat: Stat) -> String {
     match stat {
         Stat::FailOpen(r) => format!("kvroute_filter_fail_open_{}_total", r.as_str()),
-        other => FIXED.iter().find(|(s, _, _)| *s == other).map(|(_, n, _)| (*n).to_owned()).unwrap_or_default(),
+        other => FIXED
+            .iter()
+            .find(|(s, _, _)| *s == other)
+            .map(|(_, n, _)| (*n).to_owned())
+            .unwrap_or_default(),
     }
 }

@@ -104,8 +104,14 @@ pub fn bench(algo: u32, n_tokens: u32, reps: u32) -> u64 {
     let (Some(&algo), Some(bs)) = (HashAlgo::ALL.get(algo as usize), BlockSize::new(16)) else {
         return 0;
     };
-    let contract = HashContract { algo, block_size: bs, seed: Some("0".into()) };
-    let tokens: Vec<u32> = (0..n_tokens).map(|i| i.wrapping_mul(2_654_435_761) % 151_643).collect();
+    let contract = HashContract {
+        algo,
+        block_size: bs,
+        seed: Some("0".into()),
+    };
+    let tokens: Vec<u32> = (0..n_tokens)
+        .map(|i| i.wrapping_mul(2_654_435_761) % 151_643)
+        .collect();
     let mut acc = 0u64;
     for _ in 0..reps {
         if let Ok(keys) = contract.keys(&tokens, &ExtraKeys::default()) {

@@ -41,7 +41,10 @@ pub enum LoadError {
 
 enum Encoder {
     /// The fast exact path, with the added-token splitter it uses.
-    Fast { bpe: FastBpe, added: Option<AhoCorasick> },
+    Fast {
+        bpe: FastBpe,
+        added: Option<AhoCorasick>,
+    },
     Hf(Tokenizer),
 }
 
@@ -95,26 +98,43 @@ fn added_splitter(t: &Value) -> Result<Option<AhoCorasick>, LoadError> {
 
 impl PromptEncoder {
     /// Loads `tokenizer.json` and, when given, the chat template of `tokenizer_config.json`.
-    pub fn load(tokenizer_json: &[u8], config_json: Option<&[u8]>) -> Result<PromptEncoder, LoadError> {
-        let t: Value = serde_json::from_slice(tokenizer_json).map_err(|e| LoadError::Tokenizer(e.to_string()))?;
+    pub fn load(
+        tokenizer_json: &[u8],
+        config_json: Option<&[u8]>,
+    ) -> Result<PromptEncoder, LoadError> {
+        let t: Value = serde_json::from_slice(tokenizer_json)
+            .map_err(|e| LoadError::Tokenizer(e.to_string()))?;
         let fast = if post_processor_adds_nothing(&t) {
-            FastBpe::from_tokenizer_json(tokenizer_json).map_err(|e| LoadError::Tokenizer(e.to_string()))?
+            FastBpe::from_tokenizer_json(tokenizer_json)
+                .map_err(|e| LoadError::Tokenizer(e.to_string()))?
         } else {
             None
         };
         let enc = match fast {
-            Some(bpe) => Encoder::Fast { bpe, added: added_splitter(&t)? },
-            None => Encoder::Hf(Tokenizer::from_bytes(tokenizer_json).map_err(|e| LoadError::Tokenizer(e.to_string()))?),
+            Some(bpe) => Encoder::Fast {
+                bpe,
+                added: added_splitter(&t)?,
+            },
+            None => Encoder::Hf(
+                Tokenizer::from_bytes(tokenizer_json)
+                    .map_err(|e| LoadError::Tokenizer(e.to_string()))?,
+            ),
         };
         let template = match config_json {
             None => None,
             Some(c) => {
-                let mut tpl = ChatTemplate::new(c).map_err(|e| LoadError::Template(e.to_string()))?;
+                let mut tpl =
+                    ChatTemplate::new(c).map_err(|e| LoadError::Template(e.to_string()))?;
                 tpl.set_clock(Arc::new(|| CLOCK_SECS.load(Ordering::Relaxed)));
                 Some(tpl)
             }
         };
-        Ok(PromptEncoder { enc, template, cache: RefCell::new(HashMap::new()), cache_bytes: Cell::new(0) })
+        Ok(PromptEncoder {
+            enc,
+            template,
+            cache: RefCell::new(HashMap::new()),
+            cache_bytes: Cell::new(0),
+        })
     }
 
     /// True when the fast exact encoder (and the segment cache) is in use.
@@ -131,8 +151,12 @@ impl PromptEncoder {
     /// tokens, chat without), and how the segment cache did.
     pub fn tokens(&self, request: &Request) -> Result<(Vec<u32>, SegmentStats), PromptError> {
         match &request.body {
-            RequestBody::Completion(Prompt::TokenIds(ids)) => Ok((ids.clone(), SegmentStats::default())),
-            RequestBody::Completion(Prompt::Text(text)) => self.encode(text, request.add_special_tokens.unwrap_or(true)),
+            RequestBody::Completion(Prompt::TokenIds(ids)) => {
+                Ok((ids.clone(), SegmentStats::default()))
+            }
+            RequestBody::Completion(Prompt::Text(text)) => {
+                self.encode(text, request.add_special_tokens.unwrap_or(true))
+            }
             RequestBody::Chat(chat) => {
                 let template = self.template.as_ref().ok_or(PromptError::NoChatTemplate)?;
                 let text = template.render(chat)?;
@@ -141,7 +165,11 @@ impl PromptEncoder {
         }
     }
 
-    fn encode(&self, text: &str, add_special_tokens: bool) -> Result<(Vec<u32>, SegmentStats), PromptError> {
+    fn encode(
+        &self,
+        text: &str,
+        add_special_tokens: bool,
+    ) -> Result<(Vec<u32>, SegmentStats), PromptError> {
         match &self.enc {
             Encoder::Hf(t) => Ok((t.encode(text, add_special_tokens)?, SegmentStats::default())),
             Encoder::Fast { bpe, added } => {
@@ -208,7 +236,12 @@ pub(crate) mod tests {
         let mut extra = 0u32;
         for b in 0..=255u32 {
             let printable = matches!(b, 33..=126 | 0xA1..=0xAC | 0xAE..=0xFF);
-            let c = if printable { char::from_u32(b).unwrap() } else { extra += 1; char::from_u32(255 + extra).unwrap() };
+            let c = if printable {
+                char::from_u32(b).unwrap()
+            } else {
+                extra += 1;
+                char::from_u32(255 + extra).unwrap()
+            };
             vocab.insert(c.to_string(), n.into());
             n += 1;
         }
@@ -236,7 +269,12 @@ pub(crate) mod tests {
     pub(crate) const TINY_CONFIG: &str = r#"{"chat_template": "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}", "eos_token": "<|im_end|>"}"#;
 
     fn chat(messages: serde_json::Value) -> Request {
-        Request::from_json(serde_json::json!({"model": "m", "messages": messages}).to_string().as_bytes()).unwrap()
+        Request::from_json(
+            serde_json::json!({"model": "m", "messages": messages})
+                .to_string()
+                .as_bytes(),
+        )
+        .unwrap()
     }
 
     #[test]
@@ -244,7 +282,9 @@ pub(crate) mod tests {
         let tok = tiny_tokenizer_json();
         let enc = PromptEncoder::load(tok.as_bytes(), Some(TINY_CONFIG.as_bytes())).unwrap();
         assert!(enc.is_fast() && enc.has_template());
-        let first = chat(serde_json::json!([{"role": "system", "content": "hello hello"}, {"role": "user", "content": "hello there"}]));
+        let first = chat(
+            serde_json::json!([{"role": "system", "content": "hello hello"}, {"role": "user", "content": "hello there"}]),
+        );
         let (ids1, s1) = enc.tokens(&first).unwrap();
         // Within one prompt only the repeated special tokens and separators hit.
         assert!(s1.misses >= 4, "{s1:?}");
@@ -271,7 +311,10 @@ pub(crate) mod tests {
         assert_eq!(enc.tokens(&r).unwrap().0, vec![5, 6, 7]);
         let r = Request::from_json(br#"{"prompt": "hello"}"#).unwrap();
         assert_eq!(enc.tokens(&r).unwrap().0, vec![259]);
-        assert!(matches!(enc.tokens(&chat(serde_json::json!([{"role": "user", "content": "x"}]))), Err(PromptError::NoChatTemplate)));
+        assert!(matches!(
+            enc.tokens(&chat(serde_json::json!([{"role": "user", "content": "x"}]))),
+            Err(PromptError::NoChatTemplate)
+        ));
         assert!(PromptEncoder::load(b"nope", None).is_err());
     }
 }
@@ -287,7 +330,10 @@ mod fixture_parity {
     fn fixture() -> Option<std::path::PathBuf> {
         let dir = std::env::var_os("KVROUTE_TOKENIZER_DIR")
             .map(std::path::PathBuf::from)
-            .unwrap_or_else(|| std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.cache/fixtures/qwen3"));
+            .unwrap_or_else(|| {
+                std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+                    .join("../.cache/fixtures/qwen3")
+            });
         dir.join("tokenizer.json").is_file().then_some(dir)
     }
 
@@ -333,7 +379,8 @@ mod stage_timings {
     #[test]
     #[ignore = "timing report, not a test"]
     fn stage_timings() {
-        let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.cache/fixtures/qwen3");
+        let dir =
+            std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.cache/fixtures/qwen3");
         let json = std::fs::read(dir.join("tokenizer.json")).unwrap();
         let config = std::fs::read(dir.join("tokenizer_config.json")).unwrap();
         let enc = PromptEncoder::load(&json, Some(&config)).unwrap();
@@ -342,7 +389,10 @@ mod stage_timings {
             seed ^= seed << 13;
             seed ^= seed >> 7;
             seed ^= seed << 17;
-            ["ka", "lo", "mi", "tren", "sor", "vel", "di", "ux", "pra", "ne", "qui", "shal"][(seed % 12) as usize].repeat(1 + (seed % 3) as usize)
+            [
+                "ka", "lo", "mi", "tren", "sor", "vel", "di", "ux", "pra", "ne", "qui", "shal",
+            ][(seed % 12) as usize]
+                .repeat(1 + (seed % 3) as usize)
         };
         let mut msgs = vec![serde_json::json!({"role": "system", "content": "You are helpful."})];
         for i in 0..40 {
@@ -353,7 +403,9 @@ mod stage_timings {
         let t = Instant::now();
         let req = Request::from_json(body.as_bytes()).unwrap();
         let parse = t.elapsed();
-        let RequestBody::Chat(chat) = &req.body else { panic!() };
+        let RequestBody::Chat(chat) = &req.body else {
+            panic!()
+        };
         let t = Instant::now();
         let text = enc.template.as_ref().unwrap().render(chat).unwrap();
         let render = t.elapsed();
@@ -364,7 +416,11 @@ mod stage_timings {
         let t = Instant::now();
         let _ = enc.encode(&text, false).unwrap();
         let warm = t.elapsed();
-        let contract = kvroute_core::hash::HashContract::new(kvroute_core::hash::HashAlgo::Sha256Cbor, kvroute_core::hash::BlockSize::new(16).unwrap()).with_seed("0");
+        let contract = kvroute_core::hash::HashContract::new(
+            kvroute_core::hash::HashAlgo::Sha256Cbor,
+            kvroute_core::hash::BlockSize::new(16).unwrap(),
+        )
+        .with_seed("0");
         let t = Instant::now();
         let keys = contract.keys(&ids, &Default::default()).unwrap();
         let hash = t.elapsed();

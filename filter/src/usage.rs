@@ -35,7 +35,10 @@ pub fn from_usage(u: &Value) -> Option<Usage> {
     let miss = field(u, "prompt_cache_miss_tokens")
         .or_else(|| field(u, "prompt_tokens").map(|p| p.saturating_sub(hit)))
         .unwrap_or(0);
-    Some(Usage { hit_tokens: hit, miss_tokens: miss })
+    Some(Usage {
+        hit_tokens: hit,
+        miss_tokens: miss,
+    })
 }
 
 /// Usage of a complete response body: JSON, or SSE (`data: {...}` lines, last usage wins).
@@ -86,11 +89,32 @@ mod tests {
     #[test]
     fn both_shapes_and_missing_fields() {
         let j = br#"{"id":"x","usage":{"prompt_tokens":100,"completion_tokens":3,"prompt_tokens_details":{"cached_tokens":64}}}"#;
-        assert_eq!(parse(j, false), Some(Usage { hit_tokens: 64, miss_tokens: 36 }));
+        assert_eq!(
+            parse(j, false),
+            Some(Usage {
+                hit_tokens: 64,
+                miss_tokens: 36
+            })
+        );
         let d = br#"{"usage":{"prompt_cache_hit_tokens":5,"prompt_cache_miss_tokens":7}}"#;
-        assert_eq!(parse(d, false), Some(Usage { hit_tokens: 5, miss_tokens: 7 }));
+        assert_eq!(
+            parse(d, false),
+            Some(Usage {
+                hit_tokens: 5,
+                miss_tokens: 7
+            })
+        );
         assert_eq!(parse(br#"{"usage":{}}"#, false), Some(Usage::default()));
-        assert_eq!(parse(br#"{"usage":{"prompt_tokens":9,"prompt_tokens_details":null}}"#, false), Some(Usage { hit_tokens: 0, miss_tokens: 9 }));
+        assert_eq!(
+            parse(
+                br#"{"usage":{"prompt_tokens":9,"prompt_tokens_details":null}}"#,
+                false
+            ),
+            Some(Usage {
+                hit_tokens: 0,
+                miss_tokens: 9
+            })
+        );
         assert_eq!(parse(br#"{"choices":[]}"#, false), None);
         assert_eq!(parse(b"\xff\xfe", false), None);
     }
@@ -100,7 +124,13 @@ mod tests {
         let s = b"data: {\"choices\":[{\"delta\":{\"content\":\"hi\"}}],\"usage\":null}\n\n\
                   data: {\"choices\":[],\"usage\":{\"prompt_tokens\":32,\"prompt_tokens_details\":{\"cached_tokens\":16}}}\n\n\
                   data: [DONE]\n\n";
-        assert_eq!(parse(s, true), Some(Usage { hit_tokens: 16, miss_tokens: 16 }));
+        assert_eq!(
+            parse(s, true),
+            Some(Usage {
+                hit_tokens: 16,
+                miss_tokens: 16
+            })
+        );
         assert_eq!(parse(b"data: [DONE]\n\n", true), None);
     }
 

@@ -56,7 +56,8 @@ impl RuleContract {
         if !self.kv_enabled {
             return Ok(None);
         }
-        let block_size = BlockSize::new(self.block_size).ok_or(ContractError::BlockSize(self.block_size))?;
+        let block_size =
+            BlockSize::new(self.block_size).ok_or(ContractError::BlockSize(self.block_size))?;
         let algo = match self.key_mode.as_deref().unwrap_or("engine") {
             "tokens" => HashAlgo::Tokens,
             "engine" => self
@@ -66,7 +67,11 @@ impl RuleContract {
                 .ok_or_else(|| ContractError::Algo(self.algo.clone()))?,
             other => return Err(ContractError::KeyMode(other.to_owned())),
         };
-        Ok(Some(HashContract { algo, block_size, seed: self.seed.clone() }))
+        Ok(Some(HashContract {
+            algo,
+            block_size,
+            seed: self.seed.clone(),
+        }))
     }
 }
 
@@ -121,12 +126,23 @@ impl RouteAnswer {
             Some(d) => Some(d.parse().ok()?),
         };
         // The tier becomes a header value: keep it to a short token.
-        let tier = if !raw.tier.is_empty() && raw.tier.len() <= 32 && raw.tier.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_') {
+        let tier = if !raw.tier.is_empty()
+            && raw.tier.len() <= 32
+            && raw
+                .tier
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'_')
+        {
             raw.tier
         } else {
             "unknown".to_owned()
         };
-        Some(RouteAnswer { endpoint, matched_blocks: raw.matched_blocks, tier, decode_endpoint })
+        Some(RouteAnswer {
+            endpoint,
+            matched_blocks: raw.matched_blocks,
+            tier,
+            decode_endpoint,
+        })
     }
 }
 
@@ -139,12 +155,24 @@ mod tests {
     fn contract_maps_key_modes() {
         let c = RuleContract::parse(br#"{"rule_id":1,"name":"x","vip":"v","engine":"vllm","algo":"sha256_cbor","seed":"0","block_size":16,"key_mode":"engine","model":"m","kv_exact_mode":3,"kv_enabled":true}"#).unwrap();
         let h = c.hash_contract().unwrap().unwrap();
-        assert_eq!((h.algo, h.block_size.get(), h.seed.as_deref()), (HashAlgo::Sha256Cbor, 16, Some("0")));
-        let t = RuleContract { key_mode: Some("tokens".into()), ..c.clone() };
+        assert_eq!(
+            (h.algo, h.block_size.get(), h.seed.as_deref()),
+            (HashAlgo::Sha256Cbor, 16, Some("0"))
+        );
+        let t = RuleContract {
+            key_mode: Some("tokens".into()),
+            ..c.clone()
+        };
         assert_eq!(t.hash_contract().unwrap().unwrap().algo, HashAlgo::Tokens);
-        let off = RuleContract { kv_enabled: false, ..c.clone() };
+        let off = RuleContract {
+            kv_enabled: false,
+            ..c.clone()
+        };
         assert_eq!(off.hash_contract().unwrap(), None);
-        let bad = RuleContract { algo: Some("md5".into()), ..c.clone() };
+        let bad = RuleContract {
+            algo: Some("md5".into()),
+            ..c.clone()
+        };
         assert!(bad.hash_contract().unwrap_err().to_string().contains("md5"));
         assert!(RuleContract { block_size: 0, ..c }.hash_contract().is_err());
     }
@@ -152,17 +180,39 @@ mod tests {
     #[test]
     fn answers_are_checked() {
         let a = RouteAnswer::parse(br#"{"rule_id":1,"endpoint":"127.0.0.1:9","matched_blocks":3,"tier":"tier15","reason":"hit","decode_endpoint":null}"#).unwrap();
-        assert_eq!((a.endpoint.to_string(), a.matched_blocks, a.tier.as_str()), ("127.0.0.1:9".into(), 3, "tier15"));
-        let pd = RouteAnswer::parse(br#"{"endpoint":"127.0.0.1:9","tier":"x y","decode_endpoint":"127.0.0.1:10"}"#).unwrap();
-        assert_eq!((pd.decode_endpoint.map(|d| d.port()), pd.tier.as_str()), (Some(10), "unknown"));
-        for bad in [&b"garbage"[..], br#"{"endpoint":"nohost"}"#, br#"{"endpoint":"1.2.3.4:5","decode_endpoint":"x"}"#, b"{}"] {
+        assert_eq!(
+            (a.endpoint.to_string(), a.matched_blocks, a.tier.as_str()),
+            ("127.0.0.1:9".into(), 3, "tier15")
+        );
+        let pd = RouteAnswer::parse(
+            br#"{"endpoint":"127.0.0.1:9","tier":"x y","decode_endpoint":"127.0.0.1:10"}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            (pd.decode_endpoint.map(|d| d.port()), pd.tier.as_str()),
+            (Some(10), "unknown")
+        );
+        for bad in [
+            &b"garbage"[..],
+            br#"{"endpoint":"nohost"}"#,
+            br#"{"endpoint":"1.2.3.4:5","decode_endpoint":"x"}"#,
+            b"{}",
+        ] {
             assert_eq!(RouteAnswer::parse(bad), None);
         }
     }
 
     #[test]
     fn route_request_omits_absent_fields() {
-        let r = RouteRequest { rule: "1", keys: vec![BlockKey(7)], token_count: 16, ..Default::default() };
-        assert_eq!(serde_json::to_string(&r).unwrap(), r#"{"rule":"1","keys":[7],"token_count":16}"#);
+        let r = RouteRequest {
+            rule: "1",
+            keys: vec![BlockKey(7)],
+            token_count: 16,
+            ..Default::default()
+        };
+        assert_eq!(
+            serde_json::to_string(&r).unwrap(),
+            r#"{"rule":"1","keys":[7],"token_count":16}"#
+        );
     }
 }

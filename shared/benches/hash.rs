@@ -13,7 +13,9 @@ use sha2::{Digest, Sha256};
 
 fn prompt(n: usize) -> Vec<u32> {
     // Spread ids over Qwen3's vocabulary so CBOR heads take their realistic 3- and 5-byte forms.
-    (0..n as u32).map(|i| i.wrapping_mul(2_654_435_761) % 151_643).collect()
+    (0..n as u32)
+        .map(|i| i.wrapping_mul(2_654_435_761) % 151_643)
+        .collect()
 }
 
 fn contracts() -> Vec<HashContract> {
@@ -34,9 +36,11 @@ fn bench_contracts(c: &mut Criterion) {
         let mut g = c.benchmark_group(format!("keys_{}k_tokens", n / 1024));
         g.throughput(Throughput::Elements(n as u64));
         for contract in contracts() {
-            g.bench_with_input(BenchmarkId::from_parameter(contract.algo), &tokens, |b, t| {
-                b.iter(|| contract.keys(black_box(t), &extra).unwrap())
-            });
+            g.bench_with_input(
+                BenchmarkId::from_parameter(contract.algo),
+                &tokens,
+                |b, t| b.iter(|| contract.keys(black_box(t), &extra).unwrap()),
+            );
         }
         g.finish();
     }
@@ -84,8 +88,15 @@ fn bench_sha256_raw(c: &mut Criterion) {
     g.finish();
     let mut g = c.benchmark_group("sha256_cbor_32k_tokens_bytes");
     g.throughput(Throughput::Bytes(bytes as u64));
-    let contract = HashContract::new(HashAlgo::Sha256Cbor, BlockSize::new(16).unwrap()).with_seed("0");
-    g.bench_function("sha256_cbor", |b| b.iter(|| contract.keys(black_box(&tokens), &ExtraKeys::default()).unwrap()));
+    let contract =
+        HashContract::new(HashAlgo::Sha256Cbor, BlockSize::new(16).unwrap()).with_seed("0");
+    g.bench_function("sha256_cbor", |b| {
+        b.iter(|| {
+            contract
+                .keys(black_box(&tokens), &ExtraKeys::default())
+                .unwrap()
+        })
+    });
     g.finish();
 }
 

@@ -14,16 +14,48 @@ use kvroute_core::bpe::FastBpe;
 fn fixture() -> Option<Vec<u8>> {
     let dir = std::env::var_os("KVROUTE_TOKENIZER_DIR")
         .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.cache/fixtures/qwen3"));
+        .unwrap_or_else(|| {
+            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.cache/fixtures/qwen3")
+        });
     std::fs::read(dir.join("tokenizer.json")).ok()
 }
 
 /// English-and-code prose of roughly `words` words, deterministic.
 fn prose(words: usize, salt: u64) -> String {
     const W: &[&str] = &[
-        "the", "router", "sends", "each", "request", "to", "backend", "whose", "cache", "already", "holds", "prefix,",
-        "so", "prefill", "is", "skipped.", "Configure", "--block-size", "16", "and", "PYTHONHASHSEED=0;", "then",
-        "compare", "keys:", "0x7f3a", "(see", "docs/contracts.md)", "for", "details.\n", "Latency", "p99", "≤", "5ms",
+        "the",
+        "router",
+        "sends",
+        "each",
+        "request",
+        "to",
+        "backend",
+        "whose",
+        "cache",
+        "already",
+        "holds",
+        "prefix,",
+        "so",
+        "prefill",
+        "is",
+        "skipped.",
+        "Configure",
+        "--block-size",
+        "16",
+        "and",
+        "PYTHONHASHSEED=0;",
+        "then",
+        "compare",
+        "keys:",
+        "0x7f3a",
+        "(see",
+        "docs/contracts.md)",
+        "for",
+        "details.\n",
+        "Latency",
+        "p99",
+        "≤",
+        "5ms",
     ];
     let mut s = salt.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
     let mut out = String::with_capacity(words * 7);
@@ -59,7 +91,9 @@ fn bench(c: &mut Criterion) {
             })
         });
         fast.encode(&text);
-        g.bench_function(BenchmarkId::new("fast_bpe", "warm"), |b| b.iter(|| fast.encode(black_box(&text)).len()));
+        g.bench_function(BenchmarkId::new("fast_bpe", "warm"), |b| {
+            b.iter(|| fast.encode(black_box(&text)).len())
+        });
         g.finish();
     }
 }

@@ -83,8 +83,10 @@ fn flag(v: &Value, name: &str) -> Option<bool> {
 /// The pre-tokenizer's split regex when the chain is exactly `Split(Isolated) + ByteLevel(no regex)`,
 /// or a lone `ByteLevel` with its GPT-2 regex.
 fn split_pattern(pre: &Value) -> Option<String> {
-    const GPT2: &str = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+";
-    let byte_level_ok = |b: &Value| is_type(b, "ByteLevel") && flag(b, "add_prefix_space") == Some(false);
+    const GPT2: &str =
+        r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+";
+    let byte_level_ok =
+        |b: &Value| is_type(b, "ByteLevel") && flag(b, "add_prefix_space") == Some(false);
     if is_type(pre, "ByteLevel") && byte_level_ok(pre) && flag(pre, "use_regex") != Some(false) {
         return Some(GPT2.to_owned());
     }
@@ -97,7 +99,10 @@ fn split_pattern(pre: &Value) -> Option<String> {
             {
                 return None;
             }
-            split.pointer("/pattern/Regex").and_then(Value::as_str).map(str::to_owned)
+            split
+                .pointer("/pattern/Regex")
+                .and_then(Value::as_str)
+                .map(str::to_owned)
         }
         _ => None,
     }
@@ -113,20 +118,32 @@ impl FastBpe {
             n if is_type(n, "NFC") => true,
             _ => return Ok(None),
         };
-        let Some(pattern) = split_pattern(&t["pre_tokenizer"]) else { return Ok(None) };
+        let Some(pattern) = split_pattern(&t["pre_tokenizer"]) else {
+            return Ok(None);
+        };
         let model = &t["model"];
         let simple_model = is_type(model, "BPE")
             && model["dropout"].is_null()
             && flag(model, "byte_fallback") != Some(true)
             && flag(model, "ignore_merges") != Some(true)
-            && model["continuing_subword_prefix"].as_str().unwrap_or("").is_empty()
-            && model["end_of_word_suffix"].as_str().unwrap_or("").is_empty();
+            && model["continuing_subword_prefix"]
+                .as_str()
+                .unwrap_or("")
+                .is_empty()
+            && model["end_of_word_suffix"]
+                .as_str()
+                .unwrap_or("")
+                .is_empty();
         if !simple_model {
             return Ok(None);
         }
-        let Some(vocab) = model["vocab"].as_object() else { return Ok(None) };
-        let vocab: HashMap<&str, u32> =
-            vocab.iter().filter_map(|(k, v)| Some((k.as_str(), u32::try_from(v.as_u64()?).ok()?))).collect();
+        let Some(vocab) = model["vocab"].as_object() else {
+            return Ok(None);
+        };
+        let vocab: HashMap<&str, u32> = vocab
+            .iter()
+            .filter_map(|(k, v)| Some((k.as_str(), u32::try_from(v.as_u64()?).ok()?)))
+            .collect();
         let chars = byte_level_chars();
         let mut byte_ids = [0u32; 256];
         for (b, c) in chars.iter().enumerate() {
@@ -136,7 +153,9 @@ impl FastBpe {
                 None => return Ok(None),
             }
         }
-        let Some(merge_list) = model["merges"].as_array() else { return Ok(None) };
+        let Some(merge_list) = model["merges"].as_array() else {
+            return Ok(None);
+        };
         let mut merges = HashMap::with_capacity(merge_list.len());
         for (rank, m) in merge_list.iter().enumerate() {
             let (a, b) = match m {
@@ -144,7 +163,10 @@ impl FastBpe {
                     Some(p) => p,
                     None => return Err(BpeError::Merge(s.clone())),
                 },
-                Value::Array(p) => match (p.first().and_then(Value::as_str), p.get(1).and_then(Value::as_str)) {
+                Value::Array(p) => match (
+                    p.first().and_then(Value::as_str),
+                    p.get(1).and_then(Value::as_str),
+                ) {
                     (Some(a), Some(b)) => (a, b),
                     _ => return Err(BpeError::Merge(m.to_string())),
                 },
@@ -160,12 +182,18 @@ impl FastBpe {
         }
         let mut patterns = Vec::new();
         let mut ids = Vec::new();
-        for tok in t["added_tokens"].as_array().map(Vec::as_slice).unwrap_or(&[]) {
+        for tok in t["added_tokens"]
+            .as_array()
+            .map(Vec::as_slice)
+            .unwrap_or(&[])
+        {
             let plain = flag(tok, "lstrip") == Some(false)
                 && flag(tok, "rstrip") == Some(false)
                 && flag(tok, "single_word") == Some(false)
                 && flag(tok, "normalized") == Some(false);
-            let (Some(content), Some(id)) = (tok["content"].as_str(), tok["id"].as_u64()) else { return Ok(None) };
+            let (Some(content), Some(id)) = (tok["content"].as_str(), tok["id"].as_u64()) else {
+                return Ok(None);
+            };
             if !plain {
                 return Ok(None);
             }
@@ -183,7 +211,14 @@ impl FastBpe {
             )),
         };
         let split = Regex::new(&pattern).map_err(|e| BpeError::Regex(e.to_string()))?;
-        Ok(Some(FastBpe { merges, byte_ids, added, nfc, split, cache: RefCell::new(HashMap::new()) }))
+        Ok(Some(FastBpe {
+            merges,
+            byte_ids,
+            added,
+            nfc,
+            split,
+            cache: RefCell::new(HashMap::new()),
+        }))
     }
 
     /// Token ids of `text`, without special tokens added around it (`add_special_tokens=false`;
@@ -302,7 +337,10 @@ mod tests {
             "model": {"type": "BPE", "dropout": null, "byte_fallback": false, "ignore_merges": false,
                       "vocab": byte_vocab(&["ab", "abc", "Ġab"]), "merges": ["a b", "ab c", "Ġ ab"]}
         });
-        FastBpe::from_tokenizer_json(json.to_string().as_bytes()).ok().flatten().unwrap_or_else(|| unreachable!())
+        FastBpe::from_tokenizer_json(json.to_string().as_bytes())
+            .ok()
+            .flatten()
+            .unwrap_or_else(|| unreachable!())
     }
 
     fn byte_vocab(extra: &[&str]) -> serde_json::Map<String, Value> {
@@ -328,7 +366,11 @@ mod tests {
 
     #[test]
     fn unsupported_shapes_fall_back() {
-        let json = serde_json::json!({"normalizer": {"type": "NFKC"}, "pre_tokenizer": null, "model": {}});
-        assert!(matches!(FastBpe::from_tokenizer_json(json.to_string().as_bytes()), Ok(None)));
+        let json =
+            serde_json::json!({"normalizer": {"type": "NFKC"}, "pre_tokenizer": null, "model": {}});
+        assert!(matches!(
+            FastBpe::from_tokenizer_json(json.to_string().as_bytes()),
+            Ok(None)
+        ));
     }
 }

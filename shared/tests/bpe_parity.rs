@@ -10,7 +10,9 @@ use kvroute_core::bpe::FastBpe;
 fn tokenizer_dir() -> PathBuf {
     std::env::var_os("KVROUTE_TOKENIZER_DIR")
         .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.cache/fixtures/qwen3"))
+        .unwrap_or_else(|| {
+            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.cache/fixtures/qwen3")
+        })
 }
 
 fn load() -> (tokenizers::Tokenizer, FastBpe) {
@@ -19,19 +21,78 @@ fn load() -> (tokenizers::Tokenizer, FastBpe) {
         panic!("tokenizer fixture missing at {}: {e}; run ./scripts/test.sh (it runs scripts/setup.sh)", path.display())
     });
     let hf = tokenizers::Tokenizer::from_bytes(&bytes).unwrap();
-    let fast = FastBpe::from_tokenizer_json(&bytes).unwrap().expect("Qwen3's tokenizer.json is a supported shape");
+    let fast = FastBpe::from_tokenizer_json(&bytes)
+        .unwrap()
+        .expect("Qwen3's tokenizer.json is a supported shape");
     (hf, fast)
 }
 
 /// Deterministic corpus: fragments chosen to stress every alternative of Qwen's split regex.
 fn corpus() -> Vec<String> {
     const FRAGMENTS: &[&str] = &[
-        "Hello", " world", "!", " It's", " we'll", " THEY'RE", " you'VE", "'d", "\n", "\n\n", "\r\n", "   ", "\t", " \n ",
-        "12345", " 3.14159", "0x7fff", " 日本語のテキスト", "中文分词测试", " 한국어", " Ελληνικά", " русский текст",
-        " العربية", " हिन्दी", " 🚀🔥", "👩‍👩‍👧‍👦", " e\u{301}", "A\u{30a}", "\u{1100}\u{1161}", " ﬁ", " Ｆｕｌｌ",
-        "<|im_start|>", "<|im_end|>", "<|endoftext|>", "<think>", "</think>", "<tool_call>", " fn main() {", "}", "    let x = 1;",
-        "\u{0}", "\u{7}", "\u{feff}", "\u{a0}", "\u{2028}", " — ", "...", "!!!", "?!", " $", "%", "&&", "||", " __init__",
-        "camelCaseWord", " snake_case_word", "https://example.com/a?b=c", " @user", " #tag", " ", "  ", "a", "I",
+        "Hello",
+        " world",
+        "!",
+        " It's",
+        " we'll",
+        " THEY'RE",
+        " you'VE",
+        "'d",
+        "\n",
+        "\n\n",
+        "\r\n",
+        "   ",
+        "\t",
+        " \n ",
+        "12345",
+        " 3.14159",
+        "0x7fff",
+        " 日本語のテキスト",
+        "中文分词测试",
+        " 한국어",
+        " Ελληνικά",
+        " русский текст",
+        " العربية",
+        " हिन्दी",
+        " 🚀🔥",
+        "👩‍👩‍👧‍👦",
+        " e\u{301}",
+        "A\u{30a}",
+        "\u{1100}\u{1161}",
+        " ﬁ",
+        " Ｆｕｌｌ",
+        "<|im_start|>",
+        "<|im_end|>",
+        "<|endoftext|>",
+        "<think>",
+        "</think>",
+        "<tool_call>",
+        " fn main() {",
+        "}",
+        "    let x = 1;",
+        "\u{0}",
+        "\u{7}",
+        "\u{feff}",
+        "\u{a0}",
+        "\u{2028}",
+        " — ",
+        "...",
+        "!!!",
+        "?!",
+        " $",
+        "%",
+        "&&",
+        "||",
+        " __init__",
+        "camelCaseWord",
+        " snake_case_word",
+        "https://example.com/a?b=c",
+        " @user",
+        " #tag",
+        " ",
+        "  ",
+        "a",
+        "I",
     ];
     let mut state: u64 = 0x9e37_79b9_7f4a_7c15;
     let mut next = move || {
@@ -43,7 +104,9 @@ fn corpus() -> Vec<String> {
     let mut out = Vec::new();
     for _ in 0..600 {
         let n = 1 + (next() % 40) as usize;
-        let s: String = (0..n).map(|_| FRAGMENTS[(next() % FRAGMENTS.len() as u64) as usize]).collect();
+        let s: String = (0..n)
+            .map(|_| FRAGMENTS[(next() % FRAGMENTS.len() as u64) as usize])
+            .collect();
         out.push(s);
     }
     out
@@ -53,7 +116,8 @@ fn fixture_texts() -> Vec<String> {
     let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/chat");
     let mut out = Vec::new();
     for name in ["qwen3-chat.json", "qwen3-completions.json"] {
-        let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join(name)).unwrap()).unwrap();
+        let v: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join(name)).unwrap()).unwrap();
         for case in v["cases"].as_array().unwrap() {
             if let Some(t) = case["expected_text"].as_str() {
                 out.push(t.to_owned());
@@ -63,7 +127,11 @@ fn fixture_texts() -> Vec<String> {
             }
         }
     }
-    assert!(out.len() >= 30, "expected the chat fixtures' texts, found {}", out.len());
+    assert!(
+        out.len() >= 30,
+        "expected the chat fixtures' texts, found {}",
+        out.len()
+    );
     out
 }
 

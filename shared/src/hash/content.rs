@@ -25,7 +25,10 @@ impl ContentHasher {
             Some(s) => xxh3_64_with_seed(s.as_bytes(), ROOT),
             None => ROOT,
         };
-        ContentHasher { parent, buf: Vec::with_capacity(4 * 64) }
+        ContentHasher {
+            parent,
+            buf: Vec::with_capacity(4 * 64),
+        }
     }
 
     pub(crate) fn push(&mut self, tokens: &[u32]) -> BlockKey {
@@ -40,16 +43,25 @@ impl ContentHasher {
     /// The chain state after a given key, so an event's blocks can be re-hashed from the
     /// content key of their parent (the inventory keeps engine-key -> content-key maps).
     pub(crate) fn resume(parent: BlockKey) -> Self {
-        ContentHasher { parent: parent.0, buf: Vec::with_capacity(4 * 64) }
+        ContentHasher {
+            parent: parent.0,
+            buf: Vec::with_capacity(4 * 64),
+        }
     }
 }
 
 /// Content keys of every full block of `tokens`, continuing from `parent` (`None` = prompt start).
-pub fn content_keys(tokens: &[u32], block_size: BlockSize, parent: Option<BlockKey>) -> Vec<BlockKey> {
+pub fn content_keys(
+    tokens: &[u32],
+    block_size: BlockSize,
+    parent: Option<BlockKey>,
+) -> Vec<BlockKey> {
     let mut h = match parent {
         Some(p) => ContentHasher::resume(p),
         None => ContentHasher::new(None),
     };
-    tokens.chunks_exact(block_size.get()).map(|b| h.push(b)).collect()
+    tokens
+        .chunks_exact(block_size.get())
+        .map(|b| h.push(b))
+        .collect()
 }
-

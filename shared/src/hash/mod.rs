@@ -94,7 +94,12 @@ pub enum Engine {
 
 impl Engine {
     /// Every engine, in the order error messages list them.
-    pub const ALL: [Engine; 4] = [Engine::Vllm, Engine::Sglang, Engine::Trtllm, Engine::Llamacpp];
+    pub const ALL: [Engine; 4] = [
+        Engine::Vllm,
+        Engine::Sglang,
+        Engine::Trtllm,
+        Engine::Llamacpp,
+    ];
 
     /// The name used in configuration and on the command line.
     pub fn as_str(self) -> &'static str {
@@ -249,7 +254,11 @@ pub struct HashContract {
 impl HashContract {
     /// A contract with no seed.
     pub fn new(algo: HashAlgo, block_size: BlockSize) -> Self {
-        HashContract { algo, block_size, seed: None }
+        HashContract {
+            algo,
+            block_size,
+            seed: None,
+        }
     }
 
     /// Sets the vLLM NONE_HASH seed.
@@ -261,9 +270,11 @@ impl HashContract {
     /// A hasher for one request, validated against the contract.
     pub fn hasher(&self, extra: &ExtraKeys) -> Result<BlockHasher, HashError> {
         let inner = match self.algo {
-            HashAlgo::Sha256Cbor | HashAlgo::XxhashCbor => {
-                Inner::Vllm(vllm::VllmHasher::new(self.algo, self.seed.as_deref(), extra)?)
-            }
+            HashAlgo::Sha256Cbor | HashAlgo::XxhashCbor => Inner::Vllm(vllm::VllmHasher::new(
+                self.algo,
+                self.seed.as_deref(),
+                extra,
+            )?),
             HashAlgo::Sha256Sglang => {
                 reject_lora(self.algo, extra)?;
                 Inner::Sglang(sglang::SglangHasher::new(extra.cache_salt.as_deref()))
@@ -282,7 +293,10 @@ impl HashContract {
                 Inner::Content(content::ContentHasher::new(extra.cache_salt.as_deref()))
             }
         };
-        Ok(BlockHasher { block_size: self.block_size, inner })
+        Ok(BlockHasher {
+            block_size: self.block_size,
+            inner,
+        })
     }
 
     /// Keys of every full block of `tokens`.
@@ -294,7 +308,10 @@ impl HashContract {
 
 fn reject_lora(algo: HashAlgo, extra: &ExtraKeys) -> Result<(), HashError> {
     if extra.lora.is_some() || extra.lora_task_id.is_some() {
-        return Err(HashError::Unsupported { algo, what: "LoRA extra keys" });
+        return Err(HashError::Unsupported {
+            algo,
+            what: "LoRA extra keys",
+        });
     }
     Ok(())
 }

@@ -24,7 +24,10 @@ impl SglangHasher {
             h.update(salt.as_bytes());
             h.finalize().into()
         });
-        SglangHasher { parent, buf: Vec::with_capacity(32 + 4 * 64) }
+        SglangHasher {
+            parent,
+            buf: Vec::with_capacity(32 + 4 * 64),
+        }
     }
 
     pub(crate) fn push(&mut self, tokens: &[u32]) -> BlockKey {

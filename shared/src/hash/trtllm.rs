@@ -13,14 +13,22 @@ fn hash64_mix(b: u64, seed: u64) -> u64 {
     let mut b = (b ^ (b >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
     b = (b ^ (b >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
     b ^= b >> 31;
-    seed ^ b.wrapping_add(GOLDEN).wrapping_add(seed << 6).wrapping_add(seed >> 2)
+    seed ^ b
+        .wrapping_add(GOLDEN)
+        .wrapping_add(seed << 6)
+        .wrapping_add(seed >> 2)
 }
 
 /// The key of one block given its parent key (0 for the first block) and its tokens.
 ///
 /// Exposed because TensorRT-LLM events carry each block's tokens and parent, so the inventory
 /// re-hashes them one by one; partial blocks hash too (the engine publishes them), callers skip them.
-pub fn block_key(parent: u64, tokens: &[u32], cache_salt_id: Option<u64>, lora_task_id: Option<u64>) -> u64 {
+pub fn block_key(
+    parent: u64,
+    tokens: &[u32],
+    cache_salt_id: Option<u64>,
+    lora_task_id: Option<u64>,
+) -> u64 {
     let mut seed = (tokens.len() as u64) ^ parent.wrapping_mul(MIX_PARENT);
     if parent == 0 {
         if let Some(salt) = cache_salt_id {

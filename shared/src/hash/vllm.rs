@@ -27,7 +27,10 @@ impl NoneHash {
             (HashAlgo::Sha256Cbor, None) => DEFAULT_NONE_HASH_SEED,
             (HashAlgo::XxhashCbor, None) => return Err(HashError::XxhashNeedsSeed),
             (other, None) => {
-                return Err(HashError::Unsupported { algo: other, what: "a vLLM NONE_HASH" })
+                return Err(HashError::Unsupported {
+                    algo: other,
+                    what: "a vLLM NONE_HASH",
+                })
             }
         };
         let mut buf = Vec::with_capacity(seed.len() + 9);
@@ -52,7 +55,12 @@ fn digest(algo: HashAlgo, input: &[u8]) -> Result<NoneHash, HashError> {
             bytes[..16].copy_from_slice(&xxh3_128(input).to_be_bytes());
             16
         }
-        other => return Err(HashError::Unsupported { algo: other, what: "CBOR block hashing" }),
+        other => {
+            return Err(HashError::Unsupported {
+                algo: other,
+                what: "CBOR block hashing",
+            })
+        }
     };
     Ok(NoneHash { bytes, len })
 }
@@ -93,7 +101,11 @@ impl VllmHasher {
     }
 
     pub(crate) fn push(&mut self, tokens: &[u32]) -> BlockKey {
-        let extra = if self.is_first() { &self.extra_first } else { &self.extra_rest };
+        let extra = if self.is_first() {
+            &self.extra_first
+        } else {
+            &self.extra_rest
+        };
         self.buf.clear();
         cbor::array(&mut self.buf, 3);
         cbor::bytes(&mut self.buf, self.parent.as_bytes());
