@@ -37,6 +37,13 @@ proxy_wasm::main! {{
     });
 }}
 
+/// The `:status` and body of the callout response being delivered (empty body if unreadable).
+fn call_response(host: &ProxyHost, body_size: usize) -> (Option<String>, Vec<u8>) {
+    let status = host.header(Headers::CallResponse, ":status");
+    let body = host.body(Body::CallResponse, body_size).unwrap_or_default();
+    (status, body)
+}
+
 /// The root context: one per VM, owns the [`Plugin`].
 struct Root {
     plugin: Plugin,
@@ -51,8 +58,7 @@ impl Context for Root {
         _num_trailers: usize,
     ) {
         let host = ProxyHost;
-        let status = host.header(Headers::CallResponse, ":status");
-        let body = host.body(Body::CallResponse, body_size).unwrap_or_default();
+        let (status, body) = call_response(&host, body_size);
         self.plugin
             .on_call_response(&host, token_id, status.as_deref(), &body);
         self.tick_soon();
@@ -119,8 +125,7 @@ impl Context for Http {
         _num_trailers: usize,
     ) {
         let host = ProxyHost;
-        let status = host.header(Headers::CallResponse, ":status");
-        let body = host.body(Body::CallResponse, body_size).unwrap_or_default();
+        let (status, body) = call_response(&host, body_size);
         self.request
             .on_route_response(&host, token_id, status.as_deref(), &body);
     }
