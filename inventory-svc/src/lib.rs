@@ -15,6 +15,7 @@ pub mod index;
 pub mod ingest;
 pub mod metrics;
 pub mod preflight;
+pub mod replica;
 pub mod rules;
 pub mod score;
 pub mod server;

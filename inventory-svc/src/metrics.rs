@@ -4,8 +4,8 @@
 //! name, endpoint index, rank) — never from request data, so cardinality is bounded by the config.
 
 use prometheus::{
-    Encoder, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGaugeVec, Opts, Registry,
-    TextEncoder,
+    Encoder, Gauge, GaugeVec, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge,
+    IntGaugeVec, Opts, Registry, TextEncoder,
 };
 
 /// Every metric the service exports, registered in one private registry.
@@ -44,6 +44,31 @@ pub struct Metrics {
     pub endpoint_healthy: IntGaugeVec,
     /// `rule`, `ep`: running + waiting requests from the last engine metrics scrape.
     pub endpoint_scraped_load: IntGaugeVec,
+    /// Replication log entries: `direction` (sent, applied, dropped, undecodable).
+    pub repl_entries: IntCounterVec,
+    /// Age of a replicated entry when another replica applied it.
+    pub repl_lag_seconds: Histogram,
+    /// Entries the last tail read returned (1..few when caught up, the read size when behind).
+    pub repl_lag_entries: IntGauge,
+    /// `rule`, `ep`: 1 while this replica holds the endpoint's lease (ingests it).
+    pub lease_owned: IntGaugeVec,
+    /// `event` (acquired, lost, released).
+    pub lease_changes: IntCounterVec,
+    /// `rule`, `ep`: seconds since the endpoint's snapshot (written here, or loaded here).
+    pub snapshot_age: GaugeVec,
+    /// `rule`, `ep`: bytes of the last snapshot written here.
+    pub snapshot_bytes: IntGaugeVec,
+    pub snapshots_written: IntCounter,
+    /// `cause` (bootstrap, marker).
+    pub snapshot_loads: IntCounterVec,
+    /// `op` (write, read, lease, snapshot, ping).
+    pub redis_errors: IntCounterVec,
+    /// 1 while the writer reaches Redis.
+    pub redis_connected: IntGauge,
+    /// `reason` (writer_reconnect, tailer_reconnect).
+    pub repl_resyncs: IntCounterVec,
+    /// Length of the last Redis outage a resynchronisation covered.
+    pub repl_last_gap_seconds: Gauge,
 }
 
 impl Metrics {
@@ -120,6 +145,81 @@ impl Metrics {
                 "Running plus waiting requests reported by the engine's last metrics scrape.",
                 &["rule", "ep"],
             )?,
+            repl_entries: cv(
+                "kvroute_replication_entries_total",
+                "Replication log entries by direction (sent, applied, dropped, undecodable).",
+                &["direction"],
+            )?,
+            repl_lag_seconds: {
+                let h = Histogram::with_opts(
+                    HistogramOpts::new(
+                        "kvroute_replication_lag_seconds",
+                        "Age of a replication log entry when this replica applied it.",
+                    )
+                    .buckets(vec![0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0]),
+                )?;
+                registry.register(Box::new(h.clone()))?;
+                h
+            },
+            repl_lag_entries: {
+                let g = IntGauge::new(
+                    "kvroute_replication_lag_entries",
+                    "Entries the last replication log read returned (the read size when behind).",
+                )?;
+                registry.register(Box::new(g.clone()))?;
+                g
+            },
+            lease_owned: gv(
+                "kvroute_replication_lease_owned",
+                "1 while this replica holds the endpoint's ingestion lease.",
+                &["rule", "ep"],
+            )?,
+            lease_changes: cv(
+                "kvroute_replication_lease_changes_total",
+                "Endpoint lease events on this replica (acquired, lost, released).",
+                &["event"],
+            )?,
+            snapshot_age: {
+                let g = GaugeVec::new(
+                    Opts::new(
+                        "kvroute_replication_snapshot_age_seconds",
+                        "Seconds since the endpoint's snapshot was written (owner) or taken (loader).",
+                    ),
+                    &["rule", "ep"],
+                )?;
+                registry.register(Box::new(g.clone()))?;
+                g
+            },
+            snapshot_bytes: gv(
+                "kvroute_replication_snapshot_bytes",
+                "Size of the last snapshot this replica wrote for the endpoint.",
+                &["rule", "ep"],
+            )?,
+            snapshots_written: c("kvroute_replication_snapshots_written_total", "Endpoint snapshots written.")?,
+            snapshot_loads: cv(
+                "kvroute_replication_snapshot_loads_total",
+                "Endpoint snapshots loaded, by cause (bootstrap, marker).",
+                &["cause"],
+            )?,
+            redis_errors: cv("kvroute_redis_errors_total", "Failed Redis operations, by operation.", &["op"])?,
+            redis_connected: {
+                let g = IntGauge::new("kvroute_redis_connected", "1 while the replication writer reaches Redis.")?;
+                registry.register(Box::new(g.clone()))?;
+                g
+            },
+            repl_resyncs: cv(
+                "kvroute_replication_resyncs_total",
+                "Resynchronisations after Redis came back, by side.",
+                &["reason"],
+            )?,
+            repl_last_gap_seconds: {
+                let g = Gauge::new(
+                    "kvroute_replication_last_gap_seconds",
+                    "Length of the last Redis outage a resynchronisation covered.",
+                )?;
+                registry.register(Box::new(g.clone()))?;
+                g
+            },
             registry,
         };
         Ok(m)

@@ -58,6 +58,10 @@ pub async fn serve(
         opts.tokenizer_dir.clone(),
         auth_token,
     ));
+    if let Some(redis) = state.settings.redis.clone() {
+        let rep = crate::replica::Replica::start(&state, redis)?;
+        let _ = state.replica.set(rep);
+    }
     if let Some(path) = &opts.config {
         let text = std::fs::read_to_string(path)
             .with_context(|| format!("--config {}: unreadable", path.display()))?;
@@ -78,7 +82,7 @@ pub async fn serve(
         );
         for s in specs {
             let name = s.name();
-            api::install_rule(&state, s)
+            api::install_and_share(&state, s)
                 .map_err(|e| anyhow::anyhow!("--config {}: rule {name}: {e:?}", path.display()))?;
         }
     }

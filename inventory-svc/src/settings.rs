@@ -85,6 +85,45 @@ pub struct Settings {
     /// `KVROUTE_PLACEMENT_CAPACITY_BLOCKS`: cache capacity assumed for an endpoint whose
     /// `vllm:cache_config_info` num_gpu_blocks was not scraped; 0 = unknown.
     pub capacity_blocks: u64,
+    /// Shared state across replicas (`KVROUTE_REDIS_URL`); `None` runs standalone in memory.
+    pub redis: Option<RedisSettings>,
+}
+
+/// Where and how replicas share state (see docs/replication.md).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RedisSettings {
+    /// `KVROUTE_REDIS_URL`: `redis://host:port[/db]` or `rediss://` (TLS).
+    pub url: String,
+    /// `KVROUTE_REDIS_USERNAME`: ACL user (overrides one in the URL).
+    pub username: Option<String>,
+    /// `KVROUTE_REDIS_PASSWORD_FILE`: file holding the password (read at start; trailing newline dropped).
+    pub password_file: Option<std::path::PathBuf>,
+    /// `KVROUTE_REDIS_PREFIX`: prefix of every key kvroute writes.
+    pub prefix: String,
+    /// `KVROUTE_LEASE_MS`: endpoint ownership lease; a dead owner is replaced within it.
+    pub lease: Duration,
+    /// `KVROUTE_SNAPSHOT_INTERVAL_MS`: how often an owner snapshots each endpoint it owns.
+    pub snapshot_interval: Duration,
+    /// `KVROUTE_STREAM_MAXLEN`: approximate entries kept per rule log.
+    pub stream_maxlen: u64,
+    /// `KVROUTE_REPLICA_ID`: this replica's name in leases and logs (default host-pid-random).
+    pub replica_id: Option<String>,
+}
+
+impl RedisSettings {
+    /// Defaults for `url`.
+    pub fn new(url: &str) -> RedisSettings {
+        RedisSettings {
+            url: url.to_owned(),
+            username: None,
+            password_file: None,
+            prefix: "kvroute".into(),
+            lease: Duration::from_millis(5000),
+            snapshot_interval: Duration::from_millis(30_000),
+            stream_maxlen: 200_000,
+            replica_id: None,
+        }
+    }
 }
 
 impl Default for Settings {
@@ -111,6 +150,7 @@ impl Default for Settings {
             memory_entries: 65_536,
             memory_ttl: Duration::from_millis(1_800_000),
             capacity_blocks: 0,
+            redis: None,
         }
     }
 }
@@ -199,6 +239,35 @@ pub const ENV_VARS: &[(&str, &str)] = &[
     (
         "KVROUTE_PLACEMENT_CAPACITY_BLOCKS",
         "cache blocks assumed per endpoint when num_gpu_blocks is not scraped, 0 = unknown (default 0)",
+    ),
+    (
+        "KVROUTE_REDIS_URL",
+        "redis:// or rediss:// URL: share state across replicas; unset = standalone in memory",
+    ),
+    ("KVROUTE_REDIS_USERNAME", "Redis ACL user"),
+    (
+        "KVROUTE_REDIS_PASSWORD_FILE",
+        "file holding the Redis password",
+    ),
+    (
+        "KVROUTE_REDIS_PREFIX",
+        "prefix of every Redis key (default kvroute)",
+    ),
+    (
+        "KVROUTE_LEASE_MS",
+        "endpoint ownership lease, 300..=600000 (default 5000)",
+    ),
+    (
+        "KVROUTE_SNAPSHOT_INTERVAL_MS",
+        "endpoint snapshot period, 500..=86400000 (default 30000)",
+    ),
+    (
+        "KVROUTE_STREAM_MAXLEN",
+        "approximate entries kept per rule log, 1000..=100000000 (default 200000)",
+    ),
+    (
+        "KVROUTE_REPLICA_ID",
+        "this replica's name in leases (default host-pid-random)",
     ),
 ];
 
@@ -306,12 +375,81 @@ impl Settings {
                 ));
             }
         }
+        s.redis = redis_from_env(&lookup, &mut errs);
         if errs.is_empty() {
             Ok(s)
         } else {
             Err(SettingsError(errs))
         }
     }
+}
+
+/// The Redis variables; `None` without `KVROUTE_REDIS_URL` (any other Redis variable is then an error,
+/// so a half-configured replica does not silently run standalone).
+fn redis_from_env(
+    lookup: &impl Fn(&str) -> Option<String>,
+    errs: &mut Vec<String>,
+) -> Option<RedisSettings> {
+    let get = |k: &str| lookup(k).filter(|v| !v.trim().is_empty());
+    let Some(url) = get("KVROUTE_REDIS_URL") else {
+        for k in [
+            "KVROUTE_REDIS_USERNAME",
+            "KVROUTE_REDIS_PASSWORD_FILE",
+            "KVROUTE_REDIS_PREFIX",
+            "KVROUTE_LEASE_MS",
+            "KVROUTE_SNAPSHOT_INTERVAL_MS",
+            "KVROUTE_STREAM_MAXLEN",
+            "KVROUTE_REPLICA_ID",
+        ] {
+            if get(k).is_some() {
+                errs.push(format!(
+                    "{k}: set without KVROUTE_REDIS_URL, allowed only with KVROUTE_REDIS_URL"
+                ));
+            }
+        }
+        return None;
+    };
+    let url = url.trim().to_owned();
+    if !(url.starts_with("redis://") || url.starts_with("rediss://")) {
+        errs.push(format!(
+            "KVROUTE_REDIS_URL: got {url:?}, allowed redis://host:port[/db] or rediss://host:port[/db]"
+        ));
+    }
+    let mut r = RedisSettings::new(&url);
+    r.username = get("KVROUTE_REDIS_USERNAME");
+    r.password_file = get("KVROUTE_REDIS_PASSWORD_FILE").map(std::path::PathBuf::from);
+    r.replica_id = get("KVROUTE_REPLICA_ID");
+    if let Some(p) = get("KVROUTE_REDIS_PREFIX") {
+        if p.chars()
+            .all(|c| c.is_ascii_alphanumeric() || "-_.:".contains(c))
+        {
+            r.prefix = p;
+        } else {
+            errs.push(format!(
+                "KVROUTE_REDIS_PREFIX: got {p:?}, allowed letters, digits and - _ . :"
+            ));
+        }
+    }
+    let mut ms = |name: &str, lo: u64, hi: u64| -> Option<u64> {
+        let v = get(name)?;
+        match v.trim().parse::<u64>() {
+            Ok(n) if (lo..=hi).contains(&n) => Some(n),
+            _ => {
+                errs.push(format!("{name}: got {v:?}, allowed integer {lo}..={hi}"));
+                None
+            }
+        }
+    };
+    if let Some(n) = ms("KVROUTE_LEASE_MS", 300, 600_000) {
+        r.lease = Duration::from_millis(n);
+    }
+    if let Some(n) = ms("KVROUTE_SNAPSHOT_INTERVAL_MS", 500, 86_400_000) {
+        r.snapshot_interval = Duration::from_millis(n);
+    }
+    if let Some(n) = ms("KVROUTE_STREAM_MAXLEN", 1000, 100_000_000) {
+        r.stream_maxlen = n;
+    }
+    Some(r)
 }
 
 #[cfg(test)]
@@ -334,5 +472,39 @@ mod tests {
         assert_eq!(e.0.len(), 3, "{e}");
         assert!(e.0[0].contains("LOXILB_KV_SPILL_RELIEF"));
         assert!(e.0[1].contains("LOXILB_KV_MEAN_LOAD_FACTOR"));
+    }
+
+    #[test]
+    fn redis_variables() {
+        let s = Settings::from_env(|_| None).unwrap();
+        assert!(s.redis.is_none());
+        let s = Settings::from_env(|k| match k {
+            "KVROUTE_REDIS_URL" => Some("redis://127.0.0.1:6390".into()),
+            "KVROUTE_LEASE_MS" => Some("1000".into()),
+            _ => None,
+        })
+        .unwrap();
+        let r = s.redis.unwrap();
+        assert_eq!(r.lease, Duration::from_secs(1));
+        assert_eq!(r.prefix, "kvroute");
+        let e = Settings::from_env(|k| match k {
+            "KVROUTE_REDIS_URL" => Some("http://x".into()),
+            "KVROUTE_LEASE_MS" => Some("5".into()),
+            "KVROUTE_REDIS_PREFIX" => Some("a b".into()),
+            _ => None,
+        })
+        .unwrap_err();
+        assert_eq!(e.0.len(), 3, "{e}");
+        assert!(e
+            .0
+            .iter()
+            .any(|m| m.starts_with("KVROUTE_REDIS_URL: got \"http://x\", allowed redis://")));
+        assert!(e
+            .0
+            .iter()
+            .any(|m| m.starts_with("KVROUTE_LEASE_MS: got \"5\", allowed integer 300..=600000")));
+        let e =
+            Settings::from_env(|k| (k == "KVROUTE_LEASE_MS").then(|| "1000".into())).unwrap_err();
+        assert!(e.0[0].contains("without KVROUTE_REDIS_URL"), "{e}");
     }
 }

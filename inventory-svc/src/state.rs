@@ -38,7 +38,19 @@ pub struct EpRuntime {
     pub parity: Mutex<Option<ParityReport>>,
     /// Cache capacity in blocks scraped from the engine (`num_gpu_blocks`); 0 = not scraped.
     pub capacity: AtomicU64,
+    /// Per rank: the last publisher sequence applied ([`NO_SEQ`] = none), from ingestion or the
+    /// replication log; a replica taking the endpoint over resumes from it.
+    pub seqs: Vec<AtomicU64>,
+    /// This replica ingests the endpoint's events (always, standalone; the lease holder, replicated).
+    pub owned: AtomicBool,
+    /// Replicated: the endpoint's snapshot must be rewritten (takeover, writes lost to an outage).
+    pub dirty: AtomicBool,
+    /// Replicated: when this replica last wrote the endpoint's snapshot.
+    pub snapshot_at: Mutex<Option<Instant>>,
 }
+
+/// "No sequence seen" in [`EpRuntime::seqs`].
+pub const NO_SEQ: u64 = u64::MAX;
 
 impl EpRuntime {
     fn new(ranks: usize) -> EpRuntime {
@@ -49,7 +61,26 @@ impl EpRuntime {
             connected: (0..ranks.max(1)).map(|_| AtomicBool::new(false)).collect(),
             parity: Mutex::new(None),
             capacity: AtomicU64::new(0),
+            seqs: (0..ranks.max(1)).map(|_| AtomicU64::new(NO_SEQ)).collect(),
+            owned: AtomicBool::new(false),
+            dirty: AtomicBool::new(false),
+            snapshot_at: Mutex::new(None),
         }
+    }
+
+    /// Records the sequence of the message about to be applied for `rank`.
+    pub fn note_seq(&self, rank: u8, seq: u64) {
+        if let Some(s) = self.seqs.get(rank as usize) {
+            s.store(seq, Ordering::Relaxed);
+        }
+    }
+
+    /// The last sequence applied for `rank`, if any.
+    pub fn last_seq(&self, rank: u8) -> Option<u64> {
+        self.seqs
+            .get(rank as usize)
+            .map(|s| s.load(Ordering::Relaxed))
+            .filter(|s| *s != NO_SEQ)
     }
 
     /// Records a routing decision to this endpoint.
@@ -96,6 +127,9 @@ pub struct RuleRuntime {
     /// Where each prefix family was sent, remembered past eviction.
     pub memory: PlacementMemory,
     pub created: Instant,
+    /// Hash of the rule's canonical JSON: replicas agree on it, and a changed rule gets new
+    /// replication keys (its old inventory does not apply to the new endpoint list).
+    pub generation: u64,
     pub hit_seq: AtomicU64,
     pub rr_seq: AtomicU64,
     pub cancel: CancellationToken,
@@ -130,6 +164,8 @@ pub struct AppState {
     pub ready: AtomicBool,
     /// Tokenizers loaded for offloaded tokenization.
     pub tokenizers: crate::api::offload::TokenizerCache,
+    /// Shared state across replicas, when `KVROUTE_REDIS_URL` is set (set once at start).
+    pub replica: std::sync::OnceLock<Arc<crate::replica::Replica>>,
 }
 
 impl AppState {
@@ -155,6 +191,7 @@ impl AppState {
                 .unwrap_or_default(),
             ready: AtomicBool::new(false),
             tokenizers: Default::default(),
+            replica: std::sync::OnceLock::new(),
         }
     }
 
@@ -184,11 +221,11 @@ impl AppState {
 
     /// Builds a rule's runtime (not yet started) and stores it. A rule with the same id is
     /// replaced (its tasks stop; the new runtime starts with an empty inventory) when kvroute-core
-    /// accepts the update; the numeric id is kept. Returns the new runtime and whether it replaced one.
+    /// accepts the update; the numeric id is kept. Returns the new runtime and the one it replaced.
     pub fn insert(
         &self,
         spec: RuleSpec,
-    ) -> Result<(Arc<RuleRuntime>, bool), kvroute_core::rule::RuleErrors> {
+    ) -> Result<(Arc<RuleRuntime>, Option<Arc<RuleRuntime>>), kvroute_core::rule::RuleErrors> {
         let mut rules = self.rules.write().unwrap_or_else(|e| e.into_inner());
         let old = rules
             .values()
@@ -214,6 +251,7 @@ impl AppState {
             ring: HashRing::new(&addrs),
             memory: PlacementMemory::new(self.settings.memory_entries, self.settings.memory_ttl),
             created: Instant::now(),
+            generation: xxhash_rust::xxh3::xxh3_64(spec.raw_json().to_string().as_bytes()),
             hit_seq: AtomicU64::new(0),
             rr_seq: AtomicU64::new(0),
             cancel: self.cancel.child_token(),
@@ -221,7 +259,7 @@ impl AppState {
             spec,
         });
         rules.insert(id, rt.clone());
-        Ok((rt, old.is_some()))
+        Ok((rt, old))
     }
 
     /// Removes a rule by id (`VIP:port/protocol`) and stops its tasks.

@@ -101,8 +101,28 @@ fn constant_eq(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
-/// Stores and starts a validated rule, replacing one with the same id (also used at start).
+/// Stores and starts a validated rule, replacing one with the same id, and tells the other
+/// replicas (config file at start, management API).
+pub fn install_and_share(
+    state: &Arc<AppState>,
+    spec: RuleSpec,
+) -> Result<Arc<RuleRuntime>, ApiError> {
+    let (rt, replaced) = install(state, spec)?;
+    if let Some(r) = state.replica.get() {
+        r.rule_put(state, &rt, replaced.as_deref());
+    }
+    Ok(rt)
+}
+
+/// Stores and starts a validated rule locally (a rule another replica shared).
 pub fn install_rule(state: &Arc<AppState>, spec: RuleSpec) -> Result<Arc<RuleRuntime>, ApiError> {
+    install(state, spec).map(|(rt, _)| rt)
+}
+
+fn install(
+    state: &Arc<AppState>,
+    spec: RuleSpec,
+) -> Result<(Arc<RuleRuntime>, Option<Arc<RuleRuntime>>), ApiError> {
     let (rt, replaced) = state.insert(spec).map_err(|e| {
         ApiError::InvalidRule(
             e.0.into_iter()
@@ -116,8 +136,28 @@ pub fn install_rule(state: &Arc<AppState>, spec: RuleSpec) -> Result<Arc<RuleRun
     })?;
     crate::ingest::spawn_rule(state, &rt);
     crate::health::spawn_rule(state, &rt);
-    tracing::info!(rule = %rt.spec.name(), id = rt.id, engine = %rt.spec.engine, replaced, "rule installed");
-    Ok(rt)
+    tracing::info!(rule = %rt.spec.name(), id = rt.id, engine = %rt.spec.engine, replaced = replaced.is_some(), "rule installed");
+    Ok((rt, replaced))
+}
+
+/// Removes a rule by name (`VIP:port/protocol`), stops its tasks and drops its metric series.
+pub fn uninstall_rule(state: &AppState, name: &str) -> Option<Arc<RuleRuntime>> {
+    let rt = state.remove(name)?;
+    let m = &state.metrics;
+    for i in 0..rt.eps.len() {
+        let ep = i.to_string();
+        let _ = m.inventory_blocks.remove_label_values(&[name, &ep]);
+        let _ = m.endpoint_healthy.remove_label_values(&[name, &ep]);
+        let _ = m.endpoint_scraped_load.remove_label_values(&[name, &ep]);
+        let _ = m.snapshot_age.remove_label_values(&[name, &ep]);
+        let _ = m.snapshot_bytes.remove_label_values(&[name, &ep]);
+        for rank in 0..rt.spec.dp_ranks.max(1) {
+            let _ = m
+                .subscriber_connected
+                .remove_label_values(&[name, &ep, &rank.to_string()]);
+        }
+    }
+    Some(rt)
 }
 
 /// Maps a rejected rule to its 400.
@@ -134,7 +174,7 @@ async fn add_rule(
 ) -> Result<Json<Value>, ApiError> {
     let raw: Value = parse_json(&body)?;
     let spec = parse_rule(&raw, &state.settings).map_err(rejected)?;
-    let rt = install_rule(&state, spec)?;
+    let rt = install_and_share(&state, spec)?;
     Ok(Json(
         json!({"result": "Success", "id": rt.id, "name": rt.spec.name()}),
     ))
@@ -150,13 +190,10 @@ async fn delete_rule(
         ))
     })?;
     let name = format!("{}/{proto}", std::net::SocketAddr::new(ip, port));
-    match state.remove(&name) {
+    match uninstall_rule(&state, &name) {
         Some(rt) => {
-            let m = &state.metrics;
-            for i in 0..rt.eps.len() {
-                let _ = m
-                    .inventory_blocks
-                    .remove_label_values(&[&name, &i.to_string()]);
+            if let Some(r) = state.replica.get() {
+                r.rule_del(&state, &rt);
             }
             Ok(Json(json!({"result": "Success", "id": rt.id})))
         }

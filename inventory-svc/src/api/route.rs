@@ -250,6 +250,15 @@ pub fn answer(
     if let (Some(how), true) = (how, rule.spec.kv_enabled()) {
         rule.memory.record(&keys, ep, how, now);
     }
+    if let Some(r) = state.replica.get() {
+        // The other replicas credit the same endpoint (speculation, memory, in-flight load).
+        let shared = if rule.spec.kv_enabled() {
+            &keys[..]
+        } else {
+            &[]
+        };
+        r.decision(state, &rule, ep, how, shared);
+    }
     Ok(RouteResponse {
         rule_id: rule.id,
         endpoint: rule.spec.endpoints[ep].addr(),

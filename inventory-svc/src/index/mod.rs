@@ -80,6 +80,10 @@ pub trait BlockIndex: Send + Sync {
     /// Distinct keys held by any endpoint.
     fn key_count(&self) -> usize;
 
+    /// Everything `ep` really holds, by rank (speculative entries excluded): what a replication
+    /// snapshot carries. Keys stored before the endpoint had a rank map count as rank 0.
+    fn export(&self, ep: EndpointId) -> Vec<(Rank, Vec<BlockKey>)>;
+
     /// Approximate heap bytes used by the index tables (for docs and the memory test).
     fn heap_bytes(&self) -> usize;
 }
@@ -146,11 +150,23 @@ impl Tables {
         let multi = rank.0 != 0 || self.ranks[ep.0 as usize].is_some();
         if multi {
             let rbit = 1u32 << (rank.0 as u32 % 32);
-            let rm = self.ranks[ep.0 as usize].get_or_insert_with(KeyMap::default);
-            for k in keys {
-                *rm.entry(k.0).or_insert(0) |= rbit;
+            if self.ranks[ep.0 as usize].is_none() {
+                // The first rank other than 0: what the endpoint holds so far is rank 0's, so a
+                // later eviction by another rank does not hide rank 0's copy.
+                let bit = ep.bit();
+                let seeded: KeyMap<u32> = self
+                    .holders
+                    .iter()
+                    .filter(|(_, h)| h & bit != 0)
+                    .map(|(k, _)| (k, 1))
+                    .collect();
+                self.ranks[ep.0 as usize] = Some(seeded);
             }
-            // Keys a single-rank past stored before the rank map existed stay attributed to rank 0.
+            if let Some(rm) = self.ranks[ep.0 as usize].as_mut() {
+                for k in keys {
+                    *rm.entry(k.0).or_insert(0) |= rbit;
+                }
+            }
         }
         for k in keys {
             self.set(ep, k.0);
@@ -317,6 +333,34 @@ impl BlockIndex for MemIndex {
         self.read().counts.get(ep.0 as usize).copied().unwrap_or(0)
     }
 
+    fn export(&self, ep: EndpointId) -> Vec<(Rank, Vec<BlockKey>)> {
+        let t = self.read();
+        let bit = ep.bit();
+        let rank_map = t.ranks.get(ep.0 as usize).and_then(Option::as_ref);
+        let mut by_rank: Vec<Vec<BlockKey>> = Vec::new();
+        for (k, holders) in t.holders.iter() {
+            if holders & bit == 0 {
+                continue;
+            }
+            let mask = rank_map.and_then(|m| m.get(&k).copied()).unwrap_or(1);
+            let mut m = mask;
+            while m != 0 {
+                let r = m.trailing_zeros() as usize;
+                if by_rank.len() <= r {
+                    by_rank.resize_with(r + 1, Vec::new);
+                }
+                by_rank[r].push(BlockKey(k));
+                m &= m - 1;
+            }
+        }
+        by_rank
+            .into_iter()
+            .enumerate()
+            .filter(|(_, v)| !v.is_empty())
+            .map(|(r, v)| (Rank(r as u8), v))
+            .collect()
+    }
+
     fn blocks(&self, ep: EndpointId, offset: usize, limit: usize) -> Vec<BlockKey> {
         let t = self.read();
         let bit = ep.bit();
@@ -455,6 +499,29 @@ mod tests {
         ix.apply(EndpointId(0), Rank(0), &[IndexOp::Store(k(&[5, 3, 9, 1]))]);
         assert_eq!(ix.blocks(EndpointId(0), 1, 2), k(&[3, 5]));
         assert!(ix.blocks(EndpointId(0), 10, 2).is_empty());
+    }
+
+    #[test]
+    fn export_rebuilds_the_same_endpoint() {
+        let ix = MemIndex::new();
+        let ep = EndpointId(1);
+        ix.apply(ep, Rank(0), &[IndexOp::Store(k(&[1, 2]))]);
+        ix.apply(ep, Rank(1), &[IndexOp::Store(k(&[2, 3]))]);
+        ix.apply(EndpointId(0), Rank(0), &[IndexOp::Store(k(&[9]))]);
+        ix.speculate(ep, &k(&[4]), Instant::now(), Duration::from_secs(2));
+        let mut snap = ix.export(ep);
+        snap.iter_mut().for_each(|(_, v)| v.sort_unstable());
+        assert_eq!(snap, vec![(Rank(0), k(&[1, 2])), (Rank(1), k(&[2, 3]))]);
+        let copy = MemIndex::new();
+        for (r, keys) in &snap {
+            copy.apply(ep, *r, &[IndexOp::Store(keys.clone())]);
+        }
+        assert_eq!(copy.block_count(ep), 3);
+        // Rank 1 evicting 2 must leave rank 0's copy, as in the original.
+        copy.apply(ep, Rank(1), &[IndexOp::Remove(k(&[2]))]);
+        ix.apply(ep, Rank(1), &[IndexOp::Remove(k(&[2]))]);
+        assert_eq!(copy.blocks(ep, 0, 10), ix.blocks(ep, 0, 10));
+        assert!(ix.export(EndpointId(5)).is_empty());
     }
 
     #[test]

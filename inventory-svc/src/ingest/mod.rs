@@ -49,6 +49,16 @@ pub struct SeqTracker {
 }
 
 impl SeqTracker {
+    /// A tracker resuming after `last` (a replica taking an endpoint over from the replicated
+    /// state): the next sequence is checked like one after a reconnect, so a gap is replayed or
+    /// cleared and a restarted engine is recognised.
+    pub fn resume(last: Option<u64>) -> SeqTracker {
+        SeqTracker {
+            last,
+            fresh: last.is_some(),
+        }
+    }
+
     /// Marks a new connection.
     pub fn reconnected(&mut self) {
         self.fresh = true;
@@ -77,8 +87,21 @@ pub fn next_backoff(cur: Duration) -> Duration {
     (cur * 2).min(Duration::from_secs(5))
 }
 
-/// Applies operations to a rule's index and refreshes the endpoint's gauge.
-pub fn apply_ops(state: &AppState, rule: &RuleRuntime, ep: usize, rank: u8, ops: &[IndexOp]) {
+/// Applies operations this replica ingested to a rule's index, refreshes the endpoint's gauge and
+/// hands them to replication (when configured) for the other replicas.
+pub fn apply_ops(state: &AppState, rule: &Arc<RuleRuntime>, ep: usize, rank: u8, ops: &[IndexOp]) {
+    if ops.is_empty() {
+        return;
+    }
+    apply_local(state, rule, ep, rank, ops);
+    if let Some(r) = state.replica.get() {
+        r.ops(state, rule, ep, rank, ops);
+    }
+}
+
+/// Applies operations to a rule's index and refreshes the endpoint's gauge (no replication: used
+/// for what the replication log itself delivers).
+pub fn apply_local(state: &AppState, rule: &RuleRuntime, ep: usize, rank: u8, ops: &[IndexOp]) {
     if ops.is_empty() {
         return;
     }
@@ -120,24 +143,24 @@ pub fn kv_endpoints(rule: &RuleRuntime) -> Vec<usize> {
         .collect()
 }
 
-/// Starts every ingestion task of a rule (none for llama.cpp or kvExactMode 0).
+/// Starts every ingestion task of a rule (none for llama.cpp or kvExactMode 0): directly when
+/// standalone, under an ownership lease per endpoint when replicated.
 pub fn spawn_rule(state: &Arc<AppState>, rule: &Arc<RuleRuntime>) {
     if !rule.spec.kv_enabled() {
         return;
     }
     for ep in kv_endpoints(rule) {
-        match rule.spec.engine {
-            Engine::Vllm | Engine::Sglang => {
-                for rank in 0..rule.spec.dp_ranks {
-                    set_connected(state, rule, ep, rank, false);
-                    tokio::spawn(zmq::run(state.clone(), rule.clone(), ep, rank));
-                }
+        for rank in 0..rule.spec.dp_ranks.max(1) {
+            set_connected(state, rule, ep, rank, false);
+        }
+        match state.replica.get() {
+            Some(r) => r.spawn_lease(state, rule, ep),
+            None => {
+                rule.eps[ep]
+                    .owned
+                    .store(true, std::sync::atomic::Ordering::Relaxed);
+                spawn_endpoint(state, rule, ep, &rule.cancel);
             }
-            Engine::Trtllm => {
-                set_connected(state, rule, ep, 0, false);
-                tokio::spawn(trtllm::run(state.clone(), rule.clone(), ep));
-            }
-            Engine::Llamacpp => {}
         }
     }
     for ep in 0..rule.eps.len() {
@@ -146,6 +169,42 @@ pub fn spawn_rule(state: &Arc<AppState>, rule: &Arc<RuleRuntime>) {
             .inventory_blocks
             .with_label_values(&[&rule.spec.name(), &ep.to_string()])
             .set(0);
+    }
+}
+
+/// Starts the ingestion tasks of one endpoint (every rank), stopped by `cancel`. Sequence
+/// tracking resumes from the endpoint's last applied sequences (replicated takeover).
+pub fn spawn_endpoint(
+    state: &Arc<AppState>,
+    rule: &Arc<RuleRuntime>,
+    ep: usize,
+    cancel: &tokio_util::sync::CancellationToken,
+) {
+    match rule.spec.engine {
+        Engine::Vllm | Engine::Sglang => {
+            for rank in 0..rule.spec.dp_ranks {
+                let resume = rule.eps[ep].last_seq(rank);
+                tokio::spawn(zmq::run(
+                    state.clone(),
+                    rule.clone(),
+                    ep,
+                    rank,
+                    cancel.clone(),
+                    resume,
+                ));
+            }
+        }
+        Engine::Trtllm => {
+            let resume = rule.eps[ep].last_seq(0);
+            tokio::spawn(trtllm::run(
+                state.clone(),
+                rule.clone(),
+                ep,
+                cancel.clone(),
+                resume,
+            ));
+        }
+        Engine::Llamacpp => {}
     }
 }
 
@@ -164,5 +223,13 @@ mod tests {
         assert_eq!(t.observe(1), SeqVerdict::InOrder);
         t.reconnected();
         assert_eq!(t.observe(1), SeqVerdict::Restart);
+        // Resuming a taken-over endpoint: in order continues, a jump is a gap, lower is a restart.
+        assert_eq!(SeqTracker::resume(Some(4)).observe(5), SeqVerdict::InOrder);
+        assert_eq!(
+            SeqTracker::resume(Some(4)).observe(9),
+            SeqVerdict::Gap { from: 5 }
+        );
+        assert_eq!(SeqTracker::resume(Some(4)).observe(2), SeqVerdict::Restart);
+        assert_eq!(SeqTracker::resume(None).observe(2), SeqVerdict::First);
     }
 }

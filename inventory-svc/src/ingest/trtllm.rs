@@ -14,9 +14,15 @@ use super::{apply_ops, next_backoff, set_connected, SeqTracker, SeqVerdict};
 use crate::index::IndexOp;
 use crate::state::{AppState, RuleRuntime};
 
-/// Polls one TensorRT-LLM endpoint until the rule is cancelled.
-pub async fn run(state: Arc<AppState>, rule: Arc<RuleRuntime>, ep: usize) {
-    let cancel = rule.cancel.clone();
+/// Polls one TensorRT-LLM endpoint until `cancel` (the rule's token, or the endpoint's lease);
+/// `resume` is the last event id already applied (replicated takeover).
+pub async fn run(
+    state: Arc<AppState>,
+    rule: Arc<RuleRuntime>,
+    ep: usize,
+    cancel: tokio_util::sync::CancellationToken,
+    resume: Option<u64>,
+) {
     let url = format!("http://{}/kv_cache_events", rule.spec.endpoints[ep].addr());
     let interval = Duration::from_millis(u64::from(rule.spec.drain_interval_ms));
     let mut keyer = Keyer::new(
@@ -26,7 +32,7 @@ pub async fn run(state: Arc<AppState>, rule: Arc<RuleRuntime>, ep: usize) {
         rule.spec.contract(),
         state.metrics.clone(),
     );
-    let mut seq = SeqTracker::default();
+    let mut seq = SeqTracker::resume(resume);
     let mut backoff = interval;
     let engine = rule.spec.engine.as_str();
     loop {
@@ -80,6 +86,7 @@ pub async fn run(state: Arc<AppState>, rule: Arc<RuleRuntime>, ep: usize) {
                         }
                         _ => {}
                     }
+                    rule.eps[ep].note_seq(0, last);
                 }
                 let ops = keyer.trtllm_ops(&events);
                 apply_ops(&state, &rule, ep, 0, &ops);

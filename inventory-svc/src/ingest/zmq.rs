@@ -17,6 +17,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use kvroute_core::hash::Engine;
 use tokio::time::{timeout, Instant};
+use tokio_util::sync::CancellationToken;
 use zeromq::{DealerSocket, Socket, SocketRecv, SocketSend, SubSocket, ZmqMessage};
 
 use super::decode::{decode_batch, parse_seq, split_frames, BytesKey};
@@ -46,14 +47,30 @@ fn ip_str(rule: &RuleRuntime, ep: usize) -> String {
     }
 }
 
-/// Runs the subscriber of one `(endpoint, rank)` until the rule is cancelled.
-pub async fn run(state: Arc<AppState>, rule: Arc<RuleRuntime>, ep: usize, rank: u8) {
-    let cancel = rule.cancel.clone();
+/// Runs the subscriber of one `(endpoint, rank)` until `cancel` (the rule's token, or the
+/// endpoint's lease). `resume` is the last sequence already applied (replicated takeover).
+pub async fn run(
+    state: Arc<AppState>,
+    rule: Arc<RuleRuntime>,
+    ep: usize,
+    rank: u8,
+    cancel: CancellationToken,
+    resume: Option<u64>,
+) {
     let mut backoff = Duration::from_millis(100);
-    let mut p = Some(new_pub(&state, &rule));
+    let mut first = new_pub(&state, &rule);
+    first.seq = SeqTracker::resume(resume);
+    let mut p = Some(first);
     while !cancel.is_cancelled() {
         let pubs = p.take().unwrap_or_else(|| new_pub(&state, &rule));
-        let h = tokio::spawn(session(state.clone(), rule.clone(), ep, rank, pubs));
+        let h = tokio::spawn(session(
+            state.clone(),
+            rule.clone(),
+            ep,
+            rank,
+            pubs,
+            cancel.clone(),
+        ));
         let res = h.await;
         set_connected(&state, &rule, ep, rank, false);
         match res {
@@ -124,8 +141,8 @@ async fn session(
     ep: usize,
     rank: u8,
     mut p: Pub,
+    cancel: CancellationToken,
 ) -> (Pub, End) {
-    let cancel = rule.cancel.clone();
     let port = u32::from(rule.spec.zmq_port) + u32::from(rank);
     let addr = format!("tcp://{}:{port}", ip_str(&rule, ep));
     let mut sock = SubSocket::new();
@@ -164,7 +181,7 @@ async fn session(
 
 async fn handle(
     state: &AppState,
-    rule: &RuleRuntime,
+    rule: &Arc<RuleRuntime>,
     ep: usize,
     rank: u8,
     p: &mut Pub,
@@ -215,7 +232,8 @@ async fn handle(
                                 .with_label_values(&[engine.as_str(), "ok"])
                                 .inc();
                             tracing::info!(rule = %rule.spec.name(), ep, rank, from, to = seq, n = batches.len(), "gap replayed");
-                            for b in batches {
+                            for (bseq, b) in batches {
+                                rule.eps[ep].note_seq(rank, bseq);
                                 apply_payload(state, rule, ep, rank, p, &b);
                             }
                             true
@@ -245,12 +263,13 @@ async fn handle(
             }
         }
     }
+    rule.eps[ep].note_seq(rank, seq);
     apply_payload(state, rule, ep, rank, p, payload);
 }
 
 fn apply_payload(
     state: &AppState,
-    rule: &RuleRuntime,
+    rule: &Arc<RuleRuntime>,
     ep: usize,
     rank: u8,
     p: &mut Pub,
@@ -278,13 +297,13 @@ fn apply_payload(
     }
 }
 
-/// Fetches payloads `from..to` from a replay ROUTER, in order.
+/// Fetches `(seq, payload)` for `from..to` from a replay ROUTER, in order.
 async fn replay(
     addr: &str,
     from: u64,
     to: u64,
     deadline: Duration,
-) -> Result<Vec<Vec<u8>>, String> {
+) -> Result<Vec<(u64, Vec<u8>)>, String> {
     let end = Instant::now() + deadline;
     let mut sock = DealerSocket::new();
     timeout(deadline, sock.connect(addr))
@@ -328,7 +347,7 @@ async fn replay(
             break;
         }
         if (from..to).contains(&seq) {
-            out.push(payload.to_vec());
+            out.push((seq, payload.to_vec()));
         }
     }
     let _ = sock.close().await;

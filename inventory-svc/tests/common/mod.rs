@@ -304,8 +304,13 @@ pub struct Publisher {
 
 impl Publisher {
     pub async fn bind(port: u16) -> Option<Publisher> {
+        Publisher::bind_on("127.0.0.1", port).await
+    }
+
+    /// Binds on another loopback address (each vLLM endpoint publishes on its own IP).
+    pub async fn bind_on(ip: &str, port: u16) -> Option<Publisher> {
         let mut sock = PubSocket::new();
-        let ep = sock.bind(&format!("tcp://127.0.0.1:{port}")).await.ok()?;
+        let ep = sock.bind(&format!("tcp://{ip}:{port}")).await.ok()?;
         let port = match ep {
             zeromq::Endpoint::Tcp(_, p) => p,
             _ => return None,
@@ -387,4 +392,79 @@ pub fn vectors(name: &str) -> Value {
 
 pub fn hx(v: &Value) -> Vec<u8> {
     hex::decode(v.as_str().unwrap()).unwrap()
+}
+
+/// A real `redis-server` on a free port, persisting nothing, killed on drop.
+pub struct Redis {
+    child: Option<Child>,
+    pub port: u16,
+    dir: PathBuf,
+}
+
+impl Redis {
+    pub fn start() -> Redis {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let mut r = Redis {
+            child: None,
+            port,
+            dir: tempdir("redis"),
+        };
+        r.restart();
+        r
+    }
+
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    /// Starts (again) on the same port, empty, and waits until it answers PING.
+    pub fn restart(&mut self) {
+        let child = Command::new("redis-server")
+            .args(["--port", &self.port.to_string(), "--bind", "127.0.0.1"])
+            .args(["--save", "", "--appendonly", "no"])
+            .arg("--dir")
+            .arg(&self.dir)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("redis-server (install it: apt-get install redis-server)");
+        self.child = Some(child);
+        let end = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < end {
+            if self.cli(&["PING"]).trim() == "PONG" {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        panic!("redis-server on port {} did not answer PING", self.port);
+    }
+
+    /// SIGKILL (no goodbye to clients), then reaped.
+    pub fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// One `redis-cli` command's output ("" when the server is down).
+    pub fn cli(&self, args: &[&str]) -> String {
+        Command::new("redis-cli")
+            .args(["-p", &self.port.to_string()])
+            .args(args)
+            .output()
+            .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+            .unwrap_or_default()
+    }
+}
+
+impl Drop for Redis {
+    fn drop(&mut self) {
+        self.kill();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
 }

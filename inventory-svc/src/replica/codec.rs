@@ -1,0 +1,388 @@
+//! Wire format of the replication log and the endpoint snapshots (little-endian, versioned).
+//!
+//! A log entry is one of: the index operations of one engine message (with the publisher sequence
+//! they came from, so a new owner can resume the subscription), a routing decision (speculative
+//! credit and placement memory), or a snapshot marker telling tailers to load an endpoint's
+//! snapshot at this point of the log. Keys are 8 bytes each; nothing is JSON on this path.
+
+use kvroute_core::hash::BlockKey;
+
+use crate::index::IndexOp;
+use crate::score::Update;
+
+const VERSION: u8 = 1;
+const SNAP_MAGIC: &[u8; 4] = b"KVS1";
+
+/// "No sequence known" on the wire.
+const NO_SEQ: u64 = u64::MAX;
+
+/// One replication log entry.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Entry {
+    /// What the owner applied for `(ep, rank)` from one engine message.
+    Ops {
+        ep: u8,
+        rank: u8,
+        seq: Option<u64>,
+        ops: Vec<IndexOp>,
+    },
+    /// A routing decision: speculative credit for `ttl_ms`, and the placement memory update.
+    Decision {
+        ep: u8,
+        update: Option<Update>,
+        ttl_ms: u32,
+        keys: Vec<BlockKey>,
+    },
+    /// The owner wrote `ep`'s snapshot right before this entry: load it here.
+    Snapshot { ep: u8 },
+}
+
+/// Why bytes could not be decoded.
+#[derive(Debug, PartialEq, Eq, thiserror::Error)]
+pub enum CodecError {
+    #[error("truncated at byte {0}")]
+    Truncated(usize),
+    #[error("unknown version {0}")]
+    Version(u8),
+    #[error("unknown tag {0}")]
+    Tag(u8),
+}
+
+struct Reader<'a> {
+    b: &'a [u8],
+    at: usize,
+}
+
+impl<'a> Reader<'a> {
+    fn take(&mut self, n: usize) -> Result<&'a [u8], CodecError> {
+        let end = self
+            .at
+            .checked_add(n)
+            .ok_or(CodecError::Truncated(self.at))?;
+        let s = self
+            .b
+            .get(self.at..end)
+            .ok_or(CodecError::Truncated(self.at))?;
+        self.at = end;
+        Ok(s)
+    }
+    fn u8(&mut self) -> Result<u8, CodecError> {
+        Ok(self.take(1)?[0])
+    }
+    fn u32(&mut self) -> Result<u32, CodecError> {
+        let s = self.take(4)?;
+        Ok(u32::from_le_bytes([s[0], s[1], s[2], s[3]]))
+    }
+    fn u64(&mut self) -> Result<u64, CodecError> {
+        let s = self.take(8)?;
+        let mut a = [0u8; 8];
+        a.copy_from_slice(s);
+        Ok(u64::from_le_bytes(a))
+    }
+    fn keys(&mut self) -> Result<Vec<BlockKey>, CodecError> {
+        let n = self.u32()? as usize;
+        // Bound the allocation by what the input can hold.
+        if n > (self.b.len() - self.at) / 8 {
+            return Err(CodecError::Truncated(self.at));
+        }
+        (0..n).map(|_| self.u64().map(BlockKey)).collect()
+    }
+}
+
+fn put_keys(out: &mut Vec<u8>, keys: &[BlockKey]) {
+    out.extend_from_slice(&(keys.len() as u32).to_le_bytes());
+    for k in keys {
+        out.extend_from_slice(&k.0.to_le_bytes());
+    }
+}
+
+fn seq_in(s: Option<u64>) -> u64 {
+    s.unwrap_or(NO_SEQ)
+}
+
+fn seq_out(s: u64) -> Option<u64> {
+    (s != NO_SEQ).then_some(s)
+}
+
+impl Entry {
+    /// The endpoint the entry is about.
+    pub fn ep(&self) -> u8 {
+        match self {
+            Entry::Ops { ep, .. } | Entry::Decision { ep, .. } | Entry::Snapshot { ep } => *ep,
+        }
+    }
+
+    /// Encodes the entry.
+    pub fn encode(&self) -> Vec<u8> {
+        let mut out = vec![VERSION];
+        match self {
+            Entry::Ops { ep, rank, seq, ops } => {
+                out.extend_from_slice(&[b'O', *ep, *rank]);
+                out.extend_from_slice(&seq_in(*seq).to_le_bytes());
+                out.extend_from_slice(&(ops.len() as u32).to_le_bytes());
+                for op in ops {
+                    match op {
+                        IndexOp::Store(k) => {
+                            out.push(b's');
+                            put_keys(&mut out, k);
+                        }
+                        IndexOp::Remove(k) => {
+                            out.push(b'r');
+                            put_keys(&mut out, k);
+                        }
+                        IndexOp::Clear => out.push(b'c'),
+                    }
+                }
+            }
+            Entry::Decision {
+                ep,
+                update,
+                ttl_ms,
+                keys,
+            } => {
+                let u = match update {
+                    None => 0,
+                    Some(Update::Place) => 1,
+                    Some(Update::Keep) => 2,
+                };
+                out.extend_from_slice(&[b'D', *ep, u]);
+                out.extend_from_slice(&ttl_ms.to_le_bytes());
+                put_keys(&mut out, keys);
+            }
+            Entry::Snapshot { ep } => out.extend_from_slice(&[b'S', *ep]),
+        }
+        out
+    }
+
+    /// Decodes an entry.
+    pub fn decode(b: &[u8]) -> Result<Entry, CodecError> {
+        let mut r = Reader { b, at: 0 };
+        let v = r.u8()?;
+        if v != VERSION {
+            return Err(CodecError::Version(v));
+        }
+        match r.u8()? {
+            b'O' => {
+                let ep = r.u8()?;
+                let rank = r.u8()?;
+                let seq = seq_out(r.u64()?);
+                let n = r.u32()? as usize;
+                let mut ops = Vec::with_capacity(n.min(1024));
+                for _ in 0..n {
+                    ops.push(match r.u8()? {
+                        b's' => IndexOp::Store(r.keys()?),
+                        b'r' => IndexOp::Remove(r.keys()?),
+                        b'c' => IndexOp::Clear,
+                        t => return Err(CodecError::Tag(t)),
+                    });
+                }
+                Ok(Entry::Ops { ep, rank, seq, ops })
+            }
+            b'D' => {
+                let ep = r.u8()?;
+                let update = match r.u8()? {
+                    0 => None,
+                    1 => Some(Update::Place),
+                    2 => Some(Update::Keep),
+                    t => return Err(CodecError::Tag(t)),
+                };
+                let ttl_ms = r.u32()?;
+                let keys = r.keys()?;
+                Ok(Entry::Decision {
+                    ep,
+                    update,
+                    ttl_ms,
+                    keys,
+                })
+            }
+            b'S' => Ok(Entry::Snapshot { ep: r.u8()? }),
+            t => Err(CodecError::Tag(t)),
+        }
+    }
+}
+
+/// One rank's part of an endpoint snapshot.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RankSnap {
+    pub rank: u8,
+    /// The last publisher sequence applied (resumes a subscription on takeover).
+    pub seq: Option<u64>,
+    pub keys: Vec<BlockKey>,
+}
+
+/// An endpoint's inventory as of log entry `upto` (every entry of this endpoint up to and
+/// including `upto` is in it; later entries apply on top).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Snapshot {
+    pub upto: String,
+    /// Unix milliseconds when it was taken.
+    pub taken_ms: u64,
+    pub ranks: Vec<RankSnap>,
+}
+
+impl Snapshot {
+    /// Encodes the snapshot.
+    pub fn encode(&self) -> Vec<u8> {
+        let n: usize = self.ranks.iter().map(|r| 13 + 8 * r.keys.len()).sum();
+        let mut out = Vec::with_capacity(16 + self.upto.len() + n);
+        out.extend_from_slice(SNAP_MAGIC);
+        out.extend_from_slice(&self.taken_ms.to_le_bytes());
+        out.push(self.upto.len().min(255) as u8);
+        out.extend_from_slice(&self.upto.as_bytes()[..self.upto.len().min(255)]);
+        out.push(self.ranks.len().min(255) as u8);
+        for r in self.ranks.iter().take(255) {
+            out.push(r.rank);
+            out.extend_from_slice(&seq_in(r.seq).to_le_bytes());
+            put_keys(&mut out, &r.keys);
+        }
+        out
+    }
+
+    /// Decodes a snapshot.
+    pub fn decode(b: &[u8]) -> Result<Snapshot, CodecError> {
+        let mut r = Reader { b, at: 0 };
+        if r.take(4)? != SNAP_MAGIC {
+            return Err(CodecError::Version(b.first().copied().unwrap_or(0)));
+        }
+        let taken_ms = r.u64()?;
+        let n = r.u8()? as usize;
+        let upto = String::from_utf8_lossy(r.take(n)?).into_owned();
+        let nr = r.u8()?;
+        let mut ranks = Vec::with_capacity(nr as usize);
+        for _ in 0..nr {
+            let rank = r.u8()?;
+            let seq = seq_out(r.u64()?);
+            let keys = r.keys()?;
+            ranks.push(RankSnap { rank, seq, keys });
+        }
+        Ok(Snapshot {
+            upto,
+            taken_ms,
+            ranks,
+        })
+    }
+}
+
+/// A Redis stream id `ms-seq`, ordered numerically (ids compare as pairs, not as strings).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord)]
+pub struct StreamId {
+    pub ms: u64,
+    pub seq: u64,
+}
+
+impl StreamId {
+    /// Parses `ms-seq` (or `ms`); `None` if malformed.
+    pub fn parse(s: &str) -> Option<StreamId> {
+        let (ms, seq) = s.split_once('-').unwrap_or((s, "0"));
+        Some(StreamId {
+            ms: ms.parse().ok()?,
+            seq: seq.parse().ok()?,
+        })
+    }
+}
+
+impl std::fmt::Display for StreamId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}-{}", self.ms, self.seq)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    fn k(v: &[u64]) -> Vec<BlockKey> {
+        v.iter().map(|x| BlockKey(*x)).collect()
+    }
+
+    #[test]
+    fn entries_round_trip() {
+        let all = [
+            Entry::Ops {
+                ep: 3,
+                rank: 1,
+                seq: Some(42),
+                ops: vec![
+                    IndexOp::Store(k(&[1, u64::MAX])),
+                    IndexOp::Remove(k(&[7])),
+                    IndexOp::Clear,
+                ],
+            },
+            Entry::Ops {
+                ep: 0,
+                rank: 0,
+                seq: None,
+                ops: vec![],
+            },
+            Entry::Decision {
+                ep: 63,
+                update: Some(Update::Place),
+                ttl_ms: 2000,
+                keys: k(&[5, 6]),
+            },
+            Entry::Decision {
+                ep: 1,
+                update: None,
+                ttl_ms: 0,
+                keys: vec![],
+            },
+            Entry::Snapshot { ep: 9 },
+        ];
+        for e in all {
+            assert_eq!(Entry::decode(&e.encode()).unwrap(), e);
+        }
+    }
+
+    #[test]
+    fn damaged_entries_are_errors_not_panics() {
+        let e = Entry::Ops {
+            ep: 1,
+            rank: 0,
+            seq: Some(1),
+            ops: vec![IndexOp::Store(k(&[1, 2, 3]))],
+        }
+        .encode();
+        for cut in 0..e.len() {
+            assert!(Entry::decode(&e[..cut]).is_err(), "cut at {cut}");
+        }
+        let mut bad = e.clone();
+        bad[0] = 9;
+        assert_eq!(Entry::decode(&bad), Err(CodecError::Version(9)));
+        // A key count larger than the payload must not allocate it.
+        let mut huge = vec![VERSION, b'D', 0, 0, 0, 0, 0, 0];
+        huge.extend_from_slice(&u32::MAX.to_le_bytes());
+        assert!(Entry::decode(&huge).is_err());
+    }
+
+    #[test]
+    fn snapshots_round_trip() {
+        let s = Snapshot {
+            upto: "1733000000000-7".into(),
+            taken_ms: 1_733_000_000_123,
+            ranks: vec![
+                RankSnap {
+                    rank: 0,
+                    seq: Some(10),
+                    keys: k(&[1, 2]),
+                },
+                RankSnap {
+                    rank: 2,
+                    seq: None,
+                    keys: vec![],
+                },
+            ],
+        };
+        assert_eq!(Snapshot::decode(&s.encode()).unwrap(), s);
+        assert!(Snapshot::decode(b"KVS0").is_err());
+    }
+
+    #[test]
+    fn stream_ids_order_numerically() {
+        let a = StreamId::parse("999-5").unwrap();
+        let b = StreamId::parse("1000-0").unwrap();
+        assert!(a < b);
+        assert_eq!(StreamId::parse("12").unwrap().to_string(), "12-0");
+        assert!(StreamId::parse("x-1").is_none());
+    }
+}

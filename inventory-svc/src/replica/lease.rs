@@ -1,0 +1,159 @@
+//! Endpoint ownership: one lease per endpoint, held by the replica that ingests its events.
+//!
+//! One script both acquires (the key is absent) and renews (the key is ours), so a lease lost to
+//! a Redis restart is taken back at the next renewal. While Redis is unreachable an owner keeps
+//! its lease and keeps ingesting (nobody else can take it over), and a non-owner stays idle.
+//! On takeover the new owner resumes the engine's sequence from the replicated state: in order
+//! continues, a gap is replayed (or cleared), a restart is cleared. Keys re-derived from tokens
+//! (tokens key mode, TensorRT-LLM) need the engine-key map the previous owner held, so those
+//! endpoints are cleared and rebuilt instead.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use kvroute_core::hash::Engine;
+use tokio_util::sync::CancellationToken;
+
+use super::Replica;
+use crate::index::IndexOp;
+use crate::ingest::{apply_ops, set_connected, spawn_endpoint};
+use crate::rules::KeyMode;
+use crate::state::{AppState, RuleRuntime};
+
+/// KEYS[1] lease, ARGV[1] replica id, ARGV[2] ms: 1 if we hold it afterwards, else 0.
+const ACQUIRE_OR_RENEW: &str = r"
+local v = redis.call('GET', KEYS[1])
+if v == ARGV[1] then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  return 1
+end
+if not v then
+  if redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2], 'NX') then return 1 end
+end
+return 0
+";
+
+/// KEYS[1] lease, ARGV[1] replica id: deletes the lease if it is ours.
+const RELEASE: &str = r"
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+";
+
+/// Runs until the rule is cancelled (deleted, replaced, or the service drains).
+pub(super) async fn run(
+    rep: Arc<Replica>,
+    state: Arc<AppState>,
+    rule: Arc<RuleRuntime>,
+    ep: usize,
+) {
+    let key = rep.lease_key(&rule, ep);
+    let name = rule.spec.name();
+    let ep_label = ep.to_string();
+    let owned_gauge = state
+        .metrics
+        .lease_owned
+        .with_label_values(&[&name, &ep_label]);
+    owned_gauge.set(0);
+    let acquire = redis::Script::new(ACQUIRE_OR_RENEW);
+    let lease_ms = rep.cfg.lease.as_millis() as u64;
+    let period = (rep.cfg.lease / 3).max(Duration::from_millis(50));
+    let mut conn = rep.conn.clone();
+    let mut ingest: Option<CancellationToken> = None;
+    loop {
+        let held: Result<i64, _> = acquire
+            .key(&key)
+            .arg(&rep.id)
+            .arg(lease_ms)
+            .invoke_async(&mut conn)
+            .await;
+        match (held, ingest.is_some()) {
+            (Ok(1), false) => {
+                let token = rule.cancel.child_token();
+                take_over(&state, &rule, ep);
+                spawn_endpoint(&state, &rule, ep, &token);
+                ingest = Some(token);
+                owned_gauge.set(1);
+                state
+                    .metrics
+                    .lease_changes
+                    .with_label_values(&["acquired"])
+                    .inc();
+                tracing::info!(rule = %name, ep, replica = %rep.id, "endpoint lease acquired: ingesting");
+            }
+            (Ok(1), true) => {}
+            (Ok(_), true) => {
+                if let Some(t) = ingest.take() {
+                    t.cancel();
+                }
+                rule.eps[ep].owned.store(false, Ordering::Relaxed);
+                for rank in 0..rule.spec.dp_ranks.max(1) {
+                    set_connected(&state, &rule, ep, rank, false);
+                }
+                owned_gauge.set(0);
+                state
+                    .metrics
+                    .lease_changes
+                    .with_label_values(&["lost"])
+                    .inc();
+                tracing::warn!(rule = %name, ep, replica = %rep.id, "endpoint lease held by another replica: ingestion stopped here");
+            }
+            (Ok(_), false) => {}
+            (Err(e), owned) => {
+                state
+                    .metrics
+                    .redis_errors
+                    .with_label_values(&["lease"])
+                    .inc();
+                tracing::debug!(rule = %name, ep, owned, "lease renewal failed: {e}");
+            }
+        }
+        tokio::select! {
+            _ = rule.cancel.cancelled() => break,
+            _ = tokio::time::sleep(period) => {}
+        }
+    }
+    if ingest.is_some() {
+        rule.eps[ep].owned.store(false, Ordering::Relaxed);
+        // Hand over at once on a graceful stop instead of after the lease expires.
+        let release = redis::Script::new(RELEASE);
+        let r = tokio::time::timeout(
+            Duration::from_secs(1),
+            release
+                .key(&key)
+                .arg(&rep.id)
+                .invoke_async::<i64>(&mut conn),
+        )
+        .await;
+        if matches!(r, Ok(Ok(1))) {
+            state
+                .metrics
+                .lease_changes
+                .with_label_values(&["released"])
+                .inc();
+        }
+    }
+    let _ = state
+        .metrics
+        .lease_owned
+        .remove_label_values(&[&name, &ep_label]);
+}
+
+/// Marks the endpoint owned, schedules its snapshot, and clears what cannot be continued.
+fn take_over(state: &AppState, rule: &Arc<RuleRuntime>, ep: usize) {
+    let e = &rule.eps[ep];
+    e.owned.store(true, Ordering::Relaxed);
+    e.dirty.store(true, Ordering::Relaxed);
+    let rederived = rule.spec.key_mode == KeyMode::Tokens || rule.spec.engine == Engine::Trtllm;
+    let has_blocks = rule.index.block_count(crate::index::EndpointId(ep as u8)) > 0;
+    if rederived && has_blocks {
+        state
+            .metrics
+            .clears
+            .with_label_values(&[rule.spec.engine.as_str(), "takeover"])
+            .inc();
+        for rank in 0..rule.spec.dp_ranks.max(1) {
+            apply_ops(state, rule, ep, rank, &[IndexOp::Clear]);
+        }
+    }
+}

@@ -1,0 +1,320 @@
+//! Shared state across inventory replicas through Redis (or Valkey): see docs/replication.md.
+//!
+//! * Ownership ([`lease`]): each endpoint's subscription (ZMQ or the TensorRT-LLM drain) runs on
+//!   exactly one replica, the holder of a Redis lease (`SET NX PX`, renewed at a third of its
+//!   length). A replica taking an endpoint over resumes the engine's sequence from the replicated
+//!   state, so a gap is replayed or cleared like after any reconnect.
+//! * Replication log ([`writer`], [`tailer`]): the owner appends what it applied to a Redis Stream
+//!   per rule (`MAXLEN ~`, keys hash-tagged by rule so a Redis Cluster keeps them on one slot);
+//!   every replica tails the streams into its in-memory index. Routing decisions (speculative
+//!   credit, placement memory, in-flight load) and rule changes travel the same way.
+//! * Snapshots: the owner periodically writes each endpoint's inventory with the log position it
+//!   includes and appends a marker; a new or resynchronising replica loads snapshots and tails
+//!   from there. Every log operation sets or clears keys, so re-applying a suffix of the log on a
+//!   snapshot that already contains it is harmless: that is what makes the hand-offs exact.
+//! * Redis down: queries are answered from memory, owners keep ingesting; writes are dropped and
+//!   the endpoint marked dirty, and on reconnect the owner rewrites its snapshots (the complete
+//!   state), so nothing the engines still hold is lost. Tailers resynchronise and report the gap.
+
+pub mod codec;
+mod lease;
+mod tailer;
+mod writer;
+
+use std::collections::HashMap;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use anyhow::Context;
+use kvroute_core::hash::BlockKey;
+use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use redis::IntoConnectionInfo;
+use tokio::sync::mpsc;
+
+use crate::index::IndexOp;
+use crate::score::Update;
+use crate::settings::RedisSettings;
+use crate::state::{lock, AppState, RuleRuntime};
+use codec::{Entry, StreamId};
+
+/// Entries waiting for the writer; past this an endpoint is marked dirty instead (its next
+/// snapshot carries the state).
+const OUTBOX: usize = 100_000;
+
+/// What the writer sends to Redis.
+pub(crate) enum Out {
+    /// A log entry of a rule.
+    Entry {
+        rule: Arc<RuleRuntime>,
+        entry: Entry,
+    },
+    /// A rule was installed through this replica: store it and tell the others.
+    RulePut {
+        name: String,
+        raw: String,
+        /// Keys of the rule's previous generation, no longer meaningful.
+        garbage: Vec<String>,
+    },
+    /// A rule was deleted through this replica.
+    RuleDel { name: String, garbage: Vec<String> },
+}
+
+/// This replica's handle on the shared state.
+pub struct Replica {
+    pub id: String,
+    pub cfg: RedisSettings,
+    client: redis::Client,
+    conn: ConnectionManager,
+    tx: mpsc::Sender<Out>,
+    /// Rule name -> generation this replica holds (installed locally or from Redis).
+    known_rules: Mutex<HashMap<String, u64>>,
+    /// Log key -> position the tailer has applied up to.
+    tailed: Mutex<HashMap<String, StreamId>>,
+}
+
+impl Replica {
+    /// Connects (lazily: a Redis that is down at start is retried) and starts the writer and
+    /// the tailer. Call before installing rules so their endpoints start under leases.
+    pub fn start(state: &Arc<AppState>, cfg: RedisSettings) -> anyhow::Result<Arc<Replica>> {
+        if cfg.url.starts_with("rediss://") {
+            // redis-rs' rustls connector uses the process-wide provider; ours is ring.
+            let _ = tokio_rustls::rustls::crypto::ring::default_provider().install_default();
+        }
+        let mut info = cfg
+            .url
+            .as_str()
+            .into_connection_info()
+            .with_context(|| format!("KVROUTE_REDIS_URL {:?}: not a Redis URL", cfg.url))?;
+        let mut rs = info.redis_settings().clone();
+        if let Some(u) = &cfg.username {
+            rs = rs.set_username(u);
+        }
+        if let Some(p) = &cfg.password_file {
+            let pw = std::fs::read_to_string(p).with_context(|| {
+                format!("KVROUTE_REDIS_PASSWORD_FILE {}: unreadable", p.display())
+            })?;
+            let pw = pw.trim_end_matches(['\r', '\n']);
+            anyhow::ensure!(
+                !pw.is_empty(),
+                "KVROUTE_REDIS_PASSWORD_FILE {}: empty",
+                p.display()
+            );
+            rs = rs.set_password(pw);
+        }
+        info = info.set_redis_settings(rs);
+        let client = redis::Client::open(info).context("KVROUTE_REDIS_URL")?;
+        let conn = manager(&client, Duration::from_secs(2))?;
+        let id = cfg.replica_id.clone().unwrap_or_else(default_id);
+        let (tx, rx) = mpsc::channel(OUTBOX);
+        let rep = Arc::new(Replica {
+            id,
+            cfg,
+            client,
+            conn,
+            tx,
+            known_rules: Mutex::new(HashMap::new()),
+            tailed: Mutex::new(HashMap::new()),
+        });
+        tracing::info!(replica = %rep.id, url = %redact(&rep.cfg.url), prefix = %rep.cfg.prefix, "replication through Redis");
+        tokio::spawn(writer::run(rep.clone(), state.clone(), rx));
+        tokio::spawn(tailer::run(rep.clone(), state.clone()));
+        Ok(rep)
+    }
+
+    /// `PREFIX:{RULE#GEN}`: every key of one rule generation shares the hash tag.
+    pub fn rule_tag(&self, rule: &RuleRuntime) -> String {
+        format!(
+            "{}:{{{}#{:016x}}}",
+            self.cfg.prefix,
+            rule.spec.name(),
+            rule.generation
+        )
+    }
+
+    /// The rule's replication log.
+    pub fn log_key(&self, rule: &RuleRuntime) -> String {
+        format!("{}:log", self.rule_tag(rule))
+    }
+
+    /// Endpoint `ep`'s snapshot.
+    pub fn snap_key(&self, rule: &RuleRuntime, ep: usize) -> String {
+        format!("{}:snap:{ep}", self.rule_tag(rule))
+    }
+
+    /// Endpoint `ep`'s ownership lease.
+    pub fn lease_key(&self, rule: &RuleRuntime, ep: usize) -> String {
+        format!("{}:lease:{ep}", self.rule_tag(rule))
+    }
+
+    /// The log of rule changes.
+    pub fn rules_log_key(&self) -> String {
+        format!("{}:{{rules}}:log", self.cfg.prefix)
+    }
+
+    /// Rule name -> canonical rule JSON, for replicas that start later.
+    pub fn rules_set_key(&self) -> String {
+        format!("{}:{{rules}}:set", self.cfg.prefix)
+    }
+
+    /// Keys of a rule generation (log, snapshots, leases).
+    fn rule_keys(&self, rule: &RuleRuntime) -> Vec<String> {
+        let mut v = vec![self.log_key(rule)];
+        for ep in 0..rule.eps.len() {
+            v.push(self.snap_key(rule, ep));
+            v.push(self.lease_key(rule, ep));
+        }
+        v
+    }
+
+    fn send(&self, state: &AppState, rule: Option<(&RuleRuntime, usize)>, out: Out) {
+        if self.tx.try_send(out).is_err() {
+            state
+                .metrics
+                .repl_entries
+                .with_label_values(&["dropped"])
+                .inc();
+            if let Some((rule, ep)) = rule {
+                if let Some(e) = rule.eps.get(ep) {
+                    e.dirty.store(true, Ordering::Relaxed);
+                }
+            }
+        }
+    }
+
+    /// Replicates what this replica (the owner) applied for `(ep, rank)`.
+    pub fn ops(
+        &self,
+        state: &AppState,
+        rule: &Arc<RuleRuntime>,
+        ep: usize,
+        rank: u8,
+        ops: &[IndexOp],
+    ) {
+        let seq = rule.eps.get(ep).and_then(|e| e.last_seq(rank));
+        let entry = Entry::Ops {
+            ep: ep as u8,
+            rank,
+            seq,
+            ops: ops.to_vec(),
+        };
+        self.send(
+            state,
+            Some((rule, ep)),
+            Out::Entry {
+                rule: rule.clone(),
+                entry,
+            },
+        );
+    }
+
+    /// Replicates a routing decision (speculative credit, placement memory, in-flight load).
+    pub fn decision(
+        &self,
+        state: &AppState,
+        rule: &Arc<RuleRuntime>,
+        ep: usize,
+        update: Option<Update>,
+        keys: &[BlockKey],
+    ) {
+        let entry = Entry::Decision {
+            ep: ep as u8,
+            update,
+            ttl_ms: u32::try_from(state.settings.spec_ttl.as_millis()).unwrap_or(u32::MAX),
+            keys: keys.to_vec(),
+        };
+        self.send(
+            state,
+            None,
+            Out::Entry {
+                rule: rule.clone(),
+                entry,
+            },
+        );
+    }
+
+    /// A rule installed through this replica (API or config file): store it and tell the others.
+    /// `replaced` is the runtime it replaced, whose replication keys are dropped.
+    pub fn rule_put(&self, state: &AppState, rule: &RuleRuntime, replaced: Option<&RuleRuntime>) {
+        let name = rule.spec.name();
+        lock(&self.known_rules).insert(name.clone(), rule.generation);
+        let garbage = replaced
+            .filter(|old| old.generation != rule.generation)
+            .map(|old| self.rule_keys(old))
+            .unwrap_or_default();
+        let raw = rule.spec.raw_json().to_string();
+        self.send(state, None, Out::RulePut { name, raw, garbage });
+    }
+
+    /// A rule deleted through this replica.
+    pub fn rule_del(&self, state: &AppState, rule: &RuleRuntime) {
+        let name = rule.spec.name();
+        lock(&self.known_rules).remove(&name);
+        let garbage = self.rule_keys(rule);
+        self.send(state, None, Out::RuleDel { name, garbage });
+    }
+
+    /// Runs the ownership loop of one endpoint (it starts ingestion while this replica holds the lease).
+    pub fn spawn_lease(
+        self: &Arc<Self>,
+        state: &Arc<AppState>,
+        rule: &Arc<RuleRuntime>,
+        ep: usize,
+    ) {
+        tokio::spawn(lease::run(self.clone(), state.clone(), rule.clone(), ep));
+    }
+
+    /// Where the tailer stands in `log_key` (entries up to it are applied here).
+    fn tailed_to(&self, log_key: &str) -> Option<StreamId> {
+        lock(&self.tailed).get(log_key).copied()
+    }
+}
+
+/// A connection manager that reconnects by itself; commands fail within `timeout` while Redis is away.
+fn manager(client: &redis::Client, timeout: Duration) -> anyhow::Result<ConnectionManager> {
+    let cfg = ConnectionManagerConfig::new()
+        .set_connection_timeout(Some(Duration::from_secs(1)))
+        .set_response_timeout(Some(timeout))
+        .set_number_of_retries(1)
+        .set_max_delay(Duration::from_secs(1));
+    ConnectionManager::new_lazy_with_config(client.clone(), cfg).context("Redis connection")
+}
+
+/// `host-pid-random`: unique per process, readable in lease values and logs.
+fn default_id() -> String {
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|h| h.trim().to_owned())
+        .unwrap_or_else(|_| "host".into());
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.subsec_nanos())
+        .unwrap_or(0);
+    format!("{host}-{}-{:08x}", std::process::id(), nanos)
+}
+
+/// The URL without its password, for logs.
+fn redact(url: &str) -> String {
+    match (url.find("://"), url.rfind('@')) {
+        (Some(s), Some(at)) if at > s => format!("{}://***@{}", &url[..s], &url[at + 1..]),
+        _ => url.to_owned(),
+    }
+}
+
+/// Milliseconds since the Unix epoch (the clock of stream ids).
+fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn passwords_stay_out_of_logs() {
+        assert_eq!(redact("redis://u:pw@h:1/0"), "redis://***@h:1/0");
+        assert_eq!(redact("rediss://h:1"), "rediss://h:1");
+    }
+}

@@ -1,0 +1,390 @@
+//! Tails every rule's replication log (and the rule log) into this replica's memory.
+//!
+//! Bootstrapping a rule loads each endpoint's snapshot and tails from the oldest position they
+//! include; entries of an endpoint at or before its snapshot's position are skipped. An entry this
+//! replica wrote about an endpoint it owns is skipped (it was applied when ingested). A snapshot
+//! marker written by another replica reloads that endpoint. A failed read resynchronises every
+//! rule (snapshots + tail) once Redis answers again, and the outage is reported as the gap.
+
+use std::collections::HashMap;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use redis::streams::StreamReadReply;
+use redis::Value;
+
+use super::codec::{Entry, Snapshot, StreamId};
+use super::{lock, now_ms, Replica};
+use crate::index::{EndpointId, IndexOp};
+use crate::ingest::{apply_local, kv_endpoints};
+use crate::state::{AppState, RuleRuntime};
+
+/// Entries read per call and how long one read blocks.
+const COUNT: usize = 1000;
+const BLOCK_MS: u64 = 500;
+
+struct Tail {
+    rule: Arc<RuleRuntime>,
+    pos: StreamId,
+    /// Per endpoint: entries at or before this are in the loaded snapshot.
+    skip: Vec<StreamId>,
+}
+
+pub(super) async fn run(rep: Arc<Replica>, state: Arc<AppState>) {
+    // Its own connection: a blocking XREAD would stall the writer's pipeline.
+    let Ok(mut conn) = super::manager(&rep.client, Duration::from_millis(BLOCK_MS + 2000)) else {
+        tracing::error!("replication tailer: cannot create a Redis connection");
+        return;
+    };
+    let cancel = state.cancel.clone();
+    let mut tails: HashMap<String, Tail> = HashMap::new();
+    let mut rules_pos: Option<StreamId> = None;
+    let mut outage: Option<Instant> = None;
+    let mut backoff = Duration::from_millis(100);
+    while !cancel.is_cancelled() {
+        let step = async {
+            if rules_pos.is_none() {
+                rules_pos = Some(bootstrap_rules(&rep, &state, &mut conn).await?);
+            }
+            sync_tails(&rep, &state, &mut conn, &mut tails).await?;
+            read_once(&rep, &state, &mut conn, &mut tails, &mut rules_pos).await
+        };
+        let res = tokio::select! {
+            _ = cancel.cancelled() => break,
+            r = step => r,
+        };
+        match res {
+            Ok(()) => {
+                backoff = Duration::from_millis(100);
+                if let Some(t) = outage.take() {
+                    let gap = t.elapsed();
+                    let m = &state.metrics;
+                    m.repl_resyncs
+                        .with_label_values(&["tailer_reconnect"])
+                        .inc();
+                    m.repl_last_gap_seconds.set(gap.as_secs_f64());
+                    tracing::info!(replica = %rep.id, gap_ms = gap.as_millis() as u64, "replication resynchronised (snapshots + tail)");
+                }
+            }
+            Err(e) => {
+                state
+                    .metrics
+                    .redis_errors
+                    .with_label_values(&["read"])
+                    .inc();
+                if outage.is_none() {
+                    tracing::warn!(replica = %rep.id, "replication log unreadable: serving from memory until Redis answers ({e})");
+                    outage = Some(Instant::now());
+                }
+                // Resynchronise everything once Redis answers: the log may have been lost.
+                tails.clear();
+                rules_pos = None;
+                tokio::select! {
+                    _ = cancel.cancelled() => break,
+                    _ = tokio::time::sleep(backoff) => {}
+                }
+                backoff = (backoff * 2).min(Duration::from_secs(2));
+            }
+        }
+    }
+}
+
+/// Installs the stored rules this replica does not hold yet; returns where to tail the rule log.
+async fn bootstrap_rules(
+    rep: &Replica,
+    state: &Arc<AppState>,
+    conn: &mut redis::aio::ConnectionManager,
+) -> redis::RedisResult<StreamId> {
+    // Position first, then the set: a change in between is seen twice, which is harmless.
+    let pos = last_id(conn, &rep.rules_log_key()).await?;
+    let all: HashMap<String, String> = redis::cmd("HGETALL")
+        .arg(rep.rules_set_key())
+        .query_async(conn)
+        .await?;
+    for (name, raw) in all {
+        if lock(&rep.known_rules).contains_key(&name) {
+            // Installed here (config or API): ours is queued for Redis, or already there.
+            continue;
+        }
+        put_rule(rep, state, &name, &raw);
+    }
+    Ok(pos)
+}
+
+/// Applies a rule stored by another replica (unless this replica already holds that generation).
+fn put_rule(rep: &Replica, state: &Arc<AppState>, name: &str, raw: &str) {
+    let Ok(v) = serde_json::from_str::<serde_json::Value>(raw) else {
+        tracing::warn!(rule = name, "replicated rule is not JSON: ignored");
+        return;
+    };
+    match crate::rules::parse_rule(&v, &state.settings) {
+        Ok(spec) => {
+            let gen = xxhash_rust::xxh3::xxh3_64(spec.raw_json().to_string().as_bytes());
+            if lock(&rep.known_rules).get(name) == Some(&gen) {
+                return;
+            }
+            match crate::api::install_rule(state, spec) {
+                Ok(rt) => {
+                    lock(&rep.known_rules).insert(name.to_owned(), rt.generation);
+                    tracing::info!(rule = name, "rule replicated from another replica");
+                }
+                Err(e) => tracing::warn!(rule = name, "replicated rule rejected here: {e:?}"),
+            }
+        }
+        Err(e) => tracing::warn!(rule = name, "replicated rule rejected here: {e}"),
+    }
+}
+
+/// Starts tailing new rules (bootstrapping them from snapshots) and forgets deleted ones.
+async fn sync_tails(
+    rep: &Replica,
+    state: &AppState,
+    conn: &mut redis::aio::ConnectionManager,
+    tails: &mut HashMap<String, Tail>,
+) -> redis::RedisResult<()> {
+    let rules: Vec<Arc<RuleRuntime>> = state
+        .rules()
+        .into_iter()
+        .filter(|r| r.spec.kv_enabled())
+        .collect();
+    tails.retain(|k, t| {
+        rules
+            .iter()
+            .any(|r| Arc::ptr_eq(r, &t.rule) && rep.log_key(r) == *k)
+    });
+    for rule in rules {
+        let key = rep.log_key(&rule);
+        if tails.contains_key(&key) {
+            continue;
+        }
+        let head = last_id(conn, &key).await?;
+        let mut skip = vec![head; rule.eps.len()];
+        let mut pos = head;
+        for ep in kv_endpoints(&rule) {
+            let at = if rule.eps[ep].owned.load(Ordering::Relaxed) {
+                // Ours: live and newer than anything logged so far; only new entries apply.
+                head
+            } else {
+                load_snapshot(rep, state, conn, &rule, ep, "bootstrap")
+                    .await?
+                    .unwrap_or_default()
+            };
+            skip[ep] = at;
+            pos = pos.min(at);
+        }
+        lock(&rep.tailed).insert(key.clone(), pos);
+        tails.insert(key, Tail { rule, pos, skip });
+    }
+    Ok(())
+}
+
+/// The id of the newest entry of a stream (`0-0` when empty or absent).
+async fn last_id(
+    conn: &mut redis::aio::ConnectionManager,
+    key: &str,
+) -> redis::RedisResult<StreamId> {
+    let last: Vec<(String, HashMap<String, Value>)> = redis::cmd("XREVRANGE")
+        .arg(key)
+        .arg("+")
+        .arg("-")
+        .arg("COUNT")
+        .arg(1)
+        .query_async(conn)
+        .await?;
+    Ok(last
+        .first()
+        .and_then(|(id, _)| StreamId::parse(id))
+        .unwrap_or_default())
+}
+
+/// Loads endpoint `ep`'s snapshot into the index; returns the log position it includes
+/// (`None` if there is none: the endpoint keeps what it has).
+async fn load_snapshot(
+    rep: &Replica,
+    state: &AppState,
+    conn: &mut redis::aio::ConnectionManager,
+    rule: &RuleRuntime,
+    ep: usize,
+    cause: &str,
+) -> redis::RedisResult<Option<StreamId>> {
+    let bytes: Option<Vec<u8>> = redis::cmd("GET")
+        .arg(rep.snap_key(rule, ep))
+        .query_async(conn)
+        .await?;
+    let Some(bytes) = bytes else { return Ok(None) };
+    let snap = match Snapshot::decode(&bytes) {
+        Ok(s) => s,
+        Err(e) => {
+            tracing::warn!(rule = %rule.spec.name(), ep, "undecodable snapshot ignored: {e}");
+            return Ok(None);
+        }
+    };
+    let e = &rule.eps[ep];
+    for rank in 0..rule.spec.dp_ranks.max(1) {
+        apply_local(state, rule, ep, rank, &[IndexOp::Clear]);
+    }
+    for r in snap.ranks {
+        if let Some(seq) = r.seq {
+            e.note_seq(r.rank, seq);
+        }
+        apply_local(state, rule, ep, r.rank, &[IndexOp::Store(r.keys)]);
+    }
+    let m = &state.metrics;
+    m.snapshot_loads.with_label_values(&[cause]).inc();
+    m.snapshot_age
+        .with_label_values(&[&rule.spec.name(), &ep.to_string()])
+        .set(now_ms().saturating_sub(snap.taken_ms) as f64 / 1000.0);
+    Ok(StreamId::parse(&snap.upto))
+}
+
+/// One blocking read over every tailed log and the rule log; applies what arrives.
+async fn read_once(
+    rep: &Replica,
+    state: &Arc<AppState>,
+    conn: &mut redis::aio::ConnectionManager,
+    tails: &mut HashMap<String, Tail>,
+    rules_pos: &mut Option<StreamId>,
+) -> redis::RedisResult<()> {
+    let rules_key = rep.rules_log_key();
+    let keys: Vec<String> = tails.keys().cloned().collect();
+    let mut cmd = redis::cmd("XREAD");
+    cmd.arg("COUNT")
+        .arg(COUNT)
+        .arg("BLOCK")
+        .arg(BLOCK_MS)
+        .arg("STREAMS")
+        .arg(&rules_key)
+        .arg(&keys);
+    cmd.arg(rules_pos.unwrap_or_default().to_string());
+    for k in &keys {
+        cmd.arg(tails[k].pos.to_string());
+    }
+    let reply: Option<StreamReadReply> = cmd.query_async(conn).await?;
+    let Some(reply) = reply else { return Ok(()) };
+    let now = now_ms();
+    let m = &state.metrics;
+    let mut read = 0usize;
+    for sk in reply.keys {
+        read += sk.ids.len();
+        if sk.key == rules_key {
+            for e in sk.ids {
+                if let Some(id) = StreamId::parse(&e.id) {
+                    *rules_pos = Some(id);
+                }
+                apply_rule_entry(rep, state, &e);
+            }
+            continue;
+        }
+        let Some(t) = tails.get_mut(&sk.key) else {
+            continue;
+        };
+        for e in sk.ids {
+            let Some(id) = StreamId::parse(&e.id) else {
+                continue;
+            };
+            t.pos = id;
+            let origin: Option<String> = e.get("o");
+            let data: Option<Vec<u8>> = e.get("d");
+            let Some(entry) = data.and_then(|d| Entry::decode(&d).ok()) else {
+                m.repl_entries.with_label_values(&["undecodable"]).inc();
+                continue;
+            };
+            let ep = entry.ep() as usize;
+            if ep >= t.rule.eps.len() || id <= t.skip[ep] {
+                continue;
+            }
+            let mine = origin.as_deref() == Some(rep.id.as_str());
+            let owned = t.rule.eps[ep].owned.load(Ordering::Relaxed);
+            if mine && (owned || !matches!(entry, Entry::Ops { .. })) {
+                continue;
+            }
+            m.repl_lag_seconds
+                .observe(now.saturating_sub(id.ms) as f64 / 1000.0);
+            m.repl_entries.with_label_values(&["applied"]).inc();
+            apply_entry(rep, state, conn, t, id, entry).await?;
+        }
+        lock(&rep.tailed).insert(sk.key.clone(), t.pos);
+    }
+    m.repl_lag_entries.set(read as i64);
+    Ok(())
+}
+
+async fn apply_entry(
+    rep: &Replica,
+    state: &AppState,
+    conn: &mut redis::aio::ConnectionManager,
+    t: &mut Tail,
+    id: StreamId,
+    entry: Entry,
+) -> redis::RedisResult<()> {
+    let rule = &t.rule;
+    match entry {
+        Entry::Ops { ep, rank, seq, ops } => {
+            let ep = ep as usize;
+            if let Some(s) = seq {
+                rule.eps[ep].note_seq(rank, s);
+            }
+            apply_local(state, rule, ep, rank, &ops);
+        }
+        Entry::Decision {
+            ep,
+            update,
+            ttl_ms,
+            keys,
+        } => {
+            let now = Instant::now();
+            let ep = ep as usize;
+            // Credit only what is left of the decision's time to live.
+            let age = now_ms().saturating_sub(id.ms);
+            let left = u64::from(ttl_ms).saturating_sub(age);
+            if left > 0 && !keys.is_empty() {
+                rule.index.speculate(
+                    EndpointId(ep as u8),
+                    &keys,
+                    now,
+                    Duration::from_millis(left),
+                );
+            }
+            if let Some(u) = update {
+                rule.memory.record(&keys, ep, u, now);
+            }
+            if age < state.settings.inflight_window.as_millis() as u64 {
+                rule.eps[ep].record_decision(now);
+            }
+        }
+        Entry::Snapshot { ep } => {
+            let ep = ep as usize;
+            if !rule.eps[ep].owned.load(Ordering::Relaxed) {
+                if let Some(at) = load_snapshot(rep, state, conn, rule, ep, "marker").await? {
+                    t.skip[ep] = at.max(id);
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+fn apply_rule_entry(rep: &Replica, state: &Arc<AppState>, e: &redis::streams::StreamId) {
+    let origin: Option<String> = e.get("o");
+    if origin.as_deref() == Some(rep.id.as_str()) {
+        return;
+    }
+    let (Some(op), Some(name)) = (e.get::<String>("op"), e.get::<String>("name")) else {
+        return;
+    };
+    match op.as_str() {
+        "put" => {
+            if let Some(raw) = e.get::<String>("rule") {
+                put_rule(rep, state, &name, &raw);
+            }
+        }
+        "del" => {
+            lock(&rep.known_rules).remove(&name);
+            if crate::api::uninstall_rule(state, &name).is_some() {
+                tracing::info!(rule = %name, "rule deletion replicated from another replica");
+            }
+        }
+        _ => {}
+    }
+}

@@ -1,0 +1,346 @@
+//! The single writer of this replica: log entries, rule changes and the snapshots of the
+//! endpoints it owns, in the order they were applied locally.
+//!
+//! Ordering is what makes snapshots exact: a snapshot is taken here, between two writes, so the
+//! log position it records covers everything this replica appended for the endpoint, and what it
+//! applied since is still queued and lands after the marker.
+//!
+//! While Redis is unreachable, entries are dropped (the endpoint is marked dirty) instead of
+//! piling up; once a PING answers again every owned endpoint's snapshot is rewritten and the
+//! rules re-stored (an empty, restarted Redis is rebuilt from the replicas' memory).
+
+use std::collections::HashMap;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tokio::sync::mpsc;
+
+use super::codec::{Entry, RankSnap, Snapshot, StreamId};
+use super::{now_ms, Out, Replica};
+use crate::index::EndpointId;
+use crate::ingest::kv_endpoints;
+use crate::state::{lock, AppState, RuleRuntime};
+
+/// Entries written per pipeline round trip.
+const BATCH: usize = 512;
+
+struct Writer {
+    rep: Arc<Replica>,
+    state: Arc<AppState>,
+    conn: redis::aio::ConnectionManager,
+    /// (log key, ep) -> id of the last entry this replica appended for the endpoint.
+    appended: HashMap<(String, u8), StreamId>,
+    down_since: Option<Instant>,
+}
+
+pub(super) async fn run(rep: Arc<Replica>, state: Arc<AppState>, mut rx: mpsc::Receiver<Out>) {
+    let mut w = Writer {
+        conn: rep.conn.clone(),
+        rep,
+        state,
+        appended: HashMap::new(),
+        down_since: None,
+    };
+    w.state.metrics.redis_connected.set(1);
+    let mut tick = tokio::time::interval(Duration::from_millis(250));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let cancel = w.state.cancel.clone();
+    let mut batch = Vec::with_capacity(BATCH);
+    loop {
+        tokio::select! {
+            biased;
+            _ = cancel.cancelled() => break,
+            n = rx.recv_many(&mut batch, BATCH) => {
+                if n == 0 {
+                    break;
+                }
+                w.write(std::mem::take(&mut batch)).await;
+            }
+            _ = tick.tick() => w.tick().await,
+        }
+    }
+    // Draining: write what is queued (bounded), so a graceful stop loses nothing.
+    let end = Instant::now() + Duration::from_secs(2);
+    while Instant::now() < end && w.down_since.is_none() {
+        let mut rest = Vec::new();
+        if rx.try_recv().map(|o| rest.push(o)).is_err() {
+            break;
+        }
+        while rest.len() < BATCH {
+            match rx.try_recv() {
+                Ok(o) => rest.push(o),
+                Err(_) => break,
+            }
+        }
+        w.write(rest).await;
+    }
+}
+
+impl Writer {
+    fn maxlen(&self) -> u64 {
+        self.rep.cfg.stream_maxlen
+    }
+
+    /// Appends a batch in one pipeline; on failure marks the endpoints dirty and goes down.
+    async fn write(&mut self, batch: Vec<Out>) {
+        let m = &self.state.metrics;
+        if self.down_since.is_some() {
+            m.repl_entries
+                .with_label_values(&["dropped"])
+                .inc_by(batch.len() as u64);
+            mark_dirty(&batch);
+            return;
+        }
+        let mut pipe = redis::pipe();
+        let rules_log = self.rep.rules_log_key();
+        let rules_set = self.rep.rules_set_key();
+        // What each XADD reply is about: (log key, ep) for inventory entries.
+        let mut slots: Vec<Option<(String, u8)>> = Vec::with_capacity(batch.len());
+        for o in &batch {
+            match o {
+                Out::Entry { rule, entry } => {
+                    let key = self.rep.log_key(rule);
+                    xadd(&mut pipe, &key, self.maxlen())
+                        .arg("o")
+                        .arg(&self.rep.id)
+                        .arg("d")
+                        .arg(entry.encode());
+                    let inv = matches!(entry, Entry::Ops { .. } | Entry::Snapshot { .. });
+                    slots.push(inv.then(|| (key, entry.ep())));
+                }
+                Out::RulePut { name, raw, garbage } => {
+                    for k in garbage {
+                        pipe.cmd("DEL").arg(k).ignore();
+                    }
+                    pipe.cmd("HSET").arg(&rules_set).arg(name).arg(raw).ignore();
+                    xadd(&mut pipe, &rules_log, 10_000)
+                        .arg("o")
+                        .arg(&self.rep.id)
+                        .arg("op")
+                        .arg("put")
+                        .arg("name")
+                        .arg(name)
+                        .arg("rule")
+                        .arg(raw);
+                    slots.push(None);
+                }
+                Out::RuleDel { name, garbage } => {
+                    for k in garbage {
+                        pipe.cmd("DEL").arg(k).ignore();
+                    }
+                    pipe.cmd("HDEL").arg(&rules_set).arg(name).ignore();
+                    xadd(&mut pipe, &rules_log, 10_000)
+                        .arg("o")
+                        .arg(&self.rep.id)
+                        .arg("op")
+                        .arg("del")
+                        .arg("name")
+                        .arg(name);
+                    slots.push(None);
+                }
+            }
+        }
+        match pipe.query_async::<Vec<String>>(&mut self.conn).await {
+            Ok(ids) => {
+                for (slot, id) in slots.into_iter().zip(ids) {
+                    if let (Some(k), Some(id)) = (slot, StreamId::parse(&id)) {
+                        self.appended.insert(k, id);
+                    }
+                }
+                m.repl_entries
+                    .with_label_values(&["sent"])
+                    .inc_by(batch.len() as u64);
+            }
+            Err(e) => {
+                m.redis_errors.with_label_values(&["write"]).inc();
+                m.repl_entries
+                    .with_label_values(&["dropped"])
+                    .inc_by(batch.len() as u64);
+                mark_dirty(&batch);
+                self.went_down(&e);
+            }
+        }
+    }
+
+    fn went_down(&mut self, e: &redis::RedisError) {
+        if self.down_since.is_none() {
+            tracing::warn!(replica = %self.rep.id, "Redis unavailable: serving from memory, owners keep ingesting; will resynchronise ({e})");
+            self.down_since = Some(Instant::now());
+            self.state.metrics.redis_connected.set(0);
+        }
+    }
+
+    async fn tick(&mut self) {
+        if let Some(since) = self.down_since {
+            let pong: Result<String, _> = redis::cmd("PING").query_async(&mut self.conn).await;
+            if pong.is_err() {
+                self.state
+                    .metrics
+                    .redis_errors
+                    .with_label_values(&["ping"])
+                    .inc();
+                return;
+            }
+            let gap = since.elapsed();
+            self.down_since = None;
+            let m = &self.state.metrics;
+            m.redis_connected.set(1);
+            m.repl_resyncs
+                .with_label_values(&["writer_reconnect"])
+                .inc();
+            m.repl_last_gap_seconds.set(gap.as_secs_f64());
+            tracing::info!(replica = %self.rep.id, gap_ms = gap.as_millis() as u64, "Redis back: rewriting owned snapshots and rules");
+            self.restore_rules().await;
+            for rule in self.state.rules() {
+                for e in &rule.eps {
+                    if e.owned.load(Ordering::Relaxed) {
+                        e.dirty.store(true, Ordering::Relaxed);
+                    }
+                }
+            }
+        }
+        self.snapshots().await;
+    }
+
+    /// Re-stores every rule this replica holds (HSETNX: a newer version stored meanwhile wins).
+    async fn restore_rules(&mut self) {
+        let set = self.rep.rules_set_key();
+        let mut pipe = redis::pipe();
+        for r in self.state.rules() {
+            pipe.cmd("HSETNX")
+                .arg(&set)
+                .arg(r.spec.name())
+                .arg(r.spec.raw_json().to_string())
+                .ignore();
+        }
+        if let Err(e) = pipe.query_async::<()>(&mut self.conn).await {
+            self.state
+                .metrics
+                .redis_errors
+                .with_label_values(&["write"])
+                .inc();
+            self.went_down(&e);
+        }
+    }
+
+    /// Writes the snapshots that are due: dirty, or older than the interval.
+    async fn snapshots(&mut self) {
+        let interval = self.rep.cfg.snapshot_interval;
+        for rule in self.state.rules() {
+            if !rule.spec.kv_enabled() {
+                continue;
+            }
+            for ep in kv_endpoints(&rule) {
+                let e = &rule.eps[ep];
+                if !e.owned.load(Ordering::Relaxed) {
+                    continue;
+                }
+                let last = *lock(&e.snapshot_at);
+                let due =
+                    e.dirty.load(Ordering::Relaxed) || last.is_none_or(|t| t.elapsed() >= interval);
+                if due && self.down_since.is_none() {
+                    self.snapshot(&rule, ep).await;
+                }
+                if let Some(t) = *lock(&e.snapshot_at) {
+                    self.state
+                        .metrics
+                        .snapshot_age
+                        .with_label_values(&[&rule.spec.name(), &ep.to_string()])
+                        .set(t.elapsed().as_secs_f64());
+                }
+            }
+        }
+    }
+
+    /// Writes endpoint `ep`'s snapshot and its marker atomically.
+    async fn snapshot(&mut self, rule: &Arc<RuleRuntime>, ep: usize) {
+        let e = &rule.eps[ep];
+        // Clear before exporting: a change racing with the export marks it dirty again.
+        e.dirty.store(false, Ordering::Relaxed);
+        let log = self.rep.log_key(rule);
+        let mine = self.appended.get(&(log.clone(), ep as u8)).copied();
+        let tailed = self.rep.tailed_to(&log);
+        let upto = mine.max(tailed).unwrap_or_default();
+        let mut ranks: Vec<RankSnap> = rule
+            .index
+            .export(EndpointId(ep as u8))
+            .into_iter()
+            .map(|(r, keys)| RankSnap {
+                rank: r.0,
+                seq: e.last_seq(r.0),
+                keys,
+            })
+            .collect();
+        for rank in 0..rule.spec.dp_ranks.max(1) {
+            if !ranks.iter().any(|r| r.rank == rank) {
+                ranks.push(RankSnap {
+                    rank,
+                    seq: e.last_seq(rank),
+                    keys: Vec::new(),
+                });
+            }
+        }
+        let snap = Snapshot {
+            upto: upto.to_string(),
+            taken_ms: now_ms(),
+            ranks,
+        };
+        let bytes = snap.encode();
+        let size = bytes.len();
+        let mut pipe = redis::pipe();
+        pipe.atomic();
+        pipe.cmd("SET")
+            .arg(self.rep.snap_key(rule, ep))
+            .arg(bytes)
+            .ignore();
+        xadd(&mut pipe, &log, self.maxlen())
+            .arg("o")
+            .arg(&self.rep.id)
+            .arg("d")
+            .arg(Entry::Snapshot { ep: ep as u8 }.encode());
+        let m = &self.state.metrics;
+        match pipe.query_async::<Vec<String>>(&mut self.conn).await {
+            Ok(ids) => {
+                if let Some(id) = ids.first().and_then(|i| StreamId::parse(i)) {
+                    self.appended.insert((log, ep as u8), id);
+                }
+                *lock(&e.snapshot_at) = Some(Instant::now());
+                let labels = [rule.spec.name(), ep.to_string()];
+                m.snapshot_bytes
+                    .with_label_values(&[&labels[0], &labels[1]])
+                    .set(size as i64);
+                m.snapshots_written.inc();
+            }
+            Err(err) => {
+                e.dirty.store(true, Ordering::Relaxed);
+                m.redis_errors.with_label_values(&["snapshot"]).inc();
+                self.went_down(&err);
+            }
+        }
+    }
+}
+
+/// `XADD key MAXLEN ~ n *` (fields follow).
+fn xadd<'a>(pipe: &'a mut redis::Pipeline, key: &str, maxlen: u64) -> &'a mut redis::Pipeline {
+    pipe.cmd("XADD")
+        .arg(key)
+        .arg("MAXLEN")
+        .arg("~")
+        .arg(maxlen)
+        .arg("*")
+}
+
+fn mark_dirty(batch: &[Out]) {
+    for o in batch {
+        if let Out::Entry {
+            rule,
+            entry: Entry::Ops { ep, .. },
+        } = o
+        {
+            if let Some(e) = rule.eps.get(*ep as usize) {
+                e.dirty.store(true, Ordering::Relaxed);
+            }
+        }
+    }
+}

@@ -1,0 +1,391 @@
+//! Replication across inventory replicas through a real `redis-server` (started by the tests on
+//! free ports): three replicas agree on routes within a measured lag, ownership moves when the
+//! owner is killed, a Redis restart converges, and a late replica bootstraps from snapshots.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod common;
+
+use std::collections::BTreeSet;
+use std::time::{Duration, Instant};
+
+use common::{batch, metric, removed, rule, stored, Publisher, Redis, Service, TOKEN};
+use serde_json::{json, Value};
+
+const RULE: &str = "10.0.0.1:8080";
+const RULE_ID: &str = "10.0.0.1:8080/tcp";
+/// Endpoint IPs: each vLLM endpoint publishes on its own address, same port.
+const EP_IPS: [&str; 2] = ["127.0.0.51", "127.0.0.52"];
+
+fn env(redis: &Redis, id: &str) -> Vec<(String, String)> {
+    [
+        ("KVROUTE_REDIS_URL", redis.url()),
+        ("KVROUTE_REPLICA_ID", id.to_owned()),
+        ("KVROUTE_LEASE_MS", "1000".to_owned()),
+        ("KVROUTE_SNAPSHOT_INTERVAL_MS", "1000".to_owned()),
+        ("KVROUTE_SPEC_TTL_MS", "0".to_owned()),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_owned(), v))
+    .collect()
+}
+
+fn replica(tag: &str, redis: &Redis, id: &str, rules: &Value) -> Service {
+    let e = env(redis, id);
+    let refs: Vec<(&str, &str)> = e.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+    Service::start(tag, rules, &refs)
+}
+
+async fn publishers() -> (Vec<Publisher>, Value) {
+    // Same port on both addresses; retry a few ports if one is taken.
+    for attempt in 0..50u16 {
+        let port = 30000 + (std::process::id() as u16 % 1000) * 7 + attempt * 13;
+        let mut ps = Vec::new();
+        for ip in EP_IPS {
+            if let Some(p) = Publisher::bind_on(ip, port).await {
+                ps.push(p);
+            }
+        }
+        if ps.len() == EP_IPS.len() {
+            let eps: Vec<(String, u16)> = EP_IPS.iter().map(|ip| (ip.to_string(), 9)).collect();
+            let r = rule(
+                8080,
+                "vllm",
+                port,
+                &eps,
+                json!({"kvHashAlgo": "sha256_cbor"}),
+            );
+            return (ps, json!([r]));
+        }
+    }
+    panic!("no free port on both endpoint addresses");
+}
+
+/// Which replicas hold endpoint `ep`'s lease.
+async fn owners(svcs: &[&Service], ep: usize) -> Vec<usize> {
+    let series = format!(r#"kvroute_replication_lease_owned{{ep="{ep}",rule="{RULE_ID}"}}"#);
+    let mut out = Vec::new();
+    for (i, s) in svcs.iter().enumerate() {
+        if metric(&s.metrics().await, &series) == Some(1.0) {
+            out.push(i);
+        }
+    }
+    out
+}
+
+/// Waits until exactly one replica owns `ep` and its subscriber is connected; returns it.
+async fn single_owner(svcs: &[&Service], ep: usize, secs: u64) -> usize {
+    let end = Instant::now() + Duration::from_secs(secs);
+    let conn =
+        format!(r#"kvroute_ingest_subscriber_connected{{ep="{ep}",rank="0",rule="{RULE_ID}"}}"#);
+    while Instant::now() < end {
+        let o = owners(svcs, ep).await;
+        if o.len() == 1 && metric(&svcs[o[0]].metrics().await, &conn) == Some(1.0) {
+            return o[0];
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    panic!(
+        "endpoint {ep} never had exactly one connected owner: {:?}\n{}",
+        owners(svcs, ep).await,
+        svcs[0].stderr()
+    );
+}
+
+/// Sends `payload` with sequence `seq` until `svc` shows `key` (repeats are duplicates to the
+/// subscriber, so nothing is lost and no gap is created): PUB/SUB readiness without a sleep.
+async fn send_until_seen(svc: &Service, p: &mut Publisher, ep: usize, seq: u64, key: u64) {
+    let payload = batch(vec![stored(&[key], &[], false)]);
+    let end = Instant::now() + Duration::from_secs(20);
+    while Instant::now() < end {
+        p.send_seq(seq, &payload).await;
+        if svc.inventory(RULE, ep).await.contains(&key) {
+            p.seq = seq + 1;
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    panic!("the owner never saw seq {seq}; stderr:\n{}", svc.stderr());
+}
+
+async fn inv(svc: &Service, ep: usize) -> BTreeSet<u64> {
+    svc.inventory(RULE, ep).await.into_iter().collect()
+}
+
+/// Waits until every replica's inventory of `ep` equals `want`.
+async fn converge(svcs: &[&Service], ep: usize, want: &BTreeSet<u64>, secs: u64) {
+    let end = Instant::now() + Duration::from_secs(secs);
+    while Instant::now() < end {
+        let mut all = true;
+        for s in svcs {
+            if inv(s, ep).await != *want {
+                all = false;
+                break;
+            }
+        }
+        if all {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    let mut got = Vec::new();
+    for s in svcs {
+        got.push(inv(s, ep).await);
+    }
+    panic!(
+        "endpoint {ep} did not converge to {want:?}: {got:?}\n{}",
+        svcs[0].stderr()
+    );
+}
+
+async fn route(svc: &Service, keys: &[u64]) -> String {
+    let body = json!({"rule": RULE, "keys": keys, "token_count": 16 * keys.len()});
+    let (s, v) = svc.post("/v1/route", &body.to_string(), None).await;
+    assert_eq!(s, 200, "{v}");
+    v["endpoint"].as_str().unwrap().to_owned()
+}
+
+fn percentile(v: &mut [f64], p: f64) -> f64 {
+    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    v[((v.len() as f64 - 1.0) * p).round() as usize]
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_replicas_agree_survive_the_owner_and_bootstrap_a_late_one() {
+    let redis = Redis::start();
+    let (mut pubs, rules) = publishers().await;
+    let a = replica("repl-a", &redis, "a", &rules);
+    let b = replica("repl-b", &redis, "b", &rules);
+    let c = replica("repl-c", &redis, "c", &rules);
+    let mut owner = [0usize; 2];
+    {
+        let svcs = [&a, &b, &c];
+        for (ep, o) in owner.iter_mut().enumerate() {
+            *o = single_owner(&svcs, ep, 20).await;
+            send_until_seen(svcs[*o], &mut pubs[ep], ep, 0, 0xE0 + ep as u64).await;
+        }
+    }
+
+    // Lag: from publishing a block to every replica showing it, 40 times per endpoint.
+    let mut lag_ms = Vec::new();
+    let mut want: [BTreeSet<u64>; 2] = [[0xE0].into_iter().collect(), [0xE1].into_iter().collect()];
+    {
+        let svcs = [&a, &b, &c];
+        for i in 0..40u64 {
+            for (ep, p) in pubs.iter_mut().enumerate() {
+                let key = 0x1000 * (ep as u64 + 1) + i;
+                let t0 = Instant::now();
+                p.send(&batch(vec![stored(&[key], &[], false)])).await;
+                want[ep].insert(key);
+                let mut seen = [false; 3];
+                let end = t0 + Duration::from_secs(5);
+                while seen.iter().any(|s| !s) {
+                    assert!(
+                        Instant::now() < end,
+                        "replica lag over 5 s for key {key:#x}"
+                    );
+                    for (r, s) in svcs.iter().enumerate() {
+                        if !seen[r] && s.inventory(RULE, ep).await.contains(&key) {
+                            seen[r] = true;
+                            if r != owner[ep] {
+                                lag_ms.push(t0.elapsed().as_secs_f64() * 1e3);
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        for ep in 0..2 {
+            converge(&svcs, ep, &want[ep], 5).await;
+        }
+        // Every replica routes a prefix to the endpoint holding it, and a miss the same way.
+        for s in svcs {
+            assert_eq!(route(s, &[0x1000, 0x1001]).await, "127.0.0.51:9");
+            assert_eq!(route(s, &[0x2000]).await, "127.0.0.52:9");
+        }
+        let n = lag_ms.len();
+        let p50 = percentile(&mut lag_ms, 0.5);
+        let p99 = percentile(&mut lag_ms, 0.99);
+        println!("replication lag publish->every replica (non-owners, {n} samples): p50 {p50:.2} ms, p99 {p99:.2} ms");
+        for s in svcs {
+            let m = s.metrics().await;
+            assert!(metric(&m, "kvroute_redis_connected") == Some(1.0), "{m}");
+        }
+    }
+
+    // Kill the owner of endpoint 0 without a goodbye: the lease expires and another takes over.
+    let victim = owner[0];
+    let t_kill = Instant::now();
+    let mut all = vec![Some(a), Some(b), Some(c)];
+    let mut dead = all[victim].take().unwrap();
+    dead.child.kill().unwrap();
+    dead.child.wait().unwrap();
+    let alive: Vec<Service> = all.into_iter().flatten().collect();
+    let survivors: Vec<&Service> = alive.iter().collect();
+    let new_owner = single_owner(&survivors, 0, 10).await;
+    let takeover = t_kill.elapsed();
+    println!(
+        "takeover after SIGKILL of the owner: {} ms (lease 1000 ms)",
+        takeover.as_millis()
+    );
+    assert!(takeover < Duration::from_secs(5), "{takeover:?}");
+    // The new owner resumes the sequence: in-order events continue the same inventory.
+    let next = pubs[0].seq;
+    send_until_seen(survivors[new_owner], &mut pubs[0], 0, next, 0x3000).await;
+    want[0].insert(0x3000);
+    pubs[0]
+        .send(&batch(vec![
+            removed(&[0x1000, 0x1001]),
+            stored(&[0x3001], &[], false),
+        ]))
+        .await;
+    want[0].remove(&0x1000);
+    want[0].remove(&0x1001);
+    want[0].insert(0x3001);
+    converge(&survivors, 0, &want[0], 10).await;
+    converge(&survivors, 1, &want[1], 10).await;
+    let m = survivors[new_owner].metrics().await;
+    assert_eq!(
+        metric(
+            &m,
+            r#"kvroute_ingest_clears_total{cause="gap",engine="vllm"}"#
+        ),
+        None,
+        "the takeover resumed without a gap: {m}"
+    );
+    for s in &survivors {
+        assert_eq!(route(s, &[0x1002, 0x1003]).await, "127.0.0.51:9");
+    }
+
+    // A late replica with no rules file learns the rule and the inventory from Redis.
+    let late = replica("repl-late", &redis, "late", &json!([]));
+    let mut everyone: Vec<&Service> = survivors.clone();
+    everyone.push(&late);
+    converge(&everyone, 0, &want[0], 15).await;
+    converge(&everyone, 1, &want[1], 15).await;
+    let m = late.metrics().await;
+    assert!(
+        metric(
+            &m,
+            r#"kvroute_replication_snapshot_loads_total{cause="bootstrap"}"#
+        )
+        .is_some_and(|v| v >= 1.0)
+            || metric(
+                &m,
+                r#"kvroute_replication_snapshot_loads_total{cause="marker"}"#
+            )
+            .is_some_and(|v| v >= 1.0),
+        "{m}"
+    );
+    assert_eq!(route(&late, &[0x2000, 0x2001]).await, "127.0.0.52:9");
+    drop(dead);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_restart_converges_and_rules_replicate() {
+    let mut redis = Redis::start();
+    let (mut pubs, rules) = publishers().await;
+    let a = replica("rr-a", &redis, "a", &rules);
+    let b = replica("rr-b", &redis, "b", &rules);
+    let svcs = [&a, &b];
+    let o = single_owner(&svcs, 0, 20).await;
+    send_until_seen(svcs[o], &mut pubs[0], 0, 0, 0xA0).await;
+    pubs[0]
+        .send(&batch(vec![stored(&[0xA1, 0xA2, 0xA3], &[], false)]))
+        .await;
+    let mut want: BTreeSet<u64> = [0xA0, 0xA1, 0xA2, 0xA3].into_iter().collect();
+    converge(&svcs, 0, &want, 10).await;
+
+    // Redis dies: both keep answering from memory; the owner keeps ingesting.
+    redis.kill();
+    pubs[0]
+        .send(&batch(vec![
+            removed(&[0xA1]),
+            stored(&[0xB1, 0xB2], &[], false),
+        ]))
+        .await;
+    want.remove(&0xA1);
+    want.insert(0xB1);
+    want.insert(0xB2);
+    converge(&[svcs[o]], 0, &want, 10).await;
+    assert!(
+        !inv(svcs[1 - o], 0).await.contains(&0xB1),
+        "the other replica cannot have heard of 0xB1 while Redis is down"
+    );
+    for s in svcs {
+        assert_eq!(route(s, &[0xA2]).await, "127.0.0.51:9");
+    }
+
+    // Redis comes back empty: the owner rewrites its snapshot, the other converges.
+    redis.restart();
+    converge(&svcs, 0, &want, 20).await;
+    for (i, s) in svcs.iter().enumerate() {
+        let m = s.metrics().await;
+        let resyncs: f64 = ["writer_reconnect", "tailer_reconnect"]
+            .iter()
+            .filter_map(|r| {
+                metric(
+                    &m,
+                    &format!(r#"kvroute_replication_resyncs_total{{reason="{r}"}}"#),
+                )
+            })
+            .sum();
+        assert!(resyncs >= 1.0, "replica {i}: {m}");
+        assert!(
+            metric(&m, r#"kvroute_redis_errors_total{op="read"}"#).is_some(),
+            "replica {i}: {m}"
+        );
+    }
+    // Rules are back in Redis too (a replica starting now would find them).
+    let end = Instant::now() + Duration::from_secs(10);
+    while !redis
+        .cli(&["HKEYS", "kvroute:{rules}:set"])
+        .contains(RULE_ID)
+    {
+        assert!(Instant::now() < end, "rules not restored to Redis");
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+
+    // A rule added on one replica appears on the other; deleted, it disappears.
+    let extra = rule(8081, "llamacpp", 0, &[("127.0.0.61".into(), 9)], json!({}));
+    let (s, v) = a
+        .post(
+            "/netlox/v1/config/loadbalancer",
+            &extra.to_string(),
+            Some(TOKEN),
+        )
+        .await;
+    assert_eq!(s, 200, "{v}");
+    b.wait_for("the added rule on the other replica", 10, || async {
+        b.get("/netlox/v1/config/loadbalancer/all")
+            .await
+            .1
+            .contains("8081")
+    })
+    .await;
+    let r = a
+        .http
+        .delete(format!(
+            "{}/netlox/v1/config/loadbalancer/externalipaddress/10.0.0.1/port/8081/protocol/tcp",
+            a.base
+        ))
+        .bearer_auth(TOKEN)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 200);
+    b.wait_for(
+        "the deleted rule gone from the other replica",
+        10,
+        || async {
+            !b.get("/netlox/v1/config/loadbalancer/all")
+                .await
+                .1
+                .contains("8081")
+        },
+    )
+    .await;
+    let mut a = a;
+    let mut b = b;
+    assert_eq!(a.terminate(), Some(0), "{}", a.stderr());
+    assert_eq!(b.terminate(), Some(0), "{}", b.stderr());
+}
