@@ -34,6 +34,21 @@ KVROUTE_CACHE="$(cd "$KVROUTE_CACHE" && pwd)"
 SCRATCH="$(mktemp -d "${TMPDIR:-/tmp}/kvroute-setup.XXXXXX")"
 trap 'rm -rf "$SCRATCH"' EXIT
 
+# apt_install WHAT PKG...: installs Debian packages as root or through sudo, failing with WHAT.
+apt_install() {
+    local what="$1"
+    shift
+    local sudo=""
+    if [[ "$(id -u)" != 0 ]]; then
+        command -v sudo >/dev/null 2>&1 || fail "$what: need root or sudo to apt-get install $*"
+        sudo="sudo"
+    fi
+    $sudo apt-get update -qq >"$SCRATCH/apt.log" 2>&1 ||
+        fail "$what: apt-get update failed (log: $(tail -n 1 "$SCRATCH/apt.log"))"
+    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "$@" >>"$SCRATCH/apt.log" 2>&1 ||
+        fail "$what: apt-get install $* failed (log: $(tail -n 1 "$SCRATCH/apt.log"))"
+}
+
 # --- 1. wasm32 toolchain ----------------------------------------------------------------------
 # A rustup-installed wasm32 target is preferred (build-wasm.sh makes the same check); otherwise
 # Debian's rustc builds std for wasm32 from source (-Zbuild-std) and links with wasm-ld-19.
@@ -50,18 +65,16 @@ else
     done
     if ((${#missing[@]} > 0)); then
         note "installing wasm toolchain from apt: ${missing[*]}"
-        SUDO=""
-        if [[ "$(id -u)" != 0 ]]; then
-            command -v sudo >/dev/null 2>&1 || fail "wasm toolchain: need root or sudo to apt-get install ${missing[*]}"
-            SUDO="sudo"
-        fi
-        $SUDO apt-get update -qq >"$SCRATCH/apt.log" 2>&1 ||
-            fail "wasm toolchain: apt-get update failed (log: $(tail -n 1 "$SCRATCH/apt.log"))"
-        DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >>"$SCRATCH/apt.log" 2>&1 ||
-            fail "wasm toolchain: apt-get install ${missing[*]} failed (log: $(tail -n 1 "$SCRATCH/apt.log"))"
+        apt_install "wasm toolchain" "${missing[@]}"
     fi
     [[ -x /usr/bin/rustc ]] || fail "wasm toolchain: /usr/bin/rustc missing after installing rustc-web"
     command -v wasm-ld-19 >/dev/null 2>&1 || fail "wasm toolchain: wasm-ld-19 missing after installing lld-19"
+fi
+
+# --- 1b. redis-server and redis-cli (the replication tests start, kill and restart their own) ---
+if ! command -v redis-server >/dev/null 2>&1 || ! command -v redis-cli >/dev/null 2>&1; then
+    note "installing redis-server from apt (replication tests)"
+    apt_install "redis" redis-server redis-tools
 fi
 
 # --- 2. Envoy ---------------------------------------------------------------------------------

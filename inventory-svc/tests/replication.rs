@@ -294,6 +294,13 @@ async fn redis_restart_converges_and_rules_replicate() {
         .await;
     let mut want: BTreeSet<u64> = [0xA0, 0xA1, 0xA2, 0xA3].into_iter().collect();
     converge(&svcs, 0, &want, 10).await;
+    // /healthz says which replica ingests the endpoint.
+    for (i, s) in svcs.iter().enumerate() {
+        let hz = s.get_json("/healthz").await;
+        assert_eq!(hz["replication"]["replica"], ["a", "b"][i], "{hz}");
+        assert_eq!(hz["replication"]["redis_connected"], true, "{hz}");
+        assert_eq!(hz["rules"][0]["endpoints"][0]["owned"], i == o, "{hz}");
+    }
 
     // Redis dies: both keep answering from memory; the owner keeps ingesting.
     redis.kill();

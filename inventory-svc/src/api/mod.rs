@@ -327,6 +327,8 @@ async fn healthz(State(state): State<Arc<AppState>>) -> Json<Value> {
                         "endpoint": e.addr(),
                         "healthy": r.eps[i].healthy.load(Ordering::Relaxed),
                         "connected": r.eps[i].connected.iter().map(|c| c.load(Ordering::Relaxed)).collect::<Vec<_>>(),
+                        // Replicated: only the owner subscribes, and reports connection and parity.
+                        "owned": r.eps[i].owned.load(Ordering::Relaxed),
                         "blocks": r.index.block_count(EndpointId(i as u8)),
                         "parity": parity,
                     })
@@ -336,7 +338,15 @@ async fn healthz(State(state): State<Arc<AppState>>) -> Json<Value> {
             json!({"id": r.id, "name": r.spec.name(), "engine": r.spec.engine.as_str(), "tokenizer": r.tokenizer_problem, "endpoints": eps})
         })
         .collect();
-    Json(json!({"status": if degraded { "degraded" } else { "ok" }, "rules": rules}))
+    let replication = state.replica.get().map(|r| {
+        json!({
+            "replica": r.id,
+            "redis_connected": state.metrics.redis_connected.get() == 1,
+        })
+    });
+    Json(
+        json!({"status": if degraded { "degraded" } else { "ok" }, "rules": rules, "replication": replication}),
+    )
 }
 
 async fn readyz(State(state): State<Arc<AppState>>) -> Response {

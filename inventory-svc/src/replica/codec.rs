@@ -33,8 +33,10 @@ pub enum Entry {
         ttl_ms: u32,
         keys: Vec<BlockKey>,
     },
-    /// The owner wrote `ep`'s snapshot right before this entry: load it here.
-    Snapshot { ep: u8 },
+    /// The owner wrote `ep`'s snapshot right before this entry. `resync`: entries were lost
+    /// (Redis outage, full outbox, takeover), so every replica loads it here; otherwise it is a
+    /// periodic snapshot for replicas that start later, and replicas in sync ignore it.
+    Snapshot { ep: u8, resync: bool },
 }
 
 /// Why bytes could not be decoded.
@@ -108,7 +110,7 @@ impl Entry {
     /// The endpoint the entry is about.
     pub fn ep(&self) -> u8 {
         match self {
-            Entry::Ops { ep, .. } | Entry::Decision { ep, .. } | Entry::Snapshot { ep } => *ep,
+            Entry::Ops { ep, .. } | Entry::Decision { ep, .. } | Entry::Snapshot { ep, .. } => *ep,
         }
     }
 
@@ -149,7 +151,9 @@ impl Entry {
                 out.extend_from_slice(&ttl_ms.to_le_bytes());
                 put_keys(&mut out, keys);
             }
-            Entry::Snapshot { ep } => out.extend_from_slice(&[b'S', *ep]),
+            Entry::Snapshot { ep, resync } => {
+                out.extend_from_slice(&[b'S', *ep, u8::from(*resync)])
+            }
         }
         out
     }
@@ -195,7 +199,10 @@ impl Entry {
                     keys,
                 })
             }
-            b'S' => Ok(Entry::Snapshot { ep: r.u8()? }),
+            b'S' => Ok(Entry::Snapshot {
+                ep: r.u8()?,
+                resync: r.u8()? != 0,
+            }),
             t => Err(CodecError::Tag(t)),
         }
     }
@@ -327,7 +334,14 @@ mod tests {
                 ttl_ms: 0,
                 keys: vec![],
             },
-            Entry::Snapshot { ep: 9 },
+            Entry::Snapshot {
+                ep: 9,
+                resync: true,
+            },
+            Entry::Snapshot {
+                ep: 2,
+                resync: false,
+            },
         ];
         for e in all {
             assert_eq!(Entry::decode(&e.encode()).unwrap(), e);

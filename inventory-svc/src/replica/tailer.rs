@@ -11,6 +11,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use kvroute_core::hash::BlockKey;
 use redis::streams::StreamReadReply;
 use redis::Value;
 
@@ -221,14 +222,30 @@ async fn load_snapshot(
         }
     };
     let e = &rule.eps[ep];
-    for rank in 0..rule.spec.dp_ranks.max(1) {
-        apply_local(state, rule, ep, rank, &[IndexOp::Clear]);
-    }
+    // Apply the difference, not clear-and-store: queries keep a whole view, and the write lock
+    // is held for what changed (usually little) instead of the endpoint's whole inventory.
+    let mut have: HashMap<u8, Vec<BlockKey>> = rule
+        .index
+        .export(EndpointId(ep as u8))
+        .into_iter()
+        .map(|(r, k)| (r.0, k))
+        .collect();
     for r in snap.ranks {
         if let Some(seq) = r.seq {
             e.note_seq(r.rank, seq);
         }
-        apply_local(state, rule, ep, r.rank, &[IndexOp::Store(r.keys)]);
+        let old = have.remove(&r.rank).unwrap_or_default();
+        let (gone, new) = diff(old, r.keys);
+        apply_local(
+            state,
+            rule,
+            ep,
+            r.rank,
+            &[IndexOp::Remove(gone), IndexOp::Store(new)],
+        );
+    }
+    for (rank, old) in have {
+        apply_local(state, rule, ep, rank, &[IndexOp::Remove(old)]);
     }
     let m = &state.metrics;
     m.snapshot_loads.with_label_values(&[cause]).inc();
@@ -236,6 +253,36 @@ async fn load_snapshot(
         .with_label_values(&[&rule.spec.name(), &ep.to_string()])
         .set(now_ms().saturating_sub(snap.taken_ms) as f64 / 1000.0);
     Ok(StreamId::parse(&snap.upto))
+}
+
+/// Keys only in `old` and keys only in `new`.
+fn diff(mut old: Vec<BlockKey>, mut new: Vec<BlockKey>) -> (Vec<BlockKey>, Vec<BlockKey>) {
+    old.sort_unstable_by_key(|k| k.0);
+    new.sort_unstable_by_key(|k| k.0);
+    let (mut gone, mut added) = (Vec::new(), Vec::new());
+    let (mut i, mut j) = (0, 0);
+    while i < old.len() || j < new.len() {
+        match (old.get(i), new.get(j)) {
+            (Some(a), Some(b)) if a.0 == b.0 => {
+                i += 1;
+                j += 1;
+            }
+            (Some(a), Some(b)) if a.0 < b.0 => {
+                gone.push(*a);
+                i += 1;
+            }
+            (Some(a), None) => {
+                gone.push(*a);
+                i += 1;
+            }
+            (_, Some(b)) => {
+                added.push(*b);
+                j += 1;
+            }
+            (None, None) => break,
+        }
+    }
+    (gone, added)
 }
 
 /// One blocking read over every tailed log and the rule log; applies what arrives.
@@ -353,9 +400,9 @@ async fn apply_entry(
                 rule.eps[ep].record_decision(now);
             }
         }
-        Entry::Snapshot { ep } => {
+        Entry::Snapshot { ep, resync } => {
             let ep = ep as usize;
-            if !rule.eps[ep].owned.load(Ordering::Relaxed) {
+            if resync && !rule.eps[ep].owned.load(Ordering::Relaxed) {
                 if let Some(at) = load_snapshot(rep, state, conn, rule, ep, "marker").await? {
                     t.skip[ep] = at.max(id);
                 }
@@ -386,5 +433,21 @@ fn apply_rule_entry(rep: &Replica, state: &Arc<AppState>, e: &redis::streams::St
             }
         }
         _ => {}
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn k(v: &[u64]) -> Vec<BlockKey> {
+        v.iter().map(|x| BlockKey(*x)).collect()
+    }
+
+    #[test]
+    fn snapshot_diff() {
+        assert_eq!(diff(k(&[5, 1, 3]), k(&[3, 4, 1, 9])), (k(&[5]), k(&[4, 9])));
+        assert_eq!(diff(vec![], k(&[2])), (vec![], k(&[2])));
+        assert_eq!(diff(k(&[2]), vec![]), (k(&[2]), vec![]));
     }
 }

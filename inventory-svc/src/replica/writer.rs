@@ -257,7 +257,7 @@ impl Writer {
     async fn snapshot(&mut self, rule: &Arc<RuleRuntime>, ep: usize) {
         let e = &rule.eps[ep];
         // Clear before exporting: a change racing with the export marks it dirty again.
-        e.dirty.store(false, Ordering::Relaxed);
+        let resync = e.dirty.swap(false, Ordering::Relaxed);
         let log = self.rep.log_key(rule);
         let mine = self.appended.get(&(log.clone(), ep as u8)).copied();
         let tailed = self.rep.tailed_to(&log);
@@ -298,7 +298,13 @@ impl Writer {
             .arg("o")
             .arg(&self.rep.id)
             .arg("d")
-            .arg(Entry::Snapshot { ep: ep as u8 }.encode());
+            .arg(
+                Entry::Snapshot {
+                    ep: ep as u8,
+                    resync,
+                }
+                .encode(),
+            );
         let m = &self.state.metrics;
         match pipe.query_async::<Vec<String>>(&mut self.conn).await {
             Ok(ids) => {

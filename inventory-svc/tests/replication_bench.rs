@@ -1,0 +1,287 @@
+//! Replication benchmark (ignored; `scripts/bench-replication.sh` runs it in release and writes
+//! docs/bench-replication.md): route queries/s on one replica standalone vs replicated, block
+//! events/s through the replication log, and bootstrap time of a late replica for 1M keys.
+//! Measurements, not assertions: only correctness (counts reached) is checked.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod common;
+
+use std::fmt::Write as _;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::{batch, metric, rule, stored, Publisher, Redis, Service};
+use serde_json::{json, Value};
+
+const RULE: &str = "10.0.0.1:8080";
+const RULE_ID: &str = "10.0.0.1:8080/tcp";
+const IPS: [&str; 2] = ["127.0.0.71", "127.0.0.72"];
+
+fn n(var: &str, default: u64) -> u64 {
+    std::env::var(var)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+async fn publishers() -> (Vec<Publisher>, Value) {
+    for attempt in 0..50u16 {
+        let port = 40000 + (std::process::id() as u16 % 1000) * 7 + attempt * 13;
+        let mut ps = Vec::new();
+        for ip in IPS {
+            if let Some(p) = Publisher::bind_on(ip, port).await {
+                ps.push(p);
+            }
+        }
+        if ps.len() == IPS.len() {
+            let eps: Vec<(String, u16)> = IPS.iter().map(|ip| (ip.to_string(), 9)).collect();
+            let r = rule(8080, "vllm", port, &eps, json!({}));
+            return (ps, json!([r]));
+        }
+    }
+    panic!("no free port on both endpoint addresses");
+}
+
+fn start(tag: &str, rules: &Value, redis: Option<&Redis>, id: &str) -> Service {
+    let mut env: Vec<(String, String)> = vec![
+        ("KVROUTE_SPEC_TTL_MS".into(), "2000".into()),
+        (
+            "RUST_LOG".into(),
+            std::env::var("KVROUTE_BENCH_LOG").unwrap_or_else(|_| "warn".into()),
+        ),
+    ];
+    if let Some(r) = redis {
+        env.push(("KVROUTE_REDIS_URL".into(), r.url()));
+        env.push(("KVROUTE_REPLICA_ID".into(), id.into()));
+        env.push(("KVROUTE_LEASE_MS".into(), "2000".into()));
+        env.push(("KVROUTE_SNAPSHOT_INTERVAL_MS".into(), "2000".into()));
+        env.push(("KVROUTE_STREAM_MAXLEN".into(), "1000000".into()));
+    }
+    let refs: Vec<(&str, &str)> = env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+    Service::start(tag, rules, &refs)
+}
+
+async fn blocks(svc: &Service, ep: usize) -> u64 {
+    let m = svc.metrics().await;
+    metric(
+        &m,
+        &format!(r#"kvroute_index_blocks{{ep="{ep}",rule="{RULE_ID}"}}"#),
+    )
+    .unwrap_or(0.0) as u64
+}
+
+async fn wait_blocks(svc: &Service, ep: usize, want: u64, secs: u64) -> Duration {
+    let t0 = Instant::now();
+    let end = t0 + Duration::from_secs(secs);
+    while blocks(svc, ep).await < want {
+        assert!(
+            Instant::now() < end,
+            "endpoint {ep} stuck at {} of {want} blocks\n{}",
+            blocks(svc, ep).await,
+            svc.stderr()
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    t0.elapsed()
+}
+
+/// Publishes `batches` batches of `per` fresh keys on `p` (keys start at `base`).
+async fn publish(p: &mut Publisher, base: u64, batches: u64, per: u64) {
+    for b in 0..batches {
+        let keys: Vec<u64> = (0..per).map(|i| base + b * per + i).collect();
+        p.send(&batch(vec![stored(&keys, &[], false)])).await;
+    }
+}
+
+/// Makes sure the owner's subscription is live: a probe until `svc` shows it.
+async fn probe(svc: &Service, p: &mut Publisher, ep: usize, key: u64) {
+    let end = Instant::now() + Duration::from_secs(30);
+    while !svc.inventory(RULE, ep).await.contains(&key) {
+        assert!(Instant::now() < end, "no subscriber\n{}", svc.stderr());
+        p.send(&batch(vec![stored(&[key], &[], false)])).await;
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+}
+
+/// Route queries/s against `svc` for `secs` with `conc` concurrent clients (64-key queries).
+async fn route_qps(svc: &Service, conc: usize, secs: f64) -> f64 {
+    let done = Arc::new(AtomicU64::new(0));
+    let end = Instant::now() + Duration::from_secs_f64(secs);
+    let mut tasks = Vec::new();
+    for c in 0..conc {
+        let http = svc.http.clone();
+        let url = format!("{}/v1/route", svc.base);
+        let done = done.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut i = 0u64;
+            while Instant::now() < end {
+                let start = (c as u64 * 7919 + i * 64) % 50_000;
+                let keys: Vec<u64> = (start..start + 64).collect();
+                let body = json!({"rule": RULE, "keys": keys, "token_count": 1024}).to_string();
+                let r = http
+                    .post(&url)
+                    .header("content-type", "application/json")
+                    .body(body)
+                    .send()
+                    .await
+                    .unwrap();
+                assert!(r.status().is_success());
+                let _ = r.bytes().await;
+                done.fetch_add(1, Ordering::Relaxed);
+                i += 1;
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+    done.load(Ordering::Relaxed) as f64 / secs
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "benchmark: scripts/bench-replication.sh"]
+async fn replication_benchmark() {
+    let secs = n("KVROUTE_BENCH_SECS", 5) as f64;
+    let conc = n("KVROUTE_BENCH_CONC", 8) as usize;
+    let boot_keys = n("KVROUTE_BENCH_BOOT_KEYS", 1_000_000);
+    let stream_batches = n("KVROUTE_BENCH_BATCHES", 2000);
+    let mut out = String::new();
+
+    // 1. Route queries/s on one replica: standalone vs one of three replicas sharing Redis.
+    let (mut pubs, rules) = publishers().await;
+    let solo = start("bench-solo", &rules, None, "solo");
+    probe(&solo, &mut pubs[0], 0, 1).await;
+    publish(&mut pubs[0], 0, 50, 1000).await;
+    wait_blocks(&solo, 0, 50_000, 60).await;
+    let qps_solo = route_qps(&solo, conc, secs).await;
+    drop(solo);
+    drop(pubs);
+
+    let redis = Redis::start();
+    let (mut pubs, rules) = publishers().await;
+    let reps: Vec<Service> = ["a", "b", "c"]
+        .iter()
+        .map(|id| start(&format!("bench-{id}"), &rules, Some(&redis), id))
+        .collect();
+    // Wait for an owner, then load the same inventory.
+    let owner_ep0 = {
+        let end = Instant::now() + Duration::from_secs(30);
+        loop {
+            let mut found = None;
+            for (i, r) in reps.iter().enumerate() {
+                let m = r.metrics().await;
+                if metric(
+                    &m,
+                    &format!(
+                        r#"kvroute_ingest_subscriber_connected{{ep="0",rank="0",rule="{RULE_ID}"}}"#
+                    ),
+                ) == Some(1.0)
+                {
+                    found = Some(i);
+                }
+            }
+            if let Some(i) = found {
+                break i;
+            }
+            assert!(Instant::now() < end, "no owner");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    };
+    probe(&reps[owner_ep0], &mut pubs[0], 0, 1).await;
+    publish(&mut pubs[0], 0, 50, 1000).await;
+    for r in &reps {
+        wait_blocks(r, 0, 50_000, 60).await;
+    }
+    let target = (owner_ep0 + 1) % reps.len();
+    let qps_repl = route_qps(&reps[target], conc, secs).await;
+    if std::env::var("KVROUTE_BENCH_DEBUG").is_ok() {
+        let m = reps[target].metrics().await;
+        for l in m.lines().filter(|l| {
+            l.contains("replication") || l.contains("redis") || l.contains("route_duration")
+        }) {
+            println!("target: {l}");
+        }
+    }
+    let qps_owner = route_qps(&reps[owner_ep0], conc, secs).await;
+
+    // 2. Replication throughput: block events ingested by the owner until a non-owner holds them.
+    let per = 64u64;
+    let before = blocks(&reps[target], 0).await;
+    let total = stream_batches * per;
+    let t0 = Instant::now();
+    publish(&mut pubs[0], 10_000_000, stream_batches, per).await;
+    wait_blocks(&reps[target], 0, before + total, 120).await;
+    let stream_s = t0.elapsed().as_secs_f64();
+
+    // 3. Bootstrap: 1M keys on endpoint 1, snapshotted; a late replica starts and loads them.
+    let owner_ep1 = {
+        let end = Instant::now() + Duration::from_secs(30);
+        loop {
+            let mut found = None;
+            for (i, r) in reps.iter().enumerate() {
+                let m = r.metrics().await;
+                if metric(
+                    &m,
+                    &format!(
+                        r#"kvroute_ingest_subscriber_connected{{ep="1",rank="0",rule="{RULE_ID}"}}"#
+                    ),
+                ) == Some(1.0)
+                {
+                    found = Some(i);
+                }
+            }
+            if let Some(i) = found {
+                break i;
+            }
+            assert!(Instant::now() < end, "no owner of ep 1");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    };
+    probe(&reps[owner_ep1], &mut pubs[1], 1, 1 << 40).await;
+    publish(&mut pubs[1], 1 << 41, boot_keys / 1000, 1000).await;
+    wait_blocks(&reps[owner_ep1], 1, boot_keys + 1, 300).await;
+    // Wait for a snapshot written after the last key (the snapshot interval is 2 s).
+    let written = |m: &str| metric(m, "kvroute_replication_snapshots_written_total").unwrap_or(0.0);
+    let w0 = written(&reps[owner_ep1].metrics().await);
+    let end = Instant::now() + Duration::from_secs(30);
+    while written(&reps[owner_ep1].metrics().await) < w0 + 2.0 {
+        assert!(Instant::now() < end, "no snapshot");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let snap_bytes = metric(
+        &reps[owner_ep1].metrics().await,
+        &format!(r#"kvroute_replication_snapshot_bytes{{ep="1",rule="{RULE_ID}"}}"#),
+    )
+    .unwrap_or(0.0);
+    let t0 = Instant::now();
+    let late = start("bench-late", &json!([]), Some(&redis), "late");
+    let started = t0.elapsed();
+    wait_blocks(&late, 1, boot_keys + 1, 300).await;
+    let boot = t0.elapsed();
+
+    let _ = writeln!(
+        out,
+        "| measure | value |\n|---|---|\n\
+         | route queries/s, standalone (64-key queries, {conc} clients) | {qps_solo:.0} |\n\
+         | route queries/s, replicated, non-owner replica | {qps_repl:.0} ({:+.1}%) |\n\
+         | route queries/s, replicated, owner replica | {qps_owner:.0} ({:+.1}%) |\n\
+         | replication throughput, owner ingest -> non-owner index ({total} block events in {stream_batches} batches) | {:.0} block events/s |\n\
+         | bootstrap of a late replica, {boot_keys} keys (snapshot {:.1} MB) | {:.2} s (process up in {:.2} s) |",
+        (qps_repl / qps_solo - 1.0) * 100.0,
+        (qps_owner / qps_solo - 1.0) * 100.0,
+        total as f64 / stream_s,
+        snap_bytes / 1e6,
+        boot.as_secs_f64(),
+        started.as_secs_f64(),
+    );
+    println!("{out}");
+    if let Ok(path) = std::env::var("KVROUTE_BENCH_OUT") {
+        std::fs::write(path, &out).unwrap();
+    }
+    if std::env::var("KVROUTE_BENCH_DEBUG").is_ok() {
+        println!("{}", late.stderr());
+    }
+    drop(late);
+    drop(reps);
+}
