@@ -194,8 +194,8 @@ async fn three_replicas_agree_survive_the_owner_and_bootstrap_a_late_one() {
                 }
             }
         }
-        for ep in 0..2 {
-            converge(&svcs, ep, &want[ep], 5).await;
+        for (ep, w) in want.iter().enumerate() {
+            converge(&svcs, ep, w, 5).await;
         }
         // Every replica routes a prefix to the endpoint holding it, and a miss the same way.
         for s in svcs {
