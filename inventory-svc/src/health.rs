@@ -50,6 +50,9 @@ async fn health_loop(state: Arc<AppState>, rule: Arc<RuleRuntime>) {
             if was != ok {
                 tracing::info!(rule = %name, ep = i, healthy = ok, "endpoint health changed");
             }
+            if rule.cancel.is_cancelled() {
+                return;
+            }
             state
                 .metrics
                 .endpoint_healthy
@@ -103,6 +106,9 @@ async fn scrape_loop(state: Arc<AppState>, rule: Arc<RuleRuntime>) {
             }
             if let Some(load) = text.as_deref().and_then(parse_load) {
                 rule.eps[i].record_scrape(Instant::now(), load);
+                if rule.cancel.is_cancelled() {
+                    return;
+                }
                 state
                     .metrics
                     .endpoint_scraped_load

@@ -175,6 +175,8 @@ async fn rule_validation_rows_and_auth() {
         "block_size": 16, "key_mode": "engine", "model": null, "kv_exact_mode": 3, "kv_enabled": true})
     );
 
+    let series = r#"rule="10.0.0.1:9000/tcp""#;
+    assert!(svc.metrics().await.contains(series));
     let del = format!("{LB}/externalipaddress/10.0.0.1/port/9000/protocol/tcp");
     let r = svc
         .http
@@ -202,6 +204,12 @@ async fn rule_validation_rows_and_auth() {
     assert_eq!(
         svc.get_json(&format!("{LB}/all")).await["lbAttr"],
         json!([])
+    );
+    // A deleted rule leaves no metric series behind (blocks, health, subscribers).
+    let m = svc.metrics().await;
+    assert!(
+        m.lines().all(|l| l.starts_with('#') || !l.contains(series)),
+        "{m}"
     );
 }
 

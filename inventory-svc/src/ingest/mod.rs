@@ -106,6 +106,9 @@ pub fn apply_local(state: &AppState, rule: &RuleRuntime, ep: usize, rank: u8, op
         return;
     }
     rule.index.apply(EndpointId(ep as u8), Rank(rank), ops);
+    if rule.cancel.is_cancelled() {
+        return;
+    }
     let n = rule.index.block_count(EndpointId(ep as u8));
     state
         .metrics
@@ -122,6 +125,10 @@ pub fn set_connected(state: &AppState, rule: &RuleRuntime, ep: usize, rank: u8, 
         .and_then(|e| e.connected.get(rank as usize))
     {
         c.store(up, std::sync::atomic::Ordering::Relaxed);
+    }
+    if rule.cancel.is_cancelled() {
+        // The rule is gone (or replaced): do not bring its series back after they were dropped.
+        return;
     }
     state
         .metrics
