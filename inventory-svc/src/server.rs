@@ -86,6 +86,9 @@ pub async fn serve(
                 .map_err(|e| anyhow::anyhow!("--config {}: rule {name}: {e:?}", path.display()))?;
         }
     }
+    if let Some(rep) = state.replica.get() {
+        rep.start_tailer(&state);
+    }
     let acceptor = match &opts.tls {
         Some((cert, key)) => Some(crate::tls::acceptor(cert, key)?),
         None => None,

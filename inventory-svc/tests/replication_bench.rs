@@ -86,11 +86,17 @@ async fn wait_blocks(svc: &Service, ep: usize, want: u64, secs: u64) -> Duration
     t0.elapsed()
 }
 
-/// Publishes `batches` batches of `per` fresh keys on `p` (keys start at `base`).
-async fn publish(p: &mut Publisher, base: u64, batches: u64, per: u64) {
+/// Publishes `batches` batches of `per` fresh keys on `p` (keys start at `base`), in windows of
+/// 50 batches that `owner` must have applied before the next: a ZMQ PUB drops what a slow
+/// subscriber has not taken (like an engine would), and a dropped batch is a gap, not a benchmark.
+async fn publish(owner: &Service, ep: usize, p: &mut Publisher, base: u64, batches: u64, per: u64) {
+    let start = blocks(owner, ep).await;
     for b in 0..batches {
         let keys: Vec<u64> = (0..per).map(|i| base + b * per + i).collect();
         p.send(&batch(vec![stored(&keys, &[], false)])).await;
+        if (b + 1) % 50 == 0 || b + 1 == batches {
+            wait_blocks(owner, ep, start + (b + 1) * per, 120).await;
+        }
     }
 }
 
@@ -102,6 +108,28 @@ async fn probe(svc: &Service, p: &mut Publisher, ep: usize, key: u64) {
         p.send(&batch(vec![stored(&[key], &[], false)])).await;
         tokio::time::sleep(Duration::from_millis(25)).await;
     }
+}
+
+/// CPU seconds (user + system) a process has used so far, from /proc.
+fn cpu_secs(svc: &Service) -> f64 {
+    let stat = std::fs::read_to_string(format!("/proc/{}/stat", svc.child.id())).unwrap();
+    // Fields after the parenthesised command name; utime and stime are the 12th and 13th.
+    let rest = &stat[stat.rfind(')').unwrap() + 2..];
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let ticks: f64 = f[11].parse::<f64>().unwrap() + f[12].parse::<f64>().unwrap();
+    // USER_HZ is 100 on Linux.
+    ticks / 100.0
+}
+
+/// Runs `route_qps` and returns (queries/s, CPU microseconds per query of `svc`, of `others`).
+async fn measured(svc: &Service, others: &[&Service], conc: usize, secs: f64) -> (f64, f64, f64) {
+    let c0 = cpu_secs(svc);
+    let o0: f64 = others.iter().map(|o| cpu_secs(o)).sum();
+    let qps = route_qps(svc, conc, secs).await;
+    let n = qps * secs;
+    let c = (cpu_secs(svc) - c0) / n * 1e6;
+    let o = (others.iter().map(|o| cpu_secs(o)).sum::<f64>() - o0) / n * 1e6;
+    (qps, c, o)
 }
 
 /// Route queries/s against `svc` for `secs` with `conc` concurrent clients (64-key queries).
@@ -151,10 +179,11 @@ async fn replication_benchmark() {
     // 1. Route queries/s on one replica: standalone vs one of three replicas sharing Redis.
     let (mut pubs, rules) = publishers().await;
     let solo = start("bench-solo", &rules, None, "solo");
-    probe(&solo, &mut pubs[0], 0, 1).await;
-    publish(&mut pubs[0], 0, 50, 1000).await;
+    probe(&solo, &mut pubs[0], 0, 1 << 50).await;
+    publish(&solo, 0, &mut pubs[0], 0, 50, 1000).await;
     wait_blocks(&solo, 0, 50_000, 60).await;
-    let qps_solo = route_qps(&solo, conc, secs).await;
+    let (qps_solo, cpu_solo, _) = measured(&solo, &[], conc, secs).await;
+    println!("standalone: {qps_solo:.0} q/s, {cpu_solo:.1} us CPU/query");
     drop(solo);
     drop(pubs);
 
@@ -188,13 +217,19 @@ async fn replication_benchmark() {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
     };
-    probe(&reps[owner_ep0], &mut pubs[0], 0, 1).await;
-    publish(&mut pubs[0], 0, 50, 1000).await;
+    probe(&reps[owner_ep0], &mut pubs[0], 0, 1 << 50).await;
+    publish(&reps[owner_ep0], 0, &mut pubs[0], 0, 50, 1000).await;
     for r in &reps {
         wait_blocks(r, 0, 50_000, 60).await;
     }
     let target = (owner_ep0 + 1) % reps.len();
-    let qps_repl = route_qps(&reps[target], conc, secs).await;
+    let others: Vec<&Service> = reps
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| *i != target)
+        .map(|(_, r)| r)
+        .collect();
+    let (qps_repl, cpu_repl, cpu_apply) = measured(&reps[target], &others, conc, secs).await;
     if std::env::var("KVROUTE_BENCH_DEBUG").is_ok() {
         let m = reps[target].metrics().await;
         for l in m.lines().filter(|l| {
@@ -210,9 +245,21 @@ async fn replication_benchmark() {
     let before = blocks(&reps[target], 0).await;
     let total = stream_batches * per;
     let t0 = Instant::now();
-    publish(&mut pubs[0], 10_000_000, stream_batches, per).await;
+    publish(
+        &reps[owner_ep0],
+        0,
+        &mut pubs[0],
+        10_000_000,
+        stream_batches,
+        per,
+    )
+    .await;
     wait_blocks(&reps[target], 0, before + total, 120).await;
     let stream_s = t0.elapsed().as_secs_f64();
+    println!(
+        "replicated: non-owner {qps_repl:.0} q/s, owner {qps_owner:.0} q/s; {:.0} block events/s",
+        total as f64 / stream_s
+    );
 
     // 3. Bootstrap: 1M keys on endpoint 1, snapshotted; a late replica starts and loads them.
     let owner_ep1 = {
@@ -239,7 +286,15 @@ async fn replication_benchmark() {
         }
     };
     probe(&reps[owner_ep1], &mut pubs[1], 1, 1 << 40).await;
-    publish(&mut pubs[1], 1 << 41, boot_keys / 1000, 1000).await;
+    publish(
+        &reps[owner_ep1],
+        1,
+        &mut pubs[1],
+        1 << 41,
+        boot_keys / 1000,
+        1000,
+    )
+    .await;
     wait_blocks(&reps[owner_ep1], 1, boot_keys + 1, 300).await;
     // Wait for a snapshot written after the last key (the snapshot interval is 2 s).
     let written = |m: &str| metric(m, "kvroute_replication_snapshots_written_total").unwrap_or(0.0);
@@ -265,10 +320,13 @@ async fn replication_benchmark() {
         "| measure | value |\n|---|---|\n\
          | route queries/s, standalone (64-key queries, {conc} clients) | {qps_solo:.0} |\n\
          | route queries/s, replicated, non-owner replica | {qps_repl:.0} ({:+.1}%) |\n\
+         | CPU per route query on the replica answering it: standalone / replicated | {cpu_solo:.1} us / {cpu_repl:.1} us ({:+.1}%) |\n\
+         | CPU per route query spent by the two other replicas applying its decision | {cpu_apply:.1} us (both together) |\n\
          | route queries/s, replicated, owner replica | {qps_owner:.0} ({:+.1}%) |\n\
          | replication throughput, owner ingest -> non-owner index ({total} block events in {stream_batches} batches) | {:.0} block events/s |\n\
          | bootstrap of a late replica, {boot_keys} keys (snapshot {:.1} MB) | {:.2} s (process up in {:.2} s) |",
         (qps_repl / qps_solo - 1.0) * 100.0,
+        (cpu_repl / cpu_solo - 1.0) * 100.0,
         (qps_owner / qps_solo - 1.0) * 100.0,
         total as f64 / stream_s,
         snap_bytes / 1e6,

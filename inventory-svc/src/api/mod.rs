@@ -151,6 +151,7 @@ pub fn uninstall_rule(state: &AppState, name: &str) -> Option<Arc<RuleRuntime>> 
         let _ = m.endpoint_scraped_load.remove_label_values(&[name, &ep]);
         let _ = m.snapshot_age.remove_label_values(&[name, &ep]);
         let _ = m.snapshot_bytes.remove_label_values(&[name, &ep]);
+        let _ = m.lease_owned.remove_label_values(&[name, &ep]);
         for rank in 0..rt.spec.dp_ranks.max(1) {
             let _ = m
                 .subscriber_connected

@@ -16,6 +16,9 @@ const SNAP_MAGIC: &[u8; 4] = b"KVS1";
 /// "No sequence known" on the wire.
 const NO_SEQ: u64 = u64::MAX;
 
+/// Tag of a log payload holding several entries (one XADD for a writer batch).
+const BATCH: u8 = b'B';
+
 /// One replication log entry.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Entry {
@@ -208,6 +211,41 @@ impl Entry {
     }
 }
 
+/// Encodes several entries as one log payload (a single entry is encoded as itself).
+pub fn encode_batch(entries: &[Entry]) -> Vec<u8> {
+    if let [one] = entries {
+        return one.encode();
+    }
+    let mut out = vec![VERSION, BATCH];
+    out.extend_from_slice(&(entries.len() as u32).to_le_bytes());
+    for e in entries {
+        let b = e.encode();
+        out.extend_from_slice(&(b.len() as u32).to_le_bytes());
+        out.extend_from_slice(&b);
+    }
+    out
+}
+
+/// Decodes a log payload: one entry or a batch, in order.
+pub fn decode_batch(b: &[u8]) -> Result<Vec<Entry>, CodecError> {
+    if b.get(1) != Some(&BATCH) {
+        return Entry::decode(b).map(|e| vec![e]);
+    }
+    let mut r = Reader { b, at: 0 };
+    let v = r.u8()?;
+    if v != VERSION {
+        return Err(CodecError::Version(v));
+    }
+    r.u8()?;
+    let n = r.u32()? as usize;
+    let mut out = Vec::with_capacity(n.min(4096));
+    for _ in 0..n {
+        let len = r.u32()? as usize;
+        out.push(Entry::decode(r.take(len)?)?);
+    }
+    Ok(out)
+}
+
 /// One rank's part of an endpoint snapshot.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct RankSnap {
@@ -367,6 +405,28 @@ mod tests {
         let mut huge = vec![VERSION, b'D', 0, 0, 0, 0, 0, 0];
         huge.extend_from_slice(&u32::MAX.to_le_bytes());
         assert!(Entry::decode(&huge).is_err());
+    }
+
+    #[test]
+    fn batches_round_trip() {
+        let a = Entry::Snapshot {
+            ep: 1,
+            resync: false,
+        };
+        let b = Entry::Decision {
+            ep: 0,
+            update: Some(Update::Keep),
+            ttl_ms: 5,
+            keys: k(&[1, 2, 3]),
+        };
+        let both = vec![a.clone(), b.clone()];
+        assert_eq!(decode_batch(&encode_batch(&both)).unwrap(), both);
+        assert_eq!(encode_batch(std::slice::from_ref(&a)), a.encode());
+        assert_eq!(decode_batch(&a.encode()).unwrap(), vec![a]);
+        let enc = encode_batch(&both);
+        for cut in 2..enc.len() {
+            assert!(decode_batch(&enc[..cut]).is_err(), "cut at {cut}");
+        }
     }
 
     #[test]

@@ -63,7 +63,7 @@ pub(super) async fn run(
     loop {
         let held: Result<i64, _> = acquire
             .key(&key)
-            .arg(&rep.id)
+            .arg(&rep.origin)
             .arg(lease_ms)
             .invoke_async(&mut conn)
             .await;
@@ -133,10 +133,8 @@ pub(super) async fn run(
                 .inc();
         }
     }
-    let _ = state
-        .metrics
-        .lease_owned
-        .remove_label_values(&[&name, &ep_label]);
+    // The series stays: a replacing rule's loop owns it now, and a deleted rule's series are
+    // dropped by `api::uninstall_rule`.
 }
 
 /// Marks the endpoint owned, schedules its snapshot, and clears what cannot be continued.

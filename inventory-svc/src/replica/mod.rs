@@ -63,6 +63,9 @@ pub(crate) enum Out {
 /// This replica's handle on the shared state.
 pub struct Replica {
     pub id: String,
+    /// `id#nonce`, unique to this process: lease values and the origin of log entries (a
+    /// restarted replica with the same id must not mistake its predecessor's entries for its own).
+    pub origin: String,
     pub cfg: RedisSettings,
     client: redis::Client,
     conn: ConnectionManager,
@@ -74,8 +77,8 @@ pub struct Replica {
 }
 
 impl Replica {
-    /// Connects (lazily: a Redis that is down at start is retried) and starts the writer and
-    /// the tailer. Call before installing rules so their endpoints start under leases.
+    /// Connects (lazily: a Redis that is down at start is retried) and starts the writer. Call
+    /// before installing rules so their endpoints start under leases; then [`Self::start_tailer`].
     pub fn start(state: &Arc<AppState>, cfg: RedisSettings) -> anyhow::Result<Arc<Replica>> {
         if cfg.url.starts_with("rediss://") {
             // redis-rs' rustls connector uses the process-wide provider; ours is ring.
@@ -106,9 +109,11 @@ impl Replica {
         let client = redis::Client::open(info).context("KVROUTE_REDIS_URL")?;
         let conn = manager(&client, Duration::from_secs(2))?;
         let id = cfg.replica_id.clone().unwrap_or_else(default_id);
+        let origin = format!("{id}#{:08x}", nonce());
         let (tx, rx) = mpsc::channel(OUTBOX);
         let rep = Arc::new(Replica {
             id,
+            origin,
             cfg,
             client,
             conn,
@@ -118,8 +123,13 @@ impl Replica {
         });
         tracing::info!(replica = %rep.id, url = %redact(&rep.cfg.url), prefix = %rep.cfg.prefix, "replication through Redis");
         tokio::spawn(writer::run(rep.clone(), state.clone(), rx));
-        tokio::spawn(tailer::run(rep.clone(), state.clone()));
         Ok(rep)
+    }
+
+    /// Starts tailing the logs. Call after the rules file is installed, so a rule this replica
+    /// was configured with is not first installed from Redis and then replaced.
+    pub fn start_tailer(self: &Arc<Self>, state: &Arc<AppState>) {
+        tokio::spawn(tailer::run(self.clone(), state.clone()));
     }
 
     /// `PREFIX:{RULE#GEN}`: every key of one rule generation shares the hash tag.
@@ -280,16 +290,21 @@ fn manager(client: &redis::Client, timeout: Duration) -> anyhow::Result<Connecti
     ConnectionManager::new_lazy_with_config(client.clone(), cfg).context("Redis connection")
 }
 
-/// `host-pid-random`: unique per process, readable in lease values and logs.
+/// `host-pid`: readable in lease values and logs.
 fn default_id() -> String {
     let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
         .map(|h| h.trim().to_owned())
         .unwrap_or_else(|_| "host".into());
+    format!("{host}-{}", std::process::id())
+}
+
+/// A per-process nonce (clock nanoseconds mixed with the pid).
+fn nonce() -> u32 {
     let nanos = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.subsec_nanos())
         .unwrap_or(0);
-    format!("{host}-{}-{:08x}", std::process::id(), nanos)
+    nanos ^ std::process::id().rotate_left(16)
 }
 
 /// The URL without its password, for logs.

@@ -15,7 +15,7 @@ use kvroute_core::hash::BlockKey;
 use redis::streams::StreamReadReply;
 use redis::Value;
 
-use super::codec::{Entry, Snapshot, StreamId};
+use super::codec::{decode_batch, Entry, Snapshot, StreamId};
 use super::{lock, now_ms, Replica};
 use crate::index::{EndpointId, IndexOp};
 use crate::ingest::{apply_local, kv_endpoints};
@@ -332,24 +332,25 @@ async fn read_once(
             };
             t.pos = id;
             let origin: Option<String> = e.get("o");
+            if origin.as_deref() == Some(rep.origin.as_str()) {
+                // Written by this process: applied when it happened.
+                continue;
+            }
             let data: Option<Vec<u8>> = e.get("d");
-            let Some(entry) = data.and_then(|d| Entry::decode(&d).ok()) else {
+            let Some(entries) = data.and_then(|d| decode_batch(&d).ok()) else {
                 m.repl_entries.with_label_values(&["undecodable"]).inc();
                 continue;
             };
-            let ep = entry.ep() as usize;
-            if ep >= t.rule.eps.len() || id <= t.skip[ep] {
-                continue;
-            }
-            let mine = origin.as_deref() == Some(rep.id.as_str());
-            let owned = t.rule.eps[ep].owned.load(Ordering::Relaxed);
-            if mine && (owned || !matches!(entry, Entry::Ops { .. })) {
-                continue;
-            }
             m.repl_lag_seconds
                 .observe(now.saturating_sub(id.ms) as f64 / 1000.0);
-            m.repl_entries.with_label_values(&["applied"]).inc();
-            apply_entry(rep, state, conn, t, id, entry).await?;
+            for entry in entries {
+                let ep = entry.ep() as usize;
+                if ep >= t.rule.eps.len() || id <= t.skip[ep] {
+                    continue;
+                }
+                m.repl_entries.with_label_values(&["applied"]).inc();
+                apply_entry(rep, state, conn, t, id, entry).await?;
+            }
         }
         lock(&rep.tailed).insert(sk.key.clone(), t.pos);
     }
@@ -414,7 +415,7 @@ async fn apply_entry(
 
 fn apply_rule_entry(rep: &Replica, state: &Arc<AppState>, e: &redis::streams::StreamId) {
     let origin: Option<String> = e.get("o");
-    if origin.as_deref() == Some(rep.id.as_str()) {
+    if origin.as_deref() == Some(rep.origin.as_str()) {
         return;
     }
     let (Some(op), Some(name)) = (e.get::<String>("op"), e.get::<String>("name")) else {

@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::mpsc;
 
-use super::codec::{Entry, RankSnap, Snapshot, StreamId};
+use super::codec::{encode_batch, Entry, RankSnap, Snapshot, StreamId};
 use super::{now_ms, Out, Replica};
 use crate::index::EndpointId;
 use crate::ingest::kv_endpoints;
@@ -95,19 +95,37 @@ impl Writer {
         let mut pipe = redis::pipe();
         let rules_log = self.rep.rules_log_key();
         let rules_set = self.rep.rules_set_key();
-        // What each XADD reply is about: (log key, ep) for inventory entries.
-        let mut slots: Vec<Option<(String, u8)>> = Vec::with_capacity(batch.len());
-        for o in &batch {
-            match o {
-                Out::Entry { rule, entry } => {
+        // What each XADD reply is about: (log key, endpoints with inventory entries in it).
+        let mut slots: Vec<(String, Vec<u8>)> = Vec::with_capacity(batch.len());
+        let mut i = 0;
+        while i < batch.len() {
+            match &batch[i] {
+                Out::Entry { rule, .. } => {
+                    // Consecutive entries of one rule go out as one log entry (one XADD, one
+                    // read and parse per replica instead of one per decision).
+                    let mut group = Vec::new();
+                    while let Some(Out::Entry { rule: r, entry }) = batch.get(i) {
+                        if !Arc::ptr_eq(r, rule) {
+                            break;
+                        }
+                        group.push(entry.clone());
+                        i += 1;
+                    }
                     let key = self.rep.log_key(rule);
                     xadd(&mut pipe, &key, self.maxlen())
                         .arg("o")
-                        .arg(&self.rep.id)
+                        .arg(&self.rep.origin)
                         .arg("d")
-                        .arg(entry.encode());
-                    let inv = matches!(entry, Entry::Ops { .. } | Entry::Snapshot { .. });
-                    slots.push(inv.then(|| (key, entry.ep())));
+                        .arg(encode_batch(&group));
+                    let mut eps: Vec<u8> = group
+                        .iter()
+                        .filter(|e| matches!(e, Entry::Ops { .. } | Entry::Snapshot { .. }))
+                        .map(Entry::ep)
+                        .collect();
+                    eps.sort_unstable();
+                    eps.dedup();
+                    slots.push((key, eps));
+                    continue;
                 }
                 Out::RulePut { name, raw, garbage } => {
                     for k in garbage {
@@ -116,14 +134,14 @@ impl Writer {
                     pipe.cmd("HSET").arg(&rules_set).arg(name).arg(raw).ignore();
                     xadd(&mut pipe, &rules_log, 10_000)
                         .arg("o")
-                        .arg(&self.rep.id)
+                        .arg(&self.rep.origin)
                         .arg("op")
                         .arg("put")
                         .arg("name")
                         .arg(name)
                         .arg("rule")
                         .arg(raw);
-                    slots.push(None);
+                    slots.push((String::new(), Vec::new()));
                 }
                 Out::RuleDel { name, garbage } => {
                     for k in garbage {
@@ -132,20 +150,24 @@ impl Writer {
                     pipe.cmd("HDEL").arg(&rules_set).arg(name).ignore();
                     xadd(&mut pipe, &rules_log, 10_000)
                         .arg("o")
-                        .arg(&self.rep.id)
+                        .arg(&self.rep.origin)
                         .arg("op")
                         .arg("del")
                         .arg("name")
                         .arg(name);
-                    slots.push(None);
+                    slots.push((String::new(), Vec::new()));
                 }
             }
+            i += 1;
         }
         match pipe.query_async::<Vec<String>>(&mut self.conn).await {
             Ok(ids) => {
-                for (slot, id) in slots.into_iter().zip(ids) {
-                    if let (Some(k), Some(id)) = (slot, StreamId::parse(&id)) {
-                        self.appended.insert(k, id);
+                for ((key, eps), id) in slots.into_iter().zip(ids) {
+                    let Some(id) = StreamId::parse(&id) else {
+                        continue;
+                    };
+                    for ep in eps {
+                        self.appended.insert((key.clone(), ep), id);
                     }
                 }
                 m.repl_entries
@@ -296,7 +318,7 @@ impl Writer {
             .ignore();
         xadd(&mut pipe, &log, self.maxlen())
             .arg("o")
-            .arg(&self.rep.id)
+            .arg(&self.rep.origin)
             .arg("d")
             .arg(
                 Entry::Snapshot {
