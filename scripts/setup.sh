@@ -133,6 +133,23 @@ if ! tokenizer_ok; then
     tokenizer_ok || fail "tokenizer: $TOKENIZER_DIR incomplete after copy"
 fi
 
+# --- 3b. sglang-router (issue 7's peer in the benchmark and its test), in its own venv --------
+SGLANG_ROUTER_VERSION="0.3.2"
+ROUTER_VENV="$KVROUTE_CACHE/sglang-router-venv"
+router_ok() {
+    [[ -x "$ROUTER_VENV/bin/python" ]] &&
+        [[ "$("$ROUTER_VENV/bin/python" -c 'import importlib.metadata as m; print(m.version("sglang-router"))' 2>/dev/null)" == "$SGLANG_ROUTER_VERSION" ]]
+}
+if ! router_ok; then
+    note "installing sglang-router==$SGLANG_ROUTER_VERSION into $ROUTER_VENV"
+    rm -rf "$ROUTER_VENV"
+    python3 -m venv "$ROUTER_VENV" || fail "sglang-router: python3 -m venv $ROUTER_VENV failed"
+    "$ROUTER_VENV/bin/python" -m pip install --quiet --disable-pip-version-check \
+        "sglang-router==$SGLANG_ROUTER_VERSION" >"$SCRATCH/pip.log" 2>&1 ||
+        fail "sglang-router: pip install failed (log: $(tail -n 1 "$SCRATCH/pip.log"))"
+    router_ok || fail "sglang-router: $ROUTER_VENV has no sglang-router $SGLANG_ROUTER_VERSION after installing it"
+fi
+
 # --- 4. env.sh --------------------------------------------------------------------------------
 # KVROUTE_WASM is where build-wasm.sh puts the module; it need not exist yet.
 mkdir -p "$KVROUTE_CACHE/wasm"
@@ -143,6 +160,7 @@ export KVROUTE_ENVOY="$ENVOY_BIN"
 export KVROUTE_TOKENIZER_DIR="$TOKENIZER_DIR"
 export KVROUTE_WASM="$KVROUTE_CACHE/wasm/kvroute_filter.wasm"
 export KVROUTE_WASM_TOOLCHAIN="$wasm_toolchain"
+export KVROUTE_SGLANG_ROUTER_PYTHON="$ROUTER_VENV/bin/python"
 EOF
 mv -f "$KVROUTE_CACHE/env.sh.tmp" "$KVROUTE_CACHE/env.sh"
 

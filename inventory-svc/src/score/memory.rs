@@ -13,6 +13,12 @@
 //! Footprint: each entry owns the blocks between the previous sampled index of the request that
 //! created it and its own index, credited to its endpoint, so the sum per endpoint estimates the
 //! distinct blocks homed there (shared prefixes are counted once, since their entries are shared).
+//! Only family prefixes are credited: an entry that a `Keep` decision adds below an entry already
+//! remembered (a user's own next turn, another user's message after the shared system prompt)
+//! credits nothing. Those tails are private and short-lived (the engine's LRU drops them when the
+//! user goes idle), and counting them made placement follow which families happened to be busy
+//! early instead of how much shared cache each endpoint must keep (issue 7's constrained workload
+//! placed 6 of 10 equal system prompts on one of two endpoints).
 //!
 //! Bounds: at most `max_entries` entries (least recently used go first) and a TTL since last use.
 //! Invariants: `homed[ep]` equals the sum of `blocks` over live entries of `ep`.
@@ -128,6 +134,8 @@ impl PlacementMemory {
             inner.homed.resize(ep + 1, 0);
         }
         let mut prev: isize = -1;
+        // Set once a sampled key is already remembered: deeper new entries are private tails.
+        let mut extends = false;
         for i in points(keys.len()) {
             let k = keys[i].0;
             let seg = (i as isize - prev) as u32;
@@ -136,6 +144,7 @@ impl PlacementMemory {
             let stamp = inner.next_stamp;
             match inner.map.get_mut(&k) {
                 Some(e) => {
+                    extends = true;
                     let expired = now.saturating_duration_since(e.last) > self.ttl;
                     if e.ep != ep8 && (how == Update::Place || expired) {
                         let old = usize::from(e.ep);
@@ -149,16 +158,21 @@ impl PlacementMemory {
                     e.stamp = stamp;
                 }
                 None => {
+                    let blocks = if how == Update::Keep && extends {
+                        0
+                    } else {
+                        seg
+                    };
                     inner.map.insert(
                         k,
                         Entry {
                             ep: ep8,
-                            blocks: seg,
+                            blocks,
                             last: now,
                             stamp,
                         },
                     );
-                    inner.homed[ep] += u64::from(seg);
+                    inner.homed[ep] += u64::from(blocks);
                 }
             }
             inner.lru.push_back((k, stamp));
@@ -249,6 +263,30 @@ mod tests {
         assert_eq!(m.homed(2), 20);
         m.record(&a, 2, Update::Keep, now);
         assert_eq!(m.homed(2), 20);
+    }
+
+    #[test]
+    fn only_family_prefixes_count_toward_the_footprint() {
+        let m = PlacementMemory::new(100, Duration::from_secs(60));
+        let now = Instant::now();
+        let a = keys(1, 20);
+        m.record(&a, 0, Update::Place, now);
+        assert_eq!(m.homed(0), 20);
+        // Another user of family A (its system prompt, then 12 blocks of its own): a hit at A's
+        // home adds entries for the private tail but no footprint.
+        let mut user = a[..16].to_vec();
+        user.extend(keys(7, 12));
+        m.record(&user, 0, Update::Keep, now);
+        assert_eq!(m.recall(&user, now), Some(Recall { ep: 0, depth: 28 }));
+        assert_eq!(m.homed(0), 20);
+        // The same user's next turn neither.
+        let mut next = user.clone();
+        next.extend(keys(8, 6));
+        m.record(&next, 0, Update::Keep, now);
+        assert_eq!(m.homed(0), 20);
+        // A family first seen through an exact hit (nothing remembered yet) is a family.
+        m.record(&keys(2, 10), 1, Update::Keep, now);
+        assert_eq!(m.homed(1), 10);
     }
 
     #[test]

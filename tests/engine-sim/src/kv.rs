@@ -393,6 +393,46 @@ mod tests {
         assert_eq!(c.stats().evicted_total, 1);
     }
 
+    /// vLLM's order: a finished request's blocks join the free queue tail first, and blocks
+    /// shared with a still-running request join only when that one finishes. So eviction takes
+    /// the private tails (oldest request first, each from its end) before the shared prefix,
+    /// and the shared prefix from its end too.
+    #[test]
+    fn free_queue_order_matches_vllm() {
+        let mut c = KvCache::new(6, 1, 100);
+        let a_keys = keys(&[1, 2, 31, 32]);
+        let b_keys = keys(&[1, 2, 41, 42]);
+        let mut a = c.try_admit(&a_keys, 4, 4).unwrap().unwrap();
+        c.commit(&mut a, &a_keys, &toks(4), None);
+        // B shares A's first two blocks (A still running) and takes two fresh ones.
+        let mut b = c.try_admit(&b_keys, 5, 4).unwrap().unwrap();
+        assert_eq!(b.hit_blocks, 2);
+        c.commit(&mut b, &b_keys, &toks(4), None);
+        assert_eq!(c.stats().free, 0);
+        c.release(a);
+        c.release(b);
+        c.take_events();
+        // Six fresh blocks, one at a time: the eviction order is the free queue's order.
+        let mut order = Vec::new();
+        let mut held = Vec::new();
+        for n in 0..6u64 {
+            held.push(c.try_admit(&keys(&[100 + n]), 1, 1).unwrap().unwrap());
+            for (_, e) in c.take_events() {
+                if let KvEvent::Removed { keys } = e {
+                    order.extend(keys.into_iter().map(|k| k.0));
+                }
+            }
+            // The shared prefix outlives every private tail.
+            if n < 4 {
+                assert_eq!(c.match_prefix(&keys(&[1, 2])), 2, "after {n} evictions");
+            }
+        }
+        assert_eq!(order, vec![32, 31, 42, 41, 2, 1]);
+        for h in held {
+            c.release(h);
+        }
+    }
+
     #[test]
     fn waits_when_full_and_rejects_the_impossible() {
         let mut c = KvCache::new(2, 4, 100);

@@ -5,7 +5,7 @@
 //! | `POST /v1/completions`, `POST /v1/chat/completions` | all | OpenAI, JSON or SSE (`stream: true`) |
 //! | `GET /v1/models`, `GET /health` | all | as vLLM |
 //! | `GET /metrics` | all | the engine's own metric names ([`crate::metrics`]) |
-//! | `GET /server_info`, `GET /get_server_info`, `GET /get_model_info` | all | SGLang's (page size, model path) |
+//! | `GET /server_info`, `GET /get_server_info`, `GET /model_info`, `GET /get_model_info` | all | SGLang's (page size, model path) |
 //! | `POST /kv_cache_events` | trtllm | drains the event queue (JSON envelopes) |
 //! | `POST /reset_prefix_cache` | all | forgets every cached block (`AllBlocksCleared`) |
 //! | `GET /debug/cache` | all | per-rank block counters |
@@ -47,6 +47,7 @@ pub fn router(engine: Arc<Engine>) -> Router {
         .route("/server_info", get(server_info))
         .route("/get_server_info", get(server_info))
         .route("/get_model_info", get(model_info))
+        .route("/model_info", get(model_info))
         .route("/kv_cache_events", post(kv_cache_events))
         .route("/reset_prefix_cache", post(reset_prefix_cache))
         .route("/debug/cache", get(debug_cache))

@@ -118,3 +118,40 @@ fn bench_routes_through_the_inventory() {
         }
     }
 }
+
+/// The sglang-router peer (issue 7): the real router (sglang-router 0.3.2, installed by
+/// scripts/setup.sh into .cache/sglang-router-venv) proxies the workload to the simulators;
+/// the bench reads cached tokens and the serving simulator through it, and stops it afterwards.
+#[test]
+fn bench_runs_the_sglang_router_peer() {
+    let venv = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../.cache/sglang-router-venv/bin/python");
+    let python = std::env::var_os("KVROUTE_SGLANG_ROUTER_PYTHON")
+        .map(PathBuf::from)
+        .unwrap_or(venv);
+    assert!(
+        python.is_file(),
+        "sglang-router is not installed ({}): run scripts/setup.sh",
+        python.display()
+    );
+    let tokenizer = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../.cache/fixtures/qwen3");
+    let mut args = vec![
+        "--workloads".to_string(),
+        "multi-turn".into(),
+        "--strategies".into(),
+        "sglang-router".into(),
+        "--sglang-router-python".into(),
+        python.display().to_string(),
+    ];
+    if tokenizer.join("tokenizer.json").is_file() {
+        args.extend(["--tokenizer-dir".into(), tokenizer.display().to_string()]);
+    }
+    let refs: Vec<&str> = args.iter().map(String::as_str).collect();
+    let v = bench(&refs);
+    let s = find(&v, "multi-turn", "sglang-router");
+    assert_eq!(s["errors"], 0, "{s}");
+    assert_eq!(s["requests"], 12);
+    assert!(s["cached_ratio"].as_f64().unwrap() > 0.3, "{s}");
+    // The serving simulator is known for every request (header or system_fingerprint).
+    assert_eq!(s["unattributed"], 0, "{s}");
+}

@@ -10,6 +10,11 @@
 //!   contract or kvroute's content key) and asks the inventory service (`POST /v1/route`).
 //! * `gateway`: sends to Envoy with the kvroute filter (round robin over gateway URLs); the
 //!   filter chooses.
+//! * `sglang-router`: sends to SGLang's router (`cache_aware` policy, see [`super::sglang`]),
+//!   which proxies to the simulator it chooses.
+//!
+//! The serving simulator is read from the `x-kvroute-sim` header, or from the chunks'
+//! `system_fingerprint` (the simulator's name) when a proxy drops the header.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -42,15 +47,18 @@ pub enum Strategy {
     KvrouteTokens,
     /// Through Envoy and the filter.
     Gateway,
+    /// Through SGLang's router, `cache_aware` policy.
+    SglangRouter,
 }
 
 impl Strategy {
     /// Every strategy, in report order.
-    pub const ALL: [Strategy; 6] = [
+    pub const ALL: [Strategy; 7] = [
         Strategy::RoundRobin,
         Strategy::Sticky,
         Strategy::KvrouteEngine,
         Strategy::KvrouteTokens,
+        Strategy::SglangRouter,
         Strategy::Gateway,
         Strategy::Oracle,
     ];
@@ -64,6 +72,7 @@ impl Strategy {
             Strategy::KvrouteEngine => "kvroute-engine",
             Strategy::KvrouteTokens => "kvroute-tokens",
             Strategy::Gateway => "gateway",
+            Strategy::SglangRouter => "sglang-router",
         }
     }
 
@@ -128,6 +137,8 @@ pub struct Router {
     pub inventory: Option<Inventory>,
     /// Gateway base URLs.
     pub gateways: Vec<String>,
+    /// The sglang-router base URL.
+    pub proxy: Option<String>,
     /// Tokenizer shared with the simulators.
     pub encoder: Arc<Encoder>,
     http: reqwest::Client,
@@ -180,6 +191,7 @@ impl Router {
             rr: AtomicUsize::new(0),
             inventory: None,
             gateways: Vec::new(),
+            proxy: None,
             encoder,
             http,
         })
@@ -212,6 +224,14 @@ impl Router {
                     reason: None,
                 })
             }
+            Strategy::SglangRouter => Ok(Pick {
+                url: self
+                    .proxy
+                    .clone()
+                    .ok_or_else(|| anyhow!("strategy sglang-router needs a running router"))?,
+                route: None,
+                reason: None,
+            }),
             Strategy::Oracle => {
                 let t = Instant::now();
                 let asks = self.sims.iter().map(|u| {
@@ -356,6 +376,9 @@ async fn send(http: &reqwest::Client, url: &str, body: &Value) -> anyhow::Result
                 continue;
             }
             let v: Value = serde_json::from_str(data)?;
+            if out.served_by.is_none() {
+                out.served_by = v["system_fingerprint"].as_str().map(str::to_string);
+            }
             if let Some(c) = v["choices"][0]["delta"]["content"].as_str() {
                 if !c.is_empty() && first.is_none() {
                     first = Some(t.elapsed());

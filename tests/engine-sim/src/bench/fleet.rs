@@ -25,6 +25,18 @@ impl Drop for Proc {
 }
 
 impl Proc {
+    /// Spawns `cmd`, whose readiness the caller checks itself (it will listen on `addr`); the
+    /// handle kills it on drop from now on.
+    pub fn spawn_unready(mut cmd: Command, addr: SocketAddr) -> anyhow::Result<Proc> {
+        let child = cmd.spawn().with_context(|| format!("spawn {cmd:?}"))?;
+        Ok(Proc { child, addr })
+    }
+
+    /// The exit status if the process has ended.
+    pub fn exited(&mut self) -> Option<std::process::ExitStatus> {
+        self.child.try_wait().ok().flatten()
+    }
+
     /// Spawns `cmd` and waits up to `deadline` for a stdout line containing `listening on ADDR`.
     pub fn spawn(mut cmd: Command, deadline: Duration) -> anyhow::Result<Proc> {
         cmd.stdout(Stdio::piped()).stderr(Stdio::inherit());

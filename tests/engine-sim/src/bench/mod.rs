@@ -6,11 +6,14 @@
 //! run. Output: a markdown table on stdout (and `--markdown`), every summary in `--json`.
 //!
 //! Presets: `small` runs all four workloads x five strategies on 4 endpoints in about a minute;
-//! `full` is issue 5's sizes (200 users x 5 turns over 10 system prompts of ~1000 words).
+//! `full` is issue 5's sizes (200 users x 5 turns over 10 system prompts of ~1000 words);
+//! `constrained` is issue 7's: 2 endpoints of 256 blocks, 40 users x 4 turns over 10 system
+//! prompts of ~600 tokens (the aggregate cache holds between 1x and 2x the shared prefixes).
 
 pub mod driver;
 pub mod fleet;
 pub mod report;
+pub mod sglang;
 pub mod workload;
 
 use std::path::PathBuf;
@@ -35,19 +38,21 @@ use workload::{Arrival, Kind, Shape};
     about = "Drive workloads through routing strategies over simulated engines and report prefill saved"
 )]
 pub struct BenchArgs {
-    /// small (about a minute) or full (issue 5's sizes).
+    /// small (about a minute), full (issue 5's sizes) or constrained (issue 7's: 2 endpoints x
+    /// 256 blocks, 10 system prompts of ~600 tokens, 40 users x 4 turns).
     #[arg(long, default_value = "small")]
     pub preset: String,
     /// Comma-separated: multi-turn, doc-qa, one-shot, hot-prefix.
     #[arg(long, default_value = "multi-turn,doc-qa,one-shot,hot-prefix")]
     pub workloads: String,
-    /// Comma-separated: round-robin, sticky, kvroute-engine, kvroute-tokens, gateway, oracle.
-    /// Default: all but gateway (gateway when --gateway is given).
+    /// Comma-separated: round-robin, sticky, kvroute-engine, kvroute-tokens, sglang-router,
+    /// gateway, oracle. Default: all but sglang-router and gateway (gateway when --gateway is given).
     #[arg(long)]
     pub strategies: Option<String>,
-    /// Comma-separated endpoint counts (the scale curve), e.g. 4,8,16.
-    #[arg(long, default_value = "4")]
-    pub endpoints: String,
+    /// Comma-separated endpoint counts (the scale curve), e.g. 4,8,16 (default: 2 for the
+    /// constrained preset, else 4).
+    #[arg(long)]
+    pub endpoints: Option<String>,
     /// Engine the simulators imitate (vllm and sglang use 127.0.0.10+i, one per simulator).
     #[arg(long, default_value = "vllm")]
     pub engine: String,
@@ -93,6 +98,10 @@ pub struct BenchArgs {
     /// Override: words per shared prefix.
     #[arg(long)]
     pub prefix_words: Option<usize>,
+    /// Override: tokens per shared prefix, converted to words with the run's tokenizer (so a
+    /// preset keeps its cache pressure under a real tokenizer); wins over --prefix-words.
+    #[arg(long)]
+    pub prefix_tokens: Option<usize>,
     /// Workload seed.
     #[arg(long, default_value_t = 1)]
     pub workload_seed: u64,
@@ -108,6 +117,10 @@ pub struct BenchArgs {
     /// Gateway base URLs (Envoy + filter), comma-separated; enables the gateway strategy.
     #[arg(long)]
     pub gateway: Option<String>,
+    /// Python with sglang-router 0.3.2 installed (default: .cache/sglang-router-venv/bin/python
+    /// in the current directory or a parent; scripts/bench.sh installs it).
+    #[arg(long, env = "KVROUTE_SGLANG_ROUTER_PYTHON")]
+    pub sglang_router_python: Option<PathBuf>,
     /// Model name sent in requests.
     #[arg(long, default_value = "sim-model")]
     pub model: String,
@@ -117,6 +130,10 @@ pub struct BenchArgs {
     /// Write the markdown table here.
     #[arg(long)]
     pub markdown: Option<PathBuf>,
+    /// Write every request's record (serving simulator, cached tokens, TTFT, kvroute reason) here,
+    /// as JSON, for analysis.
+    #[arg(long)]
+    pub records: Option<PathBuf>,
 }
 
 fn list<T>(s: &str, what: &str, parse: impl Fn(&str) -> Option<T>) -> anyhow::Result<Vec<T>> {
@@ -126,7 +143,15 @@ fn list<T>(s: &str, what: &str, parse: impl Fn(&str) -> Option<T>) -> anyhow::Re
         .collect()
 }
 
-fn shape_for(args: &BenchArgs) -> anyhow::Result<(Shape, usize)> {
+/// Words of the workload generator per token of `encoder` (measured on generated text), so a
+/// preset can ask for a prefix length in tokens whatever the tokenizer.
+fn tokens_per_word(encoder: &Encoder) -> f64 {
+    let mut rng = workload::Rng::new(7);
+    let text = workload::words(&mut rng, 400);
+    (encoder.encode_text(&text).len() as f64 / 400.0).max(0.1)
+}
+
+fn shape_for(args: &BenchArgs, encoder: &Encoder) -> anyhow::Result<(Shape, usize)> {
     let arrival = match args.arrival.as_str() {
         "burst" => Arrival::Burst,
         "staggered" => Arrival::Staggered,
@@ -167,7 +192,25 @@ fn shape_for(args: &BenchArgs) -> anyhow::Result<(Shape, usize)> {
             // ~64 blocks per system prompt, 10 prompts over 4 endpoints: about 3 fit per endpoint.
             256,
         ),
-        other => bail!("--preset {other:?}: allowed small, full"),
+        "constrained" => (
+            Shape {
+                users: 40,
+                turns: 4,
+                groups: 10,
+                // ~600 tokens per system prompt (~38 blocks of 16) with the run's tokenizer.
+                prefix_words: (600.0 / tokens_per_word(encoder)).round() as usize,
+                message_words: 24,
+                questions: 8,
+                requests: 96,
+                hot_share: 0.75,
+                max_tokens: 16,
+                arrival,
+                ramp: Duration::from_millis(args.ramp_ms),
+            },
+            // 10 x ~38 blocks = ~375 blocks of shared prompts over 2 x 256 blocks (1.37x).
+            256,
+        ),
+        other => bail!("--preset {other:?}: allowed small, full, constrained"),
     };
     if let Some(v) = args.users {
         shape.users = v;
@@ -180,6 +223,9 @@ fn shape_for(args: &BenchArgs) -> anyhow::Result<(Shape, usize)> {
     }
     if let Some(v) = args.prefix_words {
         shape.prefix_words = v;
+    }
+    if let Some(t) = args.prefix_tokens {
+        shape.prefix_words = ((t as f64 / tokens_per_word(encoder)).round() as usize).max(1);
     }
     Ok((shape, args.kv_blocks.unwrap_or(kv)))
 }
@@ -267,12 +313,27 @@ pub async fn main(args: BenchArgs) -> anyhow::Result<Vec<Summary>> {
         None => Strategy::ALL
             .into_iter()
             .filter(|s| *s != Strategy::Gateway || args.gateway.is_some())
+            .filter(|s| *s != Strategy::SglangRouter)
             .collect(),
     };
-    let endpoint_counts = list(&args.endpoints, "--endpoints", |s| {
-        s.parse::<usize>().ok().filter(|n| *n > 0)
-    })?;
-    let (shape, kv_blocks) = shape_for(&args)?;
+    let default_endpoints = if args.preset == "constrained" {
+        "2"
+    } else {
+        "4"
+    };
+    let endpoint_counts = list(
+        args.endpoints.as_deref().unwrap_or(default_endpoints),
+        "--endpoints",
+        |s| s.parse::<usize>().ok().filter(|n| *n > 0),
+    )?;
+    // Fail before any run when the peer router is asked for but not installed.
+    let sglang_python = if strategies.contains(&Strategy::SglangRouter) {
+        let py = sglang::find_python(args.sglang_router_python.as_deref())?;
+        sglang::check_version(&py)?;
+        Some(py)
+    } else {
+        None
+    };
     let engine = EngineKind::parse(&args.engine).ok_or_else(|| {
         anyhow!(
             "--engine {:?}: allowed vllm, sglang, trtllm, llamacpp",
@@ -292,6 +353,7 @@ pub async fn main(args: BenchArgs) -> anyhow::Result<Vec<Summary>> {
         Some(d) => Encoder::load(d)?,
         None => Encoder::Words,
     });
+    let (shape, kv_blocks) = shape_for(&args, &encoder)?;
     let sim_bin = match &args.sim_bin {
         Some(p) => p.clone(),
         None => fleet::sibling("kvroute-engine-sim").ok_or_else(|| {
@@ -331,11 +393,14 @@ pub async fn main(args: BenchArgs) -> anyhow::Result<Vec<Summary>> {
     let tmp = std::env::temp_dir();
 
     let mut summaries: Vec<Summary> = Vec::new();
+    let mut all_records: Vec<serde_json::Value> = Vec::new();
     let mut md = String::new();
     md.push_str(&format!(
-        "Command: `kvroute-bench {}`\n\npreset {}, engine {}, block {}, KV {} blocks/endpoint, prefill {} us/token, decode {} us/token, {} running/endpoint, arrival {}\n\n",
+        "Command: `kvroute-bench {}`\n\npreset {}, engine {}, block {}, KV {} blocks/endpoint, prefill {} us/token, decode {} us/token, {} running/endpoint, arrival {}, {} users x {} turns over {} shared prefixes of {} words, tokenizer {}\n\n",
         std::env::args().skip(1).collect::<Vec<_>>().join(" "),
-        args.preset, args.engine, args.block_size, kv_blocks, args.prefill_us, args.decode_us, args.sim_concurrency, args.arrival
+        args.preset, args.engine, args.block_size, kv_blocks, args.prefill_us, args.decode_us, args.sim_concurrency, args.arrival,
+        shape.users, shape.turns, shape.groups, shape.prefix_words,
+        args.tokenizer_dir.as_ref().map_or("words".to_string(), |d| d.display().to_string())
     ));
     md.push_str(report::HEADER);
     print!("{md}");
@@ -379,6 +444,16 @@ pub async fn main(args: BenchArgs) -> anyhow::Result<Vec<Summary>> {
                 };
                 let mut router = Router::new(strategy, urls.clone(), encoder.clone())?;
                 router.gateways = gateways.clone();
+                let mut _peer: Option<sglang::SglangRouter> = None;
+                if let (Strategy::SglangRouter, Some(py)) = (strategy, &sglang_python) {
+                    let log = tmp.join(format!(
+                        "kvroute-bench-sglang-router-{}.log",
+                        std::process::id()
+                    ));
+                    let r = sglang::start(py, &urls, &log).await?;
+                    router.proxy = Some(r.url.clone());
+                    _peer = Some(r);
+                }
                 let mut _inventory: Option<Proc> = None;
                 if strategy.needs_inventory() {
                     let (Some(bin), Some(f)) = (&inventory_bin, &fleet) else {
@@ -427,10 +502,17 @@ pub async fn main(args: BenchArgs) -> anyhow::Result<Vec<Summary>> {
                         );
                     }
                 }
+                if args.records.is_some() {
+                    all_records.push(
+                        json!({"workload": kind.as_str(), "strategy": strategy.as_str(),
+                        "endpoints": urls.len(), "records": records}),
+                    );
+                }
                 let line = report::row(&s, rr_ratio);
                 print!("{line}");
                 md.push_str(&line);
                 summaries.push(s);
+                drop(_peer);
                 drop(_inventory);
                 drop(fleet);
             }
@@ -443,6 +525,9 @@ pub async fn main(args: BenchArgs) -> anyhow::Result<Vec<Summary>> {
                 &json!({"shape": shape, "kv_blocks": kv_blocks, "summaries": summaries}),
             )?,
         )?;
+    }
+    if let Some(p) = &args.records {
+        std::fs::write(p, serde_json::to_vec(&all_records)?)?;
     }
     if let Some(p) = &args.markdown {
         std::fs::write(p, &md)?;

@@ -40,6 +40,9 @@ pub struct Summary {
     pub load_spread: f64,
     /// Mean distinct simulators per shared prefix.
     pub engines_per_prefix: f64,
+    /// Completed requests whose serving simulator is unknown (no `x-kvroute-sim` header and no
+    /// `system_fingerprint`): they count as one pseudo-simulator "?" in the spread figures.
+    pub unattributed: usize,
     /// Routing decision p50, ms (strategies that decide remotely).
     pub route_p50_ms: Option<f64>,
     /// Routing decision p99, ms.
@@ -111,6 +114,7 @@ pub fn summarize(
             ok.len() as f64 / wall.as_secs_f64()
         },
         load_spread: if mean == 0.0 { 0.0 } else { max / mean },
+        unattributed: ok.iter().filter(|r| r.served_by.is_none()).count(),
         engines_per_prefix: if per_group.is_empty() {
             0.0
         } else {

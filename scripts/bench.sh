@@ -1,0 +1,112 @@
+#!/usr/bin/env bash
+# Runs kvroute's end-to-end benchmarks and writes the result tables into docs/:
+#
+#   small      docs/bench-small.md      small preset: 4 workloads x 5 strategies on 4 endpoints
+#   placement  docs/bench-placement.md  issue 7's constrained workload (2 endpoints x 256 blocks,
+#                                       10 system prompts of ~600 tokens, 40 users x 4 turns),
+#                                       staggered and burst: round robin, sticky, kvroute,
+#                                       sglang-router 0.3.2, oracle; one-shot and hot-prefix; targets
+#   scale      docs/bench-scale.md      multi-turn at 4, 8 and 16 endpoints
+#   gateways   docs/bench-gateways.md   1 vs 4 Envoy gateways (kvroute filter) sharing one inventory
+#
+# Usage: scripts/bench.sh [small|placement|scale|gateways]...   (default: all four)
+#
+# Before measuring it installs what is missing, idempotently: scripts/setup.sh (Envoy, the Qwen3
+# tokenizer fixture, the wasm toolchain, sglang-router==0.3.2 into $KVROUTE_CACHE/sglang-router-venv),
+# the filter .wasm (scripts/build-wasm.sh, only for `gateways`), and the release binaries.
+# Raw results (JSON) go to $KVROUTE_CACHE/bench/. KVROUTE_INVENTORY_BIN=PATH measures that
+# kvroute-inventory binary instead of building the workspace's (e.g. a reviewed build while the
+# tree is mid-change). Every process a part starts is stopped when it
+# ends (kvroute-bench kills its children on exit; this script kills the gateways' processes).
+set -euo pipefail
+
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$REPO"
+export KVROUTE_CACHE="${KVROUTE_CACHE:-$REPO/.cache}"
+OUT="$KVROUTE_CACHE/bench"
+BIN="$REPO/target/release"
+
+say() { echo "bench.sh: $*"; }
+die() {
+    echo "bench.sh: $*" >&2
+    exit 1
+}
+
+parts=("$@")
+if ((${#parts[@]} == 0)); then
+    parts=(small placement scale gateways)
+fi
+for p in "${parts[@]}"; do
+    case "$p" in
+    small | placement | scale | gateways) ;;
+    *) die "unknown part '$p' (allowed: small placement scale gateways)" ;;
+    esac
+done
+want() {
+    local p
+    for p in "${parts[@]}"; do [[ "$p" == "$1" ]] && return 0; done
+    return 1
+}
+
+say "setup"
+./scripts/setup.sh
+# shellcheck source=/dev/null
+source "$KVROUTE_CACHE/env.sh"
+
+# setup.sh installed sglang-router into $KVROUTE_CACHE/sglang-router-venv (env.sh exports its python).
+
+if want gateways; then
+    say "building the filter .wasm"
+    ./scripts/build-wasm.sh
+fi
+INVENTORY_BIN="${KVROUTE_INVENTORY_BIN:-}"
+if [[ -n "$INVENTORY_BIN" ]]; then
+    [[ -x "$INVENTORY_BIN" ]] || die "KVROUTE_INVENTORY_BIN=$INVENTORY_BIN is not an executable"
+    say "building kvroute-engine-sim, kvroute-bench (release); inventory: $INVENTORY_BIN"
+    cargo build --release -q -p kvroute-engine-sim
+else
+    say "building kvroute-inventory, kvroute-engine-sim, kvroute-bench (release)"
+    cargo build --release -q -p kvroute-inventory -p kvroute-engine-sim
+    INVENTORY_BIN="$BIN/kvroute-inventory"
+fi
+export KVROUTE_INVENTORY_BIN="$INVENTORY_BIN"
+mkdir -p "$OUT"
+
+bench() { "$BIN/kvroute-bench" --inventory-bin "$INVENTORY_BIN" "$@"; }
+report() { python3 "$REPO/scripts/bench_report.py" "$@"; }
+
+if want small; then
+    say "small preset"
+    bench --preset small --json "$OUT/small.json" --markdown "$OUT/small.md"
+    report small "$OUT" "$REPO/docs/bench-small.md"
+fi
+
+if want placement; then
+    # The Qwen3 tokenizer: sglang-router loads the model's tokenizer from the workers'
+    # /get_server_info model_path, and kvroute tokenizes exactly as the engines do.
+    common=(--preset constrained --tokenizer-dir "$KVROUTE_TOKENIZER_DIR"
+        --strategies round-robin,sticky,kvroute-engine,sglang-router,oracle)
+    for arrival in staggered burst; do
+        say "constrained preset, multi-turn, $arrival arrival"
+        bench "${common[@]}" --workloads multi-turn --arrival "$arrival" \
+            --json "$OUT/placement-$arrival.json" --markdown "$OUT/placement-$arrival.md"
+    done
+    say "constrained preset, one-shot and hot-prefix"
+    bench "${common[@]}" --workloads one-shot,hot-prefix \
+        --json "$OUT/placement-other.json" --markdown "$OUT/placement-other.md"
+    report placement "$OUT" "$REPO/docs/bench-placement.md"
+fi
+
+if want scale; then
+    say "scale curve: multi-turn at 4, 8, 16 endpoints"
+    bench --preset small --workloads multi-turn --endpoints 4,8,16 \
+        --strategies round-robin,kvroute-engine,oracle \
+        --json "$OUT/scale.json" --markdown "$OUT/scale.md"
+    report scale "$OUT" "$REPO/docs/bench-scale.md"
+fi
+
+if want gateways; then
+    "$REPO/scripts/bench_gateways.sh" "$OUT"
+    report gateways "$OUT" "$REPO/docs/bench-gateways.md"
+fi
+say "done: tables in docs/bench-*.md, raw results in $OUT"

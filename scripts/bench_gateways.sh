@@ -1,0 +1,177 @@
+#!/usr/bin/env bash
+# Issue 5: 1 vs 4 Envoy gateways (each with the kvroute filter) sharing one kvroute-inventory.
+# Called by scripts/bench.sh (which has installed Envoy, built the .wasm and the release binaries);
+# writes gateways-1.{json,md} and gateways-4.{json,md} into OUT_DIR.
+#
+#   4 vLLM simulators  127.0.0.20-23 (Qwen3 tokenizer, 96 KV blocks, ZMQ events)
+#   1 inventory        127.0.0.1:<free port>, in memory; restarted before each run so the second
+#                      run starts with no placement memory, like the first
+#   4 Envoys           127.0.0.1:<free ports>, --concurrency 1 each (one filter VM per gateway)
+#
+# Each run drives the small preset's multi-turn workload (system prompts sized in tokens so the
+# cache pressure matches the word-tokenizer preset) through the gateways, round robin over them, so
+# consecutive turns of one conversation go through different gateways; then round robin straight to
+# the same simulators (caches reset in between). Every process started here is stopped on exit.
+set -euo pipefail
+
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$REPO"
+OUT="${1:?usage: bench_gateways.sh OUT_DIR}"
+export KVROUTE_CACHE="${KVROUTE_CACHE:-$REPO/.cache}"
+# shellcheck source=/dev/null
+source "$KVROUTE_CACHE/env.sh"
+BIN="$REPO/target/release"
+INVENTORY_BIN="${KVROUTE_INVENTORY_BIN:-$BIN/kvroute-inventory}"
+MODEL="Qwen/Qwen3-0.6B"
+SLUG="Qwen__Qwen3-0.6B"
+SIMS=(127.0.0.20 127.0.0.21 127.0.0.22 127.0.0.23)
+GATEWAYS=4
+
+say() { echo "bench_gateways.sh: $*"; }
+die() {
+    echo "bench_gateways.sh: $*" >&2
+    exit 1
+}
+[[ -f "$KVROUTE_WASM" ]] || die "no filter module at $KVROUTE_WASM: run scripts/build-wasm.sh"
+[[ -x "$KVROUTE_ENVOY" ]] || die "no Envoy at $KVROUTE_ENVOY: run scripts/setup.sh"
+free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+
+RUN="$KVROUTE_CACHE/bench/gateways-run"
+rm -rf "$RUN"
+mkdir -p "$RUN/tokenizers/$SLUG" "$RUN/logs"
+cp "$KVROUTE_TOKENIZER_DIR"/tokenizer.json "$KVROUTE_TOKENIZER_DIR"/tokenizer_config.json "$RUN/tokenizers/$SLUG/"
+
+PIDS=()
+INV_PID=""
+cleanup() {
+    trap - EXIT INT TERM
+    local p
+    for p in "${PIDS[@]}" $INV_PID; do kill "$p" 2>/dev/null || true; done
+    for p in "${PIDS[@]}" $INV_PID; do wait "$p" 2>/dev/null || true; done
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+
+# wait_http URL NAME LOG: polls until URL answers 2xx, at most 60 s.
+wait_http() {
+    local url=$1 name=$2 log=$3 deadline=$((SECONDS + 60))
+    until curl -fs -o /dev/null --max-time 2 "$url"; do
+        if ((SECONDS > deadline)); then
+            tail -20 "$log" >&2 || true
+            die "$name did not become ready at $url within 60 s (log: $log)"
+        fi
+        sleep 0.2
+    done
+}
+
+SIM_PORT=$(free_port)
+ZMQ_PORT=$(free_port)
+REPLAY_PORT=$(free_port)
+INV_PORT=$(free_port)
+VIP_PORT=$(free_port)
+RULE_ID="127.0.0.1:$VIP_PORT"
+for ip in "${SIMS[@]}"; do
+    "$BIN/kvroute-engine-sim" --listen "$ip:$SIM_PORT" --engine vllm --seed 0 --block-size 16 \
+        --kv-blocks 96 --zmq-port "$ZMQ_PORT" --replay-port "$REPLAY_PORT" \
+        --prefill-us-per-token 40 --decode-us-per-token 400 --max-concurrency 4 \
+        --tokenizer-dir "$KVROUTE_TOKENIZER_DIR" --model "$MODEL" --name "sim-$ip" \
+        >"$RUN/logs/sim-$ip.log" 2>&1 &
+    PIDS+=($!)
+done
+for ip in "${SIMS[@]}"; do wait_http "http://$ip:$SIM_PORT/health" "simulator $ip" "$RUN/logs/sim-$ip.log"; done
+
+endpoints=""
+for ip in "${SIMS[@]}"; do endpoints+="${endpoints:+,}{\"endpointIP\":\"$ip\",\"targetPort\":$SIM_PORT,\"weight\":1}"; done
+cat >"$RUN/rules.json" <<EOF
+[{"serviceArguments":{"externalIP":"127.0.0.1","port":$VIP_PORT,"protocol":"tcp","sel":0,"mode":4,
+"kvExactMode":3,"kvEngineType":"vllm","kvHashAlgo":"sha256_cbor","kvBlockSize":16,"kvZmqPort":$ZMQ_PORT,
+"kvReplayPort":$REPLAY_PORT,"kvModel":"$MODEL"},"endpoints":[$endpoints]}]
+EOF
+
+start_inventory() {
+    LLB_KV_NONE_HASH_SEED=0 KVROUTE_SCRAPE_INTERVAL_MS=200 KVROUTE_HEALTH_INTERVAL_MS=1000 RUST_LOG=warn \
+        "$INVENTORY_BIN" serve --listen "127.0.0.1:$INV_PORT" --config "$RUN/rules.json" \
+        --tokenizer-dir "$RUN" >>"$RUN/logs/inventory.log" 2>&1 &
+    INV_PID=$!
+    wait_http "http://127.0.0.1:$INV_PORT/healthz" "inventory" "$RUN/logs/inventory.log"
+}
+stop_inventory() {
+    kill "$INV_PID" 2>/dev/null || true
+    wait "$INV_PID" 2>/dev/null || true
+    INV_PID=""
+}
+
+# Envoy configs: the shipped envoy/envoy.yaml with this machine's addresses (as stack.sh does), the
+# engines cluster rewritten to the four simulators, and a 100 ms callout budget (2 cores shared by
+# 4 gateways, the inventory, 4 simulators and the driver).
+GW_URLS=()
+for g in $(seq 1 "$GATEWAYS"); do
+    gw_port=$(free_port)
+    admin_port=$(free_port)
+    python3 - "$REPO/envoy/envoy.yaml" "$RUN/envoy-$g.yaml" <<EOF
+import re, sys
+src, dst = sys.argv[1], sys.argv[2]
+y = open(src).read()
+y = y.replace("/etc/kvroute/kvroute_filter.wasm", "$KVROUTE_WASM")
+y = y.replace('"rule": "10.0.0.1:8080"', '"rule": "$RULE_ID"')
+y = y.replace('"timeout_ms": 25,', '"timeout_ms": 100,')
+y = y.replace("address: 0.0.0.0, port_value: 10000", "address: 127.0.0.1, port_value: $gw_port")
+y = y.replace("address: 127.0.0.1, port_value: 9901", "address: 127.0.0.1, port_value: $admin_port")
+y = y.replace("address: kvroute-inventory, port_value: 8080", "address: 127.0.0.1, port_value: $INV_PORT")
+# The engines: replace every endpoint entry of the lb_endpoints list with the simulators.
+m = re.search(r"( *)- lb_endpoints:[^\n]*\n((?:\1  +[^\n]*\n)+)", y)
+if not m:
+    sys.exit("envoy.yaml: no lb_endpoints list in cluster engines")
+ind = m.group(1) + "    "
+eps = "".join(
+    f"{ind}- endpoint:\n{ind}    address:\n{ind}      socket_address: {{ address: {ip}, port_value: $SIM_PORT }}\n"
+    for ip in "${SIMS[*]}".split()
+)
+y = y[: m.start(2)] + eps + y[m.end(2):]
+if "10.0.0." in y:
+    sys.exit("envoy.yaml: an address was not rewritten (the shipped file changed?)")
+open(dst, "w").write(y)
+EOF
+    "$KVROUTE_ENVOY" -c "$RUN/envoy-$g.yaml" --disable-hot-restart --log-level warn --concurrency 1 \
+        --base-id "$((7000 + g))" >"$RUN/logs/envoy-$g.log" 2>&1 &
+    PIDS+=($!)
+    GW_URLS+=("http://127.0.0.1:$gw_port")
+    ADMIN_URLS[g]="http://127.0.0.1:$admin_port"
+done
+
+start_inventory
+for g in $(seq 1 "$GATEWAYS"); do
+    wait_http "${ADMIN_URLS[g]}/ready" "Envoy $g" "$RUN/logs/envoy-$g.log"
+done
+
+# Each gateway's VM fetches the tokenizer from the inventory on its first request; until then
+# requests pass unpinned. Warm up each until a request no longer counts a missing tokenizer.
+warm() {
+    local gw=$1 admin=$2 i before deadline=$((SECONDS + 90))
+    no_tok() { curl -fs "$admin/stats?filter=kvroute_filter_no_tokenizer_total" | awk '{s+=$2} END {print s+0}'; }
+    for i in $(seq 1 600); do
+        before=$(no_tok)
+        curl -fs -o /dev/null "$gw/v1/chat/completions" -H 'content-type: application/json' \
+            -d "{\"model\":\"$MODEL\",\"messages\":[{\"role\":\"user\",\"content\":\"warm-up $i\"}],\"max_tokens\":1}" || true
+        if ((i > 2)) && [[ "$(no_tok)" == "$before" ]]; then return 0; fi
+        ((SECONDS < deadline)) || die "gateway $gw did not load its tokenizer within 90 s"
+    done
+    die "gateway $gw did not load its tokenizer after 600 warm-up requests"
+}
+for g in $(seq 1 "$GATEWAYS"); do warm "${GW_URLS[g - 1]}" "${ADMIN_URLS[g]}"; done
+
+sims_csv=""
+for ip in "${SIMS[@]}"; do sims_csv+="${sims_csv:+,}http://$ip:$SIM_PORT"; done
+for n in 1 "$GATEWAYS"; do
+    say "multi-turn through $n gateway(s), then round robin"
+    stop_inventory
+    start_inventory
+    gws=$(
+        IFS=,
+        echo "${GW_URLS[*]:0:n}"
+    )
+    "$BIN/kvroute-bench" --preset small --workloads multi-turn --strategies gateway,round-robin \
+        --prefix-tokens 820 --gateway "$gws" --sims "$sims_csv" --model "$MODEL" \
+        --tokenizer-dir "$KVROUTE_TOKENIZER_DIR" --concurrency 16 \
+        --json "$OUT/gateways-$n.json" --markdown "$OUT/gateways-$n.md" || die "the $n-gateway run failed"
+done

@@ -1,0 +1,266 @@
+#!/usr/bin/env python3
+"""Writes the docs/bench-*.md tables from kvroute-bench's JSON results (scripts/bench.sh).
+
+usage: bench_report.py PART RESULTS_DIR OUT.md     PART: small, placement, scale, gateways
+
+Each part reads the files bench.sh wrote into RESULTS_DIR (<part>*.json, and the markdown
+table kvroute-bench printed, <part>*.md) and writes one page. `placement` also judges issue 7's
+targets from the figures (met / not met, with the numbers).
+"""
+
+import json
+import sys
+import time
+from pathlib import Path
+
+HEADER = (
+    "| workload | strategy | endpoints | requests | errors | cached-token ratio | vs round robin "
+    "| TTFT p50 ms | TTFT p90 ms | TTFT p99 ms | req/s | load spread | engines/prefix "
+    "| route p50 ms | route p99 ms |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
+)
+
+
+def load(path: Path) -> dict:
+    with open(path) as f:
+        return json.load(f)
+
+
+def find(summaries, workload, strategy, endpoints=None):
+    for s in summaries:
+        if s["workload"] == workload and s["strategy"] == strategy:
+            if endpoints is None or s["endpoints"] == endpoints:
+                return s
+    return None
+
+
+def pct(v):
+    return f"{v * 100:.1f}%"
+
+
+def row(s, rr=None):
+    vs = f"{s['cached_ratio'] / rr:.2f}x" if rr else "-"
+    opt = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
+    return (
+        f"| {s['workload']} | {s['strategy']} | {s['endpoints']} | {s['requests']} | {s['errors']} "
+        f"| {pct(s['cached_ratio'])} | {vs} | {s['ttft_p50_ms']:.1f} | {s['ttft_p90_ms']:.1f} "
+        f"| {s['ttft_p99_ms']:.1f} | {s['throughput_rps']:.1f} | {s['load_spread']:.2f} "
+        f"| {s['engines_per_prefix']:.2f} | {opt(s.get('route_p50_ms'))} | {opt(s.get('route_p99_ms'))} |\n"
+    )
+
+
+def full_table(summaries):
+    out = HEADER
+    for s in summaries:
+        rr = find(summaries, s["workload"], "round-robin", s["endpoints"])
+        rr_ratio = rr["cached_ratio"] if rr and rr["cached_ratio"] > 0 else None
+        out += row(s, rr_ratio)
+    return out
+
+
+def shape_line(d):
+    sh = d["shape"]
+    return (
+        f"{sh['users']} users x {sh['turns']} turns over {sh['groups']} shared prefixes of "
+        f"{sh['prefix_words']} words, {sh['max_tokens']} output tokens, KV {d['kv_blocks']} "
+        f"blocks/endpoint, arrival {sh['arrival']}"
+    )
+
+
+def command_of(md_path: Path) -> str:
+    """The `Command:` and parameters lines kvroute-bench wrote above its table."""
+    if not md_path.is_file():
+        return ""
+    lines = md_path.read_text().splitlines()
+    head = [l for l in lines[:4] if l.strip()]
+    return "\n\n".join(head[:2]) + "\n\n"
+
+
+def stamp():
+    return time.strftime("%Y-%m-%d")
+
+
+def small(res: Path, out: Path):
+    d = load(res / "small.json")
+    text = f"# Benchmark: small preset\n\nMeasured {stamp()} by `scripts/bench.sh small`.\n\n"
+    text += command_of(res / "small.md")
+    text += full_table(d["summaries"])
+    out.write_text(text)
+
+
+def judge(ok):
+    return "**met**" if ok else "**not met**"
+
+
+def placement(res: Path, out: Path):
+    runs = {a: load(res / f"placement-{a}.json") for a in ("staggered", "burst")}
+    other = load(res / "placement-other.json")
+    strategies = ["round-robin", "sticky", "kvroute-engine", "sglang-router", "oracle"]
+    text = (
+        "# Benchmark: placement on a constrained fleet (issue 7)\n\n"
+        f"Measured {stamp()} by `scripts/bench.sh placement` (kvroute-bench `--preset constrained`, "
+        "the Qwen3 tokenizer, vLLM simulators with a vLLM-like free-block queue). "
+        f"Workload: {shape_line(runs['staggered'])}; burst = every user at once "
+        "(bounded by 8 requests in flight).\n\n"
+        "## Multi-turn, side by side\n\n"
+        "| strategy | staggered: cached-token ratio | engines per system prompt | TTFT p90 ms "
+        "| burst: cached-token ratio | engines per system prompt | TTFT p90 ms |\n"
+        "|---|---|---|---|---|---|---|\n"
+    )
+    for st in strategies:
+        cells = []
+        for a in ("staggered", "burst"):
+            s = find(runs[a]["summaries"], "multi-turn", st)
+            cells += (
+                ["-", "-", "-"]
+                if s is None
+                else [pct(s["cached_ratio"]), f"{s['engines_per_prefix']:.2f}", f"{s['ttft_p90_ms']:.1f}"]
+            )
+        text += f"| {st} | " + " | ".join(cells) + " |\n"
+
+    # Targets.
+    rows = []
+    for a, factor in (("staggered", 1.05), ("burst", 1.0)):
+        k = find(runs[a]["summaries"], "multi-turn", "kvroute-engine")
+        g = find(runs[a]["summaries"], "multi-turn", "sglang-router")
+        if k is None or g is None:
+            rows.append((f"{a}: kvroute vs sglang-router", "not measured"))
+            continue
+        need = g["cached_ratio"] * factor
+        rows.append(
+            (
+                f"{a}: kvroute cached-token ratio >= sglang-router's x {factor:.2f}",
+                f"{judge(k['cached_ratio'] >= need)}: {pct(k['cached_ratio'])} vs "
+                f"{pct(g['cached_ratio'])} (x {k['cached_ratio'] / max(g['cached_ratio'], 1e-9):.3f})",
+            )
+        )
+        rows.append(
+            (
+                f"{a}: engines per system prompt <= 1.1",
+                f"{judge(k['engines_per_prefix'] <= 1.1)}: {k['engines_per_prefix']:.2f} "
+                f"(sglang-router {g['engines_per_prefix']:.2f})",
+            )
+        )
+        rows.append(
+            (
+                f"{a}: TTFT p90 no worse than sglang-router",
+                f"{judge(k['ttft_p90_ms'] <= g['ttft_p90_ms'])}: {k['ttft_p90_ms']:.1f} ms vs "
+                f"{g['ttft_p90_ms']:.1f} ms",
+            )
+        )
+    hk = find(other["summaries"], "hot-prefix", "kvroute-engine")
+    hr = find(other["summaries"], "hot-prefix", "round-robin")
+    if hk and hr:
+        rows.append(
+            (
+                "hot-prefix: TTFT p90 <= round robin x 1.2",
+                f"{judge(hk['ttft_p90_ms'] <= 1.2 * hr['ttft_p90_ms'])}: {hk['ttft_p90_ms']:.1f} ms vs "
+                f"{hr['ttft_p90_ms']:.1f} ms",
+            )
+        )
+    ok = find(other["summaries"], "one-shot", "kvroute-engine")
+    orr = find(other["summaries"], "one-shot", "round-robin")
+    if ok and orr:
+        rows.append(
+            (
+                "one-shot: no worse than round robin (TTFT p90, x 1.2 noise allowance)",
+                f"{judge(ok['ttft_p90_ms'] <= 1.2 * orr['ttft_p90_ms'])}: {ok['ttft_p90_ms']:.1f} ms vs "
+                f"{orr['ttft_p90_ms']:.1f} ms",
+            )
+        )
+    text += "\n## Targets\n\n| target | result |\n|---|---|\n"
+    text += "".join(f"| {t} | {r} |\n" for t, r in rows)
+
+    for a in ("staggered", "burst"):
+        text += f"\n## Multi-turn, {a} arrival (every column)\n\n"
+        text += command_of(res / f"placement-{a}.md")
+        text += full_table(runs[a]["summaries"])
+        text += "\nkvroute reasons: " + reasons_of(runs[a]["summaries"]) + "\n"
+    text += "\n## One-shot and hot-prefix, same fleet\n\n"
+    text += command_of(res / "placement-other.md")
+    text += full_table(other["summaries"])
+    out.write_text(text)
+
+
+def reasons_of(summaries):
+    parts = []
+    for s in summaries:
+        if s.get("reasons"):
+            r = ", ".join(f"{k} {v}" for k, v in sorted(s["reasons"].items()))
+            parts.append(f"{s['workload']}/{s['strategy']}: {r}")
+    return "; ".join(parts) or "-"
+
+
+def scale(res: Path, out: Path):
+    d = load(res / "scale.json")
+    sums = d["summaries"]
+    text = (
+        "# Benchmark: scale curve (issue 5)\n\n"
+        f"Measured {stamp()} by `scripts/bench.sh scale`. Workload: {shape_line(d)}; the same "
+        "sessions at every fleet size, 4 requests in flight per endpoint.\n\n"
+        "| endpoints | round robin | kvroute-engine | oracle | kvroute / round robin | kvroute / oracle "
+        "| kvroute engines/prefix | kvroute TTFT p90 ms | round robin TTFT p90 ms | route p99 ms |\n"
+        "|---|---|---|---|---|---|---|---|---|---|\n"
+    )
+    for n in sorted({s["endpoints"] for s in sums}):
+        rr = find(sums, "multi-turn", "round-robin", n)
+        kv = find(sums, "multi-turn", "kvroute-engine", n)
+        orc = find(sums, "multi-turn", "oracle", n)
+        if not (rr and kv and orc):
+            continue
+        text += (
+            f"| {n} | {pct(rr['cached_ratio'])} | {pct(kv['cached_ratio'])} | {pct(orc['cached_ratio'])} "
+            f"| {kv['cached_ratio'] / max(rr['cached_ratio'], 1e-9):.2f}x "
+            f"| {kv['cached_ratio'] / max(orc['cached_ratio'], 1e-9) * 100:.0f}% "
+            f"| {kv['engines_per_prefix']:.2f} | {kv['ttft_p90_ms']:.1f} | {rr['ttft_p90_ms']:.1f} "
+            f"| {kv['route_p99_ms'] or 0:.2f} |\n"
+        )
+    text += "\n## Every column\n\n" + command_of(res / "scale.md") + full_table(sums)
+    out.write_text(text)
+
+
+def gateways(res: Path, out: Path):
+    text = (
+        "# Benchmark: 1 vs 4 Envoy gateways sharing one inventory (issue 5)\n\n"
+        f"Measured {stamp()} by `scripts/bench.sh gateways`: one kvroute-inventory, the same "
+        "simulators, Envoy + the kvroute filter; the driver spreads requests round robin over the "
+        "gateways, so turns of one conversation cross gateways. Caches and the inventory are "
+        "fresh for each run.\n\n"
+        "| gateways | cached-token ratio | round robin (same sims) | TTFT p50 ms | TTFT p90 ms | engines/prefix | errors |\n"
+        "|---|---|---|---|---|---|---|\n"
+    )
+    sums = {}
+    for n in (1, 4):
+        p = res / f"gateways-{n}.json"
+        if not p.is_file():
+            continue
+        d = load(p)
+        g = find(d["summaries"], "multi-turn", "gateway")
+        rr = find(d["summaries"], "multi-turn", "round-robin")
+        sums[n] = (d, g)
+        if g:
+            text += (
+                f"| {n} | {pct(g['cached_ratio'])} | {pct(rr['cached_ratio']) if rr else '-'} "
+                f"| {g['ttft_p50_ms']:.1f} | {g['ttft_p90_ms']:.1f} | {g['engines_per_prefix']:.2f} | {g['errors']} |\n"
+            )
+    if 1 in sums and 4 in sums and sums[1][1] and sums[4][1]:
+        a, b = sums[1][1]["cached_ratio"], sums[4][1]["cached_ratio"]
+        text += (
+            f"\nHit ratio flat as gateways multiply (4 gateways within 5 points of 1): "
+            f"{judge(abs(a - b) <= 0.05)}: {pct(b)} vs {pct(a)}.\n"
+        )
+    for n, (d, _) in sorted(sums.items()):
+        text += f"\n## {n} gateway(s), every column\n\n" + command_of(res / f"gateways-{n}.md")
+        text += full_table(d["summaries"])
+    out.write_text(text)
+
+
+def main():
+    if len(sys.argv) != 4:
+        sys.exit(__doc__)
+    part, res, out = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
+    {"small": small, "placement": placement, "scale": scale, "gateways": gateways}[part](res, out)
+    print(f"bench_report.py: wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
