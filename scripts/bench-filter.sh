@@ -9,11 +9,16 @@
 #   scripts/bench-filter.sh            # 100 samples per cell
 #   KVROUTE_BENCH_SAMPLES=300 scripts/bench-filter.sh
 #   KVROUTE_BENCH_OUT=/tmp/bench.md scripts/bench-filter.sh
+#   KVROUTE_BENCH_ONLY="8k follow-up" KVROUTE_BENCH_OUT=/tmp/b.md scripts/bench-filter.sh  # one case
+#   KVROUTE_WASM=/tmp/old.wasm ...     # measure another build of the module (before/after)
 set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$REPO"
+# env.sh names the freshly built module; a caller's KVROUTE_WASM (another build) wins.
+caller_wasm="${KVROUTE_WASM:-}"
 [[ -f .cache/env.sh ]] && source .cache/env.sh
+[[ -n "$caller_wasm" ]] && export KVROUTE_WASM="$caller_wasm"
 
 ./scripts/build-wasm.sh
 # A release service: a debug build's route handler (and its offload tokenizer) would dominate.

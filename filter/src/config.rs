@@ -9,6 +9,14 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
+use crate::cache::Limits;
+use crate::tokens::CacheLimits;
+
+/// Most bytes any one cache may be given (1 GiB).
+const MAX_CACHE_BYTES: u64 = 1 << 30;
+/// Most entries any one cache may be given.
+const MAX_CACHE_ENTRIES: u64 = 1 << 24;
+
 /// Where the filter gets the prompt's token ids.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -85,6 +93,24 @@ pub struct RawConfig {
     pub refresh_ms: Option<u64>,
     #[serde(default)]
     pub pin_mode: Option<PinMode>,
+    /// Segment cache (segment text -> token ids) bounds: bytes (default 16 MiB) and entries
+    /// (default 65536); 0 turns it off.
+    #[serde(default)]
+    pub segment_cache_bytes: Option<u64>,
+    #[serde(default)]
+    pub segment_cache_entries: Option<u64>,
+    /// The fast encoder's piece cache (pre-token -> ids): bytes (default 16 MiB) and entries
+    /// (default 200000); 0 turns it off.
+    #[serde(default)]
+    pub piece_cache_bytes: Option<u64>,
+    #[serde(default)]
+    pub piece_cache_entries: Option<u64>,
+    /// Block-key cache (token prefix -> keys and hasher state): bytes (default 16 MiB) and
+    /// entries, one per block (default 131072); 0 turns it off.
+    #[serde(default)]
+    pub key_cache_bytes: Option<u64>,
+    #[serde(default)]
+    pub key_cache_entries: Option<u64>,
 }
 
 /// The checked configuration.
@@ -101,6 +127,10 @@ pub struct Config {
     pub model: Option<String>,
     pub refresh: Duration,
     pub pin_mode: PinMode,
+    /// Bounds of the tokenizer's segment and piece caches.
+    pub caches: CacheLimits,
+    /// Bounds of the block-key cache.
+    pub key_cache: Limits,
 }
 
 impl Default for Config {
@@ -117,6 +147,20 @@ impl Default for Config {
             model: None,
             refresh: Duration::from_secs(30),
             pin_mode: PinMode::Header,
+            caches: CacheLimits {
+                segments: Limits {
+                    entries: 65_536,
+                    bytes: 16 << 20,
+                },
+                pieces: Limits {
+                    entries: kvroute_core::bpe::PIECE_CACHE_ENTRIES,
+                    bytes: kvroute_core::bpe::PIECE_CACHE_BYTES,
+                },
+            },
+            key_cache: Limits {
+                entries: 131_072,
+                bytes: 16 << 20,
+            },
         }
     }
 }
@@ -136,7 +180,8 @@ pub enum ConfigError {
     #[error(
         "plugin configuration is not a JSON object with fields rule, inventory_cluster, inventory_authority, \
          timeout_ms, max_body_bytes, pin_header, tokenize (filter|service), tokenizer (inventory|embedded|none), \
-         model, refresh_ms, pin_mode (header|filter_state): {0}"
+         model, refresh_ms, pin_mode (header|filter_state), segment_cache_bytes, segment_cache_entries, \
+         piece_cache_bytes, piece_cache_entries, key_cache_bytes, key_cache_entries: {0}"
     )]
     Json(String),
     #[error("invalid plugin configuration: {}", .0.iter().map(ToString::to_string).collect::<Vec<_>>().join("; "))]
@@ -203,6 +248,55 @@ impl TryFrom<RawConfig> for Config {
             "1000..=3600000",
             30_000,
         );
+        let mut limits = |bytes_field: &'static str,
+                          bytes: Option<u64>,
+                          entries_field: &'static str,
+                          entries: Option<u64>,
+                          dflt: Limits| {
+            let b = range(
+                bytes_field,
+                bytes,
+                0,
+                MAX_CACHE_BYTES,
+                "0..=1073741824",
+                dflt.bytes as u64,
+            );
+            let e = range(
+                entries_field,
+                entries,
+                0,
+                MAX_CACHE_ENTRIES,
+                "0..=16777216",
+                dflt.entries as u64,
+            );
+            Limits {
+                entries: usize::try_from(e).unwrap_or(dflt.entries),
+                bytes: usize::try_from(b).unwrap_or(dflt.bytes),
+            }
+        };
+        let caches = CacheLimits {
+            segments: limits(
+                "segment_cache_bytes",
+                raw.segment_cache_bytes,
+                "segment_cache_entries",
+                raw.segment_cache_entries,
+                d.caches.segments,
+            ),
+            pieces: limits(
+                "piece_cache_bytes",
+                raw.piece_cache_bytes,
+                "piece_cache_entries",
+                raw.piece_cache_entries,
+                d.caches.pieces,
+            ),
+        };
+        let key_cache = limits(
+            "key_cache_bytes",
+            raw.key_cache_bytes,
+            "key_cache_entries",
+            raw.key_cache_entries,
+            d.key_cache,
+        );
         let mut text = |field: &'static str, v: Option<String>, dflt: &str, header: bool| match v {
             None => dflt.to_owned(),
             Some(s) if s.is_empty() => {
@@ -260,6 +354,8 @@ impl TryFrom<RawConfig> for Config {
             model: raw.model,
             refresh: Duration::from_millis(refresh),
             pin_mode: raw.pin_mode.unwrap_or_default(),
+            caches,
+            key_cache,
         })
     }
 }
@@ -289,6 +385,35 @@ mod tests {
         assert_eq!(
             (c.tokenize, c.tokenizer),
             (TokenizeMode::Service, TokenizerSource::None)
+        );
+        let c = Config::parse(
+            br#"{"segment_cache_bytes":0,"segment_cache_entries":10,"piece_cache_bytes":2048,
+                "piece_cache_entries":0,"key_cache_bytes":1048576,"key_cache_entries":4096}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            (c.caches.segments, c.caches.pieces, c.key_cache),
+            (
+                Limits {
+                    entries: 10,
+                    bytes: 0
+                },
+                Limits {
+                    entries: 0,
+                    bytes: 2048
+                },
+                Limits {
+                    entries: 4096,
+                    bytes: 1 << 20
+                }
+            )
+        );
+        let err = Config::parse(br#"{"key_cache_bytes":1099511627776}"#)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("key_cache_bytes: got 1099511627776, allowed 0..=1073741824"),
+            "{err}"
         );
     }
 

@@ -13,6 +13,7 @@
 //! contracts, [`usage`] reads response usage, [`stats`] names the Envoy stats. [`testkeys`] exports
 //! `kvroute_test_keys` for the wasm test host.
 
+pub mod cache;
 pub mod config;
 pub mod host;
 pub mod plugin;

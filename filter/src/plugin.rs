@@ -19,6 +19,7 @@ use std::time::Duration;
 
 use kvroute_core::hash::HashContract;
 
+use crate::cache::KeyCache;
 use crate::config::{Config, TokenizeMode, TokenizerSource};
 use crate::host::{Callout, Host, Level};
 use crate::request::RequestFilter;
@@ -57,6 +58,8 @@ pub struct VmState {
     pub stats: Stats,
     pub contract: RefCell<Option<LoadedContract>>,
     pub encoder: RefCell<Option<Rc<PromptEncoder>>>,
+    /// Block keys of token prefixes seen before (bounded by `config.key_cache`).
+    pub keys: RefCell<KeyCache>,
 }
 
 /// Which load a root callout serves.
@@ -146,11 +149,16 @@ impl Plugin {
             ),
             None => host.log(Level::Info, "kvroute-filter: no rule configured; passing requests through"),
         }
+        if let Some(enc) = &encoder {
+            enc.set_cache_limits(config.caches);
+        }
+        let keys = RefCell::new(KeyCache::new(config.key_cache));
         self.vm = Rc::new(VmState {
             config,
             stats: self.vm.stats.clone(),
             contract: RefCell::new(None),
             encoder: RefCell::new(encoder),
+            keys,
         });
         self.pending = None;
         self.tokenizer_json = None;
@@ -335,6 +343,7 @@ impl Plugin {
                 let start = host.now_nanos();
                 match PromptEncoder::load(&json, Some(body)) {
                     Ok(enc) => {
+                        enc.set_cache_limits(self.vm.config.caches);
                         host.log(
                             Level::Info,
                             &format!(

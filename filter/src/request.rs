@@ -240,6 +240,8 @@ impl RequestFilter {
                             Ok((ids, seg)) => {
                                 vm.stats.add(host, Stat::SegmentHits, seg.hits);
                                 vm.stats.add(host, Stat::SegmentMisses, seg.misses);
+                                vm.stats.add(host, Stat::PieceHits, seg.piece_hits);
+                                vm.stats.add(host, Stat::PieceMisses, seg.piece_misses);
                                 Some(ids)
                             }
                             Err(e) => {
@@ -264,8 +266,20 @@ impl RequestFilter {
                 cache_salt: request.cache_salt.clone(),
                 ..ExtraKeys::default()
             };
-            let keys: Vec<BlockKey> = match hash.hasher(&extra) {
-                Ok(mut h) => h.push_tokens(ids),
+            // Keys of a prefix seen before come from the cache (exactly the hasher's keys).
+            let t0 = host.now_nanos();
+            let keys = vm.keys.borrow_mut().keys(hash, &extra, ids);
+            vm.stats.record(
+                host,
+                Stat::KeysUs,
+                host.now_nanos().saturating_sub(t0) / 1000,
+            );
+            let keys: Vec<BlockKey> = match keys {
+                Ok((keys, stats)) => {
+                    vm.stats.add(host, Stat::KeyCacheHits, stats.hits);
+                    vm.stats.add(host, Stat::KeyCacheMisses, stats.misses);
+                    keys
+                }
                 Err(e) => return self.fail_open(host, FailReason::Hash, &e.to_string()),
             };
             route.keys = keys;
@@ -455,6 +469,8 @@ mod tests {
     use crate::host::testing::FakeHost;
     use crate::plugin::{Plugin, REQUESTS_TOTAL};
     use crate::tokens::tests::{tiny_tokenizer_json, TINY_CONFIG};
+    use crate::tokens::PromptEncoder;
+    use kvroute_core::hash::{BlockSize, HashAlgo, HashContract};
     use serde_json::{json, Value};
 
     const CONTRACT: &[u8] = br#"{"rule_id":1,"engine":"vllm","algo":"sha256_cbor","seed":"0","block_size":2,"key_mode":"engine","model":"Org/M","kv_enabled":true}"#;
@@ -541,6 +557,76 @@ mod tests {
         assert_eq!(host.samples("kvroute_filter_duration_us").len(), 1);
         // The request body was never written.
         assert_eq!(host.request_body.borrow().as_slice(), body.as_bytes());
+    }
+
+    /// A conversation growing turn by turn (and a fork inside it, with and without a salt): the
+    /// keys sent with the caches warm are exactly the keys of a cold encoder and a fresh hasher.
+    #[test]
+    fn cached_keys_equal_uncached_keys_over_a_multi_turn_conversation() {
+        let host = FakeHost::default();
+        let p = ready(&host, CFG);
+        let cold = PromptEncoder::load(
+            tiny_tokenizer_json().as_bytes(),
+            Some(TINY_CONFIG.as_bytes()),
+        )
+        .unwrap();
+        let contract =
+            HashContract::new(HashAlgo::Sha256Cbor, BlockSize::new(2).unwrap()).with_seed("0");
+        let mut messages = vec![json!({"role": "system", "content": "hello hello, you help"})];
+        let mut bodies = Vec::new();
+        for turn in 0..6 {
+            messages.push(json!({"role": "user", "content": format!("hello {turn} there {}", "hell ".repeat(turn))}));
+            bodies.push(json!({"model": "m", "messages": messages}));
+            messages.push(json!({"role": "assistant", "content": format!("hello back {turn}")}));
+        }
+        let mut fork = bodies[3].clone();
+        fork["messages"][3]["content"] = json!("hello back, forked");
+        bodies.push(fork.clone());
+        fork["cache_salt"] = json!("tenant");
+        bodies.push(fork);
+        bodies.push(bodies[4].clone());
+        for body in &bodies {
+            let bytes = body.to_string();
+            let (_, sent) = to_callout(&host, &p, "/v1/chat/completions", bytes.as_bytes());
+            let request = Request::from_json(bytes.as_bytes()).unwrap();
+            cold.clear_caches();
+            let (ids, _) = cold.tokens(&request).unwrap();
+            let extra = ExtraKeys {
+                cache_salt: request.cache_salt.clone(),
+                ..ExtraKeys::default()
+            };
+            let want: Vec<u64> = contract
+                .keys(&ids, &extra)
+                .unwrap()
+                .iter()
+                .map(|k| k.0)
+                .collect();
+            let got: Vec<u64> = sent["keys"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|k| k.as_u64().unwrap())
+                .collect();
+            assert_eq!(got, want, "{body}");
+            assert_eq!(sent["token_count"].as_u64(), Some(ids.len() as u64));
+        }
+        assert!(host.counter("kvroute_filter_key_cache_hits_total").unwrap() > 0);
+        assert!(
+            host.counter("kvroute_filter_key_cache_misses_total")
+                .unwrap()
+                > 0
+        );
+        assert!(
+            host.counter("kvroute_filter_segment_cache_hits_total")
+                .unwrap()
+                > 0
+        );
+        assert!(
+            host.counter("kvroute_filter_piece_cache_misses_total")
+                .unwrap()
+                > 0
+        );
+        assert!(!host.samples("kvroute_filter_keys_us").is_empty());
     }
 
     #[test]

@@ -88,6 +88,12 @@ pub enum Stat {
     /// Tokenization segments served from the segment cache / encoded.
     SegmentHits,
     SegmentMisses,
+    /// Pre-token pieces served from the fast encoder's piece cache / merged.
+    PieceHits,
+    PieceMisses,
+    /// Blocks whose key came from the block-key cache / were hashed.
+    KeyCacheHits,
+    KeyCacheMisses,
     /// `usage` token counts from responses.
     CacheHitTokens,
     CacheMissTokens,
@@ -97,11 +103,12 @@ pub enum Stat {
     LoadFailures,
     /// Histograms (microseconds).
     TokenizeUs,
+    KeysUs,
     FilterUs,
     FailOpen(FailReason),
 }
 
-const FIXED: [(Stat, &str, MetricKind); 16] = [
+const FIXED: [(Stat, &str, MetricKind); 21] = [
     (
         Stat::Requests,
         "kvroute_filter_requests_total",
@@ -153,6 +160,26 @@ const FIXED: [(Stat, &str, MetricKind); 16] = [
         MetricKind::Counter,
     ),
     (
+        Stat::PieceHits,
+        "kvroute_filter_piece_cache_hits_total",
+        MetricKind::Counter,
+    ),
+    (
+        Stat::PieceMisses,
+        "kvroute_filter_piece_cache_misses_total",
+        MetricKind::Counter,
+    ),
+    (
+        Stat::KeyCacheHits,
+        "kvroute_filter_key_cache_hits_total",
+        MetricKind::Counter,
+    ),
+    (
+        Stat::KeyCacheMisses,
+        "kvroute_filter_key_cache_misses_total",
+        MetricKind::Counter,
+    ),
+    (
         Stat::CacheHitTokens,
         "kvroute_filter_cache_hit_tokens_total",
         MetricKind::Counter,
@@ -178,6 +205,11 @@ const FIXED: [(Stat, &str, MetricKind); 16] = [
         MetricKind::Histogram,
     ),
     (
+        Stat::KeysUs,
+        "kvroute_filter_keys_us",
+        MetricKind::Histogram,
+    ),
+    (
         Stat::FilterUs,
         "kvroute_filter_duration_us",
         MetricKind::Histogram,
@@ -187,7 +219,7 @@ const FIXED: [(Stat, &str, MetricKind); 16] = [
 /// Metric handles; a refused definition only disables that metric.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Stats {
-    fixed: [Option<CounterId>; 16],
+    fixed: [Option<CounterId>; 21],
     fail: [Option<CounterId>; 11],
 }
 

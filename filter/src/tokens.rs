@@ -6,9 +6,9 @@
 //! a multi-turn follow-up or a shared system prompt re-encodes only the new segments. Reuse is
 //! exact because the encoder never merges across an added token, so a segment's ids depend on
 //! its text alone (the cache key is the text itself, not a hash, so a hit is provably identical).
+//! The segment cache and the encoder's piece cache are bounded ([`CacheLimits`]).
 
-use std::cell::{Cell, RefCell};
-use std::collections::HashMap;
+use std::cell::RefCell;
 use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::Arc;
 
@@ -19,8 +19,19 @@ use kvroute_core::prompt::{Prompt, PromptError, Request, RequestBody};
 use kvroute_core::tokenize::Tokenizer;
 use serde_json::Value;
 
-/// Most text bytes kept in the segment cache before it is emptied (bounds memory per VM).
-const SEGMENT_CACHE_BYTES: usize = 16 << 20;
+use crate::cache::{Generational, Limits};
+
+/// Bytes charged per segment-cache entry besides its text and ids.
+const SEGMENT_ENTRY_OVERHEAD: usize = 64;
+
+/// Bounds of the encoder's two caches.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CacheLimits {
+    /// Segment text -> ids.
+    pub segments: Limits,
+    /// Pre-token piece -> ids (inside the fast encoder).
+    pub pieces: Limits,
+}
 
 /// Unix seconds for `strftime_now` in templates; set by the caller before rendering.
 static CLOCK_SECS: AtomicI64 = AtomicI64::new(0);
@@ -48,19 +59,22 @@ enum Encoder {
     Hf(Tokenizer),
 }
 
-/// Segment-cache outcome of one encode.
+/// Cache outcome of one encode.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct SegmentStats {
+    /// Segments served from / added to the segment cache.
     pub hits: u64,
     pub misses: u64,
+    /// Pre-token pieces served from / merged into the encoder's piece cache.
+    pub piece_hits: u64,
+    pub piece_misses: u64,
 }
 
 /// A model's tokenizer and chat template, with the segment cache.
 pub struct PromptEncoder {
     enc: Encoder,
     template: Option<ChatTemplate>,
-    cache: RefCell<HashMap<Box<str>, Box<[u32]>>>,
-    cache_bytes: Cell<usize>,
+    cache: RefCell<Generational<Box<str>, Box<[u32]>>>,
 }
 
 impl std::fmt::Debug for PromptEncoder {
@@ -129,12 +143,22 @@ impl PromptEncoder {
                 Some(tpl)
             }
         };
-        Ok(PromptEncoder {
+        let defaults = crate::config::Config::default().caches;
+        let enc = PromptEncoder {
             enc,
             template,
-            cache: RefCell::new(HashMap::new()),
-            cache_bytes: Cell::new(0),
-        })
+            cache: RefCell::new(Generational::new(defaults.segments)),
+        };
+        enc.set_cache_limits(defaults);
+        Ok(enc)
+    }
+
+    /// Bounds (and empties) the segment and piece caches.
+    pub fn set_cache_limits(&self, limits: CacheLimits) {
+        *self.cache.borrow_mut() = Generational::new(limits.segments);
+        if let Encoder::Fast { bpe, .. } = &self.enc {
+            bpe.set_piece_cache_limits(limits.pieces.entries, limits.pieces.bytes);
+        }
     }
 
     /// True when the fast exact encoder (and the segment cache) is in use.
@@ -175,6 +199,7 @@ impl PromptEncoder {
             Encoder::Fast { bpe, added } => {
                 let mut out = Vec::with_capacity(text.len() / 3 + 8);
                 let mut stats = SegmentStats::default();
+                let (piece_hits, piece_misses) = bpe.piece_cache_stats();
                 let mut at = 0;
                 if let Some(ac) = added {
                     for m in ac.find_iter(text) {
@@ -186,6 +211,9 @@ impl PromptEncoder {
                     }
                 }
                 self.segment(bpe, &text[at..], &mut out, &mut stats);
+                let (h, m) = bpe.piece_cache_stats();
+                stats.piece_hits = h.saturating_sub(piece_hits);
+                stats.piece_misses = m.saturating_sub(piece_misses);
                 Ok((out, stats))
             }
         }
@@ -195,27 +223,28 @@ impl PromptEncoder {
         if seg.is_empty() {
             return;
         }
-        if let Some(ids) = self.cache.borrow().get(seg) {
+        let mut cache = self.cache.borrow_mut();
+        if let Some(ids) = cache.get(seg) {
             out.extend_from_slice(ids);
             stats.hits += 1;
             return;
         }
         stats.misses += 1;
-        let ids = bpe.encode(seg);
-        out.extend_from_slice(&ids);
-        let mut cache = self.cache.borrow_mut();
-        if self.cache_bytes.get() + seg.len() > SEGMENT_CACHE_BYTES {
-            cache.clear();
-            self.cache_bytes.set(0);
-        }
-        self.cache_bytes.set(self.cache_bytes.get() + seg.len());
-        cache.insert(seg.into(), ids.into_boxed_slice());
+        let start = out.len();
+        bpe.encode_into(seg, out);
+        let ids = out.get(start..).unwrap_or(&[]);
+        let size = seg.len() + 4 * ids.len() + SEGMENT_ENTRY_OVERHEAD;
+        cache.insert(seg.into(), ids.into(), size);
+    }
+
+    /// Entries and bytes held by the segment cache.
+    pub fn segment_cache_usage(&self) -> (usize, usize) {
+        self.cache.borrow().usage()
     }
 
     /// Empties the segment cache and the encoder's piece cache (the bench's "cold" case).
     pub fn clear_caches(&self) {
         self.cache.borrow_mut().clear();
-        self.cache_bytes.set(0);
         if let Encoder::Fast { bpe, .. } = &self.enc {
             bpe.clear_cache();
         }
@@ -369,7 +398,9 @@ mod fixture_parity {
 }
 
 /// Stage timings on the real tokenizer (`cargo test --release -p kvroute-filter stage_timings --
-/// --ignored --nocapture`): where a request's filter time goes, natively.
+/// --ignored --nocapture`): where a request's filter time goes, natively. For a profiler,
+/// `KVROUTE_STAGE=render|parse|encode KVROUTE_STAGE_REPEAT=n` repeats one stage n times (`encode`
+/// is a cold encode).
 #[cfg(test)]
 #[allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 mod stage_timings {
@@ -416,6 +447,26 @@ mod stage_timings {
         let t = Instant::now();
         let _ = enc.encode(&text, false).unwrap();
         let warm = t.elapsed();
+        // KVROUTE_STAGE_REPEAT=n repeats the cold encode (for a profiler).
+        let repeat: usize = std::env::var("KVROUTE_STAGE_REPEAT")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(0);
+        let stage = std::env::var("KVROUTE_STAGE").unwrap_or_default();
+        for _ in 0..repeat {
+            match stage.as_str() {
+                "render" => {
+                    let _ = enc.template.as_ref().unwrap().render(chat).unwrap();
+                }
+                "parse" => {
+                    let _ = Request::from_json(body.as_bytes()).unwrap();
+                }
+                _ => {
+                    enc.clear_caches();
+                    let _ = enc.encode(&text, false).unwrap();
+                }
+            }
+        }
         let contract = kvroute_core::hash::HashContract::new(
             kvroute_core::hash::HashAlgo::Sha256Cbor,
             kvroute_core::hash::BlockSize::new(16).unwrap(),
@@ -424,6 +475,16 @@ mod stage_timings {
         let t = Instant::now();
         let keys = contract.keys(&ids, &Default::default()).unwrap();
         let hash = t.elapsed();
-        eprintln!("{} bytes body, {} tokens, {} keys: parse {parse:?}, render {render:?}, encode cold {cold:?}, encode cached {warm:?}, hash {hash:?}", body.len(), ids.len(), keys.len());
+        let mut cache = crate::cache::KeyCache::default();
+        let none = Default::default();
+        let t = Instant::now();
+        let _ = cache.keys(&contract, &none, &ids).unwrap();
+        let hash_fill = t.elapsed();
+        let mut follow = ids.clone();
+        follow.extend(1000..1100);
+        let t = Instant::now();
+        let _ = cache.keys(&contract, &none, &follow).unwrap();
+        let hash_follow = t.elapsed();
+        eprintln!("{} bytes body, {} tokens, {} keys: parse {parse:?}, render {render:?}, encode cold {cold:?}, encode cached {warm:?}, hash {hash:?}, hash into the key cache {hash_fill:?}, hash a follow-up (+100 tokens) {hash_follow:?}", body.len(), ids.len(), keys.len());
     }
 }

@@ -11,15 +11,22 @@
 //! 4. map each piece's bytes to byte-level symbols and apply merges lowest rank first,
 //!    ties to the leftmost pair, exactly like HF's `Word::merge_all`.
 //!
+//! Step 3 is most of a cold encode. The byte-level patterns (GPT-2, Llama-3, Qwen) end in
+//! `\s+(?!\S)|\s+`, the only lookaround in them, which forces a backtracking engine on the whole
+//! pattern. [`Splitter::Dfa`] runs `head|\s+` on regex-automata's lazy DFA instead and applies the
+//! lookahead itself, exactly (the argument is on [`Splitter`]); any other pattern keeps
+//! fancy-regex. The per-piece cache is bounded in entries and bytes ([`FastBpe::set_piece_cache_limits`])
+//! and counts its hits and misses ([`FastBpe::piece_cache_stats`]).
+//!
 //! [`FastBpe::from_tokenizer_json`] accepts only configurations whose semantics it reproduces
 //! and answers `Ok(None)` for anything else, so callers fall back to HF tokenizers; exactness is
 //! proven against HF on a corpus in `tests/bpe_parity.rs`.
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 
 use aho_corasick::{AhoCorasick, MatchKind};
-use fancy_regex::Regex;
+use regex_automata::{meta, Anchored, Input};
 use serde_json::Value;
 use unicode_normalization_alignments::UnicodeNormalization;
 
@@ -36,23 +43,129 @@ pub enum BpeError {
     Added(String),
 }
 
-/// Pre-token bytes -> their token ids.
-type PieceCache = HashMap<Box<[u8]>, Box<[u32]>>;
+/// A fast (non-SipHash) map: keys are token ids and pre-token bytes, hashed per piece.
+type FastMap<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
 
-/// Most distinct pieces kept in the per-encoder cache before it is cleared.
-const PIECE_CACHE_CAP: usize = 200_000;
+/// Pre-token bytes -> their token ids.
+type PieceCache = FastMap<Box<[u8]>, Box<[u32]>>;
+
+/// Default bound on distinct pieces kept in the per-encoder cache (it is emptied when full).
+pub const PIECE_CACHE_ENTRIES: usize = 200_000;
+/// Default bound on the cache's bytes (piece bytes + 4 per id + a per-entry overhead).
+pub const PIECE_CACHE_BYTES: usize = 16 << 20;
+/// Bytes charged per cache entry besides its key and ids (two boxed slices and the table slot).
+const PIECE_ENTRY_OVERHEAD: usize = 48;
+
+/// The tail of every byte-level BPE pattern: the pattern's only lookaround.
+const LOOKAHEAD_TAIL: &str = r"|\s+(?!\S)|\s+";
+
+/// The pre-tokenizer's `Split` regex, as run.
+///
+/// `Dfa` runs a pattern `head|\s+(?!\S)|\s+` (no lookaround in `head`) as `all = (?:head)|\s+`.
+/// Both are leftmost-first, so they match at the same leftmost positions (`\s+` matches wherever
+/// `\s+(?!\S)` does) and, at such a position, agree whenever `head` matches there (it is tried
+/// first in both). Otherwise `all`'s match is the whole whitespace run at that position, so the
+/// run is followed by a non-space or by the end of the text. The original then tries
+/// `\s+(?!\S)`: it backtracks off the run's last character when a non-space follows and that
+/// leaves at least one character, else it fails and `\s+` takes the whole run. `head`, anchored
+/// at the match, tells the two cases apart (only for matches starting with whitespace).
+enum Splitter {
+    Dfa { all: meta::Regex, head: meta::Regex },
+    Fancy(fancy_regex::Regex),
+}
+
+impl Splitter {
+    fn new(pattern: &str) -> Result<Splitter, BpeError> {
+        if let Some(head) = pattern.strip_suffix(LOOKAHEAD_TAIL) {
+            let all = meta::Regex::new(&format!(r"(?:{head})|\s+"));
+            let head = meta::Regex::new(&format!("(?:{head})"));
+            if let (Ok(all), Ok(head)) = (all, head) {
+                return Ok(Splitter::Dfa { all, head });
+            }
+        }
+        fancy_regex::Regex::new(pattern)
+            .map(Splitter::Fancy)
+            .map_err(|e| BpeError::Regex(e.to_string()))
+    }
+
+    /// Calls `piece` for every match and every gap between matches, in order (`Isolated`).
+    fn split(&self, seg: &str, mut piece: impl FnMut(&[u8])) {
+        let bytes = seg.as_bytes();
+        let mut at = 0;
+        match self {
+            Splitter::Fancy(re) => {
+                for m in re.find_iter(seg) {
+                    let Ok(m) = m else {
+                        // The backtracking limit was hit: treat the rest as one piece rather than fail.
+                        break;
+                    };
+                    if m.start() > at {
+                        piece(&bytes[at..m.start()]);
+                    }
+                    piece(m.as_str().as_bytes());
+                    at = m.end();
+                }
+            }
+            Splitter::Dfa { all, head } => {
+                let mut pos = 0;
+                while pos < bytes.len() {
+                    let Some(m) = all.search(&Input::new(seg).range(pos..)) else {
+                        break;
+                    };
+                    let (start, mut end) = (m.start(), m.end());
+                    if end == start {
+                        // No branch matches empty text; step over a character if one ever did.
+                        pos = seg
+                            .get(start..)
+                            .and_then(|r| r.chars().next())
+                            .map_or(bytes.len(), |c| start + c.len_utf8());
+                        continue;
+                    }
+                    // Printable ASCII is never whitespace; anything else may be.
+                    let maybe_space = bytes.get(start).is_some_and(|b| !b.is_ascii_graphic());
+                    if end < bytes.len()
+                        && maybe_space
+                        && !head.is_match(Input::new(seg).range(start..).anchored(Anchored::Yes))
+                    {
+                        let last = seg
+                            .get(start..end)
+                            .and_then(|run| run.chars().next_back())
+                            .map_or(0, char::len_utf8);
+                        if end - start > last {
+                            end -= last;
+                        }
+                    }
+                    if start > at {
+                        piece(&bytes[at..start]);
+                    }
+                    piece(&bytes[start..end]);
+                    at = end;
+                    pos = end;
+                }
+            }
+        }
+        if at < bytes.len() {
+            piece(&bytes[at..]);
+        }
+    }
+}
 
 /// Exact byte-level BPE encoder built from a HuggingFace `tokenizer.json`.
 pub struct FastBpe {
     /// `(left id, right id)` -> `(merge rank, merged id)`.
-    merges: HashMap<(u32, u32), (u32, u32)>,
+    merges: FastMap<(u32, u32), (u32, u32)>,
     /// Token id of each single byte's byte-level symbol.
     byte_ids: [u32; 256],
     /// Added tokens, matched leftmost-longest on the raw text.
     added: Option<(AhoCorasick, Vec<u32>)>,
     nfc: bool,
-    split: Regex,
+    split: Splitter,
     cache: RefCell<PieceCache>,
+    cache_bytes: Cell<usize>,
+    /// Bounds: (entries, bytes).
+    cache_limits: Cell<(usize, usize)>,
+    hits: Cell<u64>,
+    misses: Cell<u64>,
 }
 
 /// GPT-2's reversible byte -> printable char table used by byte-level BPE vocabularies.
@@ -156,7 +269,7 @@ impl FastBpe {
         let Some(merge_list) = model["merges"].as_array() else {
             return Ok(None);
         };
-        let mut merges = HashMap::with_capacity(merge_list.len());
+        let mut merges = FastMap::with_capacity_and_hasher(merge_list.len(), Default::default());
         for (rank, m) in merge_list.iter().enumerate() {
             let (a, b) = match m {
                 Value::String(s) => match s.split_once(' ') {
@@ -210,14 +323,18 @@ impl FastBpe {
                 ids,
             )),
         };
-        let split = Regex::new(&pattern).map_err(|e| BpeError::Regex(e.to_string()))?;
+        let split = Splitter::new(&pattern)?;
         Ok(Some(FastBpe {
             merges,
             byte_ids,
             added,
             nfc,
             split,
-            cache: RefCell::new(HashMap::new()),
+            cache: RefCell::new(PieceCache::default()),
+            cache_bytes: Cell::new(0),
+            cache_limits: Cell::new((PIECE_CACHE_ENTRIES, PIECE_CACHE_BYTES)),
+            hits: Cell::new(0),
+            misses: Cell::new(0),
         }))
     }
 
@@ -225,23 +342,47 @@ impl FastBpe {
     /// byte-level BPE tokenizers of this shape add none anyway).
     pub fn encode(&self, text: &str) -> Vec<u32> {
         let mut out = Vec::with_capacity(text.len() / 3 + 8);
+        self.encode_into(text, &mut out);
+        out
+    }
+
+    /// [`FastBpe::encode`], appending the ids to `out`.
+    pub fn encode_into(&self, text: &str, out: &mut Vec<u32>) {
         let mut at = 0;
         if let Some((ac, ids)) = &self.added {
             for m in ac.find_iter(text) {
-                self.encode_segment(&text[at..m.start()], &mut out);
+                self.encode_segment(&text[at..m.start()], out);
                 if let Some(id) = ids.get(m.pattern().as_usize()) {
                     out.push(*id);
                 }
                 at = m.end();
             }
         }
-        self.encode_segment(&text[at..], &mut out);
-        out
+        self.encode_segment(&text[at..], out);
     }
 
     /// Forgets every cached piece (benchmarks use it to measure a cold encoder).
     pub fn clear_cache(&self) {
         self.cache.borrow_mut().clear();
+        self.cache_bytes.set(0);
+    }
+
+    /// Bounds the per-piece cache: at most `entries` pieces and `bytes` bytes (piece bytes, 4 per
+    /// id and a fixed per-entry overhead); it is emptied when a new piece would pass either.
+    /// Zero for either disables it. Defaults: [`PIECE_CACHE_ENTRIES`], [`PIECE_CACHE_BYTES`].
+    pub fn set_piece_cache_limits(&self, entries: usize, bytes: usize) {
+        self.cache_limits.set((entries, bytes));
+        self.clear_cache();
+    }
+
+    /// Cumulative `(hits, misses)` of the per-piece cache.
+    pub fn piece_cache_stats(&self) -> (u64, u64) {
+        (self.hits.get(), self.misses.get())
+    }
+
+    /// Whether the pre-tokenizer regex runs on the lookaround-free DFA path.
+    pub fn splits_without_backtracking(&self) -> bool {
+        matches!(self.split, Splitter::Dfa { .. })
     }
 
     fn encode_segment(&self, seg: &str, out: &mut Vec<u32>) {
@@ -257,22 +398,8 @@ impl FastBpe {
     }
 
     fn split_and_merge(&self, seg: &str, out: &mut Vec<u32>) {
-        let mut at = 0;
         // Isolated split: matches become pieces, and so do the gaps between them.
-        for m in self.split.find_iter(seg) {
-            let Ok(m) = m else {
-                // The backtracking limit was hit: treat the rest as one piece rather than fail.
-                break;
-            };
-            if m.start() > at {
-                self.piece(&seg.as_bytes()[at..m.start()], out);
-            }
-            self.piece(m.as_str().as_bytes(), out);
-            at = m.end();
-        }
-        if at < seg.len() {
-            self.piece(&seg.as_bytes()[at..], out);
-        }
+        self.split.split(seg, |piece| self.piece(piece, out));
     }
 
     fn piece(&self, bytes: &[u8], out: &mut Vec<u32>) {
@@ -281,14 +408,23 @@ impl FastBpe {
         }
         if let Some(ids) = self.cache.borrow().get(bytes) {
             out.extend_from_slice(ids);
+            self.hits.set(self.hits.get() + 1);
             return;
         }
+        self.misses.set(self.misses.get() + 1);
         let ids = self.merge(bytes);
         out.extend_from_slice(&ids);
-        let mut cache = self.cache.borrow_mut();
-        if cache.len() >= PIECE_CACHE_CAP {
-            cache.clear();
+        let (max_entries, max_bytes) = self.cache_limits.get();
+        let size = bytes.len() + 4 * ids.len() + PIECE_ENTRY_OVERHEAD;
+        if size > max_bytes || max_entries == 0 {
+            return;
         }
+        let mut cache = self.cache.borrow_mut();
+        if cache.len() >= max_entries || self.cache_bytes.get() + size > max_bytes {
+            cache.clear();
+            self.cache_bytes.set(0);
+        }
+        self.cache_bytes.set(self.cache_bytes.get() + size);
         cache.insert(bytes.into(), ids.into_boxed_slice());
     }
 
@@ -313,6 +449,7 @@ impl FastBpe {
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 mod tests {
     use super::*;
 
@@ -362,6 +499,80 @@ mod tests {
         assert_eq!(bpe.encode("ab<|x|>c"), vec![256, 1000, u32::from(b'c')]);
         // Cached piece gives the same ids.
         assert_eq!(bpe.encode("abc ab"), vec![257, 258]);
+    }
+
+    /// The pieces `split` yields for `text`.
+    fn pieces(split: &Splitter, text: &str) -> Vec<String> {
+        let mut out = Vec::new();
+        split.split(text, |p| out.push(String::from_utf8_lossy(p).into_owned()));
+        out
+    }
+
+    #[test]
+    fn dfa_split_equals_the_lookahead_regex() {
+        const QWEN: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+        const LLAMA3: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+        const GPT2: &str =
+            r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+";
+        // Characters that exercise every branch: ASCII and Unicode whitespace (incl. U+0085,
+        // U+00A0, U+3000, VT, FF), newlines, letters, digits, marks, punctuation, contractions.
+        const ALPHABET: &[&str] = &[
+            " ", "  ", "\t", "\n", "\r", "\u{0B}", "\u{0C}", "\u{85}", "\u{a0}", "\u{3000}",
+            "\u{2028}", "a", "Z", "é", "中", "ж", "1", "٣", "²", "!", "?.", "'s", "'LL", "-",
+            "\u{301}", "🚀", "_", "\u{1c}",
+        ];
+        let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+        let mut texts: Vec<String> = vec![
+            String::new(),
+            " ".into(),
+            "  ".into(),
+            "a  b".into(),
+            "a \u{a0}b".into(),
+            "x   ".into(),
+            "  \n  x".into(),
+            "\t\tword".into(),
+            "\u{3000}\u{3000}中".into(),
+            "a\u{85}\u{85}b".into(),
+            "123  456".into(),
+            "foo!!  \n\n bar  ".into(),
+        ];
+        for _ in 0..3000 {
+            let mut t = String::new();
+            for _ in 0..(seed % 12) {
+                seed ^= seed << 13;
+                seed ^= seed >> 7;
+                seed ^= seed << 17;
+                t.push_str(ALPHABET[(seed % ALPHABET.len() as u64) as usize]);
+            }
+            seed = seed.wrapping_add(0x632b_e59b_d9b4_e019);
+            texts.push(t);
+        }
+        for pattern in [QWEN, LLAMA3, GPT2] {
+            let dfa = Splitter::new(pattern).unwrap();
+            assert!(matches!(dfa, Splitter::Dfa { .. }), "{pattern}");
+            let fancy = Splitter::Fancy(fancy_regex::Regex::new(pattern).unwrap());
+            for t in &texts {
+                assert_eq!(pieces(&dfa, t), pieces(&fancy, t), "{pattern} on {t:?}");
+            }
+        }
+        // A pattern with other lookaround keeps the backtracking engine.
+        assert!(matches!(
+            Splitter::new(r"a(?=b)|\s+(?!\S)|\s+").unwrap(),
+            Splitter::Fancy(_)
+        ));
+    }
+
+    #[test]
+    fn piece_cache_is_bounded_and_counted() {
+        let bpe = tiny();
+        bpe.set_piece_cache_limits(2, 1 << 20);
+        // Pieces "abc", " abc", " abc" (a hit), " x" (the cache is full: emptied first).
+        let _ = bpe.encode("abc abc abc x");
+        assert_eq!(bpe.piece_cache_stats(), (1, 3));
+        assert_eq!(bpe.cache.borrow().len(), 1);
+        bpe.set_piece_cache_limits(0, 0);
+        assert_eq!(bpe.encode("abc ab"), vec![257, 258]);
+        assert!(bpe.cache.borrow().is_empty());
     }
 
     #[test]

@@ -161,13 +161,13 @@ impl Request {
                 ))
             }
         };
-        Self::from_object(&obj, endpoint)
+        Self::from_object(obj, endpoint)
     }
 
     /// Parses a body sent to a known endpoint.
     pub fn from_json_for(body: &[u8], endpoint: Endpoint) -> Result<Self, PromptError> {
         let obj = parse_object(body)?;
-        Self::from_object(&obj, endpoint)
+        Self::from_object(obj, endpoint)
     }
 
     /// The endpoint this request belongs to.
@@ -178,7 +178,9 @@ impl Request {
         }
     }
 
-    fn from_object(obj: &Map<String, Value>, endpoint: Endpoint) -> Result<Self, PromptError> {
+    /// Builds the request from the parsed body, taking the messages out of it (no copy of the
+    /// conversation).
+    fn from_object(mut obj: Map<String, Value>, endpoint: Endpoint) -> Result<Self, PromptError> {
         let body = match endpoint {
             Endpoint::Completions => {
                 let prompt = obj.get("prompt").ok_or(PromptError::WrongEndpoint {
@@ -188,13 +190,17 @@ impl Request {
                 RequestBody::Completion(parse_prompt(prompt)?)
             }
             Endpoint::ChatCompletions => {
-                let messages = obj.get("messages").ok_or(PromptError::WrongEndpoint {
-                    field: "messages",
-                    endpoint: endpoint.path(),
-                })?;
-                RequestBody::Chat(parse_chat(obj, messages)?)
+                let messages = obj
+                    .get_mut("messages")
+                    .ok_or(PromptError::WrongEndpoint {
+                        field: "messages",
+                        endpoint: endpoint.path(),
+                    })?
+                    .take();
+                RequestBody::Chat(parse_chat(&obj, messages)?)
             }
         };
+        let obj = &obj;
         Ok(Self {
             model: opt_string(obj, "model")?,
             body,
@@ -331,9 +337,9 @@ fn token_ids(field: &str, items: &[Value]) -> Result<Vec<u32>, PromptError> {
         .collect()
 }
 
-fn parse_chat(obj: &Map<String, Value>, messages: &Value) -> Result<ChatRequest, PromptError> {
+fn parse_chat(obj: &Map<String, Value>, messages: Value) -> Result<ChatRequest, PromptError> {
     let Value::Array(messages) = messages else {
-        return Err(wrong("messages", "an array of message objects", messages));
+        return Err(wrong("messages", "an array of message objects", &messages));
     };
     if messages.is_empty() {
         return Err(PromptError::Empty {
@@ -380,7 +386,7 @@ fn parse_chat(obj: &Map<String, Value>, messages: &Value) -> Result<ChatRequest,
         Some(other) => return Err(wrong("chat_template_kwargs", "an object", other)),
     };
     Ok(ChatRequest {
-        messages: messages.clone(),
+        messages,
         tools: list("tools")?,
         documents: list("documents")?,
         add_generation_prompt: opt_bool(obj, "add_generation_prompt")?.unwrap_or(true),

@@ -149,6 +149,8 @@ async fn bench_filter_latency() {
     // Workloads: for each size, `samples` cold conversations and `samples` follow-ups of one.
     let mut cases = Vec::new();
     let mut sizes = Vec::new();
+    // KVROUTE_BENCH_ONLY="8k follow-up" measures only the cases whose name contains it.
+    let only = std::env::var("KVROUTE_BENCH_ONLY").unwrap_or_default();
     for target in [1000usize, 8000] {
         let turns = turns_for(&counter, target);
         let cold: Vec<Vec<u8>> = (0..samples as u64)
@@ -175,6 +177,8 @@ async fn bench_filter_latency() {
             cold: follow,
         });
     }
+
+    cases.retain(|c: &Case| c.name.contains(only.as_str()));
 
     let a = Engine::start("engine-a").await.unwrap();
     let b = Engine::start("engine-b").await.unwrap();
@@ -258,6 +262,34 @@ async fn bench_filter_latency() {
             let stats = gw.envoy.stats("kvroute_filter_fail_open").await.unwrap();
             let total: u64 = stats.values().sum();
             fail = format!("{total}");
+            // The filter's own timings and cache counters over the whole setup (all cases).
+            // Histograms show up after Envoy's next stats flush: poll, bounded.
+            let deadline = Instant::now() + Duration::from_secs(20);
+            let text = loop {
+                let text = gw
+                    .client
+                    .get(format!("http://{}/stats", gw.envoy.admin))
+                    .query(&[(
+                        "filter",
+                        "kvroute_filter_(tokenize_us|keys_us|duration_us|.*cache_(hits|misses)_total)",
+                    )])
+                    .send()
+                    .await
+                    .unwrap()
+                    .text()
+                    .await
+                    .unwrap();
+                if text.contains("duration_us: P0") || Instant::now() > deadline {
+                    break text;
+                }
+                tokio::time::sleep(Duration::from_millis(250)).await;
+            };
+            fail.push_str(".\n\n```\n");
+            for line in text.lines() {
+                fail.push_str(line.trim());
+                fail.push('\n');
+            }
+            fail.push_str("```");
         }
         results.push((label.to_owned(), rows, fail));
     }
@@ -305,7 +337,8 @@ async fn bench_filter_latency() {
     ));
     for (label, _, fail) in &results[1..] {
         md.push_str(&format!(
-            "Fail-open requests during the run ({label}): {fail}.\n"
+            "Fail-open requests during the run ({label}), then the filter's own stats (histograms in \
+             microseconds, cumulative over all cases of the setup): {fail}\n\n"
         ));
     }
     let out = std::env::var_os("KVROUTE_BENCH_OUT")

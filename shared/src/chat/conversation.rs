@@ -95,7 +95,9 @@ pub fn build_messages(messages: &[Value], format: ContentFormat) -> Result<Vec<V
             ContentFormat::String => Value::from(texts.join("\n")),
             // vLLM keeps tool results as one string even for "openai" templates.
             ContentFormat::OpenAi if role == "tool" => Value::from(texts.join("\n")),
-            ContentFormat::OpenAi => Value::Array(texts.into_iter().map(text_part).collect()),
+            ContentFormat::OpenAi => {
+                Value::Array(texts.into_iter().map(|t| text_part(t.to_owned())).collect())
+            }
         };
         conv.insert("content".into(), content);
         if role == "assistant" {
@@ -130,15 +132,15 @@ fn text_part(text: String) -> Value {
 }
 
 /// The texts of a message's content: none for `null`, one for a string, one per text part.
-fn text_parts(index: usize, content: Option<&Value>) -> Result<Vec<String>, ChatError> {
+fn text_parts(index: usize, content: Option<&Value>) -> Result<Vec<&str>, ChatError> {
     match content {
         None | Some(Value::Null) => Ok(Vec::new()),
-        Some(Value::String(s)) => Ok(vec![s.clone()]),
+        Some(Value::String(s)) => Ok(vec![s.as_str()]),
         Some(Value::Array(parts)) => {
             let mut texts = Vec::with_capacity(parts.len());
             for (part_index, part) in parts.iter().enumerate() {
                 match part {
-                    Value::String(s) => texts.push(s.clone()),
+                    Value::String(s) => texts.push(s.as_str()),
                     Value::Object(obj) => {
                         let kind = obj.get("type").and_then(Value::as_str).unwrap_or("");
                         let Some((_, field)) = TEXT_PARTS.iter().find(|(t, _)| *t == kind) else {
@@ -155,7 +157,7 @@ fn text_parts(index: usize, content: Option<&Value>) -> Result<Vec<String>, Chat
                         // vLLM skips a text part whose text is null or absent.
                         match obj.get(*field) {
                             None | Some(Value::Null) => {}
-                            Some(Value::String(s)) => texts.push(s.clone()),
+                            Some(Value::String(s)) => texts.push(s.as_str()),
                             Some(_) => {
                                 return Err(ChatError::InvalidMessage {
                                     index,
