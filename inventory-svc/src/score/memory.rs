@@ -20,6 +20,13 @@
 //! early instead of how much shared cache each endpoint must keep (issue 7's constrained workload
 //! placed 6 of 10 equal system prompts on one of two endpoints).
 //!
+//! Heat: every recall also counts, with exponential decay (half-life [`HEAT_HALF_LIFE`]), how
+//! often the recalled entry answered and how many recalls the rule had; [`Recall::heat_permille`]
+//! is the entry's share of the rule's recent recalls. A shared prefix that most requests arrive at
+//! (issue 7's hot-prefix workload) has a high share; a chat family's later turns each recall the
+//! user's own previous turn, so their shares stay small. The scorer replicates a family whose share
+//! exceeds one endpoint's share of the fleet (see `score::decide`).
+//!
 //! Bounds: at most `max_entries` entries (least recently used go first) and a TTL since last use.
 //! Invariants: `homed[ep]` equals the sum of `blocks` over live entries of `ep`.
 
@@ -34,6 +41,43 @@ use crate::state::lock;
 /// Shallowest block index remembered (4 blocks).
 const FIRST_LEVEL: usize = 3;
 
+/// Half-life of the recall counts behind [`Recall::heat_permille`], in seconds: long enough to
+/// average over tens of requests at a few dozen requests per second, short enough that a family
+/// that cools down stops being replicated within seconds.
+pub const HEAT_HALF_LIFE: f32 = 1.0;
+
+/// The rule's recall count is taken as at least this when computing a share, so the first few
+/// requests after start (or after a quiet spell) do not look hot.
+const HEAT_MIN_RECALLS: f32 = 8.0;
+
+/// A recall count with exponential decay.
+#[derive(Clone, Copy, Debug)]
+struct Heat {
+    value: f32,
+    at: Instant,
+}
+
+impl Heat {
+    fn new(now: Instant) -> Heat {
+        Heat {
+            value: 0.0,
+            at: now,
+        }
+    }
+
+    /// The count at `now`, decayed since the last update.
+    fn at(self, now: Instant) -> f32 {
+        let dt = now.saturating_duration_since(self.at).as_secs_f32();
+        self.value * 0.5f32.powf(dt / HEAT_HALF_LIFE)
+    }
+
+    /// Counts one recall at `now`.
+    fn bump(&mut self, now: Instant) {
+        self.value = self.at(now) + 1.0;
+        self.at = now;
+    }
+}
+
 /// One remembered prefix.
 #[derive(Clone, Copy, Debug)]
 struct Entry {
@@ -43,6 +87,8 @@ struct Entry {
     last: Instant,
     /// Matches the LRU queue's stamp while this is the entry's latest position.
     stamp: u64,
+    /// Recalls this entry answered (decayed).
+    heat: Heat,
 }
 
 #[derive(Default)]
@@ -52,6 +98,8 @@ struct Inner {
     lru: VecDeque<(u64, u64)>,
     next_stamp: u64,
     homed: Vec<u64>,
+    /// Recalls of the rule (decayed); `None` before the first.
+    recalls: Option<Heat>,
 }
 
 /// What the memory knows about one request.
@@ -61,6 +109,8 @@ pub struct Recall {
     pub ep: usize,
     /// Leading blocks the remembered family covers.
     pub depth: u32,
+    /// This entry's share of the rule's recent recalls, in thousandths (see the module docs).
+    pub heat_permille: u32,
 }
 
 /// How a decision may change the memory.
@@ -105,19 +155,30 @@ impl PlacementMemory {
         }
     }
 
-    /// The deepest remembered prefix of `keys`, if any is live.
+    /// The deepest remembered prefix of `keys`, if any is live. Counts the recall toward the
+    /// rule's and the entry's heat.
     pub fn recall(&self, keys: &[BlockKey], now: Instant) -> Option<Recall> {
         if self.max_entries == 0 {
             return None;
         }
-        let inner = lock(&self.inner);
+        let mut inner = lock(&self.inner);
+        let inner = &mut *inner;
+        let total = inner.recalls.get_or_insert_with(|| Heat::new(now));
+        total.bump(now);
+        let total = total.value;
         // Deepest first: every index, so a previous turn's last block (not a sampled level of
         // this longer request) is found too. Bounded by the request's key count.
         (FIRST_LEVEL..keys.len()).rev().find_map(|i| {
-            let e = inner.map.get(&keys[i].0)?;
-            (now.saturating_duration_since(e.last) <= self.ttl).then_some(Recall {
+            let e = inner.map.get_mut(&keys[i].0)?;
+            if now.saturating_duration_since(e.last) > self.ttl {
+                return None;
+            }
+            e.heat.bump(now);
+            let share = (e.heat.value / total.max(HEAT_MIN_RECALLS)).clamp(0.0, 1.0);
+            Some(Recall {
                 ep: usize::from(e.ep),
                 depth: (i + 1) as u32,
+                heat_permille: (share * 1000.0).round() as u32,
             })
         })
     }
@@ -170,6 +231,7 @@ impl PlacementMemory {
                             blocks,
                             last: now,
                             stamp,
+                            heat: Heat::new(now),
                         },
                     );
                     inner.homed[ep] += u64::from(blocks);
@@ -237,6 +299,67 @@ mod tests {
         (0..n as u64).map(|i| BlockKey(family * 1000 + i)).collect()
     }
 
+    fn at(r: Option<Recall>) -> Option<(usize, u32)> {
+        r.map(|r| (r.ep, r.depth))
+    }
+
+    #[test]
+    fn heat_is_the_entry_share_of_recent_recalls() {
+        let m = PlacementMemory::new(100, Duration::from_secs(60));
+        let t0 = Instant::now();
+        let hot = keys(1, 40);
+        m.record(&hot, 0, Update::Place, t0);
+        let heat = |r: Option<Recall>| r.map_or(0, |r| r.heat_permille);
+        // A hot prefix: 4 of every 5 requests share it (each with its own tail), 1 is unknown.
+        let mut last = 0;
+        for n in 0..50u64 {
+            let t = t0 + Duration::from_millis(20 * n);
+            if n % 5 == 4 {
+                assert_eq!(m.recall(&keys(100 + n, 10), t), None);
+            } else {
+                let mut req = hot[..37].to_vec();
+                req.extend(keys(200 + n, 3));
+                last = heat(m.recall(&req, t));
+            }
+        }
+        assert!((700..=900).contains(&last), "hot share {last}");
+        // Chat turns recall the user's own previous turn: each entry's share stays small.
+        let m = PlacementMemory::new(1000, Duration::from_secs(60));
+        let users: Vec<Vec<BlockKey>> = (0..10)
+            .map(|u| {
+                let mut k = hot[..37].to_vec();
+                k.extend(keys(300 + u, 5));
+                k
+            })
+            .collect();
+        for u in &users {
+            m.record(u, 0, Update::Place, t0);
+        }
+        let mut max = 0;
+        for (n, u) in users.iter().cycle().take(50).enumerate() {
+            let mut next = u.clone();
+            next.extend(keys(400 + n as u64, 2));
+            let h = heat(m.recall(&next, t0 + Duration::from_millis(20 * n as u64)));
+            // The first recalls of a rule are not a sample yet ([`HEAT_MIN_RECALLS`]).
+            max = max.max(h);
+        }
+        assert!(max <= 250, "per-user share {max}");
+        // Heat decays: after ten half-lives without requests of the family, one recall is a
+        // fresh share, not the old count.
+        let quiet = t0 + Duration::from_secs(20);
+        let mut req = hot[..37].to_vec();
+        req.extend(keys(999, 3));
+        let m2 = PlacementMemory::new(100, Duration::from_secs(60));
+        m2.record(&hot, 0, Update::Place, t0);
+        for n in 0..20u64 {
+            m2.recall(&req, t0 + Duration::from_millis(n));
+        }
+        for n in 0..20u64 {
+            m2.recall(&keys(500 + n, 8), quiet + Duration::from_millis(n));
+        }
+        assert!(heat(m2.recall(&req, quiet + Duration::from_millis(30))) < 100);
+    }
+
     #[test]
     fn sampled_points_are_levels_and_the_last_block() {
         assert_eq!(points(3).collect::<Vec<_>>(), Vec::<usize>::new());
@@ -254,7 +377,7 @@ mod tests {
         // A longer request of the same family (next chat turn) finds the previous last block.
         let mut longer = a.clone();
         longer.extend(keys(9, 10));
-        assert_eq!(m.recall(&longer, now), Some(Recall { ep: 2, depth: 20 }));
+        assert_eq!(at(m.recall(&longer, now)), Some((2, 20)));
         // Sharing only 3 blocks is not a family.
         let mut other = a[..3].to_vec();
         other.extend(keys(5, 10));
@@ -277,7 +400,7 @@ mod tests {
         let mut user = a[..16].to_vec();
         user.extend(keys(7, 12));
         m.record(&user, 0, Update::Keep, now);
-        assert_eq!(m.recall(&user, now), Some(Recall { ep: 0, depth: 28 }));
+        assert_eq!(at(m.recall(&user, now)), Some((0, 28)));
         assert_eq!(m.homed(0), 20);
         // The same user's next turn neither.
         let mut next = user.clone();

@@ -12,6 +12,12 @@
 //!   the highest overlap under its cap wins, ties by lower load then lower index;
 //! * spill relief (tri-state): a winner at or over its cap spills to the under-cap endpoint with
 //!   the most overlap, ties least loaded;
+//! * hot families (issue 7's hot prefix): a family whose share of the rule's recent requests
+//!   ([`Recall::heat_permille`]) exceeds its home's share of the fleet's weight is replicated:
+//!   equal copies are chosen by load instead of by home, and the endpoint it would go to spills
+//!   (tri-state relief permitting) as soon as it carries its fair share of the load (mean load
+//!   factor 100%, at least [`HOT_MIN_INFLIGHT`]) rather than at the mean load cap, so it queues
+//!   on no engine while another has room;
 //! * cold-start seeding: every Nth hit goes to the lowest-index endpoint holding fewer than the
 //!   cold threshold of blocks, so a new replica gets warm;
 //! * miss: the rule's `sel` — round robin, consistent hash on the affinity key (150 virtual nodes
@@ -36,6 +42,13 @@ pub use ring::HashRing;
 
 use crate::rules::{EpRole, ExactMode, Sel};
 use crate::settings::{LbMode, Placement, Settings, SpillRelief};
+
+/// A hot family spills at its fair share only once its endpoint has at least this many requests
+/// in flight: fewer run in one engine batch without queueing, and spilling them would copy the
+/// family to every endpoint of a lightly loaded fleet (the small preset's doc-qa workload lost 15
+/// points of cached tokens that way). A stand-in for the engine's batch size, which the scrape
+/// does not read yet (the simulator runs 4 at a time; vLLM's `max_num_seqs` is larger).
+pub const HOT_MIN_INFLIGHT: u64 = 4;
 
 /// Which tier made the decision.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -205,14 +218,28 @@ pub fn decide(inp: &ScoreInput<'_>) -> Decision {
         return fallback(Reason::MissNoKeys);
     }
     let home = inp.recall.map(|r| r.ep);
+    let total_load: u64 = cands.iter().map(|&i| inp.eps[i].load).sum();
+    let sum_w: u64 = cands.iter().map(|&i| u64::from(inp.eps[i].weight)).sum();
+    let relief = match inp.settings.spill_relief {
+        SpillRelief::On => true,
+        SpillRelief::Off => false,
+        SpillRelief::Auto => mode == ExactMode::SingleRole,
+    };
+    // A hot family: more of the rule's recent requests arrive at this prefix than the home's
+    // share of the fleet serves. One engine cannot carry it without queueing, so (with spill
+    // relief on) it is replicated: its copies are chosen by load, not by home, and it spills
+    // at the home's fair share instead of at the mean load cap.
+    let hot = relief
+        && inp.recall.is_some_and(|r| {
+            cands.contains(&r.ep)
+                && u64::from(r.heat_permille) * sum_w > 1000 * u64::from(inp.eps[r.ep].weight)
+        });
     // Overlap as scored: the exact match, or the remembered depth on the family's home.
     let overlap = |i: usize| match inp.recall {
         Some(r) if r.ep == i => inp.eps[i].matched.max(r.depth),
         _ => inp.eps[i].matched,
     };
     let positive: Vec<usize> = cands.iter().copied().filter(|&i| overlap(i) > 0).collect();
-    let total_load: u64 = cands.iter().map(|&i| inp.eps[i].load).sum();
-    let sum_w: u64 = cands.iter().map(|&i| u64::from(inp.eps[i].weight)).sum();
     let mlf = inp.settings.mean_load_factor;
     // The cap counts the request being routed: with it, the fleet carries `total_load + 1`, and an
     // endpoint is over its cap when taking this request too would exceed it. Without the +1 a
@@ -229,18 +256,18 @@ pub fn decide(inp: &ScoreInput<'_>) -> Decision {
             None => fallback(Reason::MissNoOverlap),
         };
     }
-    // Best overlap, ties to the family's home (so equal copies do not split a family), then
-    // lower load, then lower index.
+    // Best overlap, ties to the family's home (so equal copies do not split a family; a hot
+    // family's copies share its load instead), then lower load, then lower index.
     let better = |a: usize, b: usize| {
         let (ea, eb) = (&inp.eps[a], &inp.eps[b]);
         (
             overlap(a),
-            home == Some(a),
+            !hot && home == Some(a),
             std::cmp::Reverse(ea.load),
             std::cmp::Reverse(a),
         ) > (
             overlap(b),
-            home == Some(b),
+            !hot && home == Some(b),
             std::cmp::Reverse(eb.load),
             std::cmp::Reverse(b),
         )
@@ -270,20 +297,22 @@ pub fn decide(inp: &ScoreInput<'_>) -> Decision {
                 .map(|(i, _)| i)
         }
     };
-    let relief = match inp.settings.spill_relief {
-        SpillRelief::On => true,
-        SpillRelief::Off => false,
-        SpillRelief::Auto => mode == ExactMode::SingleRole,
+    // A hot family spills once its endpoint carries its fair share (mean load factor 100%) and at
+    // least an engine batch: past that the engine queues while another has room.
+    let over_fair = |i: usize| {
+        inp.eps[i].load
+            >= cap_for(total_load + 1, inp.eps[i].weight, sum_w, 100).max(HOT_MIN_INFLIGHT)
     };
+    let full = |i: usize| over(i) || (hot && over_fair(i));
     if relief {
         if let Some(c) = chosen {
-            if over(c) {
+            if full(c) {
                 // The under-cap endpoint already holding most of the request (so a hot family
                 // spills onto one copy rather than onto every endpoint), ties least loaded.
                 if let Some(t) = cands
                     .iter()
                     .copied()
-                    .filter(|&i| i != c && !over(i))
+                    .filter(|&i| i != c && !full(i))
                     .min_by_key(|&i| (std::cmp::Reverse(overlap(i)), inp.eps[i].load, i))
                 {
                     chosen = Some(t);
@@ -566,7 +595,11 @@ mod tests {
     #[test]
     fn remembered_home_wins_until_an_exact_match_is_longer() {
         let s = Settings::default();
-        let home = Some(Recall { ep: 2, depth: 32 });
+        let home = Some(Recall {
+            ep: 2,
+            depth: 32,
+            heat_permille: 0,
+        });
         // Evicted everywhere: the family goes home, not by round robin.
         let d = run_recall(&[ep(0, 0), ep(0, 0), ep(0, 0)], &s, home);
         assert_eq!(
@@ -588,6 +621,52 @@ mod tests {
         // A home over its cap still spills (load caps bound hot spots).
         let d = run_recall(&[ep(0, 0), ep(0, 1), ep(0, 9)], &s, home);
         assert_eq!((d.ep, d.reason), (Some(0), Reason::Spill));
+    }
+
+    #[test]
+    fn hot_families_are_replicated_at_their_fair_share() {
+        let s = Settings::default();
+        let recall = |heat_permille| {
+            Some(Recall {
+                ep: 0,
+                depth: 32,
+                heat_permille,
+            })
+        };
+        // Two endpoints, 7 in flight: the home carries 4, its fair share of 8 (the mean load cap
+        // 1.75x is 7, so a family that is not hot stays home and queues).
+        let eps = [ep(37, 4), ep(0, 3)];
+        let d = run_recall(&eps, &s, recall(400));
+        assert_eq!((d.ep, d.reason), (Some(0), Reason::Hit));
+        // Hot (more than half the recent requests on two equal endpoints): spills to the other.
+        let d = run_recall(&eps, &s, recall(800));
+        assert_eq!((d.ep, d.reason), (Some(1), Reason::Spill));
+        // A lightly loaded fleet (fewer in flight than an engine batch) keeps it home.
+        let d = run_recall(&[ep(37, 1), ep(0, 0)], &s, recall(800));
+        assert_eq!((d.ep, d.reason), (Some(0), Reason::Hit));
+        let d = run_recall(&[ep(37, 3), ep(0, 0)], &s, recall(800));
+        assert_eq!((d.ep, d.reason), (Some(0), Reason::Hit));
+        // Under its fair share the hot family stays home.
+        let d = run_recall(&[ep(37, 3), ep(0, 4)], &s, recall(800));
+        assert_eq!((d.ep, d.reason), (Some(0), Reason::Hit));
+        // With a copy on both, the hot family goes to the less loaded copy (a hit, not a spill);
+        // a family that is not hot goes home even when it is busier.
+        let d = run_recall(&[ep(37, 3), ep(37, 2)], &s, recall(800));
+        assert_eq!((d.ep, d.reason), (Some(1), Reason::Hit));
+        let d = run_recall(&[ep(37, 3), ep(37, 2)], &s, recall(400));
+        assert_eq!((d.ep, d.reason), (Some(0), Reason::Hit));
+        // The share is weighed against the home's weight share: weight 3 of 4 carries 80%.
+        let mut heavy = [ep(37, 4), ep(0, 3)];
+        heavy[0].weight = 3;
+        let d = run_recall(&heavy, &s, recall(700));
+        assert_eq!(d.ep, Some(0));
+        // Spill relief off: no replication.
+        let off = Settings {
+            spill_relief: SpillRelief::Off,
+            ..Settings::default()
+        };
+        let d = run_recall(&eps, &off, recall(800));
+        assert_eq!((d.ep, d.reason), (Some(0), Reason::Hit));
     }
 
     #[test]
