@@ -76,13 +76,18 @@ wait_http() {
 }
 
 say "starting the inventory service on 127.0.0.1:$INV_PORT"
-"$BIN/kvroute-inventory" serve --listen "127.0.0.1:$INV_PORT" --tokenizer-dir "$RUN" \
+# Load comes from the engines' /metrics (running + waiting), scraped every 200 ms: without it the
+# service estimates load from its own decisions only, and placement and spill relief see less.
+# LLB_KV_NONE_HASH_SEED is the simulators' PYTHONHASHSEED (--seed 0): one leg of the key contract.
+LLB_KV_NONE_HASH_SEED=0 KVROUTE_SCRAPE_INTERVAL_MS=200 \
+    "$BIN/kvroute-inventory" serve --listen "127.0.0.1:$INV_PORT" --tokenizer-dir "$RUN" \
     --auth-token-file "$RUN/admin-token" >"$RUN/logs/inventory.log" 2>&1 &
 PIDS+=($!)
 for ip in "${SIMS[@]}"; do
     say "starting a vLLM simulator on $ip:$SIM_PORT"
     "$BIN/kvroute-engine-sim" --listen "$ip:$SIM_PORT" --engine vllm --seed 0 --block-size 16 \
-        --kv-blocks 160 --zmq-port "$ZMQ_PORT" --replay-port "$REPLAY_PORT" --topic kv-events \
+        --kv-blocks 96 --zmq-port "$ZMQ_PORT" --replay-port "$REPLAY_PORT" --topic kv-events \
+        --prefill-us-per-token 40 --decode-us-per-token 400 --max-concurrency 4 \
         --tokenizer-dir "$KVROUTE_TOKENIZER_DIR" --model "$MODEL" --name "sim-$ip" \
         >"$RUN/logs/sim-$ip.log" 2>&1 &
     PIDS+=($!)
@@ -139,9 +144,16 @@ done
 sims_csv=""
 for ip in "${SIMS[@]}"; do sims_csv+="${sims_csv:+,}http://$ip:$SIM_PORT"; done
 say "driving a multi-turn workload: kvroute through the gateway, then round robin (caches reset in between)"
+# The simulators' costs and the prompt sizes (in Qwen3 tokens) are the benchmark's (docs/benchmarks.md).
 "$BIN/kvroute-bench" --preset small --workloads multi-turn --strategies gateway,round-robin \
     --gateway "http://127.0.0.1:$GW_PORT" --sims "$sims_csv" --model "$MODEL" \
+    --prefix-tokens 820 --groups 3 --concurrency 16 \
     --tokenizer-dir "$KVROUTE_TOKENIZER_DIR" --markdown "$RUN/demo.md" || die "the workload failed"
+
+# The service's parity self-check: a mismatched key contract would make the demo meaningless.
+if curl -fs "http://127.0.0.1:$INV_PORT/healthz" | grep -q '"status":"degraded"'; then
+    say "WARNING: /healthz is degraded (a parity mismatch or a missing tokenizer); see $RUN/logs/inventory.log"
+fi
 
 cat <<MSG
 

@@ -13,7 +13,8 @@
 //! * spill relief (tri-state): a winner at or over its cap spills to the under-cap endpoint with
 //!   the most overlap, ties least loaded;
 //! * hot families (issue 7's hot prefix): a family whose share of the rule's recent requests
-//!   ([`Recall::heat_permille`]) exceeds its home's share of the fleet's weight is replicated:
+//!   ([`Recall::heat_permille`]) exceeds twice its home's share of the fleet's weight (or 60%)
+//!   is replicated:
 //!   equal copies are chosen by load instead of by home, and the endpoint it would go to spills
 //!   (tri-state relief permitting) as soon as it carries its fair share of the load (mean load
 //!   factor 100%, at least [`HOT_MIN_INFLIGHT`]) rather than at the mean load cap, so it queues
@@ -49,6 +50,9 @@ use crate::settings::{LbMode, Placement, Settings, SpillRelief};
 /// points of cached tokens that way). A stand-in for the engine's batch size, which the scrape
 /// does not read yet (the simulator runs 4 at a time; vLLM's `max_num_seqs` is larger).
 pub const HOT_MIN_INFLIGHT: u64 = 4;
+
+/// A family with more than this share of the rule's recent requests is hot whatever the fleet size.
+pub const HOT_MAX_SHARE_PERMILLE: u64 = 600;
 
 /// Which tier made the decision.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -229,10 +233,13 @@ pub fn decide(inp: &ScoreInput<'_>) -> Decision {
     // share of the fleet serves. One engine cannot carry it without queueing, so (with spill
     // relief on) it is replicated: its copies are chosen by load, not by home, and it spills
     // at the home's fair share instead of at the mean load cap.
+    // "More" means twice the home's share, or 60% of all requests when that is lower: families
+    // that merely split the traffic evenly (3 over 3 endpoints) must stay one copy each, and
+    // noise around an even split must not copy them.
     let hot = relief
         && inp.recall.is_some_and(|r| {
-            cands.contains(&r.ep)
-                && u64::from(r.heat_permille) * sum_w > 1000 * u64::from(inp.eps[r.ep].weight)
+            let share = 2000 * u64::from(inp.eps[r.ep].weight) / sum_w.max(1);
+            cands.contains(&r.ep) && u64::from(r.heat_permille) > share.min(HOT_MAX_SHARE_PERMILLE)
         });
     // Overlap as scored: the exact match, or the remembered depth on the family's home.
     let overlap = |i: usize| match inp.recall {
@@ -655,11 +662,16 @@ mod tests {
         assert_eq!((d.ep, d.reason), (Some(1), Reason::Hit));
         let d = run_recall(&[ep(37, 3), ep(37, 2)], &s, recall(400));
         assert_eq!((d.ep, d.reason), (Some(0), Reason::Hit));
-        // The share is weighed against the home's weight share: weight 3 of 4 carries 80%.
+        // Weight 3 of 4: 70% of the requests is hot (over 60%), but 4 in flight is under the
+        // home's fair share of the load (6 of 8), so it stays home.
         let mut heavy = [ep(37, 4), ep(0, 3)];
         heavy[0].weight = 3;
         let d = run_recall(&heavy, &s, recall(700));
         assert_eq!(d.ep, Some(0));
+        // Three families over three endpoints (a third each, a little noise): not hot, so the
+        // home keeps it up to the mean load cap instead of copying it at its fair share.
+        let d = run_recall(&[ep(37, 4), ep(0, 1), ep(0, 1)], &s, recall(360));
+        assert_eq!((d.ep, d.reason), (Some(0), Reason::Hit));
         // Spill relief off: no replication.
         let off = Settings {
             spill_relief: SpillRelief::Off,
