@@ -99,11 +99,21 @@ impl Writer {
     /// Appends a batch in one pipeline; on failure marks the endpoints dirty and goes down.
     async fn write(&mut self, batch: Vec<Out>) {
         let m = &self.state.metrics;
+        let n = batch.len() as u64;
+        // Endpoints whose inventory changes are in the batch: dirty if it cannot be written.
+        let touched: Vec<(Arc<RuleRuntime>, u8)> = batch
+            .iter()
+            .filter_map(|o| match o {
+                Out::Entry {
+                    rule,
+                    entry: Entry::Ops { ep, .. },
+                } => Some((rule.clone(), *ep)),
+                _ => None,
+            })
+            .collect();
         if self.down_since.is_some() {
-            m.repl_entries
-                .with_label_values(&["dropped"])
-                .inc_by(batch.len() as u64);
-            mark_dirty(&batch);
+            m.repl_entries.with_label_values(&["dropped"]).inc_by(n);
+            mark_dirty(&touched);
             return;
         }
         let mut pipe = redis::pipe();
@@ -111,21 +121,20 @@ impl Writer {
         let rules_set = self.rep.rules_set_key();
         // What each XADD reply is about: (log key, endpoints with inventory entries in it).
         let mut slots: Vec<(String, Vec<u8>)> = Vec::with_capacity(batch.len());
-        let mut i = 0;
-        while i < batch.len() {
-            match &batch[i] {
-                Out::Entry { rule, .. } => {
+        let mut outs = batch.into_iter().peekable();
+        while let Some(o) = outs.next() {
+            match o {
+                Out::Entry { rule, entry } => {
                     // Consecutive entries of one rule go out as one log entry (one XADD, one
                     // read and parse per replica instead of one per decision).
-                    let mut group = Vec::new();
-                    while let Some(Out::Entry { rule: r, entry }) = batch.get(i) {
-                        if !Arc::ptr_eq(r, rule) {
-                            break;
+                    let mut group = vec![entry];
+                    while matches!(outs.peek(), Some(Out::Entry { rule: r, .. }) if Arc::ptr_eq(r, &rule))
+                    {
+                        if let Some(Out::Entry { entry, .. }) = outs.next() {
+                            group.push(entry);
                         }
-                        group.push(entry.clone());
-                        i += 1;
                     }
-                    let key = self.rep.log_key(rule);
+                    let key = self.rep.log_key(&rule);
                     xadd(&mut pipe, &key, self.maxlen())
                         .arg("o")
                         .arg(&self.rep.origin)
@@ -139,40 +148,42 @@ impl Writer {
                     eps.sort_unstable();
                     eps.dedup();
                     slots.push((key, eps));
-                    continue;
                 }
                 Out::RulePut { name, raw, garbage } => {
                     for k in garbage {
                         pipe.cmd("DEL").arg(k).ignore();
                     }
-                    pipe.cmd("HSET").arg(&rules_set).arg(name).arg(raw).ignore();
+                    pipe.cmd("HSET")
+                        .arg(&rules_set)
+                        .arg(&name)
+                        .arg(&raw)
+                        .ignore();
                     xadd(&mut pipe, &rules_log, 10_000)
                         .arg("o")
                         .arg(&self.rep.origin)
                         .arg("op")
                         .arg("put")
                         .arg("name")
-                        .arg(name)
+                        .arg(&name)
                         .arg("rule")
-                        .arg(raw);
+                        .arg(&raw);
                     slots.push((String::new(), Vec::new()));
                 }
                 Out::RuleDel { name, garbage } => {
                     for k in garbage {
                         pipe.cmd("DEL").arg(k).ignore();
                     }
-                    pipe.cmd("HDEL").arg(&rules_set).arg(name).ignore();
+                    pipe.cmd("HDEL").arg(&rules_set).arg(&name).ignore();
                     xadd(&mut pipe, &rules_log, 10_000)
                         .arg("o")
                         .arg(&self.rep.origin)
                         .arg("op")
                         .arg("del")
                         .arg("name")
-                        .arg(name);
+                        .arg(&name);
                     slots.push((String::new(), Vec::new()));
                 }
             }
-            i += 1;
         }
         match pipe.query_async::<Vec<String>>(&mut self.conn).await {
             Ok(ids) => {
@@ -184,16 +195,12 @@ impl Writer {
                         self.appended.insert((key.clone(), ep), id);
                     }
                 }
-                m.repl_entries
-                    .with_label_values(&["sent"])
-                    .inc_by(batch.len() as u64);
+                m.repl_entries.with_label_values(&["sent"]).inc_by(n);
             }
             Err(e) => {
                 m.redis_errors.with_label_values(&["write"]).inc();
-                m.repl_entries
-                    .with_label_values(&["dropped"])
-                    .inc_by(batch.len() as u64);
-                mark_dirty(&batch);
+                m.repl_entries.with_label_values(&["dropped"]).inc_by(n);
+                mark_dirty(&touched);
                 self.went_down(&e);
             }
         }
@@ -373,16 +380,10 @@ fn xadd<'a>(pipe: &'a mut redis::Pipeline, key: &str, maxlen: u64) -> &'a mut re
         .arg("*")
 }
 
-fn mark_dirty(batch: &[Out]) {
-    for o in batch {
-        if let Out::Entry {
-            rule,
-            entry: Entry::Ops { ep, .. },
-        } = o
-        {
-            if let Some(e) = rule.eps.get(*ep as usize) {
-                e.dirty.store(true, Ordering::Relaxed);
-            }
+fn mark_dirty(touched: &[(Arc<RuleRuntime>, u8)]) {
+    for (rule, ep) in touched {
+        if let Some(e) = rule.eps.get(*ep as usize) {
+            e.dirty.store(true, Ordering::Relaxed);
         }
     }
 }
