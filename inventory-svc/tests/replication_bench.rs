@@ -100,6 +100,22 @@ async fn publish(owner: &Service, ep: usize, p: &mut Publisher, base: u64, batch
     }
 }
 
+/// The replica whose subscriber for endpoint `ep` is connected (the lease holder), bounded wait.
+async fn owner_of(reps: &[Service], ep: usize) -> usize {
+    let series =
+        format!(r#"kvroute_ingest_subscriber_connected{{ep="{ep}",rank="0",rule="{RULE_ID}"}}"#);
+    let end = Instant::now() + Duration::from_secs(30);
+    loop {
+        for (i, r) in reps.iter().enumerate() {
+            if metric(&r.metrics().await, &series) == Some(1.0) {
+                return i;
+            }
+        }
+        assert!(Instant::now() < end, "no owner of endpoint {ep}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 /// Makes sure the owner's subscription is live: a probe until `svc` shows it.
 async fn probe(svc: &Service, p: &mut Publisher, ep: usize, key: u64) {
     let end = Instant::now() + Duration::from_secs(30);
@@ -194,29 +210,7 @@ async fn replication_benchmark() {
         .map(|id| start(&format!("bench-{id}"), &rules, Some(&redis), id))
         .collect();
     // Wait for an owner, then load the same inventory.
-    let owner_ep0 = {
-        let end = Instant::now() + Duration::from_secs(30);
-        loop {
-            let mut found = None;
-            for (i, r) in reps.iter().enumerate() {
-                let m = r.metrics().await;
-                if metric(
-                    &m,
-                    &format!(
-                        r#"kvroute_ingest_subscriber_connected{{ep="0",rank="0",rule="{RULE_ID}"}}"#
-                    ),
-                ) == Some(1.0)
-                {
-                    found = Some(i);
-                }
-            }
-            if let Some(i) = found {
-                break i;
-            }
-            assert!(Instant::now() < end, "no owner");
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    };
+    let owner_ep0 = owner_of(&reps, 0).await;
     probe(&reps[owner_ep0], &mut pubs[0], 0, 1 << 50).await;
     publish(&reps[owner_ep0], 0, &mut pubs[0], 0, 50, 1000).await;
     for r in &reps {
@@ -262,29 +256,7 @@ async fn replication_benchmark() {
     );
 
     // 3. Bootstrap: 1M keys on endpoint 1, snapshotted; a late replica starts and loads them.
-    let owner_ep1 = {
-        let end = Instant::now() + Duration::from_secs(30);
-        loop {
-            let mut found = None;
-            for (i, r) in reps.iter().enumerate() {
-                let m = r.metrics().await;
-                if metric(
-                    &m,
-                    &format!(
-                        r#"kvroute_ingest_subscriber_connected{{ep="1",rank="0",rule="{RULE_ID}"}}"#
-                    ),
-                ) == Some(1.0)
-                {
-                    found = Some(i);
-                }
-            }
-            if let Some(i) = found {
-                break i;
-            }
-            assert!(Instant::now() < end, "no owner of ep 1");
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    };
+    let owner_ep1 = owner_of(&reps, 1).await;
     probe(&reps[owner_ep1], &mut pubs[1], 1, 1 << 40).await;
     publish(
         &reps[owner_ep1],
