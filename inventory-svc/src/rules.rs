@@ -166,6 +166,12 @@ impl RuleSpec {
     pub fn raw_json(&self) -> Value {
         serde_json::to_value(self.rule.to_raw()).unwrap_or(Value::Null)
     }
+
+    /// Hash of the canonical JSON: equal on every replica for the same rule, different when any
+    /// field changes (the rule's replication keys carry it).
+    pub fn generation(&self) -> u64 {
+        xxhash_rust::xxh3::xxh3_64(self.raw_json().to_string().as_bytes())
+    }
 }
 
 /// One validation problem: the field, the value given, what is allowed.

@@ -251,7 +251,7 @@ impl AppState {
             ring: HashRing::new(&addrs),
             memory: PlacementMemory::new(self.settings.memory_entries, self.settings.memory_ttl),
             created: Instant::now(),
-            generation: xxhash_rust::xxh3::xxh3_64(spec.raw_json().to_string().as_bytes()),
+            generation: spec.generation(),
             hit_seq: AtomicU64::new(0),
             rr_seq: AtomicU64::new(0),
             cancel: self.cancel.child_token(),

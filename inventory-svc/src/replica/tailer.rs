@@ -121,7 +121,7 @@ fn put_rule(rep: &Replica, state: &Arc<AppState>, name: &str, raw: &str) {
     };
     match crate::rules::parse_rule(&v, &state.settings) {
         Ok(spec) => {
-            let gen = xxhash_rust::xxh3::xxh3_64(spec.raw_json().to_string().as_bytes());
+            let gen = spec.generation();
             if lock(&rep.known_rules).get(name) == Some(&gen) {
                 return;
             }
