@@ -150,37 +150,17 @@ impl Writer {
                     slots.push((key, eps));
                 }
                 Out::RulePut { name, raw, garbage } => {
-                    for k in garbage {
-                        pipe.cmd("DEL").arg(k).ignore();
-                    }
                     pipe.cmd("HSET")
                         .arg(&rules_set)
                         .arg(&name)
                         .arg(&raw)
                         .ignore();
-                    xadd(&mut pipe, &rules_log, 10_000)
-                        .arg("o")
-                        .arg(&self.rep.origin)
-                        .arg("op")
-                        .arg("put")
-                        .arg("name")
-                        .arg(&name)
-                        .arg("rule")
-                        .arg(&raw);
+                    self.rule_entry(&mut pipe, &rules_log, "put", &name, Some(&raw), &garbage);
                     slots.push((String::new(), Vec::new()));
                 }
                 Out::RuleDel { name, garbage } => {
-                    for k in garbage {
-                        pipe.cmd("DEL").arg(k).ignore();
-                    }
                     pipe.cmd("HDEL").arg(&rules_set).arg(&name).ignore();
-                    xadd(&mut pipe, &rules_log, 10_000)
-                        .arg("o")
-                        .arg(&self.rep.origin)
-                        .arg("op")
-                        .arg("del")
-                        .arg("name")
-                        .arg(&name);
+                    self.rule_entry(&mut pipe, &rules_log, "del", &name, None, &garbage);
                     slots.push((String::new(), Vec::new()));
                 }
             }
@@ -203,6 +183,31 @@ impl Writer {
                 mark_dirty(&touched);
                 self.went_down(&e);
             }
+        }
+    }
+
+    /// Drops a replaced or deleted generation's keys and appends the change to the rule log.
+    fn rule_entry(
+        &self,
+        pipe: &mut redis::Pipeline,
+        log: &str,
+        op: &str,
+        name: &str,
+        rule: Option<&str>,
+        garbage: &[String],
+    ) {
+        for k in garbage {
+            pipe.cmd("DEL").arg(k).ignore();
+        }
+        xadd(pipe, log, 10_000)
+            .arg("o")
+            .arg(&self.rep.origin)
+            .arg("op")
+            .arg(op)
+            .arg("name")
+            .arg(name);
+        if let Some(r) = rule {
+            pipe.arg("rule").arg(r);
         }
     }
 
