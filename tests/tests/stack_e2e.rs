@@ -196,15 +196,27 @@ async fn chat(
     Ok((sim, cached, answer))
 }
 
+/// One ZMQ port for the rule (kvZmqPort), free on every simulator's address and below the
+/// kernel's ephemeral range: a port picked by binding port 0 comes from that range, so a
+/// simulator's own HTTP listener (also port 0) could take it before its ZMQ publisher binds.
+fn zmq_port() -> u16 {
+    let start = (std::process::id() % 600) as u16 * 20;
+    (0..500u16)
+        .map(|i| 20_000 + (start + i * 7) % 12_000)
+        .find(|p| {
+            let held: Vec<_> = SIM_IPS
+                .iter()
+                .filter_map(|ip| TcpListener::bind((*ip, *p)).ok())
+                .collect();
+            held.len() == SIM_IPS.len()
+        })
+        .expect("a port free on every simulator address")
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn conversation_sticks_to_its_prefix_and_falls_back_when_the_engine_dies() {
     let dir = TempDir::new("stack-e2e").unwrap();
-    // One ZMQ port for the rule (kvZmqPort), free on the first simulator's address.
-    let zmq_port = TcpListener::bind((SIM_IPS[0], 0))
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let zmq_port = zmq_port();
     let mut sims = Vec::new();
     for ip in SIM_IPS {
         sims.push(start_sim(ip, zmq_port, &dir).await.unwrap());
