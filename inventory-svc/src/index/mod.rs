@@ -290,7 +290,7 @@ impl BlockIndex for MemIndex {
         let mut alive = all;
         let spec_live = !t.spec.is_empty();
         // Misses dominate a cold match: start loading the next keys' slots while working on this one.
-        const AHEAD: usize = 16;
+        const AHEAD: usize = 32;
         for k in keys.iter().take(AHEAD) {
             t.holders.prefetch(k.0);
         }
