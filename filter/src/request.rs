@@ -67,6 +67,8 @@ pub struct RequestFilter {
     state: RequestState,
     endpoint: Option<Endpoint>,
     started_ns: u64,
+    /// When the route callout was sent (0 before).
+    dispatched_ns: u64,
     /// Parse `usage` from the response (routed paths only).
     track_usage: bool,
     sse: bool,
@@ -90,6 +92,7 @@ impl RequestFilter {
             state: RequestState::Start,
             endpoint: None,
             started_ns: 0,
+            dispatched_ns: 0,
             track_usage: false,
             sse: false,
             tail: Tail::default(),
@@ -191,6 +194,7 @@ impl RequestFilter {
     /// Builds the route question for a complete body and sends it.
     fn ask(&mut self, host: &dyn Host, body: &[u8]) -> Step {
         let vm = self.vm.clone();
+        let prepare_ns = host.now_nanos();
         let Some(endpoint) = self.endpoint else {
             return self.fail_open(host, FailReason::BadRequest, "no endpoint");
         };
@@ -300,6 +304,12 @@ impl RequestFilter {
         };
         match host.dispatch(&call) {
             Some(token) => {
+                self.dispatched_ns = host.now_nanos();
+                vm.stats.record(
+                    host,
+                    Stat::PrepareUs,
+                    self.dispatched_ns.saturating_sub(prepare_ns) / 1000,
+                );
                 self.state = RequestState::AwaitingRoute { token };
                 Step::Pause
             }
@@ -318,6 +328,11 @@ impl RequestFilter {
         if self.state != (RequestState::AwaitingRoute { token }) {
             return;
         }
+        self.vm.stats.record(
+            host,
+            Stat::CalloutUs,
+            host.now_nanos().saturating_sub(self.dispatched_ns) / 1000,
+        );
         let answer = match status {
             Some("200") => RouteAnswer::parse(body).ok_or(FailReason::BadResponse),
             Some("504") => Err(FailReason::Timeout),
@@ -555,6 +570,11 @@ mod tests {
         );
         assert_eq!(host.samples("kvroute_filter_tokenize_us").len(), 1);
         assert_eq!(host.samples("kvroute_filter_duration_us").len(), 1);
+        // The fake clock ticks 1 µs per read: both phases were timed, each at least one tick.
+        for phase in ["kvroute_filter_prepare_us", "kvroute_filter_callout_us"] {
+            let s = host.samples(phase);
+            assert!(s.len() == 1 && s[0] >= 1, "{phase}: {s:?}");
+        }
         // The request body was never written.
         assert_eq!(host.request_body.borrow().as_slice(), body.as_bytes());
     }

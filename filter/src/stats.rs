@@ -104,11 +104,15 @@ pub enum Stat {
     /// Histograms (microseconds).
     TokenizeUs,
     KeysUs,
+    /// Complete body to callout sent: parse, render, tokenize, hash, encode the question.
+    PrepareUs,
+    /// Callout sent to answer received (the inventory's round trip through Envoy).
+    CalloutUs,
     FilterUs,
     FailOpen(FailReason),
 }
 
-const FIXED: [(Stat, &str, MetricKind); 21] = [
+const FIXED: [(Stat, &str, MetricKind); 23] = [
     (
         Stat::Requests,
         "kvroute_filter_requests_total",
@@ -210,6 +214,16 @@ const FIXED: [(Stat, &str, MetricKind); 21] = [
         MetricKind::Histogram,
     ),
     (
+        Stat::PrepareUs,
+        "kvroute_filter_prepare_us",
+        MetricKind::Histogram,
+    ),
+    (
+        Stat::CalloutUs,
+        "kvroute_filter_callout_us",
+        MetricKind::Histogram,
+    ),
+    (
         Stat::FilterUs,
         "kvroute_filter_duration_us",
         MetricKind::Histogram,
@@ -219,7 +233,7 @@ const FIXED: [(Stat, &str, MetricKind); 21] = [
 /// Metric handles; a refused definition only disables that metric.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Stats {
-    fixed: [Option<CounterId>; 21],
+    fixed: [Option<CounterId>; 23],
     fail: [Option<CounterId>; 11],
 }
 

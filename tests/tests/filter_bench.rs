@@ -271,7 +271,7 @@ async fn bench_filter_latency() {
                     .get(format!("http://{}/stats", gw.envoy.admin))
                     .query(&[(
                         "filter",
-                        "kvroute_filter_(tokenize_us|keys_us|duration_us|.*cache_(hits|misses)_total)",
+                        "kvroute_filter_(tokenize_us|keys_us|prepare_us|callout_us|duration_us|.*cache_(hits|misses)_total)",
                     )])
                     .send()
                     .await
