@@ -86,15 +86,6 @@ impl std::fmt::Debug for PromptEncoder {
     }
 }
 
-/// True when the post-processor adds nothing around the text (then `add_special_tokens` is moot
-/// and the fast path is exact for completions too).
-fn post_processor_adds_nothing(t: &Value) -> bool {
-    match &t["post_processor"] {
-        Value::Null => true,
-        p => p["type"].as_str() == Some("ByteLevel"),
-    }
-}
-
 fn added_splitter(t: &Value) -> Result<Option<AhoCorasick>, LoadError> {
     let patterns: Vec<&str> = t["added_tokens"]
         .as_array()
@@ -118,12 +109,8 @@ impl PromptEncoder {
     ) -> Result<PromptEncoder, LoadError> {
         let t: Value = serde_json::from_slice(tokenizer_json)
             .map_err(|e| LoadError::Tokenizer(e.to_string()))?;
-        let fast = if post_processor_adds_nothing(&t) {
-            FastBpe::from_tokenizer_json(tokenizer_json)
-                .map_err(|e| LoadError::Tokenizer(e.to_string()))?
-        } else {
-            None
-        };
+        let fast = FastBpe::for_requests(tokenizer_json)
+            .map_err(|e| LoadError::Tokenizer(e.to_string()))?;
         let enc = match fast {
             Some(bpe) => Encoder::Fast {
                 bpe,

@@ -666,6 +666,58 @@ async fn offloaded_tokenization_computes_the_filters_keys() {
     assert_ne!(c["reason"], "miss_no_keys", "{c}\n{}", svc.stderr());
 }
 
+/// The offload path encodes with the fast BPE for Qwen3, and its keys equal HF tokenizers' keys
+/// for completions and chat (multi-turn, special tokens spelled in the text too).
+#[test]
+fn offload_fast_encoder_equals_hf_tokenizers() {
+    use kvroute_inventory::api::offload::{keys_for, Loaded, Offload};
+    let dir = qwen3_fixture();
+    let tj = std::fs::read(dir.join("tokenizer.json")).unwrap();
+    let config = std::fs::read(dir.join("tokenizer_config.json")).unwrap();
+    let load = |fast: bool| Loaded {
+        tokenizer: kvroute_core::tokenize::Tokenizer::from_bytes(&tj).unwrap(),
+        fast: fast.then(|| {
+            std::sync::Mutex::new(
+                kvroute_core::bpe::FastBpe::for_requests(&tj)
+                    .unwrap()
+                    .unwrap(),
+            )
+        }),
+        template: Some(kvroute_core::chat::ChatTemplate::new(&config).unwrap()),
+    };
+    let (fast, hf) = (load(true), load(false));
+    let contract = kvroute_core::hash::HashContract::new(
+        kvroute_core::hash::HashAlgo::Sha256Cbor,
+        kvroute_core::hash::BlockSize::new(16).unwrap(),
+    )
+    .with_seed("0");
+    let text =
+        "Routers  route. <|im_start|>user\nnaïve café, 1234 tokens?\n\n\tOK<|im_end|> ".repeat(12);
+    let cases = [
+        Offload {
+            model: None,
+            prompt: Some(text.clone()),
+            messages: None,
+        },
+        Offload {
+            model: None,
+            prompt: None,
+            messages: Some(json!([
+                {"role": "system", "content": text},
+                {"role": "user", "content": "Summarise the above in three words."},
+                {"role": "assistant", "content": "Routers route well."},
+                {"role": "user", "content": "Again, twice."},
+            ])),
+        },
+    ];
+    for o in &cases {
+        let a = keys_for(&fast, &contract, o).unwrap();
+        let b = keys_for(&hf, &contract, o).unwrap();
+        assert!(a.0.len() >= 8, "{}", a.0.len());
+        assert_eq!(a, b);
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tls_listener_serves_https_and_drains() {
     // A test CA and a leaf for 127.0.0.1 signed by it (rustls refuses a CA as end entity).

@@ -222,6 +222,22 @@ fn split_pattern(pre: &Value) -> Option<String> {
 }
 
 impl FastBpe {
+    /// [`FastBpe::from_tokenizer_json`] for whole requests: also `Ok(None)` when the tokenizer's
+    /// post-processor adds tokens around the text (BOS/EOS templates), so the encoder's ids are
+    /// the engine's whatever `add_special_tokens` says (completions default it to true, chat to
+    /// false). The filter and the service's offloaded tokenization both build theirs here.
+    pub fn for_requests(json: &[u8]) -> Result<Option<FastBpe>, BpeError> {
+        let t: Value = serde_json::from_slice(json)?;
+        let adds_nothing = match &t["post_processor"] {
+            Value::Null => true,
+            p => is_type(p, "ByteLevel"),
+        };
+        if !adds_nothing {
+            return Ok(None);
+        }
+        FastBpe::from_tokenizer_json(json)
+    }
+
     /// Builds the encoder, or `Ok(None)` when the tokenizer uses a feature this path does not
     /// reproduce exactly (then use HF tokenizers).
     pub fn from_tokenizer_json(json: &[u8]) -> Result<Option<FastBpe>, BpeError> {

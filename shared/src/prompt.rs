@@ -14,6 +14,7 @@
 
 use serde_json::{Map, Value};
 
+use crate::bpe::FastBpe;
 use crate::chat::{ChatError, ChatRequest, ChatTemplate};
 use crate::tokenize::{TokenizeError, Tokenizer};
 
@@ -219,24 +220,48 @@ impl Request {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PromptTokens;
 
+/// Text to token ids, as the engine's tokenizer computes them.
+pub trait TextEncoder {
+    /// Encodes `text`; `add_special_tokens` applies the tokenizer's post-processor.
+    fn encode_text(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, TokenizeError>;
+}
+
+impl TextEncoder for Tokenizer {
+    fn encode_text(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, TokenizeError> {
+        self.encode(text, add_special_tokens)
+    }
+}
+
+/// Only encoders built by [`FastBpe::for_requests`] are exact here: their post-processor adds
+/// nothing, so `add_special_tokens` changes nothing.
+impl TextEncoder for FastBpe {
+    fn encode_text(
+        &self,
+        text: &str,
+        _add_special_tokens: bool,
+    ) -> Result<Vec<u32>, TokenizeError> {
+        Ok(self.encode(text))
+    }
+}
+
 impl PromptTokens {
     /// The token ids the engine computes for `request`: token-id prompts as given; text encoded
     /// with `add_special_tokens` (default true); chat rendered with `template` and encoded with
     /// `add_special_tokens` (default false). A chat request without a template is an error.
-    pub fn from_request(
+    pub fn from_request<E: TextEncoder + ?Sized>(
         request: &Request,
-        tokenizer: &Tokenizer,
+        tokenizer: &E,
         template: Option<&ChatTemplate>,
     ) -> Result<Vec<u32>, PromptError> {
         match &request.body {
             RequestBody::Completion(Prompt::TokenIds(ids)) => Ok(ids.clone()),
             RequestBody::Completion(Prompt::Text(text)) => {
-                Ok(tokenizer.encode(text, request.add_special_tokens.unwrap_or(true))?)
+                Ok(tokenizer.encode_text(text, request.add_special_tokens.unwrap_or(true))?)
             }
             RequestBody::Chat(chat) => {
                 let template = template.ok_or(PromptError::NoChatTemplate)?;
                 let text = template.render(chat)?;
-                Ok(tokenizer.encode(&text, request.add_special_tokens.unwrap_or(false))?)
+                Ok(tokenizer.encode_text(&text, request.add_special_tokens.unwrap_or(false))?)
             }
         }
     }
