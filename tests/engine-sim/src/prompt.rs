@@ -114,7 +114,7 @@ impl Encoder {
             Encoder::Hf {
                 tokenizer,
                 template,
-            } => PromptTokens::from_request(&req, tokenizer, template.as_deref())?,
+            } => PromptTokens::from_request(&req, &**tokenizer, template.as_deref())?,
             Encoder::Words => words_tokens(&req),
         };
         let opts: Value = serde_json::from_slice(body).unwrap_or(Value::Null);
