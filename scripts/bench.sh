@@ -4,7 +4,7 @@
 #   small      docs/bench-small.md      small preset: 4 workloads x 5 strategies on 4 endpoints
 #   placement  docs/bench-placement.md  issue 7's constrained workload (2 endpoints x 256 blocks,
 #                                       10 system prompts of ~600 tokens, 40 users x 4 turns),
-#                                       staggered and burst: round robin, sticky, kvroute,
+#                                       staggered and burst (3 runs each, medians): round robin, sticky, kvroute,
 #                                       sglang-router 0.3.2, oracle; one-shot and hot-prefix; targets
 #   scale      docs/bench-scale.md      multi-turn at 4, 8 and 16 endpoints
 #   gateways   docs/bench-gateways.md   1 vs 4 Envoy gateways (kvroute filter) sharing one inventory
@@ -86,10 +86,13 @@ if want placement; then
     # /get_server_info model_path, and kvroute tokenizes exactly as the engines do.
     common=(--preset constrained --tokenizer-dir "$KVROUTE_TOKENIZER_DIR"
         --strategies round-robin,sticky,kvroute-engine,sglang-router,oracle)
+    # Three runs per arrival: the report takes medians (one run of ~3 s per strategy is noisy).
     for arrival in staggered burst; do
-        say "constrained preset, multi-turn, $arrival arrival"
-        bench "${common[@]}" --workloads multi-turn --arrival "$arrival" \
-            --json "$OUT/placement-$arrival.json" --markdown "$OUT/placement-$arrival.md"
+        for run in 1 2 3; do
+            say "constrained preset, multi-turn, $arrival arrival, run $run of 3"
+            bench "${common[@]}" --workloads multi-turn --arrival "$arrival" \
+                --json "$OUT/placement-$arrival-$run.json" --markdown "$OUT/placement-$arrival-$run.md"
+        done
     done
     say "constrained preset, one-shot and hot-prefix"
     bench "${common[@]}" --workloads one-shot,hot-prefix \

@@ -91,17 +91,39 @@ def judge(ok):
     return "**met**" if ok else "**not met**"
 
 
+RUNS = 3  # multi-turn runs per arrival (issue 7's table is a median of 3)
+
+
+def median(values):
+    v = sorted(values)
+    return v[len(v) // 2]
+
+
 def placement(res: Path, out: Path):
-    runs = {a: load(res / f"placement-{a}.json") for a in ("staggered", "burst")}
+    runs = {
+        a: [load(res / f"placement-{a}-{i}.json") for i in range(1, RUNS + 1)]
+        for a in ("staggered", "burst")
+    }
     other = load(res / "placement-other.json")
     strategies = ["round-robin", "sticky", "kvroute-engine", "sglang-router", "oracle"]
+
+    def med(a, st):
+        """Per-field medians over the runs of one arrival, or None when not measured."""
+        found = [find(r["summaries"], "multi-turn", st) for r in runs[a]]
+        found = [s for s in found if s is not None]
+        if not found:
+            return None
+        keys = ("cached_ratio", "engines_per_prefix", "ttft_p90_ms")
+        return {k: median([s[k] for s in found]) for k in keys} | {"each": found}
+
     text = (
         "# Benchmark: placement on a constrained fleet (issue 7)\n\n"
         f"Measured {stamp()} by `scripts/bench.sh placement` (kvroute-bench `--preset constrained`, "
         "the Qwen3 tokenizer, vLLM simulators with a vLLM-like free-block queue). "
-        f"Workload: {shape_line(runs['staggered'])}; burst = every user at once "
-        "(bounded by 8 requests in flight).\n\n"
-        "## Multi-turn, side by side\n\n"
+        f"Workload: {shape_line(runs['staggered'][0])}; burst = every user at once "
+        f"(bounded by 8 requests in flight). Multi-turn figures are the median of {RUNS} runs "
+        "(each run measures every strategy in turn on fresh simulators); the per-run values follow.\n\n"
+        "## Multi-turn, side by side (medians)\n\n"
         "| strategy | staggered: cached-token ratio | engines per system prompt | TTFT p90 ms "
         "| burst: cached-token ratio | engines per system prompt | TTFT p90 ms |\n"
         "|---|---|---|---|---|---|---|\n"
@@ -109,19 +131,30 @@ def placement(res: Path, out: Path):
     for st in strategies:
         cells = []
         for a in ("staggered", "burst"):
-            s = find(runs[a]["summaries"], "multi-turn", st)
+            m = med(a, st)
             cells += (
                 ["-", "-", "-"]
-                if s is None
-                else [pct(s["cached_ratio"]), f"{s['engines_per_prefix']:.2f}", f"{s['ttft_p90_ms']:.1f}"]
+                if m is None
+                else [pct(m["cached_ratio"]), f"{m['engines_per_prefix']:.2f}", f"{m['ttft_p90_ms']:.1f}"]
             )
         text += f"| {st} | " + " | ".join(cells) + " |\n"
 
-    # Targets.
+    text += "\nPer run, cached-token ratio (TTFT p90 ms):\n\n| strategy | " + " | ".join(
+        f"{a} run {i}" for a in ("staggered", "burst") for i in range(1, RUNS + 1)
+    ) + " |\n|---|" + "---|" * (2 * RUNS) + "\n"
+    for st in strategies:
+        cells = []
+        for a in ("staggered", "burst"):
+            for r in runs[a]:
+                s = find(r["summaries"], "multi-turn", st)
+                cells.append("-" if s is None else f"{pct(s['cached_ratio'])} ({s['ttft_p90_ms']:.0f})")
+        text += f"| {st} | " + " | ".join(cells) + " |\n"
+
+    # Targets, on the medians.
     rows = []
     for a, factor in (("staggered", 1.05), ("burst", 1.0)):
-        k = find(runs[a]["summaries"], "multi-turn", "kvroute-engine")
-        g = find(runs[a]["summaries"], "multi-turn", "sglang-router")
+        k = med(a, "kvroute-engine")
+        g = med(a, "sglang-router")
         if k is None or g is None:
             rows.append((f"{a}: kvroute vs sglang-router", "not measured"))
             continue
@@ -171,10 +204,10 @@ def placement(res: Path, out: Path):
     text += "".join(f"| {t} | {r} |\n" for t, r in rows)
 
     for a in ("staggered", "burst"):
-        text += f"\n## Multi-turn, {a} arrival (every column)\n\n"
-        text += command_of(res / f"placement-{a}.md")
-        text += full_table(runs[a]["summaries"])
-        text += "\nkvroute reasons: " + reasons_of(runs[a]["summaries"]) + "\n"
+        text += f"\n## Multi-turn, {a} arrival, run 1 (every column)\n\n"
+        text += command_of(res / f"placement-{a}-1.md")
+        text += full_table(runs[a][0]["summaries"])
+        text += "\nkvroute reasons: " + reasons_of(runs[a][0]["summaries"]) + "\n"
     text += "\n## One-shot and hot-prefix, same fleet\n\n"
     text += command_of(res / "placement-other.md")
     text += full_table(other["summaries"])
