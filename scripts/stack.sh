@@ -119,15 +119,34 @@ sed -e "s#/etc/kvroute/kvroute_filter.wasm#$KVROUTE_WASM#" \
     -e "s#\"timeout_ms\": 25,#\"timeout_ms\": 100,#" \
     -e "s#address: 0.0.0.0, port_value: 10000#address: 127.0.0.1, port_value: $GW_PORT#" \
     -e "s#address: 127.0.0.1, port_value: 9901#address: 127.0.0.1, port_value: $ADMIN_PORT#" \
-    -e "s#address: 10.0.0.10, port_value: 8000#address: ${SIMS[0]}, port_value: $SIM_PORT#" \
-    -e "s#address: 10.0.0.11, port_value: 8000#address: ${SIMS[1]}, port_value: $SIM_PORT#" \
-    -e "s#address: 10.0.0.12, port_value: 8000#address: ${SIMS[2]}, port_value: $SIM_PORT#" \
     -e "s#address: kvroute-inventory, port_value: 8080#address: 127.0.0.1, port_value: $INV_PORT#" \
     envoy/envoy.yaml >"$RUN/envoy.yaml"
+# The engines cluster: one entry per simulator (the shipped file has two examples). Every
+# endpoint of the rule must be a host of this cluster, or its pins fall back to the cluster's
+# load balancer and the demo measures a smaller fleet than the inventory scores.
+python3 - "$RUN/envoy.yaml" "$SIM_PORT" "${SIMS[@]}" <<'PY' || die "could not write the engines cluster into $RUN/envoy.yaml"
+import re, sys
+path, port, sims = sys.argv[1], sys.argv[2], sys.argv[3:]
+text = open(path).read()
+head = "          - lb_endpoints: # CHANGE ME: one entry per engine\n"
+start = text.index(head) + len(head)
+entries = re.compile(r"( {14}- endpoint:\n {18}address:\n {20}socket_address: \{[^}]*\}\n)+")
+m = entries.match(text, start)
+if m is None:
+    sys.exit("the engines' lb_endpoints in envoy.yaml are not in the expected shape")
+gen = "".join(
+    f"              - endpoint:\n                  address:\n"
+    f"                    socket_address: {{ address: {ip}, port_value: {port} }}\n"
+    for ip in sims
+)
+open(path, "w").write(text[:start] + gen + text[m.end():])
+PY
 "$KVROUTE_ENVOY" -c "$RUN/envoy.yaml" --disable-hot-restart --log-level warn --concurrency 2 \
     >"$RUN/logs/envoy.log" 2>&1 &
 PIDS+=($!)
 wait_http "http://127.0.0.1:$ADMIN_PORT/ready" "Envoy" "$RUN/logs/envoy.log"
+hosts=$(curl -fsS "http://127.0.0.1:$ADMIN_PORT/clusters" | grep -c "^engines::.*:$SIM_PORT::cx_active::" || true)
+((hosts == ${#SIMS[@]})) || die "Envoy's engines cluster has $hosts hosts, the rule ${#SIMS[@]} endpoints ($RUN/envoy.yaml)"
 
 # Each Envoy worker VM fetches and parses the tokenizer on its first request (about a second);
 # until then requests pass unpinned. Warm up until a request no longer finds the tokenizer missing.
