@@ -116,6 +116,12 @@ pub async fn serve(
     };
     let handle = match acceptor {
         None => {
+            // TCP_NODELAY: the route answer is one small write per callout; never hold it back.
+            let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
+                if let Err(e) = tcp.set_nodelay(true) {
+                    tracing::debug!("TCP_NODELAY not set: {e}");
+                }
+            });
             let server = axum::serve(listener, app).with_graceful_shutdown(shutdown);
             tokio::spawn(async move { server.await })
         }

@@ -58,7 +58,13 @@ pub async fn serve(
         let tcp = tokio::select! {
             _ = cancel.cancelled() => break,
             r = listener.accept() => match r {
-                Ok((tcp, _)) => tcp,
+                Ok((tcp, _)) => {
+                    // As on the plain listener: the route answer is one small write.
+                    if let Err(e) = tcp.set_nodelay(true) {
+                        tracing::debug!("TCP_NODELAY not set: {e}");
+                    }
+                    tcp
+                }
                 Err(e) => {
                     tracing::warn!("accept failed: {e}");
                     continue;
