@@ -101,37 +101,17 @@ stop_inventory() {
     INV_PID=""
 }
 
-# Envoy configs: the shipped envoy/envoy.yaml with this machine's addresses (as stack.sh does), the
-# engines cluster rewritten to the four simulators, and a 100 ms callout budget (2 cores shared by
-# 4 gateways, the inventory, 4 simulators and the driver).
+# Envoy configs: the shipped envoy/envoy.yaml with this machine's addresses (scripts/local_envoy.py,
+# as stack.sh does), the engines cluster rewritten to the four simulators, and a 100 ms callout
+# budget (2 cores shared by 4 gateways, the inventory, 4 simulators and the driver).
 GW_URLS=()
 for g in $(seq 1 "$GATEWAYS"); do
     gw_port=$(free_port)
     admin_port=$(free_port)
-    python3 - "$REPO/envoy/envoy.yaml" "$RUN/envoy-$g.yaml" <<EOF
-import re, sys
-src, dst = sys.argv[1], sys.argv[2]
-y = open(src).read()
-y = y.replace("/etc/kvroute/kvroute_filter.wasm", "$KVROUTE_WASM")
-y = y.replace('"rule": "10.0.0.1:8080"', '"rule": "$RULE_ID"')
-y = y.replace('"timeout_ms": 25,', '"timeout_ms": 100,')
-y = y.replace("address: 0.0.0.0, port_value: 10000", "address: 127.0.0.1, port_value: $gw_port")
-y = y.replace("address: 127.0.0.1, port_value: 9901", "address: 127.0.0.1, port_value: $admin_port")
-y = y.replace("address: kvroute-inventory, port_value: 8080", "address: 127.0.0.1, port_value: $INV_PORT")
-# The engines: replace every endpoint entry of the lb_endpoints list with the simulators.
-m = re.search(r"( *)- lb_endpoints:[^\n]*\n((?:\1  +[^\n]*\n)+)", y)
-if not m:
-    sys.exit("envoy.yaml: no lb_endpoints list in cluster engines")
-ind = m.group(1) + "    "
-eps = "".join(
-    f"{ind}- endpoint:\n{ind}    address:\n{ind}      socket_address: {{ address: {ip}, port_value: $SIM_PORT }}\n"
-    for ip in "${SIMS[*]}".split()
-)
-y = y[: m.start(2)] + eps + y[m.end(2):]
-if "10.0.0." in y:
-    sys.exit("envoy.yaml: an address was not rewritten (the shipped file changed?)")
-open(dst, "w").write(y)
-EOF
+    sims_csv=$(IFS=,; echo "${SIMS[*]}")
+    python3 "$REPO/scripts/local_envoy.py" "$REPO/envoy/envoy.yaml" "$RUN/envoy-$g.yaml" \
+        --wasm "$KVROUTE_WASM" --rule "$RULE_ID" --timeout-ms 100 --listen "$gw_port" \
+        --admin "$admin_port" --inventory "$INV_PORT" --sim-port "$SIM_PORT" --sims "$sims_csv"
     "$KVROUTE_ENVOY" -c "$RUN/envoy-$g.yaml" --disable-hot-restart --log-level warn --concurrency 1 \
         --base-id "$((7000 + g))" >"$RUN/logs/envoy-$g.log" 2>&1 &
     PIDS+=($!)

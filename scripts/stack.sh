@@ -114,33 +114,11 @@ say "starting Envoy with the filter on 127.0.0.1:$GW_PORT"
 # The shipped envoy/envoy.yaml, with this machine's addresses: what a user copies is what runs here.
 # One change: the route callout budget is 100 ms instead of 25 ms, because on a small machine the
 # gateway, the service, three simulators and the load generator share the same cores.
-sed -e "s#/etc/kvroute/kvroute_filter.wasm#$KVROUTE_WASM#" \
-    -e "s#\"rule\": \"10.0.0.1:8080\"#\"rule\": \"$RULE_ID\"#" \
-    -e "s#\"timeout_ms\": 25,#\"timeout_ms\": 100,#" \
-    -e "s#address: 0.0.0.0, port_value: 10000#address: 127.0.0.1, port_value: $GW_PORT#" \
-    -e "s#address: 127.0.0.1, port_value: 9901#address: 127.0.0.1, port_value: $ADMIN_PORT#" \
-    -e "s#address: kvroute-inventory, port_value: 8080#address: 127.0.0.1, port_value: $INV_PORT#" \
-    envoy/envoy.yaml >"$RUN/envoy.yaml"
-# The engines cluster: one entry per simulator (the shipped file has two examples). Every
-# endpoint of the rule must be a host of this cluster, or its pins fall back to the cluster's
-# load balancer and the demo measures a smaller fleet than the inventory scores.
-python3 - "$RUN/envoy.yaml" "$SIM_PORT" "${SIMS[@]}" <<'PY' || die "could not write the engines cluster into $RUN/envoy.yaml"
-import re, sys
-path, port, sims = sys.argv[1], sys.argv[2], sys.argv[3:]
-text = open(path).read()
-head = "          - lb_endpoints: # CHANGE ME: one entry per engine\n"
-start = text.index(head) + len(head)
-entries = re.compile(r"( {14}- endpoint:\n {18}address:\n {20}socket_address: \{[^}]*\}\n)+")
-m = entries.match(text, start)
-if m is None:
-    sys.exit("the engines' lb_endpoints in envoy.yaml are not in the expected shape")
-gen = "".join(
-    f"              - endpoint:\n                  address:\n"
-    f"                    socket_address: {{ address: {ip}, port_value: {port} }}\n"
-    for ip in sims
-)
-open(path, "w").write(text[:start] + gen + text[m.end():])
-PY
+sims_csv=$(IFS=,; echo "${SIMS[*]}")
+python3 scripts/local_envoy.py envoy/envoy.yaml "$RUN/envoy.yaml" --wasm "$KVROUTE_WASM" \
+    --rule "$RULE_ID" --timeout-ms 100 --listen "$GW_PORT" --admin "$ADMIN_PORT" \
+    --inventory "$INV_PORT" --sim-port "$SIM_PORT" --sims "$sims_csv" ||
+    die "could not write $RUN/envoy.yaml from envoy/envoy.yaml"
 "$KVROUTE_ENVOY" -c "$RUN/envoy.yaml" --disable-hot-restart --log-level warn --concurrency 2 \
     >"$RUN/logs/envoy.log" 2>&1 &
 PIDS+=($!)

@@ -124,20 +124,11 @@ fn envoy_yaml_has_the_filter_pinning_and_health_checks() {
     );
 }
 
-/// Envoy 1.40 itself accepts envoy.yaml (with the module path pointed at the built .wasm).
-#[test]
-fn envoy_validates_envoy_yaml() {
-    let (Ok(envoy), Ok(wasm)) = (harness::envoy_bin(), harness::wasm_module()) else {
-        panic!("Envoy or the .wasm missing: {}", harness::SETUP_HINT);
+/// `envoy --mode validate` on `cfg`; panics with Envoy's output when it refuses.
+fn envoy_accepts(cfg: &std::path::Path) {
+    let Ok(envoy) = harness::envoy_bin() else {
+        panic!("Envoy missing: {}", harness::SETUP_HINT);
     };
-    let text = std::fs::read_to_string(path("envoy.yaml")).unwrap();
-    let text = text.replace(
-        "/etc/kvroute/kvroute_filter.wasm",
-        &wasm.display().to_string(),
-    );
-    let dir = TempDir::new("validate").unwrap();
-    let cfg = dir.path().join("envoy.yaml");
-    std::fs::write(&cfg, text).unwrap();
     let out = Command::new(envoy)
         .args([
             "--mode",
@@ -147,15 +138,96 @@ fn envoy_validates_envoy_yaml() {
             "warn",
             "--config-path",
         ])
-        .arg(&cfg)
+        .arg(cfg)
         .output()
         .unwrap();
     assert!(
         out.status.success(),
-        "envoy --mode validate failed:\n{}{}",
+        "envoy --mode validate failed on {}:\n{}{}",
+        cfg.display(),
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
     );
+}
+
+/// Envoy 1.40 itself accepts envoy.yaml (with the module path pointed at the built .wasm).
+#[test]
+fn envoy_validates_envoy_yaml() {
+    let Ok(wasm) = harness::wasm_module() else {
+        panic!("the .wasm is missing: {}", harness::SETUP_HINT);
+    };
+    let text = std::fs::read_to_string(path("envoy.yaml")).unwrap();
+    let text = text.replace(
+        "/etc/kvroute/kvroute_filter.wasm",
+        &wasm.display().to_string(),
+    );
+    let dir = TempDir::new("validate").unwrap();
+    let cfg = dir.path().join("envoy.yaml");
+    std::fs::write(&cfg, text).unwrap();
+    envoy_accepts(&cfg);
+}
+
+/// scripts/local_envoy.py (what stack.sh and bench_gateways.sh run) puts every simulator in the
+/// engines cluster — the shipped file has two examples, and a demo once ran on two of three — and
+/// Envoy accepts the result.
+#[test]
+fn local_envoy_config_lists_every_engine() {
+    let Ok(wasm) = harness::wasm_module() else {
+        panic!("the .wasm is missing: {}", harness::SETUP_HINT);
+    };
+    let dir = TempDir::new("local-envoy").unwrap();
+    let cfg = dir.path().join("envoy.yaml");
+    let sims = ["127.0.0.10", "127.0.0.11", "127.0.0.12"];
+    let out = Command::new("python3")
+        .arg(harness::repo_root().join("scripts/local_envoy.py"))
+        .arg(path("envoy.yaml"))
+        .arg(&cfg)
+        .args([
+            "--wasm",
+            &wasm.display().to_string(),
+            "--rule",
+            "3",
+            "--timeout-ms",
+            "100",
+        ])
+        .args([
+            "--listen",
+            "10000",
+            "--admin",
+            "9901",
+            "--inventory",
+            "8090",
+        ])
+        .args(["--sim-port", "8000", "--sims", &sims.join(",")])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = std::fs::read_to_string(&cfg).unwrap();
+    let y: Value = serde_yaml::from_str(&text).unwrap();
+    let clusters = y["static_resources"]["clusters"].as_array().unwrap();
+    let engines = clusters.iter().find(|c| c["name"] == "engines").unwrap();
+    let hosts: Vec<String> = engines["load_assignment"]["endpoints"][0]["lb_endpoints"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| {
+            let a = &e["endpoint"]["address"]["socket_address"];
+            format!("{}:{}", a["address"].as_str().unwrap(), a["port_value"])
+        })
+        .collect();
+    assert_eq!(
+        hosts,
+        sims.iter()
+            .map(|ip| format!("{ip}:8000"))
+            .collect::<Vec<_>>()
+    );
+    assert!(text.contains(r#""rule": "3""#) && text.contains(r#""timeout_ms": 100,"#));
+    assert!(!text.contains("10.0.0."), "an example address was left");
+    envoy_accepts(&cfg);
 }
 
 #[test]

@@ -1,0 +1,70 @@
+#!/usr/bin/env python3
+"""Writes the shipped envoy/envoy.yaml with this machine's addresses, for the local stack and benches.
+
+What a user copies is what runs here: only the module path, the rule, the callout budget, the
+listener, admin and inventory addresses change, and the engines cluster gets one entry per
+simulator (the shipped file has two examples). Every endpoint of the rule must be a host of that
+cluster, or its pins fall back to the cluster's load balancer and a run measures a smaller fleet
+than the inventory scores. Exits non-zero, naming what it could not rewrite, when the shipped file
+does not have the expected shape.
+
+usage: local_envoy.py SRC DST --wasm PATH --rule RULE --listen PORT --admin PORT
+                      --inventory PORT --sim-port PORT --sims IP[,IP...] [--timeout-ms MS]
+"""
+
+import argparse
+import re
+import sys
+
+
+def render(src: str, a: argparse.Namespace) -> str:
+    y = src
+    for old, new in (
+        ("/etc/kvroute/kvroute_filter.wasm", a.wasm),
+        ('"rule": "10.0.0.1:8080"', f'"rule": "{a.rule}"'),
+        ('"timeout_ms": 25,', f'"timeout_ms": {a.timeout_ms},'),
+        ("address: 0.0.0.0, port_value: 10000", f"address: 127.0.0.1, port_value: {a.listen}"),
+        ("address: 127.0.0.1, port_value: 9901", f"address: 127.0.0.1, port_value: {a.admin}"),
+        (
+            "address: kvroute-inventory, port_value: 8080",
+            f"address: 127.0.0.1, port_value: {a.inventory}",
+        ),
+    ):
+        if old not in y:
+            sys.exit(f"local_envoy.py: {old!r} not found in the shipped envoy.yaml")
+        y = y.replace(old, new)
+    # The engines: every endpoint entry of the first lb_endpoints list (the engines cluster).
+    m = re.search(r"( *)- lb_endpoints:[^\n]*\n((?:\1  +[^\n]*\n)+)", y)
+    if not m:
+        sys.exit("local_envoy.py: no lb_endpoints list in cluster engines")
+    ind = m.group(1) + "    "
+    sims = [s for s in a.sims.split(",") if s]
+    if not sims:
+        sys.exit("local_envoy.py: --sims is empty")
+    eps = "".join(
+        f"{ind}- endpoint:\n{ind}    address:\n"
+        f"{ind}      socket_address: {{ address: {ip}, port_value: {a.sim_port} }}\n"
+        for ip in sims
+    )
+    y = y[: m.start(2)] + eps + y[m.end(2) :]
+    if "10.0.0." in y:
+        sys.exit("local_envoy.py: an example address was not rewritten (the shipped file changed?)")
+    return y
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("src")
+    p.add_argument("dst")
+    for flag in ("--wasm", "--rule", "--listen", "--admin", "--inventory", "--sim-port", "--sims"):
+        p.add_argument(flag, required=True)
+    p.add_argument("--timeout-ms", default="25")
+    a = p.parse_args()
+    with open(a.src) as f:
+        text = render(f.read(), a)
+    with open(a.dst, "w") as f:
+        f.write(text)
+
+
+if __name__ == "__main__":
+    main()
