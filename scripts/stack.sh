@@ -63,17 +63,8 @@ cleanup() {
 trap cleanup EXIT
 trap 'echo; say "stopping"; exit 0' INT TERM
 
-# wait_http URL NAME LOG: polls until URL answers 2xx, at most 60 s, or fails with the log's tail.
-wait_http() {
-    local url=$1 name=$2 log=$3 deadline=$((SECONDS + 60))
-    until curl -fs -o /dev/null --max-time 2 "$url"; do
-        if ((SECONDS > deadline)); then
-            tail -20 "$log" >&2 || true
-            die "$name did not become ready at $url within 60 s (log: $log)"
-        fi
-        sleep 0.2
-    done
-}
+# shellcheck source=scripts/lib.sh
+source "$REPO/scripts/lib.sh"
 
 say "starting the inventory service on 127.0.0.1:$INV_PORT"
 # Load comes from the engines' /metrics (running + waiting), scraped every 200 ms: without it the
