@@ -109,8 +109,7 @@ impl PromptEncoder {
     ) -> Result<PromptEncoder, LoadError> {
         let t: Value = serde_json::from_slice(tokenizer_json)
             .map_err(|e| LoadError::Tokenizer(e.to_string()))?;
-        let fast = FastBpe::for_requests(tokenizer_json)
-            .map_err(|e| LoadError::Tokenizer(e.to_string()))?;
+        let fast = FastBpe::for_requests(&t).map_err(|e| LoadError::Tokenizer(e.to_string()))?;
         let enc = match fast {
             Some(bpe) => Encoder::Fast {
                 bpe,

@@ -673,12 +673,13 @@ fn offload_fast_encoder_equals_hf_tokenizers() {
     use kvroute_inventory::api::offload::{keys_for, Loaded, Offload};
     let dir = qwen3_fixture();
     let tj = std::fs::read(dir.join("tokenizer.json")).unwrap();
+    let parsed: serde_json::Value = serde_json::from_slice(&tj).unwrap();
     let config = std::fs::read(dir.join("tokenizer_config.json")).unwrap();
     let load = |fast: bool| Loaded {
         tokenizer: kvroute_core::tokenize::Tokenizer::from_bytes(&tj).unwrap(),
         fast: fast.then(|| {
             std::sync::Mutex::new(
-                kvroute_core::bpe::FastBpe::for_requests(&tj)
+                kvroute_core::bpe::FastBpe::for_requests(&parsed)
                     .unwrap()
                     .unwrap(),
             )

@@ -226,8 +226,8 @@ impl FastBpe {
     /// post-processor adds tokens around the text (BOS/EOS templates), so the encoder's ids are
     /// the engine's whatever `add_special_tokens` says (completions default it to true, chat to
     /// false). The filter and the service's offloaded tokenization both build theirs here.
-    pub fn for_requests(json: &[u8]) -> Result<Option<FastBpe>, BpeError> {
-        let t: Value = serde_json::from_slice(json)?;
+    /// Takes the parsed `tokenizer.json` (callers that read other parts of it parse it once).
+    pub fn for_requests(t: &Value) -> Result<Option<FastBpe>, BpeError> {
         let adds_nothing = match &t["post_processor"] {
             Value::Null => true,
             p => is_type(p, "ByteLevel"),
@@ -235,13 +235,16 @@ impl FastBpe {
         if !adds_nothing {
             return Ok(None);
         }
-        FastBpe::from_tokenizer_json(json)
+        FastBpe::from_value(t)
     }
 
     /// Builds the encoder, or `Ok(None)` when the tokenizer uses a feature this path does not
     /// reproduce exactly (then use HF tokenizers).
     pub fn from_tokenizer_json(json: &[u8]) -> Result<Option<FastBpe>, BpeError> {
-        let t: Value = serde_json::from_slice(json)?;
+        FastBpe::from_value(&serde_json::from_slice(json)?)
+    }
+
+    fn from_value(t: &Value) -> Result<Option<FastBpe>, BpeError> {
         let nfc = match &t["normalizer"] {
             Value::Null => false,
             n if is_type(n, "NFC") => true,

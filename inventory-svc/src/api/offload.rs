@@ -57,7 +57,9 @@ impl TokenizerCache {
         let tj = std::fs::read(base.join("tokenizer.json"))
             .map_err(|e| format!("{}: {e}", base.join("tokenizer.json").display()))?;
         let tokenizer = Tokenizer::from_bytes(&tj).map_err(|e| format!("tokenizer {slug}: {e}"))?;
-        let fast = FastBpe::for_requests(&tj)
+        let parsed: Value =
+            serde_json::from_slice(&tj).map_err(|e| format!("tokenizer {slug}: {e}"))?;
+        let fast = FastBpe::for_requests(&parsed)
             .map_err(|e| format!("tokenizer {slug}: {e}"))?
             .map(Mutex::new);
         let template = std::fs::read(base.join("tokenizer_config.json"))
