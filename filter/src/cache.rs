@@ -355,13 +355,7 @@ mod tests {
         requests.push(fork);
         requests.push(requests[5].clone());
         let salts = [None, Some("tenant-a".to_owned())];
-        for algo in [
-            HashAlgo::Sha256Cbor,
-            HashAlgo::XxhashCbor,
-            HashAlgo::Sha256Sglang,
-            HashAlgo::BlockhashTrtllm,
-            HashAlgo::Tokens,
-        ] {
+        for algo in HashAlgo::ALL {
             for bs in [1u32, 4, 16] {
                 let contract = HashContract::new(algo, BlockSize::new(bs).unwrap()).with_seed("0");
                 for limits in [
@@ -412,13 +406,7 @@ mod tests {
         let mut follow = tokens.clone();
         follow.extend(200_000..200_100);
         let none = ExtraKeys::default();
-        for algo in [
-            HashAlgo::Sha256Cbor,
-            HashAlgo::XxhashCbor,
-            HashAlgo::Sha256Sglang,
-            HashAlgo::BlockhashTrtllm,
-            HashAlgo::Tokens,
-        ] {
+        for algo in HashAlgo::ALL {
             let contract = HashContract::new(algo, BlockSize::new(16).unwrap()).with_seed("0");
             let t = std::time::Instant::now();
             for _ in 0..20 {
