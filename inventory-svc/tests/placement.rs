@@ -124,3 +124,41 @@ async fn without_memory_an_evicted_family_is_placed_anew() {
         "{text}"
     );
 }
+
+/// A hit credits speculatively only the keys past what the endpoint already holds: an eviction of
+/// the held ones shows at the next decision instead of hiding behind the speculative TTL.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hit_does_not_re_credit_what_the_engine_holds() {
+    let mut p = Publisher::bind(0).await.unwrap();
+    // A TTL far longer than the test, so any credit would still be live at the end; no memory,
+    // so the last decision reads the exact inventory alone.
+    let env = [
+        ("KVROUTE_SPEC_TTL_MS", "600000"),
+        ("KVROUTE_INFLIGHT_WINDOW_MS", "1"),
+        ("KVROUTE_PLACEMENT_MEMORY_ENTRIES", "0"),
+    ];
+    let svc = Service::start("spec-held", &json!([two_eps(p.port)]), &env);
+    publish_until_seen(
+        &svc,
+        &mut p,
+        "1",
+        1,
+        FAMILY_A[0],
+        &batch(vec![stored(&FAMILY_A, &[], false)]),
+    )
+    .await;
+    let (r, e, m) = route(&svc, &FAMILY_A).await;
+    assert_eq!((r.as_str(), e.as_str(), m), ("hit", "127.0.0.1:1", 8));
+    p.send(&batch(vec![removed(&FAMILY_A)])).await;
+    svc.wait_for("A evicted", 10, || async {
+        svc.inventory("1", 1).await.is_empty()
+    })
+    .await;
+    let (r, _, m) = route(&svc, &FAMILY_A).await;
+    assert_eq!(
+        (r.as_str(), m),
+        ("miss_no_overlap", 0),
+        "the eviction must show: {}",
+        svc.stderr()
+    );
+}

@@ -236,9 +236,13 @@ pub fn answer(
     if let Some(dec) = d.decode {
         rule.eps[dec].record_decision(now);
     }
-    if rule.spec.kv_enabled() && !keys.is_empty() && !s.spec_ttl.is_zero() {
+    // Speculation covers the blind spot before the engine reports the blocks it is about to
+    // compute: the keys past what the chosen endpoint already holds. Re-crediting held keys would
+    // only hide their eviction for the TTL (and cost a table insert per key on every follow-up).
+    let unheld = keys.get(d.matched as usize..).unwrap_or(&[]);
+    if rule.spec.kv_enabled() && !unheld.is_empty() && !s.spec_ttl.is_zero() {
         rule.index
-            .speculate(EndpointId(ep as u8), &keys, now, s.spec_ttl);
+            .speculate(EndpointId(ep as u8), unheld, now, s.spec_ttl);
     }
     // A miss makes the chosen endpoint the family's home; a hit refreshes it; a spill or cold
     // seed is a detour and must not be remembered, or a hot family would end up homed everywhere.

@@ -387,12 +387,18 @@ async fn apply_entry(
             let age = now_ms().saturating_sub(id.ms);
             let left = u64::from(ttl_ms).saturating_sub(age);
             if left > 0 && !keys.is_empty() {
-                rule.index.speculate(
-                    EndpointId(ep as u8),
-                    &keys,
-                    now,
-                    Duration::from_millis(left),
-                );
+                // As the deciding replica does: only the keys past what the endpoint holds.
+                let mut held = Vec::new();
+                rule.index.match_prefix(&keys, now, &mut held);
+                let from = held.get(ep).map_or(0, |&n| n as usize);
+                if let Some(unheld) = keys.get(from..).filter(|k| !k.is_empty()) {
+                    rule.index.speculate(
+                        EndpointId(ep as u8),
+                        unheld,
+                        now,
+                        Duration::from_millis(left),
+                    );
+                }
             }
             if let Some(u) = update {
                 rule.memory.record(&keys, ep, u, now);
