@@ -114,7 +114,7 @@ def placement(res: Path, out: Path):
         if not found:
             return None
         keys = ("cached_ratio", "engines_per_prefix", "ttft_p90_ms")
-        return {k: median([s[k] for s in found]) for k in keys} | {"each": found}
+        return {k: median([s[k] for s in found]) for k in keys}
 
     text = (
         "# Benchmark: placement on a constrained fleet (issue 7)\n\n"
