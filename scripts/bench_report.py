@@ -180,26 +180,20 @@ def placement(res: Path, out: Path):
                 f"{g['ttft_p90_ms']:.1f} ms",
             )
         )
-    hk = find(other["summaries"], "hot-prefix", "kvroute-engine")
-    hr = find(other["summaries"], "hot-prefix", "round-robin")
-    if hk and hr:
-        rows.append(
-            (
-                "hot-prefix: TTFT p90 <= round robin x 1.2",
-                f"{judge(hk['ttft_p90_ms'] <= 1.2 * hr['ttft_p90_ms'])}: {hk['ttft_p90_ms']:.1f} ms vs "
-                f"{hr['ttft_p90_ms']:.1f} ms",
+    for workload, target in (
+        ("hot-prefix", "hot-prefix: TTFT p90 <= round robin x 1.2"),
+        ("one-shot", "one-shot: no worse than round robin (TTFT p90, x 1.2 noise allowance)"),
+    ):
+        k = find(other["summaries"], workload, "kvroute-engine")
+        r = find(other["summaries"], workload, "round-robin")
+        if k and r:
+            rows.append(
+                (
+                    target,
+                    f"{judge(k['ttft_p90_ms'] <= 1.2 * r['ttft_p90_ms'])}: {k['ttft_p90_ms']:.1f} ms vs "
+                    f"{r['ttft_p90_ms']:.1f} ms",
+                )
             )
-        )
-    ok = find(other["summaries"], "one-shot", "kvroute-engine")
-    orr = find(other["summaries"], "one-shot", "round-robin")
-    if ok and orr:
-        rows.append(
-            (
-                "one-shot: no worse than round robin (TTFT p90, x 1.2 noise allowance)",
-                f"{judge(ok['ttft_p90_ms'] <= 1.2 * orr['ttft_p90_ms'])}: {ok['ttft_p90_ms']:.1f} ms vs "
-                f"{orr['ttft_p90_ms']:.1f} ms",
-            )
-        )
     text += "\n## Targets\n\n| target | result |\n|---|---|\n"
     text += "".join(f"| {t} | {r} |\n" for t, r in rows)
 
