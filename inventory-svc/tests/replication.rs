@@ -110,21 +110,8 @@ async fn send_until_seen(svc: &Service, p: &mut Publisher, ep: usize, seq: u64, 
 
 /// The endpoint's inventory, empty while the replica does not know the rule yet.
 async fn inv(svc: &Service, ep: usize) -> BTreeSet<u64> {
-    let (s, body) = svc
-        .get(&format!(
-            "/netlox/v1/config/ai/kv/inventory?service_id={RULE}&ep_idx={ep}&limit=10000"
-        ))
-        .await;
-    if s != 200 {
-        return BTreeSet::new();
-    }
-    let v: Value = serde_json::from_str(&body).unwrap();
-    v["blocks"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|b| b["hash_uint64"].as_u64().unwrap())
-        .collect()
+    let keys = svc.try_inventory(RULE, ep).await.unwrap_or_default();
+    keys.into_iter().collect()
 }
 
 /// Waits until every replica's inventory of `ep` equals `want`.

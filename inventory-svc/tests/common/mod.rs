@@ -147,17 +147,29 @@ impl Service {
 
     /// Blocks of endpoint `ep` of rule `rule` (first page).
     pub async fn inventory(&self, rule: &str, ep: usize) -> Vec<u64> {
-        let v = self
-            .get_json(&format!(
+        let found = self.try_inventory(rule, ep).await;
+        found.unwrap_or_else(|| panic!("no inventory for rule {rule} ep {ep}"))
+    }
+
+    /// [`Service::inventory`], or `None` while the service does not know the rule (not 200).
+    pub async fn try_inventory(&self, rule: &str, ep: usize) -> Option<Vec<u64>> {
+        let (s, body) = self
+            .get(&format!(
                 "/netlox/v1/config/ai/kv/inventory?service_id={rule}&ep_idx={ep}&limit=10000"
             ))
             .await;
-        v["blocks"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|b| b["hash_uint64"].as_u64().unwrap())
-            .collect()
+        if s != 200 {
+            return None;
+        }
+        let v: Value = serde_json::from_str(&body).unwrap();
+        Some(
+            v["blocks"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|b| b["hash_uint64"].as_u64().unwrap())
+                .collect(),
+        )
     }
 
     /// Polls `f` until it returns true, at most `secs` seconds.
