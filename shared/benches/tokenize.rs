@@ -1,4 +1,5 @@
-//! Tokenization cost per prompt: HF tokenizers versus the fast BPE path, cold and warm.
+//! Tokenization cost per prompt: HF tokenizers versus the fast BPE path, cold and warm, and the
+//! Qwen3 chat template's render of a multi-turn conversation (the filter renders every request).
 //!
 //! "cold" clears the piece cache before every encode; "warm" repeats a prompt whose pieces are all
 //! cached (a multi-turn follow-up).
@@ -10,14 +11,16 @@ use std::path::PathBuf;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use kvroute_core::bpe::FastBpe;
+use kvroute_core::chat::{ChatRequest, ChatTemplate};
+use serde_json::json;
 
-fn fixture() -> Option<Vec<u8>> {
+fn fixture(file: &str) -> Option<Vec<u8>> {
     let dir = std::env::var_os("KVROUTE_TOKENIZER_DIR")
         .map(PathBuf::from)
         .unwrap_or_else(|| {
             PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.cache/fixtures/qwen3")
         });
-    std::fs::read(dir.join("tokenizer.json")).ok()
+    std::fs::read(dir.join(file)).ok()
 }
 
 /// English-and-code prose of roughly `words` words, deterministic.
@@ -70,7 +73,7 @@ fn prose(words: usize, salt: u64) -> String {
 }
 
 fn bench(c: &mut Criterion) {
-    let Some(bytes) = fixture() else {
+    let Some(bytes) = fixture("tokenizer.json") else {
         eprintln!("tokenizer fixture missing: run scripts/setup.sh");
         return;
     };
@@ -94,6 +97,34 @@ fn bench(c: &mut Criterion) {
         g.bench_function(BenchmarkId::new("fast_bpe", "warm"), |b| {
             b.iter(|| fast.encode(black_box(&text)).len())
         });
+        g.finish();
+    }
+    render(c, &hf);
+}
+
+/// Renders a conversation of a system prompt and `turns` alternating turns of 150 words (the
+/// filter bench's shape), ending on a user turn.
+fn render(c: &mut Criterion, hf: &tokenizers::Tokenizer) {
+    let Some(config) = fixture("tokenizer_config.json") else {
+        return;
+    };
+    let template = ChatTemplate::new(&config).unwrap();
+    for turns in [4usize, 32] {
+        let mut messages = vec![json!({"role": "system", "content": prose(40, 7)})];
+        for i in 0..turns {
+            let role = if i % 2 == 0 { "user" } else { "assistant" };
+            messages.push(json!({"role": role, "content": prose(150, i as u64)}));
+        }
+        messages.push(json!({"role": "user", "content": prose(20, 99)}));
+        let request = ChatRequest::new(messages);
+        let text = template.render(&request).unwrap();
+        let n = hf.encode(text.as_str(), false).unwrap().len();
+        let mut g = c.benchmark_group(format!("chat_template_{}_tokens", n));
+        g.throughput(Throughput::Bytes(text.len() as u64));
+        g.bench_function(
+            BenchmarkId::new("render", format!("{} messages", turns + 2)),
+            |b| b.iter(|| template.render(black_box(&request)).unwrap().len()),
+        );
         g.finish();
     }
 }
