@@ -44,6 +44,10 @@ pub struct Metrics {
     pub endpoint_healthy: IntGaugeVec,
     /// `rule`, `ep`: running + waiting requests from the last engine metrics scrape.
     pub endpoint_scraped_load: IntGaugeVec,
+    /// `rule`, `ep`: the KV cache capacity placement uses (rule override, engine, or default).
+    pub endpoint_capacity_blocks: IntGaugeVec,
+    /// `rule`, `ep`: distinct blocks of remembered prefix families homed on the endpoint.
+    pub endpoint_homed_blocks: IntGaugeVec,
     /// Replication log entries: `direction` (sent, applied, dropped, undecodable).
     pub repl_entries: IntCounterVec,
     /// Age of a replicated entry when another replica applied it.
@@ -143,6 +147,16 @@ impl Metrics {
             endpoint_scraped_load: gv(
                 "kvroute_endpoint_scraped_load",
                 "Running plus waiting requests reported by the engine's last metrics scrape.",
+                &["rule", "ep"],
+            )?,
+            endpoint_capacity_blocks: gv(
+                "kvroute_endpoint_capacity_blocks",
+                "KV cache capacity in blocks that placement uses: the rule's kvCapacityBlocks, else the engine's num_gpu_blocks, else KVROUTE_PLACEMENT_CAPACITY_BLOCKS (0 = unknown).",
+                &["rule", "ep"],
+            )?,
+            endpoint_homed_blocks: gv(
+                "kvroute_endpoint_homed_blocks",
+                "Distinct blocks of the prefix families the placement memory has homed on the endpoint.",
                 &["rule", "ep"],
             )?,
             repl_entries: cv(

@@ -66,6 +66,8 @@ pub struct EndpointSpec {
     pub port: u16,
     pub weight: u32,
     pub role: EpRole,
+    /// The rule's `kvCapacityBlocks` (placement's capacity override), if set.
+    pub capacity_blocks: Option<u32>,
 }
 
 impl EndpointSpec {
@@ -113,6 +115,7 @@ impl RuleSpec {
                     Some(EndpointRole::Prefill) => EpRole::Prefill,
                     Some(EndpointRole::Decode) => EpRole::Decode,
                 },
+                capacity_blocks: e.capacity_blocks(),
             })
             .collect();
         RuleSpec {

@@ -138,6 +138,33 @@ pub struct RuleRuntime {
 }
 
 impl RuleRuntime {
+    /// Endpoint `i`'s KV cache capacity in blocks as placement sees it: the rule's
+    /// `kvCapacityBlocks`, else the engine's scraped `num_gpu_blocks`, else `default`
+    /// (`KVROUTE_PLACEMENT_CAPACITY_BLOCKS`); 0 = unknown.
+    pub fn capacity(&self, i: usize, default: u64) -> u64 {
+        if let Some(c) = self.spec.endpoints.get(i).and_then(|e| e.capacity_blocks) {
+            return u64::from(c);
+        }
+        match self.eps.get(i).map(|e| e.capacity.load(Ordering::Relaxed)) {
+            Some(0) | None => default,
+            Some(c) => c,
+        }
+    }
+
+    /// Refreshes the per-endpoint placement gauges (capacity and homed blocks).
+    pub fn publish_placement_gauges(&self, m: &Metrics, default_capacity: u64) {
+        let name = self.spec.name();
+        for i in 0..self.eps.len() {
+            let ep = i.to_string();
+            m.endpoint_capacity_blocks
+                .with_label_values(&[&name, &ep])
+                .set(i64::try_from(self.capacity(i, default_capacity)).unwrap_or(i64::MAX));
+            m.endpoint_homed_blocks
+                .with_label_values(&[&name, &ep])
+                .set(i64::try_from(self.memory.homed(i)).unwrap_or(i64::MAX));
+        }
+    }
+
     /// Refreshes the per-endpoint block gauges.
     pub fn publish_gauges(&self, m: &Metrics) {
         let name = self.spec.name();

@@ -162,3 +162,40 @@ async fn a_hit_does_not_re_credit_what_the_engine_holds() {
         svc.stderr()
     );
 }
+
+/// `kvCapacityBlocks` in the rule is the capacity placement compares (no engine publishes one
+/// here), and both it and the homed footprint are exported per endpoint.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rule_capacity_override_steers_placement() {
+    let p = Publisher::bind(0).await.unwrap();
+    let mut r = two_eps(p.port);
+    r["endpoints"][0]["kvCapacityBlocks"] = json!(4);
+    r["endpoints"][1]["kvCapacityBlocks"] = json!(100);
+    let svc = Service::start("placement-capacity", &json!([r]), ENV);
+    // Without the override both capacities are unknown and B would go to ep0 (lower index);
+    // with it ep1 has 100 free blocks against 4, for both families.
+    let (reason, ep, _) = route(&svc, &FAMILY_B).await;
+    assert_eq!(
+        (reason.as_str(), ep.as_str()),
+        ("miss_no_overlap", "127.0.0.1:1")
+    );
+    let (reason, ep, _) = route(&svc, &FAMILY_A).await;
+    assert_eq!(
+        (reason.as_str(), ep.as_str()),
+        ("miss_no_overlap", "127.0.0.1:1")
+    );
+    let text = svc.metrics().await;
+    let series = |name: &str, ep: u8| format!("{name}{{ep=\"{ep}\",rule=\"10.0.0.1:9000/tcp\"}}");
+    let got = |name: &str, ep: u8| metric(&text, &series(name, ep));
+    assert_eq!(
+        (
+            got("kvroute_endpoint_capacity_blocks", 0),
+            got("kvroute_endpoint_capacity_blocks", 1),
+            got("kvroute_endpoint_homed_blocks", 0),
+            got("kvroute_endpoint_homed_blocks", 1),
+            metric(&text, "kvroute_tier15_footprint_placements_total"),
+        ),
+        (Some(4.0), Some(100.0), Some(0.0), Some(16.0), Some(2.0)),
+        "{text}"
+    );
+}

@@ -402,6 +402,10 @@ fn prefill_decode_pool() {
     json!([{"endpointIP": "10.0.1.1", "targetPort": 80, "ep_role": 2}]),
     "endpoints: got 0 prefill and 1 decode, allowed: at least 1 prefill (ep_role 1) and 1 decode (ep_role 2) endpoint when kvExactMode is 1"
 )]
+#[case::capacity_0(3, json!([{"endpointIP": "10.0.1.1", "targetPort": 80, "kvCapacityBlocks": 0}]), "endpoints[0].kvCapacityBlocks: got 0, allowed: 1-4294967295 (blocks of kvBlockSize; absent: the engine's num_gpu_blocks)")]
+#[case::capacity_negative(3, json!([{"endpointIP": "10.0.1.1", "targetPort": 80, "kvCapacityBlocks": -5}]), "endpoints[0].kvCapacityBlocks: got -5, allowed: 1-4294967295 (blocks of kvBlockSize; absent: the engine's num_gpu_blocks)")]
+#[case::capacity_too_large(3, json!([{"endpointIP": "10.0.1.1", "targetPort": 80, "kvCapacityBlocks": 4294967296_u64}]), "endpoints[0].kvCapacityBlocks: got 4294967296, allowed: 1-4294967295 (blocks of kvBlockSize; absent: the engine's num_gpu_blocks)")]
+#[case::capacity_with_kv_off(0, json!([{"endpointIP": "10.0.1.1", "targetPort": 80, "kvCapacityBlocks": 256}]), "endpoints[0].kvCapacityBlocks: got 256, allowed: absent (placement needs kvExactMode 1 or 3)")]
 fn endpoint_rejected(#[case] kv_mode: i64, #[case] endpoints: Value, #[case] message: &str) {
     let mut b = body(json!({"kvExactMode": kv_mode}));
     if endpoints.is_null() {
@@ -423,6 +427,25 @@ fn endpoint_accepted(#[case] endpoint: Value, #[case] weight: u16) {
     let r = parse(&b).unwrap();
     assert_eq!(r.endpoints()[0].weight(), weight);
     assert_eq!(r.endpoints()[0].role(), None);
+    assert_eq!(r.endpoints()[0].capacity_blocks(), None);
+}
+
+/// `kvCapacityBlocks`: the bounds are accepted, kept per endpoint, and listed back.
+#[rstest]
+#[case::min(1)]
+#[case::typical(256)]
+#[case::max(u32::MAX)]
+fn endpoint_capacity_accepted(#[case] blocks: u32) {
+    let mut b = body(json!({}));
+    b["endpoints"][1]["kvCapacityBlocks"] = json!(blocks);
+    let r = parse(&b).unwrap();
+    let caps: Vec<_> = r.endpoints().iter().map(|e| e.capacity_blocks()).collect();
+    assert_eq!(caps, [None, Some(blocks)]);
+    assert_eq!(
+        listed(&r)["endpoints"][1]["kvCapacityBlocks"],
+        json!(blocks)
+    );
+    assert!(listed(&r)["endpoints"][0].get("kvCapacityBlocks").is_none());
 }
 
 /// llama.cpp: plain load balancing only; every KV-exact or P/D control is rejected.
@@ -456,6 +479,12 @@ fn llamacpp_rejects_roles_and_accepts_plain_rules() {
     assert_one_error(
         parse(&b),
         &format!("endpoints[1].ep_role: got 2, allowed: absent or 0 ({LLAMA})"),
+    );
+    b["endpoints"][1]["ep_role"] = json!(0);
+    b["endpoints"][0]["kvCapacityBlocks"] = json!(512);
+    assert_one_error(
+        parse(&b),
+        &format!("endpoints[0].kvCapacityBlocks: got 512, allowed: absent ({LLAMA})"),
     );
 }
 

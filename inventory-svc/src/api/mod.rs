@@ -149,6 +149,8 @@ pub fn uninstall_rule(state: &AppState, name: &str) -> Option<Arc<RuleRuntime>> 
         let _ = m.inventory_blocks.remove_label_values(&[name, &ep]);
         let _ = m.endpoint_healthy.remove_label_values(&[name, &ep]);
         let _ = m.endpoint_scraped_load.remove_label_values(&[name, &ep]);
+        let _ = m.endpoint_capacity_blocks.remove_label_values(&[name, &ep]);
+        let _ = m.endpoint_homed_blocks.remove_label_values(&[name, &ep]);
         let _ = m.snapshot_age.remove_label_values(&[name, &ep]);
         let _ = m.snapshot_bytes.remove_label_values(&[name, &ep]);
         let _ = m.lease_owned.remove_label_values(&[name, &ep]);
@@ -359,6 +361,10 @@ async fn readyz(State(state): State<Arc<AppState>>) -> Response {
 }
 
 async fn metrics(State(state): State<Arc<AppState>>) -> Response {
+    // Placement gauges follow every decision: computed when scraped rather than per request.
+    for rt in state.rules() {
+        rt.publish_placement_gauges(&state.metrics, state.settings.capacity_blocks);
+    }
     (
         [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
         state.metrics.render(),

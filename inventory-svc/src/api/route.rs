@@ -185,10 +185,7 @@ pub fn answer(
             load: rule.eps[i].load(now, s.inflight_window, fresh),
             blocks: rule.index.block_count(EndpointId(i as u8)),
             matched: matched.get(i).copied().unwrap_or(0),
-            capacity: match rule.eps[i].capacity.load(Ordering::Relaxed) {
-                0 => s.capacity_blocks,
-                c => c,
-            },
+            capacity: rule.capacity(i, s.capacity_blocks),
             homed: rule.memory.homed(i),
         })
         .collect();

@@ -238,6 +238,7 @@ pub struct Endpoint {
     addr: SocketAddr,
     weight: u16,
     role: Option<EndpointRole>,
+    capacity_blocks: Option<u32>,
 }
 
 impl Endpoint {
@@ -254,6 +255,12 @@ impl Endpoint {
     /// P/D role; always `Some` under [`KvMode::PrefillDecode`], always `None` otherwise.
     pub fn role(&self) -> Option<EndpointRole> {
         self.role
+    }
+
+    /// `kvCapacityBlocks`: the operator's statement of the endpoint's KV cache size in blocks,
+    /// which placement uses instead of the engine's published `num_gpu_blocks`.
+    pub fn capacity_blocks(&self) -> Option<u32> {
+        self.capacity_blocks
     }
 }
 
@@ -546,6 +553,7 @@ impl Rule {
                 target_port: Some(i64::from(e.addr.port())),
                 weight: Some(i64::from(e.weight)),
                 ep_role: e.role.map(|r| i64::from(r.code())),
+                kv_capacity_blocks: e.capacity_blocks.map(i64::from),
             })
             .collect();
         let secondary_ips = (!self.secondary_ips.is_empty()).then(|| {

@@ -106,6 +106,10 @@ pub struct RawEndpoint {
         skip_serializing_if = "Option::is_none"
     )]
     pub ep_role: Option<i64>,
+    /// KV cache capacity in blocks of `kvBlockSize`, for placement (kvroute). Absent: the
+    /// engine's published `num_gpu_blocks`, else the service default.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_capacity_blocks: Option<i64>,
 }
 
 /// loxilb `secondaryIPs` item.

@@ -526,6 +526,13 @@ fn endpoints(
             "1-65535",
         );
         let role = role(c, &field("ep_role"), e.ep_role, kv_mode, llamacpp);
+        let capacity = capacity(
+            c,
+            &field("kvCapacityBlocks"),
+            e.kv_capacity_blocks,
+            kv_mode,
+            llamacpp,
+        );
         match role {
             Some(Some(EndpointRole::Prefill)) => prefill += 1,
             Some(Some(EndpointRole::Decode)) => decode += 1,
@@ -547,8 +554,13 @@ fn endpoints(
             }
             _ => None,
         };
-        match (addr, weight, role) {
-            (Some(addr), Some(weight), Some(role)) => out.push(Endpoint { addr, weight, role }),
+        match (addr, weight, role, capacity) {
+            (Some(addr), Some(weight), Some(role), Some(capacity_blocks)) => out.push(Endpoint {
+                addr,
+                weight,
+                role,
+                capacity_blocks,
+            }),
             _ => ok = false,
         }
     }
@@ -561,6 +573,40 @@ fn endpoints(
         ok = false;
     }
     ok.then_some(out)
+}
+
+/// `kvCapacityBlocks`: optional, 1..=u32::MAX blocks; only where KV scoring runs (placement
+/// reads it), so a rule without kvExactMode (or on llama.cpp) rejects it instead of ignoring it.
+/// `Some(capacity)` when valid; `None` after pushing an error.
+fn capacity(
+    c: &mut Collector,
+    field: &str,
+    raw: Option<i64>,
+    kv_mode: Option<KvMode>,
+    llamacpp: bool,
+) -> Option<Option<u32>> {
+    let Some(v) = raw else {
+        return Some(None);
+    };
+    if llamacpp {
+        c.push(field, v.to_string(), format!("absent ({LLAMACPP})"));
+        return None;
+    }
+    if kv_mode == Some(KvMode::Off) {
+        c.push(
+            field,
+            v.to_string(),
+            "absent (placement needs kvExactMode 1 or 3)",
+        );
+        return None;
+    }
+    c.required_int::<u32>(
+        field,
+        raw,
+        (1, i64::from(u32::MAX)),
+        "1-4294967295 (blocks of kvBlockSize; absent: the engine's num_gpu_blocks)",
+    )
+    .map(Some)
 }
 
 /// `ep_role`: required (1 or 2) under kvExactMode 1, absent or 0 under every other mode.
