@@ -4,7 +4,7 @@
 #   small      docs/bench-small.md      small preset: 4 workloads x 5 strategies on 4 endpoints
 #   placement  docs/bench-placement.md  issue 7's constrained workload (2 endpoints x 256 blocks,
 #                                       10 system prompts of ~600 tokens, 40 users x 4 turns),
-#                                       staggered and burst (3 runs each, medians): round robin, sticky, kvroute,
+#                                       staggered and burst (9 runs each, medians): round robin, sticky, kvroute,
 #                                       sglang-router 0.3.2, oracle; one-shot and hot-prefix; targets
 #   scale      docs/bench-scale.md      multi-turn at 4, 8 and 16 endpoints
 #   gateways   docs/bench-gateways.md   1 vs 4 Envoy gateways (kvroute filter) sharing one inventory
@@ -16,7 +16,8 @@
 # the filter .wasm (scripts/build-wasm.sh, only for `gateways`), and the release binaries.
 # Raw results (JSON) go to $KVROUTE_CACHE/bench/. KVROUTE_INVENTORY_BIN=PATH measures that
 # kvroute-inventory binary instead of building the workspace's (e.g. a reviewed build while the
-# tree is mid-change). Every process a part starts is stopped when it
+# tree is mid-change). KVROUTE_PLACEMENT_RUNS=N sets the placement part's runs per arrival
+# (default 9; one run measures every strategy for ~3 s). Every process a part starts is stopped when it
 # ends (kvroute-bench kills its children on exit; this script kills the gateways' processes).
 set -euo pipefail
 
@@ -86,10 +87,16 @@ if want placement; then
     # /get_server_info model_path, and kvroute tokenizes exactly as the engines do.
     common=(--preset constrained --tokenizer-dir "$KVROUTE_TOKENIZER_DIR"
         --strategies round-robin,sticky,kvroute-engine,sglang-router,oracle)
-    # Three runs per arrival: the report takes medians (one run of ~3 s per strategy is noisy).
+    # Several runs per arrival: the report takes medians. One run of ~3 s per strategy is noisy
+    # (burst: a standard deviation of 3-4 points of cached-token ratio), so a median of 3 decides
+    # little; 9 runs take ~7 minutes.
+    runs="${KVROUTE_PLACEMENT_RUNS:-9}"
+    [[ "$runs" =~ ^[1-9][0-9]*$ ]] || die "KVROUTE_PLACEMENT_RUNS=$runs: allowed a positive integer"
+    export KVROUTE_PLACEMENT_RUNS="$runs"
+    rm -f "$OUT"/placement-staggered-*.json "$OUT"/placement-burst-*.json
     for arrival in staggered burst; do
-        for run in 1 2 3; do
-            say "constrained preset, multi-turn, $arrival arrival, run $run of 3"
+        for run in $(seq 1 "$runs"); do
+            say "constrained preset, multi-turn, $arrival arrival, run $run of $runs"
             bench "${common[@]}" --workloads multi-turn --arrival "$arrival" \
                 --json "$OUT/placement-$arrival-$run.json" --markdown "$OUT/placement-$arrival-$run.md"
         done

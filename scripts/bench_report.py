@@ -9,6 +9,7 @@ targets from the figures (met / not met, with the numbers).
 """
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -91,15 +92,22 @@ def judge(ok):
     return "**met**" if ok else "**not met**"
 
 
-RUNS = 3  # multi-turn runs per arrival (issue 7's table is a median of 3)
-
-
 def median(values):
     v = sorted(values)
-    return v[len(v) // 2]
+    n = len(v)
+    return v[n // 2] if n % 2 else (v[n // 2 - 1] + v[n // 2]) / 2
+
+
+def mean_sd(values):
+    n = len(values)
+    m = sum(values) / n
+    sd = (sum((x - m) ** 2 for x in values) / (n - 1)) ** 0.5 if n > 1 else 0.0
+    return m, sd
 
 
 def placement(res: Path, out: Path):
+    # Multi-turn runs per arrival (bench.sh exports it; issue 7's own table is a median of 3).
+    RUNS = int(os.environ.get("KVROUTE_PLACEMENT_RUNS", "9"))
     runs = {
         a: [load(res / f"placement-{a}-{i}.json") for i in range(1, RUNS + 1)]
         for a in ("staggered", "burst")
@@ -139,16 +147,26 @@ def placement(res: Path, out: Path):
             )
         text += f"| {st} | " + " | ".join(cells) + " |\n"
 
-    text += "\nPer run, cached-token ratio (TTFT p90 ms):\n\n| strategy | " + " | ".join(
-        f"{a} run {i}" for a in ("staggered", "burst") for i in range(1, RUNS + 1)
-    ) + " |\n|---|" + "---|" * (2 * RUNS) + "\n"
-    for st in strategies:
-        cells = []
-        for a in ("staggered", "burst"):
+    for a in ("staggered", "burst"):
+        text += (
+            f"\nPer run, {a} arrival, cached-token ratio (TTFT p90 ms), and the mean +- standard "
+            "deviation of the ratio:\n\n| strategy | "
+            + " | ".join(f"run {i}" for i in range(1, RUNS + 1))
+            + " | mean +- sd |\n|---|" + "---|" * (RUNS + 1) + "\n"
+        )
+        for st in strategies:
+            cells, ratios = [], []
             for r in runs[a]:
                 s = find(r["summaries"], "multi-turn", st)
                 cells.append("-" if s is None else f"{pct(s['cached_ratio'])} ({s['ttft_p90_ms']:.0f})")
-        text += f"| {st} | " + " | ".join(cells) + " |\n"
+                if s is not None:
+                    ratios.append(s["cached_ratio"])
+            if ratios:
+                m, sd = mean_sd(ratios)
+                cells.append(f"{100 * m:.1f} +- {100 * sd:.1f}%")
+            else:
+                cells.append("-")
+            text += f"| {st} | " + " | ".join(cells) + " |\n"
 
     # Targets, on the medians.
     rows = []
@@ -159,11 +177,18 @@ def placement(res: Path, out: Path):
             rows.append((f"{a}: kvroute vs sglang-router", "not measured"))
             continue
         need = g["cached_ratio"] * factor
+
+        def mean_of(st):
+            found = [find(r["summaries"], "multi-turn", st) for r in runs[a]]
+            return mean_sd([s["cached_ratio"] for s in found if s is not None])[0]
+
+        km, gm = mean_of("kvroute-engine"), mean_of("sglang-router")
         rows.append(
             (
-                f"{a}: kvroute cached-token ratio >= sglang-router's x {factor:.2f}",
+                f"{a}: kvroute cached-token ratio >= sglang-router's x {factor:.2f} (medians of {RUNS})",
                 f"{judge(k['cached_ratio'] >= need)}: {pct(k['cached_ratio'])} vs "
-                f"{pct(g['cached_ratio'])} (x {k['cached_ratio'] / max(g['cached_ratio'], 1e-9):.3f})",
+                f"{pct(g['cached_ratio'])} (x {k['cached_ratio'] / max(g['cached_ratio'], 1e-9):.3f}); "
+                f"means {pct(km)} vs {pct(gm)} (x {km / max(gm, 1e-9):.3f})",
             )
         )
         rows.append(
