@@ -28,7 +28,7 @@ use std::collections::HashMap;
 use aho_corasick::{AhoCorasick, MatchKind};
 use regex_automata::{meta, Anchored, Input};
 use serde_json::Value;
-use unicode_normalization_alignments::UnicodeNormalization;
+use unicode_normalization_alignments::{is_nfc_quick, IsNormalized, UnicodeNormalization};
 
 /// Why a tokenizer.json could not be loaded by the fast path although its shape is supported.
 #[derive(Debug, thiserror::Error)]
@@ -408,7 +408,9 @@ impl FastBpe {
         if seg.is_empty() {
             return;
         }
-        if self.nfc && !seg.is_ascii() {
+        // Text already in NFC (all ASCII, or a quick-check "yes") is its own normal form:
+        // normalizing it would only copy it.
+        if self.nfc && !seg.is_ascii() && is_nfc_quick(seg.chars()) != IsNormalized::Yes {
             let normalized: String = seg.nfc().map(|(c, _)| c).collect();
             self.split_and_merge(&normalized, out);
         } else {
