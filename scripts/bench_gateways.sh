@@ -113,6 +113,7 @@ done
 start_inventory
 for g in $(seq 1 "$GATEWAYS"); do
     wait_http "${ADMIN_URLS[g]}/ready" "Envoy $g" "$RUN/logs/envoy-$g.log"
+    wait_envoy_healthy "${ADMIN_URLS[g]}" "${#SIMS[@]}" "$RUN/logs/envoy-$g.log"
 done
 
 # Each gateway's VM fetches the tokenizer from the inventory on its first request; until then

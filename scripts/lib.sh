@@ -12,3 +12,20 @@ wait_http() {
         sleep 0.2
     done
 }
+
+# wait_envoy_healthy ADMIN_URL N LOG: polls Envoy's /clusters until N hosts of the `engines`
+# cluster pass their active health check, at most 60 s, or dies with the log's tail. Until then
+# Envoy ignores the filter's pins (stateful_session falls back to the cluster's load balancer),
+# so a workload started earlier measures Envoy's balancing, not kvroute's.
+wait_envoy_healthy() {
+    local admin=$1 want=$2 log=$3 deadline=$((SECONDS + 60)) have=0
+    while true; do
+        have=$(curl -fs --max-time 2 "$admin/clusters" | grep -c '^engines::.*::health_flags::healthy$' || true)
+        ((have >= want)) && return 0
+        if ((SECONDS > deadline)); then
+            tail -20 "$log" >&2 || true
+            die "Envoy reports $have of $want engines healthy after 60 s ($admin/clusters; log: $log)"
+        fi
+        sleep 0.2
+    done
+}

@@ -10,6 +10,8 @@
 # gateway and a round-robin baseline over the same simulators (caches reset in between), prints
 # the cached-token ratio and TTFT of both, then keeps the stack up until Ctrl-C.
 # KVROUTE_STACK_EXIT=1 stops it after the demo (used by the end-to-end test of this script).
+# KVROUTE_INVENTORY_BIN=PATH runs that kvroute-inventory binary instead of the workspace's (to
+# compare two builds on the same demo).
 set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -39,6 +41,8 @@ source "$KVROUTE_CACHE/env.sh"
 say "building kvroute-inventory, kvroute-engine-sim, kvroute-bench (release)"
 cargo build --release -q -p kvroute-inventory -p kvroute-engine-sim
 BIN="$REPO/target/release"
+INVENTORY_BIN="${KVROUTE_INVENTORY_BIN:-$BIN/kvroute-inventory}"
+[[ -x "$INVENTORY_BIN" ]] || die "KVROUTE_INVENTORY_BIN=$INVENTORY_BIN is not an executable"
 
 RUN="$KVROUTE_CACHE/stack"
 rm -rf "$RUN"
@@ -71,7 +75,7 @@ say "starting the inventory service on 127.0.0.1:$INV_PORT"
 # service estimates load from its own decisions only, and placement and spill relief see less.
 # LLB_KV_NONE_HASH_SEED is the simulators' PYTHONHASHSEED (--seed 0): one leg of the key contract.
 LLB_KV_NONE_HASH_SEED=0 KVROUTE_SCRAPE_INTERVAL_MS=200 \
-    "$BIN/kvroute-inventory" serve --listen "127.0.0.1:$INV_PORT" --tokenizer-dir "$RUN" \
+    "$INVENTORY_BIN" serve --listen "127.0.0.1:$INV_PORT" --tokenizer-dir "$RUN" \
     --auth-token-file "$RUN/admin-token" >"$RUN/logs/inventory.log" 2>&1 &
 PIDS+=($!)
 for ip in "${SIMS[@]}"; do
@@ -116,6 +120,9 @@ PIDS+=($!)
 wait_http "http://127.0.0.1:$ADMIN_PORT/ready" "Envoy" "$RUN/logs/envoy.log"
 hosts=$(curl -fsS "http://127.0.0.1:$ADMIN_PORT/clusters" | grep -c "^engines::.*:$SIM_PORT::cx_active::" || true)
 ((hosts == ${#SIMS[@]})) || die "Envoy's engines cluster has $hosts hosts, the rule ${#SIMS[@]} endpoints ($RUN/envoy.yaml)"
+# Pins take effect only on hosts that passed a health check; the first probes can fail while
+# Envoy's main thread compiles the module.
+wait_envoy_healthy "http://127.0.0.1:$ADMIN_PORT" "${#SIMS[@]}" "$RUN/logs/envoy.log"
 
 # Each Envoy worker VM fetches and parses the tokenizer on its first request (about a second);
 # until then requests pass unpinned. Warm up until a request no longer finds the tokenizer missing.
