@@ -1,5 +1,5 @@
-//! Bounded per-VM caches: [`Generational`] (two generations approximating LRU) and the block-key
-//! cache [`KeyCache`] built on it.
+//! The block-key cache [`KeyCache`], bounded per VM, built on kvroute-core's [`Generational`] (two
+//! generations approximating LRU; its tests are in `kvroute_core::segments`).
 //!
 //! Invariants:
 //! * every cache is bounded in entries and in bytes (the caller states each entry's size); a
@@ -7,97 +7,11 @@
 //! * a hit is exact: keys are compared in full (text, token ids), never by a hash alone, so a
 //!   cached answer is the answer the uncached path computes.
 
-use std::borrow::Borrow;
-use std::collections::HashMap;
-use std::hash::Hash;
 use std::rc::Rc;
 
 use kvroute_core::hash::{BlockHasher, BlockKey, ExtraKeys, HashAlgo, HashContract, HashError};
 
-/// A map with a fast (non-SipHash) hasher; keys are request text and token ids.
-pub type FastMap<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
-
-/// Bounds of one cache.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Limits {
-    /// Most entries kept.
-    pub entries: usize,
-    /// Most bytes kept (as the caller accounts them).
-    pub bytes: usize,
-}
-
-/// A bounded map with two generations: new and promoted entries go to the young one; when it
-/// holds half the limits, the old generation is dropped and the young one becomes old. An entry
-/// used at least once per generation survives, so the cache behaves like an LRU at O(1) per
-/// operation, and never holds more than the limits.
-#[derive(Debug)]
-pub struct Generational<K, V> {
-    young: FastMap<K, (V, usize)>,
-    old: FastMap<K, (V, usize)>,
-    young_bytes: usize,
-    old_bytes: usize,
-    limits: Limits,
-}
-
-impl<K: Hash + Eq, V> Generational<K, V> {
-    /// An empty cache with these limits.
-    pub fn new(limits: Limits) -> Self {
-        Generational {
-            young: FastMap::default(),
-            old: FastMap::default(),
-            young_bytes: 0,
-            old_bytes: 0,
-            limits,
-        }
-    }
-
-    /// The value of `key`, promoting it to the young generation.
-    pub fn get<Q>(&mut self, key: &Q) -> Option<&V>
-    where
-        K: Borrow<Q>,
-        Q: Hash + Eq + ?Sized,
-    {
-        if !self.young.contains_key(key) {
-            let (k, (v, size)) = self.old.remove_entry(key)?;
-            self.old_bytes -= size;
-            self.insert(k, v, size);
-        }
-        self.young.get(key).map(|(v, _)| v)
-    }
-
-    /// Adds an entry of `size` bytes; false when it is not kept (cache off or entry too large).
-    pub fn insert(&mut self, key: K, value: V, size: usize) -> bool {
-        let (max_entries, max_bytes) = (self.limits.entries / 2, self.limits.bytes / 2);
-        if max_entries == 0 || size > max_bytes {
-            return false;
-        }
-        if self.young.len() >= max_entries || self.young_bytes + size > max_bytes {
-            self.old = std::mem::take(&mut self.young);
-            self.old_bytes = std::mem::replace(&mut self.young_bytes, 0);
-        }
-        self.young_bytes += size;
-        if let Some((_, replaced)) = self.young.insert(key, (value, size)) {
-            self.young_bytes -= replaced;
-        }
-        true
-    }
-
-    /// Entries and bytes held.
-    pub fn usage(&self) -> (usize, usize) {
-        (
-            self.young.len() + self.old.len(),
-            self.young_bytes + self.old_bytes,
-        )
-    }
-
-    /// Drops everything.
-    pub fn clear(&mut self) {
-        self.young.clear();
-        self.old.clear();
-        self.young_bytes = 0;
-        self.old_bytes = 0;
-    }
-}
+pub use kvroute_core::segments::{FastMap, Generational, Limits};
 
 /// The hasher state is kept on every `SNAPSHOT_EVERY`-th block of a chain; resuming re-hashes at
 /// most `SNAPSHOT_EVERY - 1` known blocks (cheaper than cloning the state at every block).
@@ -298,31 +212,6 @@ impl KeyCache {
 mod tests {
     use super::*;
     use kvroute_core::hash::{BlockSize, HashAlgo};
-
-    #[test]
-    fn generational_cache_stays_within_limits_and_keeps_used_entries() {
-        let mut c = Generational::new(Limits {
-            entries: 8,
-            bytes: 1000,
-        });
-        for i in 0..100u32 {
-            assert!(c.insert(i, i, 10));
-            // Entry 0 is used all along: it survives every rotation.
-            assert_eq!(c.get(&0), Some(&0));
-            let (n, b) = c.usage();
-            assert!(n <= 8 && b <= 1000, "{n} {b}");
-        }
-        assert_eq!(c.get(&1), None);
-        assert!(!c.insert(1000, 0, 501), "larger than a generation");
-        let (_, b) = c.usage();
-        assert!(b <= 1000);
-        let mut off = Generational::new(Limits {
-            entries: 0,
-            bytes: 0,
-        });
-        assert!(!off.insert(1, 1, 1));
-        assert_eq!(off.get(&1), None);
-    }
 
     /// Conversations that grow turn by turn, share a system prompt, diverge mid-block, and use
     /// salts: every answer equals the uncached keys, for every algorithm and for tiny caches.

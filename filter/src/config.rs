@@ -147,16 +147,7 @@ impl Default for Config {
             model: None,
             refresh: Duration::from_secs(30),
             pin_mode: PinMode::Header,
-            caches: CacheLimits {
-                segments: Limits {
-                    entries: 65_536,
-                    bytes: 16 << 20,
-                },
-                pieces: Limits {
-                    entries: kvroute_core::bpe::PIECE_CACHE_ENTRIES,
-                    bytes: kvroute_core::bpe::PIECE_CACHE_BYTES,
-                },
-            },
+            caches: CacheLimits::DEFAULT,
             key_cache: Limits {
                 entries: 131_072,
                 bytes: 16 << 20,

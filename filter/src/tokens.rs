@@ -1,37 +1,24 @@
 //! Prompt token ids inside the filter: chat template, tokenizer and the segment cache.
 //!
 //! The hot path is kvroute-core's exact [`FastBpe`] when the tokenizer's shape allows it, else HF
-//! `tokenizers`. On the fast path the rendered prompt is cut at added (special) tokens, exactly
-//! where `FastBpe` itself cuts it, and each segment's ids are cached by the segment's full text:
-//! a multi-turn follow-up or a shared system prompt re-encodes only the new segments. Reuse is
-//! exact because the encoder never merges across an added token, so a segment's ids depend on
-//! its text alone (the cache key is the text itself, not a hash, so a hit is provably identical).
+//! `tokenizers`. On the fast path the rendered prompt is encoded by kvroute-core's
+//! [`SegmentEncoder`]: cut at added (special) tokens, exactly where `FastBpe` itself cuts it, each
+//! segment's ids cached by the segment's full text, so a multi-turn follow-up or a shared system
+//! prompt re-encodes only the new segments (the reuse argument is on `kvroute_core::segments`).
 //! The segment cache and the encoder's piece cache are bounded ([`CacheLimits`]).
 
 use std::cell::RefCell;
 use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::Arc;
 
-use aho_corasick::{AhoCorasick, MatchKind};
 use kvroute_core::bpe::FastBpe;
 use kvroute_core::chat::ChatTemplate;
 use kvroute_core::prompt::{Prompt, PromptError, Request, RequestBody};
 use kvroute_core::tokenize::Tokenizer;
 use serde_json::Value;
 
-use crate::cache::{Generational, Limits};
-
-/// Bytes charged per segment-cache entry besides its text and ids.
-const SEGMENT_ENTRY_OVERHEAD: usize = 64;
-
-/// Bounds of the encoder's two caches.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct CacheLimits {
-    /// Segment text -> ids.
-    pub segments: Limits,
-    /// Pre-token piece -> ids (inside the fast encoder).
-    pub pieces: Limits,
-}
+use kvroute_core::segments::SegmentEncoder;
+pub use kvroute_core::segments::{CacheLimits, SegmentStats};
 
 /// Unix seconds for `strftime_now` in templates; set by the caller before rendering.
 static CLOCK_SECS: AtomicI64 = AtomicI64::new(0);
@@ -51,30 +38,15 @@ pub enum LoadError {
 }
 
 enum Encoder {
-    /// The fast exact path, with the added-token splitter it uses.
-    Fast {
-        bpe: FastBpe,
-        added: Option<AhoCorasick>,
-    },
+    /// The fast exact path, with its segment cache.
+    Fast(RefCell<SegmentEncoder>),
     Hf(Tokenizer),
-}
-
-/// Cache outcome of one encode.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct SegmentStats {
-    /// Segments served from / added to the segment cache.
-    pub hits: u64,
-    pub misses: u64,
-    /// Pre-token pieces served from / merged into the encoder's piece cache.
-    pub piece_hits: u64,
-    pub piece_misses: u64,
 }
 
 /// A model's tokenizer and chat template, with the segment cache.
 pub struct PromptEncoder {
     enc: Encoder,
     template: Option<ChatTemplate>,
-    cache: RefCell<Generational<Box<str>, Box<[u32]>>>,
 }
 
 impl std::fmt::Debug for PromptEncoder {
@@ -86,21 +58,6 @@ impl std::fmt::Debug for PromptEncoder {
     }
 }
 
-fn added_splitter(t: &Value) -> Result<Option<AhoCorasick>, LoadError> {
-    let patterns: Vec<&str> = t["added_tokens"]
-        .as_array()
-        .map(|a| a.iter().filter_map(|tok| tok["content"].as_str()).collect())
-        .unwrap_or_default();
-    if patterns.is_empty() {
-        return Ok(None);
-    }
-    AhoCorasick::builder()
-        .match_kind(MatchKind::LeftmostLongest)
-        .build(&patterns)
-        .map(Some)
-        .map_err(|e| LoadError::Tokenizer(format!("added tokens cannot be indexed: {e}")))
-}
-
 impl PromptEncoder {
     /// Loads `tokenizer.json` and, when given, the chat template of `tokenizer_config.json`.
     pub fn load(
@@ -110,11 +67,12 @@ impl PromptEncoder {
         let t: Value = serde_json::from_slice(tokenizer_json)
             .map_err(|e| LoadError::Tokenizer(e.to_string()))?;
         let fast = FastBpe::for_requests(&t).map_err(|e| LoadError::Tokenizer(e.to_string()))?;
+        let defaults = crate::config::Config::default().caches;
         let enc = match fast {
-            Some(bpe) => Encoder::Fast {
-                bpe,
-                added: added_splitter(&t)?,
-            },
+            Some(bpe) => Encoder::Fast(RefCell::new(
+                SegmentEncoder::new(bpe, &t, defaults)
+                    .map_err(|e| LoadError::Tokenizer(e.to_string()))?,
+            )),
             None => Encoder::Hf(
                 Tokenizer::from_bytes(tokenizer_json)
                     .map_err(|e| LoadError::Tokenizer(e.to_string()))?,
@@ -129,27 +87,19 @@ impl PromptEncoder {
                 Some(tpl)
             }
         };
-        let defaults = crate::config::Config::default().caches;
-        let enc = PromptEncoder {
-            enc,
-            template,
-            cache: RefCell::new(Generational::new(defaults.segments)),
-        };
-        enc.set_cache_limits(defaults);
-        Ok(enc)
+        Ok(PromptEncoder { enc, template })
     }
 
     /// Bounds (and empties) the segment and piece caches.
     pub fn set_cache_limits(&self, limits: CacheLimits) {
-        *self.cache.borrow_mut() = Generational::new(limits.segments);
-        if let Encoder::Fast { bpe, .. } = &self.enc {
-            bpe.set_piece_cache_limits(limits.pieces.entries, limits.pieces.bytes);
+        if let Encoder::Fast(enc) = &self.enc {
+            enc.borrow_mut().set_limits(limits);
         }
     }
 
     /// True when the fast exact encoder (and the segment cache) is in use.
     pub fn is_fast(&self) -> bool {
-        matches!(self.enc, Encoder::Fast { .. })
+        matches!(self.enc, Encoder::Fast(_))
     }
 
     /// True when chat requests can be rendered.
@@ -182,57 +132,22 @@ impl PromptEncoder {
     ) -> Result<(Vec<u32>, SegmentStats), PromptError> {
         match &self.enc {
             Encoder::Hf(t) => Ok((t.encode(text, add_special_tokens)?, SegmentStats::default())),
-            Encoder::Fast { bpe, added } => {
-                let mut out = Vec::with_capacity(text.len() / 3 + 8);
-                let mut stats = SegmentStats::default();
-                let (piece_hits, piece_misses) = bpe.piece_cache_stats();
-                let mut at = 0;
-                if let Some(ac) = added {
-                    for m in ac.find_iter(text) {
-                        self.segment(bpe, &text[at..m.start()], &mut out, &mut stats);
-                        // An added token alone encodes to its id: through the encoder, so the
-                        // id mapping stays FastBpe's.
-                        self.segment(bpe, &text[m.start()..m.end()], &mut out, &mut stats);
-                        at = m.end();
-                    }
-                }
-                self.segment(bpe, &text[at..], &mut out, &mut stats);
-                let (h, m) = bpe.piece_cache_stats();
-                stats.piece_hits = h.saturating_sub(piece_hits);
-                stats.piece_misses = m.saturating_sub(piece_misses);
-                Ok((out, stats))
-            }
+            Encoder::Fast(enc) => Ok(enc.borrow_mut().encode(text)),
         }
-    }
-
-    fn segment(&self, bpe: &FastBpe, seg: &str, out: &mut Vec<u32>, stats: &mut SegmentStats) {
-        if seg.is_empty() {
-            return;
-        }
-        let mut cache = self.cache.borrow_mut();
-        if let Some(ids) = cache.get(seg) {
-            out.extend_from_slice(ids);
-            stats.hits += 1;
-            return;
-        }
-        stats.misses += 1;
-        let start = out.len();
-        bpe.encode_into(seg, out);
-        let ids = out.get(start..).unwrap_or(&[]);
-        let size = seg.len() + 4 * ids.len() + SEGMENT_ENTRY_OVERHEAD;
-        cache.insert(seg.into(), ids.into(), size);
     }
 
     /// Entries and bytes held by the segment cache.
     pub fn segment_cache_usage(&self) -> (usize, usize) {
-        self.cache.borrow().usage()
+        match &self.enc {
+            Encoder::Fast(enc) => enc.borrow().usage(),
+            Encoder::Hf(_) => (0, 0),
+        }
     }
 
     /// Empties the segment cache and the encoder's piece cache (the bench's "cold" case).
     pub fn clear_caches(&self) {
-        self.cache.borrow_mut().clear();
-        if let Encoder::Fast { bpe, .. } = &self.enc {
-            bpe.clear_cache();
+        if let Encoder::Fast(enc) = &self.enc {
+            enc.borrow_mut().clear();
         }
     }
 }

@@ -673,20 +673,10 @@ fn offload_fast_encoder_equals_hf_tokenizers() {
     use kvroute_inventory::api::offload::{keys_for, Loaded, Offload};
     let dir = qwen3_fixture();
     let tj = std::fs::read(dir.join("tokenizer.json")).unwrap();
-    let parsed: serde_json::Value = serde_json::from_slice(&tj).unwrap();
     let config = std::fs::read(dir.join("tokenizer_config.json")).unwrap();
-    let load = |fast: bool| Loaded {
-        tokenizer: kvroute_core::tokenize::Tokenizer::from_bytes(&tj).unwrap(),
-        fast: fast.then(|| {
-            std::sync::Mutex::new(
-                kvroute_core::bpe::FastBpe::for_requests(&parsed)
-                    .unwrap()
-                    .unwrap(),
-            )
-        }),
-        template: Some(kvroute_core::chat::ChatTemplate::new(&config).unwrap()),
-    };
+    let load = |fast: bool| Loaded::new(&tj, Some(&config), fast).unwrap();
     let (fast, hf) = (load(true), load(false));
+    assert!(fast.fast.is_some() && hf.fast.is_none() && fast.template.is_some());
     let contract = kvroute_core::hash::HashContract::new(
         kvroute_core::hash::HashAlgo::Sha256Cbor,
         kvroute_core::hash::BlockSize::new(16).unwrap(),
@@ -716,7 +706,11 @@ fn offload_fast_encoder_equals_hf_tokenizers() {
         let b = keys_for(&hf, &contract, o).unwrap();
         assert!(a.0.len() >= 8, "{}", a.0.len());
         assert_eq!(a, b);
+        // Again, now from the segment cache.
+        assert_eq!(keys_for(&fast, &contract, o).unwrap(), b);
     }
+    let (segments, _) = fast.fast.as_ref().unwrap().lock().unwrap().usage();
+    assert!(segments > 0, "the segment cache is in use");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

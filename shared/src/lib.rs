@@ -14,6 +14,7 @@ pub mod chat;
 pub mod hash;
 pub mod prompt;
 pub mod rule;
+pub mod segments;
 pub mod settings;
 pub mod slug;
 pub mod tokenize;

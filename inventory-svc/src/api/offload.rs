@@ -8,8 +8,10 @@
 //!
 //! Encoding uses kvroute-core's exact fast BPE when the tokenizer's shape allows it (as the filter
 //! does; HF tokenizers otherwise): an 8k-token prompt takes milliseconds instead of the ~25 ms that
-//! made the filter's 25 ms callout time out. Its piece cache is not thread-safe, so requests of one
-//! slug take turns on it (a mutex); the template is rendered before the lock is taken.
+//! made the filter's 25 ms callout time out. As in the filter, a [`SegmentEncoder`] caches each
+//! segment's ids (the text between special tokens), so a follow-up turn encodes only its new
+//! segments. Its caches are not thread-safe, so requests of one slug take turns on it (a mutex);
+//! the template is rendered before the lock is taken.
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -19,6 +21,7 @@ use kvroute_core::bpe::FastBpe;
 use kvroute_core::chat::ChatTemplate;
 use kvroute_core::hash::{BlockKey, ExtraKeys, HashContract};
 use kvroute_core::prompt::{PromptTokens, Request, TextEncoder};
+use kvroute_core::segments::{CacheLimits, SegmentEncoder};
 use kvroute_core::tokenize::{TokenizeError, Tokenizer};
 use serde_json::{json, Value};
 
@@ -27,15 +30,45 @@ use crate::state::lock;
 /// A staged tokenizer and its chat template (absent when the config has none).
 pub struct Loaded {
     pub tokenizer: Tokenizer,
-    /// The exact fast encoder, when the tokenizer's shape allows it.
-    pub fast: Option<Mutex<FastBpe>>,
+    /// The exact fast encoder with its segment cache, when the tokenizer's shape allows it.
+    pub fast: Option<Mutex<SegmentEncoder>>,
     pub template: Option<ChatTemplate>,
 }
 
+impl Loaded {
+    /// Loads `tokenizer.json` and the chat template of `tokenizer_config.json` (when given and
+    /// valid); `fast: false` keeps HF tokenizers only (the reference in tests).
+    pub fn new(
+        tokenizer_json: &[u8],
+        config_json: Option<&[u8]>,
+        fast: bool,
+    ) -> Result<Loaded, String> {
+        let tokenizer = Tokenizer::from_bytes(tokenizer_json).map_err(|e| e.to_string())?;
+        let parsed: Value = serde_json::from_slice(tokenizer_json).map_err(|e| e.to_string())?;
+        let fast = match fast {
+            true => FastBpe::for_requests(&parsed).map_err(|e| e.to_string())?,
+            false => None,
+        };
+        let fast = fast
+            .map(|bpe| SegmentEncoder::new(bpe, &parsed, CacheLimits::DEFAULT))
+            .transpose()
+            .map_err(|e| e.to_string())?
+            .map(Mutex::new);
+        let template = config_json.and_then(|c| ChatTemplate::new(c).ok());
+        Ok(Loaded {
+            tokenizer,
+            fast,
+            template,
+        })
+    }
+}
+
+/// Only encoders built by `FastBpe::for_requests` take the fast path: their post-processor adds
+/// nothing, so `add_special_tokens` changes nothing there.
 impl TextEncoder for Loaded {
     fn encode_text(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, TokenizeError> {
         match &self.fast {
-            Some(fast) => lock(fast).encode_text(text, add_special_tokens),
+            Some(fast) => Ok(lock(fast).encode(text).0),
             None => self.tokenizer.encode(text, add_special_tokens),
         }
     }
@@ -56,20 +89,11 @@ impl TokenizerCache {
         let base = dir.join("tokenizers").join(slug);
         let tj = std::fs::read(base.join("tokenizer.json"))
             .map_err(|e| format!("{}: {e}", base.join("tokenizer.json").display()))?;
-        let tokenizer = Tokenizer::from_bytes(&tj).map_err(|e| format!("tokenizer {slug}: {e}"))?;
-        let parsed: Value =
-            serde_json::from_slice(&tj).map_err(|e| format!("tokenizer {slug}: {e}"))?;
-        let fast = FastBpe::for_requests(&parsed)
-            .map_err(|e| format!("tokenizer {slug}: {e}"))?
-            .map(Mutex::new);
-        let template = std::fs::read(base.join("tokenizer_config.json"))
-            .ok()
-            .and_then(|c| ChatTemplate::new(&c).ok());
-        let l = Arc::new(Loaded {
-            tokenizer,
-            fast,
-            template,
-        });
+        let config = std::fs::read(base.join("tokenizer_config.json")).ok();
+        let l = Arc::new(
+            Loaded::new(&tj, config.as_deref(), true)
+                .map_err(|e| format!("tokenizer {slug}: {e}"))?,
+        );
         lock(&self.inner).insert(slug.to_owned(), l.clone());
         Ok(l)
     }
