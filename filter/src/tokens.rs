@@ -69,10 +69,7 @@ impl PromptEncoder {
         let fast = FastBpe::for_requests(&t).map_err(|e| LoadError::Tokenizer(e.to_string()))?;
         let defaults = crate::config::Config::default().caches;
         let enc = match fast {
-            Some(bpe) => Encoder::Fast(RefCell::new(
-                SegmentEncoder::new(bpe, &t, defaults)
-                    .map_err(|e| LoadError::Tokenizer(e.to_string()))?,
-            )),
+            Some(bpe) => Encoder::Fast(RefCell::new(SegmentEncoder::new(bpe, defaults))),
             None => Encoder::Hf(
                 Tokenizer::from_bytes(tokenizer_json)
                     .map_err(|e| LoadError::Tokenizer(e.to_string()))?,

@@ -150,6 +150,15 @@ impl Splitter {
     }
 }
 
+/// A piece of text as [`FastBpe::segments`] cuts it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Segment<'t> {
+    /// Text between added tokens (none inside).
+    Text(&'t str),
+    /// An added token, as its id.
+    Added(u32),
+}
+
 /// Exact byte-level BPE encoder built from a HuggingFace `tokenizer.json`.
 pub struct FastBpe {
     /// `(left id, right id)` -> `(merge rank, merged id)`.
@@ -367,17 +376,35 @@ impl FastBpe {
 
     /// [`FastBpe::encode`], appending the ids to `out`.
     pub fn encode_into(&self, text: &str, out: &mut Vec<u32>) {
+        self.segments(text, |seg| match seg {
+            Segment::Text(t) => self.encode_segment(t, out),
+            Segment::Added(id) => out.push(id),
+        });
+    }
+
+    /// Cuts `text` at added tokens (leftmost-longest), exactly where [`FastBpe::encode`] does,
+    /// and calls `f` on each non-empty piece in order. Ids never depend on text across a cut.
+    pub fn segments<'t>(&self, text: &'t str, mut f: impl FnMut(Segment<'t>)) {
         let mut at = 0;
         if let Some((ac, ids)) = &self.added {
             for m in ac.find_iter(text) {
-                self.encode_segment(&text[at..m.start()], out);
+                if m.start() > at {
+                    f(Segment::Text(&text[at..m.start()]));
+                }
                 if let Some(id) = ids.get(m.pattern().as_usize()) {
-                    out.push(*id);
+                    f(Segment::Added(*id));
                 }
                 at = m.end();
             }
         }
-        self.encode_segment(&text[at..], out);
+        if at < text.len() {
+            f(Segment::Text(&text[at..]));
+        }
+    }
+
+    /// Appends the ids of a [`Segment::Text`] (text with no added token inside).
+    pub fn encode_text_segment_into(&self, seg: &str, out: &mut Vec<u32>) {
+        self.encode_segment(seg, out);
     }
 
     /// Forgets every cached piece (benchmarks use it to measure a cold encoder).
@@ -520,6 +547,14 @@ mod tests {
         assert_eq!(bpe.encode("ab<|x|>c"), vec![256, 1000, u32::from(b'c')]);
         // Cached piece gives the same ids.
         assert_eq!(bpe.encode("abc ab"), vec![257, 258]);
+        // The cuts: text around and between added tokens, nothing empty.
+        let mut cuts = Vec::new();
+        bpe.segments("<|x|>ab<|x|><|x|>c", |s| cuts.push(s));
+        use Segment::{Added, Text};
+        assert_eq!(
+            cuts,
+            [Added(1000), Text("ab"), Added(1000), Added(1000), Text("c")]
+        );
     }
 
     /// The pieces `split` yields for `text`.

@@ -1,9 +1,9 @@
 //! Encoding rendered prompts segment by segment, with the segments' ids cached: what the filter
 //! and the inventory service's offloaded tokenization both run on the fast path.
 //!
-//! A rendered prompt is cut at the tokenizer's added (special) tokens, exactly where
-//! [`FastBpe`] itself cuts it, and each segment's ids are cached keyed by the segment's full
-//! text. Reuse is exact: the encoder never merges across an added token, so a segment's ids
+//! A rendered prompt is cut at the tokenizer's added (special) tokens by [`FastBpe::segments`],
+//! exactly where the encoder itself cuts it, and each text segment's ids are cached keyed by the
+//! segment's full text (an added token is its id, no lookup needed). Reuse is exact: the encoder never merges across an added token, so a segment's ids
 //! depend on its text alone, and the key is the text itself (not a hash), so a hit is provably
 //! the same text. A multi-turn follow-up or a shared system prompt re-encodes only its new
 //! segments. Both caches (segments here, pre-token pieces inside `FastBpe`) are bounded.
@@ -16,10 +16,7 @@ use std::borrow::Borrow;
 use std::collections::HashMap;
 use std::hash::Hash;
 
-use aho_corasick::{AhoCorasick, MatchKind};
-use serde_json::Value;
-
-use crate::bpe::{BpeError, FastBpe, PIECE_CACHE_BYTES, PIECE_CACHE_ENTRIES};
+use crate::bpe::{FastBpe, Segment, PIECE_CACHE_BYTES, PIECE_CACHE_ENTRIES};
 
 /// A map with a fast (non-SipHash) hasher; keys are request text and token ids.
 pub type FastMap<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
@@ -146,8 +143,6 @@ pub struct SegmentStats {
 /// [`FastBpe`] with the segment cache in front of it.
 pub struct SegmentEncoder {
     bpe: FastBpe,
-    /// The added tokens, matched leftmost-longest (as `FastBpe` cuts at them).
-    added: Option<AhoCorasick>,
     cache: Generational<Box<str>, Box<[u32]>>,
 }
 
@@ -160,34 +155,14 @@ impl std::fmt::Debug for SegmentEncoder {
 }
 
 impl SegmentEncoder {
-    /// Wraps `bpe`, built from the parsed `tokenizer_json` (its `added_tokens` are the cuts),
-    /// with both caches bounded by `limits`.
-    pub fn new(
-        bpe: FastBpe,
-        tokenizer_json: &Value,
-        limits: CacheLimits,
-    ) -> Result<SegmentEncoder, BpeError> {
-        let patterns: Vec<&str> = tokenizer_json["added_tokens"]
-            .as_array()
-            .map(|a| a.iter().filter_map(|tok| tok["content"].as_str()).collect())
-            .unwrap_or_default();
-        let added = if patterns.is_empty() {
-            None
-        } else {
-            Some(
-                AhoCorasick::builder()
-                    .match_kind(MatchKind::LeftmostLongest)
-                    .build(&patterns)
-                    .map_err(|e| BpeError::Added(e.to_string()))?,
-            )
-        };
+    /// Wraps `bpe`, with both caches bounded by `limits`.
+    pub fn new(bpe: FastBpe, limits: CacheLimits) -> SegmentEncoder {
         let mut enc = SegmentEncoder {
             bpe,
-            added,
             cache: Generational::new(limits.segments),
         };
         enc.set_limits(limits);
-        Ok(enc)
+        enc
     }
 
     /// Bounds (and empties) the segment and piece caches.
@@ -199,21 +174,14 @@ impl SegmentEncoder {
 
     /// The ids of `text` (what `FastBpe::encode` returns), and how the caches did.
     pub fn encode(&mut self, text: &str) -> (Vec<u32>, SegmentStats) {
-        let SegmentEncoder { bpe, added, cache } = self;
+        let SegmentEncoder { bpe, cache } = self;
         let mut out = Vec::with_capacity(text.len() / 3 + 8);
         let mut stats = SegmentStats::default();
         let (piece_hits, piece_misses) = bpe.piece_cache_stats();
-        let mut at = 0;
-        if let Some(ac) = added {
-            for m in ac.find_iter(text) {
-                segment(bpe, cache, &text[at..m.start()], &mut out, &mut stats);
-                // An added token alone encodes to its id: through the encoder, so the id
-                // mapping stays FastBpe's.
-                segment(bpe, cache, &text[m.start()..m.end()], &mut out, &mut stats);
-                at = m.end();
-            }
-        }
-        segment(bpe, cache, &text[at..], &mut out, &mut stats);
+        bpe.segments(text, |seg| match seg {
+            Segment::Text(t) => segment(bpe, cache, t, &mut out, &mut stats),
+            Segment::Added(id) => out.push(id),
+        });
         let (h, m) = bpe.piece_cache_stats();
         stats.piece_hits = h.saturating_sub(piece_hits);
         stats.piece_misses = m.saturating_sub(piece_misses);
@@ -232,8 +200,8 @@ impl SegmentEncoder {
     }
 }
 
-/// Appends the ids of one segment (no added token inside, or exactly one), from the cache when
-/// the same text was encoded before.
+/// Appends the ids of one text segment (no added token inside), from the cache when the same
+/// text was encoded before.
 fn segment(
     bpe: &FastBpe,
     cache: &mut Generational<Box<str>, Box<[u32]>>,
@@ -241,9 +209,6 @@ fn segment(
     out: &mut Vec<u32>,
     stats: &mut SegmentStats,
 ) {
-    if seg.is_empty() {
-        return;
-    }
     if let Some(ids) = cache.get(seg) {
         out.extend_from_slice(ids);
         stats.hits += 1;
@@ -251,7 +216,7 @@ fn segment(
     }
     stats.misses += 1;
     let start = out.len();
-    bpe.encode_into(seg, out);
+    bpe.encode_text_segment_into(seg, out);
     let ids = out.get(start..).unwrap_or(&[]);
     let size = seg.len() + 4 * ids.len() + SEGMENT_ENTRY_OVERHEAD;
     cache.insert(seg.into(), ids.into(), size);

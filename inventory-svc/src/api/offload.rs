@@ -49,11 +49,7 @@ impl Loaded {
             true => FastBpe::for_requests(&parsed).map_err(|e| e.to_string())?,
             false => None,
         };
-        let fast = fast
-            .map(|bpe| SegmentEncoder::new(bpe, &parsed, CacheLimits::DEFAULT))
-            .transpose()
-            .map_err(|e| e.to_string())?
-            .map(Mutex::new);
+        let fast = fast.map(|bpe| Mutex::new(SegmentEncoder::new(bpe, CacheLimits::DEFAULT)));
         let template = config_json.and_then(|c| ChatTemplate::new(c).ok());
         Ok(Loaded {
             tokenizer,
