@@ -13,6 +13,26 @@ use zeromq::{RouterSocket, Socket, SocketRecv, SocketSend, ZmqMessage};
 
 const RULE: &str = "10.0.0.1:8080";
 
+/// A vLLM rule on `RULE` with one endpoint (127.0.0.1:9) whose engine publishes on `zmq_port`;
+/// `extra` is merged into its serviceArguments.
+fn vllm_rule(zmq_port: u16, extra: Value) -> Value {
+    rule(8080, "vllm", zmq_port, &[("127.0.0.1".into(), 9)], extra)
+}
+
+/// Returns once the service is subscribed to `p`: a probe block (0xABCD) shows in endpoint 0's
+/// inventory.
+async fn subscribed(svc: &Service, p: &mut Publisher) {
+    publish_until_seen(
+        svc,
+        p,
+        RULE,
+        0,
+        0xABCD,
+        &batch(vec![stored(&[0xABCD], &[], false)]),
+    )
+    .await;
+}
+
 fn vllm_keys() -> (Vec<u64>, Vec<u32>) {
     let v = vectors("vllm-0.33.0.json");
     let hv = v["hash_vectors"]
@@ -33,23 +53,9 @@ fn vllm_keys() -> (Vec<u64>, Vec<u32>) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn vllm_golden_and_generated_payloads_feed_the_index() {
     let mut p = Publisher::bind(0).await.unwrap();
-    let r = rule(
-        8080,
-        "vllm",
-        p.port,
-        &[("127.0.0.1".into(), 9)],
-        json!({"kvHashAlgo": "sha256_cbor"}),
-    );
+    let r = vllm_rule(p.port, json!({"kvHashAlgo": "sha256_cbor"}));
     let svc = Service::start("vllm", &json!([r]), &[]);
-    publish_until_seen(
-        &svc,
-        &mut p,
-        RULE,
-        0,
-        0xABCD,
-        &batch(vec![stored(&[0xABCD], &[], false)]),
-    )
-    .await;
+    subscribed(&svc, &mut p).await;
 
     let (keys, tokens) = vllm_keys();
     p.send(&batch(vec![stored(&keys, &tokens, false)])).await;
@@ -141,23 +147,9 @@ async fn vllm_golden_and_generated_payloads_feed_the_index() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn parity_self_check_names_the_wrong_seed() {
     let mut p = Publisher::bind(0).await.unwrap();
-    let r = rule(
-        8080,
-        "vllm",
-        p.port,
-        &[("127.0.0.1".into(), 9)],
-        json!({"kvHashAlgo": "sha256_cbor"}),
-    );
+    let r = vllm_rule(p.port, json!({"kvHashAlgo": "sha256_cbor"}));
     let svc = Service::start("parity", &json!([r]), &[("LLB_KV_NONE_HASH_SEED", "1234")]);
-    publish_until_seen(
-        &svc,
-        &mut p,
-        RULE,
-        0,
-        0xABCD,
-        &batch(vec![stored(&[0xABCD], &[], false)]),
-    )
-    .await;
+    subscribed(&svc, &mut p).await;
     let (keys, tokens) = vllm_keys();
     p.send(&batch(vec![stored(&keys, &tokens, false)])).await;
     svc.wait_for("parity mismatch", 10, || async {
@@ -189,23 +181,9 @@ async fn gap_is_replayed_through_a_dealer() {
         zeromq::Endpoint::Tcp(_, port) => port,
         _ => panic!(),
     };
-    let r = rule(
-        8080,
-        "vllm",
-        p.port,
-        &[("127.0.0.1".into(), 9)],
-        json!({"kvReplayPort": rport}),
-    );
+    let r = vllm_rule(p.port, json!({"kvReplayPort": rport}));
     let svc = Service::start("replay", &json!([r]), &[]);
-    publish_until_seen(
-        &svc,
-        &mut p,
-        RULE,
-        0,
-        0xABCD,
-        &batch(vec![stored(&[0xABCD], &[], false)]),
-    )
-    .await;
+    subscribed(&svc, &mut p).await;
 
     let missing_seq = p.seq;
     let missing = batch(vec![stored(&[0x77], &[], false)]);
@@ -275,17 +253,9 @@ async fn gap_is_replayed_through_a_dealer() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn gap_without_replay_clears_and_restart_clears() {
     let mut p = Publisher::bind(0).await.unwrap();
-    let r = rule(8080, "vllm", p.port, &[("127.0.0.1".into(), 9)], json!({}));
+    let r = vllm_rule(p.port, json!({}));
     let svc = Service::start("gap", &json!([r]), &[]);
-    publish_until_seen(
-        &svc,
-        &mut p,
-        RULE,
-        0,
-        0xABCD,
-        &batch(vec![stored(&[0xABCD], &[], false)]),
-    )
-    .await;
+    subscribed(&svc, &mut p).await;
 
     // Gap: one batch lost, no replay endpoint -> the endpoint's inventory is cleared and rebuilt.
     p.seq += 1;
@@ -510,13 +480,7 @@ async fn tokens_key_mode_rehashes_event_tokens() {
     // The engine's own keys are opaque here (as with vLLM's default pickle hash): the index holds
     // kvroute's content keys of the events' token ids, and removals map engine keys to them.
     let mut p = Publisher::bind(0).await.unwrap();
-    let r = rule(
-        8080,
-        "vllm",
-        p.port,
-        &[("127.0.0.1".into(), 9)],
-        json!({"kvKeyMode": "tokens"}),
-    );
+    let r = vllm_rule(p.port, json!({"kvKeyMode": "tokens"}));
     let svc = Service::start("tokens", &json!([r]), &[("LLB_KV_NONE_HASH_SEED", UNSET)]);
     let bs = kvroute_core::hash::BlockSize::new(16).unwrap();
     let probe_tokens: Vec<u32> = (1000..1016).collect();
@@ -572,22 +536,14 @@ async fn tokens_key_mode_rehashes_event_tokens() {
 async fn publisher_restart_reconnects_and_clears() {
     let mut p = Publisher::bind(0).await.unwrap();
     let port = p.port;
-    let r = rule(8080, "vllm", port, &[("127.0.0.1".into(), 9)], json!({}));
+    let r = vllm_rule(port, json!({}));
     // Silence is the only disconnect signal the zeromq crate gives: reconnect after 300 ms of it.
     let svc = Service::start(
         "restart",
         &json!([r]),
         &[("KVROUTE_ZMQ_IDLE_RECONNECT_MS", "300")],
     );
-    publish_until_seen(
-        &svc,
-        &mut p,
-        RULE,
-        0,
-        0xABCD,
-        &batch(vec![stored(&[0xABCD], &[], false)]),
-    )
-    .await;
+    subscribed(&svc, &mut p).await;
     // Advance the old sequence well past what the restarted engine will reach before the
     // subscriber is back, so its first message is recognisably "lower than before".
     for _ in 0..100 {
