@@ -520,14 +520,11 @@ async fn spill_and_cold_seed_metrics() {
         "{b}"
     );
     let m = svc.metrics().await;
-    assert_eq!(metric(&m, "kvroute_tier15_spills_total"), Some(1.0), "{m}");
-    assert_eq!(
-        metric(
-            &m,
-            r#"kvroute_route_decisions_total{reason="spill",tier="tier15"}"#
-        ),
-        Some(1.0),
-        "{m}"
+    assert_metric(&m, "kvroute_tier15_spills_total", 1.0);
+    assert_metric(
+        &m,
+        r#"kvroute_route_decisions_total{reason="spill",tier="tier15"}"#,
+        1.0,
     );
 
     // Cold-start seeding: every 2nd hit goes to the endpoint holding fewer than 1 block.
@@ -561,18 +558,11 @@ async fn spill_and_cold_seed_metrics() {
         ]
     );
     let m = svc.metrics().await;
-    assert_eq!(
-        metric(&m, "kvroute_tier15_cold_seeds_total"),
-        Some(2.0),
-        "{m}"
-    );
-    assert_eq!(
-        metric(
-            &m,
-            r#"kvroute_route_decisions_total{reason="cold_seed",tier="tier15"}"#
-        ),
-        Some(2.0),
-        "{m}"
+    assert_metric(&m, "kvroute_tier15_cold_seeds_total", 2.0);
+    assert_metric(
+        &m,
+        r#"kvroute_route_decisions_total{reason="cold_seed",tier="tier15"}"#,
+        2.0,
     );
 }
 

@@ -90,45 +90,30 @@ async fn vllm_golden_and_generated_payloads_feed_the_index() {
     .await;
     assert!(svc.inventory(RULE, 0).await.is_empty());
     let m = svc.metrics().await;
-    assert_eq!(
-        metric(
-            &m,
-            r#"kvroute_ingest_events_total{engine="vllm",type="block_removed"}"#
-        ),
-        Some(3.0),
-        "{m}"
+    assert_metric(
+        &m,
+        r#"kvroute_ingest_events_total{engine="vllm",type="block_removed"}"#,
+        3.0,
     );
-    assert_eq!(
-        metric(
-            &m,
-            r#"kvroute_ingest_clears_total{cause="event",engine="vllm"}"#
-        ),
-        Some(3.0),
-        "{m}"
+    assert_metric(
+        &m,
+        r#"kvroute_ingest_clears_total{cause="event",engine="vllm"}"#,
+        3.0,
     );
-    assert_eq!(
-        metric(
-            &m,
-            r#"kvroute_route_decisions_total{reason="hit",tier="tier15"}"#
-        ),
-        Some(1.0),
-        "{m}"
+    assert_metric(
+        &m,
+        r#"kvroute_route_decisions_total{reason="hit",tier="tier15"}"#,
+        1.0,
     );
-    assert_eq!(
-        metric(
-            &m,
-            r#"kvroute_ingest_subscriber_connected{ep="0",rank="0",rule="10.0.0.1:8080/tcp"}"#
-        ),
-        Some(1.0),
-        "{m}"
+    assert_metric(
+        &m,
+        r#"kvroute_ingest_subscriber_connected{ep="0",rank="0",rule="10.0.0.1:8080/tcp"}"#,
+        1.0,
     );
-    assert_eq!(
-        metric(
-            &m,
-            r#"kvroute_index_blocks{ep="0",rule="10.0.0.1:8080/tcp"}"#
-        ),
-        Some(0.0),
-        "{m}"
+    assert_metric(
+        &m,
+        r#"kvroute_index_blocks{ep="0",rule="10.0.0.1:8080/tcp"}"#,
+        0.0,
     );
     assert!(
         m.lines()
@@ -230,18 +215,11 @@ async fn gap_is_replayed_through_a_dealer() {
     let _router = replayer.await.unwrap();
     assert_eq!(*requests.lock().unwrap(), vec![missing_seq]);
     let m = svc.metrics().await;
-    assert_eq!(
-        metric(&m, r#"kvroute_ingest_seq_gaps_total{engine="vllm"}"#),
-        Some(1.0),
-        "{m}"
-    );
-    assert_eq!(
-        metric(
-            &m,
-            r#"kvroute_ingest_replays_total{engine="vllm",outcome="ok"}"#
-        ),
-        Some(1.0),
-        "{m}"
+    assert_metric(&m, r#"kvroute_ingest_seq_gaps_total{engine="vllm"}"#, 1.0);
+    assert_metric(
+        &m,
+        r#"kvroute_ingest_replays_total{engine="vllm",outcome="ok"}"#,
+        1.0,
     );
     assert!(
         m.lines()
@@ -265,18 +243,11 @@ async fn gap_without_replay_clears_and_restart_clears() {
     })
     .await;
     let m = svc.metrics().await;
-    assert_eq!(
-        metric(&m, r#"kvroute_ingest_seq_gaps_total{engine="vllm"}"#),
-        Some(1.0),
-        "{m}"
-    );
-    assert_eq!(
-        metric(
-            &m,
-            r#"kvroute_ingest_clears_total{cause="gap",engine="vllm"}"#
-        ),
-        Some(1.0),
-        "{m}"
+    assert_metric(&m, r#"kvroute_ingest_seq_gaps_total{engine="vllm"}"#, 1.0);
+    assert_metric(
+        &m,
+        r#"kvroute_ingest_clears_total{cause="gap",engine="vllm"}"#,
+        1.0,
     );
 
     // Restart: the sequence is back at 0 -> clear, then ingest.
@@ -287,21 +258,15 @@ async fn gap_without_replay_clears_and_restart_clears() {
     })
     .await;
     let m = svc.metrics().await;
-    assert_eq!(
-        metric(
-            &m,
-            r#"kvroute_ingest_clears_total{cause="restart",engine="vllm"}"#
-        ),
-        Some(1.0),
-        "{m}"
+    assert_metric(
+        &m,
+        r#"kvroute_ingest_clears_total{cause="restart",engine="vllm"}"#,
+        1.0,
     );
-    assert_eq!(
-        metric(
-            &m,
-            r#"kvroute_index_blocks{ep="0",rule="10.0.0.1:8080/tcp"}"#
-        ),
-        Some(1.0),
-        "{m}"
+    assert_metric(
+        &m,
+        r#"kvroute_index_blocks{ep="0",rule="10.0.0.1:8080/tcp"}"#,
+        1.0,
     );
 }
 
@@ -367,13 +332,10 @@ async fn sglang_three_ranks_union_into_one_endpoint() {
     })
     .await;
     let m = svc.metrics().await;
-    assert_eq!(
-        metric(
-            &m,
-            r#"kvroute_ingest_clears_total{cause="event",engine="sglang"}"#
-        ),
-        Some(1.0),
-        "{m}"
+    assert_metric(
+        &m,
+        r#"kvroute_ingest_clears_total{cause="event",engine="sglang"}"#,
+        1.0,
     );
     assert!(
         m.lines()
@@ -447,29 +409,20 @@ async fn trtllm_drain_is_rehashed_from_tokens() {
     })
     .await;
     let m = svc.metrics().await;
-    assert_eq!(
-        metric(
-            &m,
-            r#"kvroute_ingest_events_total{engine="trtllm",type="block_stored"}"#
-        ),
-        Some(1.0),
-        "{m}"
+    assert_metric(
+        &m,
+        r#"kvroute_ingest_events_total{engine="trtllm",type="block_stored"}"#,
+        1.0,
     );
-    assert_eq!(
-        metric(
-            &m,
-            r#"kvroute_ingest_unkeyed_blocks_total{engine="trtllm"}"#
-        ),
-        Some(1.0),
-        "{m}"
+    assert_metric(
+        &m,
+        r#"kvroute_ingest_unkeyed_blocks_total{engine="trtllm"}"#,
+        1.0,
     );
-    assert_eq!(
-        metric(
-            &m,
-            r#"kvroute_ingest_subscriber_connected{ep="0",rank="0",rule="10.0.0.1:8080/tcp"}"#
-        ),
-        Some(1.0),
-        "{m}"
+    assert_metric(
+        &m,
+        r#"kvroute_ingest_subscriber_connected{ep="0",rank="0",rule="10.0.0.1:8080/tcp"}"#,
+        1.0,
     );
     assert!(calls.load(std::sync::atomic::Ordering::Relaxed) >= 2);
     server.abort();
@@ -590,12 +543,9 @@ async fn publisher_restart_reconnects_and_clears() {
         "the restarted engine's old blocks are gone"
     );
     let m = svc.metrics().await;
-    assert_eq!(
-        metric(
-            &m,
-            r#"kvroute_ingest_clears_total{cause="restart",engine="vllm"}"#
-        ),
-        Some(1.0),
-        "{m}"
+    assert_metric(
+        &m,
+        r#"kvroute_ingest_clears_total{cause="restart",engine="vllm"}"#,
+        1.0,
     );
 }

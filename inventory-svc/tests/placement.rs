@@ -118,11 +118,7 @@ async fn without_memory_an_evicted_family_is_placed_anew() {
         svc.stderr()
     );
     let text = svc.metrics().await;
-    assert_eq!(
-        metric(&text, "kvroute_tier15_remembered_total"),
-        Some(0.0),
-        "{text}"
-    );
+    assert_metric(&text, "kvroute_tier15_remembered_total", 0.0);
 }
 
 /// A hit credits speculatively only the keys past what the endpoint already holds: an eviction of

@@ -227,6 +227,12 @@ pub fn metric(text: &str, series: &str) -> Option<f64> {
     })
 }
 
+/// Asserts that `series` reads `want` in the metrics `text` (printed whole otherwise).
+#[track_caller]
+pub fn assert_metric(text: &str, series: &str, want: f64) {
+    assert_eq!(metric(text, series), Some(want), "{series}\n{text}");
+}
+
 /// A rule in loxilb's JSON shape.
 pub fn rule(
     port: u16,
