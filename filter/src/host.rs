@@ -110,6 +110,9 @@ pub trait Host {
 
     /// Sets a Wasm property (Envoy filter state `wasm.<name>`); false when refused.
     fn set_property(&self, name: &str, value: &str) -> bool;
+
+    /// Reads an Envoy attribute by path (`["upstream", "address"]`); `None` when absent.
+    fn property(&self, path: &[&str]) -> Option<Vec<u8>>;
 }
 
 /// [`Host`] over the proxy-wasm ABI: valid only inside a proxy-wasm VM.
@@ -194,6 +197,10 @@ impl Host for ProxyHost {
 
     fn set_property(&self, name: &str, value: &str) -> bool {
         hostcalls::set_property(vec![name], Some(value.as_bytes())).is_ok()
+    }
+
+    fn property(&self, path: &[&str]) -> Option<Vec<u8>> {
+        hostcalls::get_property(path.to_vec()).ok().flatten()
     }
 }
 
@@ -438,6 +445,14 @@ pub(crate) mod testing {
                 .borrow_mut()
                 .insert(name.into(), value.into());
             true
+        }
+
+        /// Attributes are kept by their dotted path (`upstream.address`).
+        fn property(&self, path: &[&str]) -> Option<Vec<u8>> {
+            self.properties
+                .borrow()
+                .get(&path.join("."))
+                .map(|v| v.clone().into_bytes())
         }
     }
 }

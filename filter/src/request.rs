@@ -69,6 +69,8 @@ pub struct RequestFilter {
     started_ns: u64,
     /// When the route callout was sent (0 before).
     dispatched_ns: u64,
+    /// The `ip:port` this request was pinned to, checked against the upstream Envoy chose.
+    pinned_to: Option<String>,
     /// Parse `usage` from the response (routed paths only).
     track_usage: bool,
     sse: bool,
@@ -93,6 +95,7 @@ impl RequestFilter {
             endpoint: None,
             started_ns: 0,
             dispatched_ns: 0,
+            pinned_to: None,
             track_usage: false,
             sse: false,
             tail: Tail::default(),
@@ -381,6 +384,9 @@ impl RequestFilter {
                 pinned
             }
         };
+        if pinned {
+            self.pinned_to = Some(target.to_string());
+        }
         vm.stats.inc(
             host,
             if pinned {
@@ -423,11 +429,35 @@ impl RequestFilter {
         Step::Continue
     }
 
-    /// Response headers: drop the stateful-session echo (it names a backend), note SSE.
+    /// Response headers: drop the stateful-session echo (it names a backend), note SSE, and
+    /// count whether Envoy sent a pinned request where it was pinned (a silent fallback would
+    /// otherwise look like a cache that evicts).
     pub fn on_response_headers(&mut self, host: &dyn Host) -> Step {
         let pin = self.vm.config.pin_header.clone();
         if host.header(Headers::Response, &pin).is_some() {
             host.set_header(Headers::Response, &pin, None);
+        }
+        if let Some(target) = self.pinned_to.take() {
+            if let Some(upstream) = host.property(&["upstream", "address"]) {
+                let honored = upstream == target.as_bytes();
+                self.vm.stats.inc(
+                    host,
+                    if honored {
+                        Stat::PinHonored
+                    } else {
+                        Stat::PinOverridden
+                    },
+                );
+                if !honored {
+                    host.log(
+                        Level::Debug,
+                        &format!(
+                            "kvroute-filter: pinned to {target}, Envoy sent it to {}",
+                            String::from_utf8_lossy(&upstream)
+                        ),
+                    );
+                }
+            }
         }
         if self.track_usage {
             self.sse = host
@@ -897,6 +927,41 @@ mod tests {
             host.counter("kvroute_filter_cache_miss_tokens_total"),
             Some(16)
         );
+    }
+
+    /// Where Envoy sent a pinned request is checked against the pin: honored, overridden (Envoy
+    /// fell back), or not counted without an upstream address; unpinned requests are not counted.
+    #[test]
+    fn pins_are_checked_against_the_upstream_envoy_chose() {
+        let count = |host: &FakeHost| {
+            (
+                host.counter("kvroute_filter_pin_honored_total")
+                    .unwrap_or(0),
+                host.counter("kvroute_filter_pin_overridden_total")
+                    .unwrap_or(0),
+            )
+        };
+        for (upstream, pinned, want) in [
+            (Some("127.0.0.1:8001"), true, (1, 0)),
+            (Some("127.0.0.1:8002"), true, (0, 1)),
+            (None, true, (0, 0)),
+            (Some("127.0.0.1:8002"), false, (0, 0)),
+        ] {
+            let host = FakeHost::default();
+            let p = ready(&host, CFG);
+            let (mut r, _) = to_callout(&host, &p, "/v1/completions", br#"{"prompt":"hello"}"#);
+            match pinned {
+                true => r.on_route_response(&host, 1, Some("200"), HIT),
+                false => r.on_route_response(&host, 1, Some("500"), b""),
+            }
+            if let Some(u) = upstream {
+                host.properties
+                    .borrow_mut()
+                    .insert("upstream.address".into(), u.into());
+            }
+            r.on_response_headers(&host);
+            assert_eq!(count(&host), want, "{upstream:?} pinned {pinned}");
+        }
     }
 
     #[test]

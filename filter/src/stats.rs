@@ -77,6 +77,10 @@ pub enum Stat {
     Considered,
     /// Pins set (a route answer named an endpoint).
     Pinned,
+    /// Pinned requests whose upstream was the pinned endpoint / another one (Envoy fell back:
+    /// the pinned host unhealthy, not yet health-checked, or unknown to the cluster).
+    PinHonored,
+    PinOverridden,
     /// Decisions by tier.
     DecisionTier15,
     DecisionFallback,
@@ -112,7 +116,10 @@ pub enum Stat {
     FailOpen(FailReason),
 }
 
-const FIXED: [(Stat, &str, MetricKind); 23] = [
+/// How many counters and histograms `FIXED` defines (the handles array has the same length).
+const FIXED_LEN: usize = 25;
+
+const FIXED: [(Stat, &str, MetricKind); FIXED_LEN] = [
     (
         Stat::Requests,
         "kvroute_filter_requests_total",
@@ -204,6 +211,16 @@ const FIXED: [(Stat, &str, MetricKind); 23] = [
         MetricKind::Counter,
     ),
     (
+        Stat::PinHonored,
+        "kvroute_filter_pin_honored_total",
+        MetricKind::Counter,
+    ),
+    (
+        Stat::PinOverridden,
+        "kvroute_filter_pin_overridden_total",
+        MetricKind::Counter,
+    ),
+    (
         Stat::TokenizeUs,
         "kvroute_filter_tokenize_us",
         MetricKind::Histogram,
@@ -233,7 +250,7 @@ const FIXED: [(Stat, &str, MetricKind); 23] = [
 /// Metric handles; a refused definition only disables that metric.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Stats {
-    fixed: [Option<CounterId>; 23],
+    fixed: [Option<CounterId>; FIXED_LEN],
     fail: [Option<CounterId>; 11],
 }
 

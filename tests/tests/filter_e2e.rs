@@ -263,6 +263,16 @@ async fn pins_to_the_chosen_endpoint(variant: Variant) {
         36 + 8
     );
 
+    // Every pinned request so far reached its pinned engine, and the filter saw it.
+    let honored = gw.stat("kvroute_filter_pin_honored_total").await.unwrap();
+    assert!(honored > 0, "no pin checked against the upstream");
+    assert_eq!(
+        gw.stat("kvroute_filter_pin_overridden_total")
+            .await
+            .unwrap(),
+        0
+    );
+
     // The chosen endpoint turns unhealthy: stateful_session falls back to engine a.
     b.set_healthy(false);
     gw.wait_for_unhealthy(&b, Duration::from_secs(10))
@@ -310,6 +320,13 @@ async fn pins_to_the_chosen_endpoint(variant: Variant) {
     assert_eq!(
         header(&last, PIN_HEADER),
         Some(base64(b.addr.to_string().as_bytes()).as_str())
+    );
+    // The fallback is loud: the filter counts the pin Envoy did not follow.
+    assert!(
+        gw.stat("kvroute_filter_pin_overridden_total")
+            .await
+            .unwrap()
+            >= 1
     );
     gw.envoy
         .log()
