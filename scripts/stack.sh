@@ -145,6 +145,15 @@ say "driving a multi-turn workload: kvroute through the gateway, then round robi
     --prefix-tokens 820 --groups 3 --concurrency 16 \
     --tokenizer-dir "$KVROUTE_TOKENIZER_DIR" --markdown "$RUN/demo.md" || die "the workload failed"
 
+# Did Envoy send each pinned request where the filter pinned it? (Counted by the filter.)
+stat() { curl -fs "http://127.0.0.1:$ADMIN_PORT/stats?filter=$1" | awk '{s+=$2} END {print s+0}'; }
+honored=$(stat kvroute_filter_pin_honored_total)
+overridden=$(stat kvroute_filter_pin_overridden_total)
+say "Envoy followed $honored pins and overrode $overridden"
+if ((overridden > 0)); then
+    say "WARNING: Envoy sent $overridden pinned requests elsewhere (an engine unhealthy or not yet health-checked?); see http://127.0.0.1:$ADMIN_PORT/clusters"
+fi
+
 # The service's parity self-check: a mismatched key contract would make the demo meaningless.
 if curl -fs "http://127.0.0.1:$INV_PORT/healthz" | grep -q '"status":"degraded"'; then
     say "WARNING: /healthz is degraded (a parity mismatch or a missing tokenizer); see $RUN/logs/inventory.log"

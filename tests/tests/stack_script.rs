@@ -71,6 +71,8 @@ fn stack_script_demo_routes_each_prompt_to_one_engine() {
     let text = std::fs::read_to_string(&log).unwrap();
     assert!(status.success(), "stack.sh failed ({status}):\n{text}");
     assert!(text.contains("kvroute is running:"), "{text}");
+    // Every pin the filter wrote was followed by Envoy.
+    assert!(text.contains(" pins and overrode 0"), "{text}");
     let (gw, gw_errors, gw_engines) = row(&text, "gateway");
     let (rr, rr_errors, rr_engines) = row(&text, "round-robin");
     assert_eq!((gw_errors, rr_errors), (0, 0), "{text}");
