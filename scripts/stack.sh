@@ -126,7 +126,9 @@ wait_envoy_healthy "http://127.0.0.1:$ADMIN_PORT" "${#SIMS[@]}" "$RUN/logs/envoy
 
 # Each Envoy worker VM fetches and parses the tokenizer on its first request (about a second);
 # until then requests pass unpinned. Warm up until a request no longer finds the tokenizer missing.
-no_tok() { curl -fs "http://127.0.0.1:$ADMIN_PORT/stats?filter=kvroute_filter_no_tokenizer_total" | awk '{s+=$2} END {print s+0}'; }
+# stat NAME: the sum of Envoy's stats matching NAME (one per worker VM).
+stat() { curl -fs "http://127.0.0.1:$ADMIN_PORT/stats?filter=$1" | awk '{s+=$2} END {print s+0}'; }
+no_tok() { stat kvroute_filter_no_tokenizer_total; }
 deadline=$((SECONDS + 60))
 for i in $(seq 1 600); do
     before=$(no_tok)
@@ -146,7 +148,6 @@ say "driving a multi-turn workload: kvroute through the gateway, then round robi
     --tokenizer-dir "$KVROUTE_TOKENIZER_DIR" --markdown "$RUN/demo.md" || die "the workload failed"
 
 # Did Envoy send each pinned request where the filter pinned it? (Counted by the filter.)
-stat() { curl -fs "http://127.0.0.1:$ADMIN_PORT/stats?filter=$1" | awk '{s+=$2} END {print s+0}'; }
 honored=$(stat kvroute_filter_pin_honored_total)
 overridden=$(stat kvroute_filter_pin_overridden_total)
 say "Envoy followed $honored pins and overrode $overridden"
