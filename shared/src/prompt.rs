@@ -14,7 +14,6 @@
 
 use serde_json::{Map, Value};
 
-use crate::bpe::FastBpe;
 use crate::chat::{ChatError, ChatRequest, ChatTemplate};
 use crate::tokenize::{TokenizeError, Tokenizer};
 
@@ -229,18 +228,6 @@ pub trait TextEncoder {
 impl TextEncoder for Tokenizer {
     fn encode_text(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, TokenizeError> {
         self.encode(text, add_special_tokens)
-    }
-}
-
-/// Only encoders built by [`FastBpe::for_requests`] are exact here: their post-processor adds
-/// nothing, so `add_special_tokens` changes nothing.
-impl TextEncoder for FastBpe {
-    fn encode_text(
-        &self,
-        text: &str,
-        _add_special_tokens: bool,
-    ) -> Result<Vec<u32>, TokenizeError> {
-        Ok(self.encode(text))
     }
 }
 
