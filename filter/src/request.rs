@@ -360,8 +360,8 @@ impl RequestFilter {
 
     fn pin(&mut self, host: &dyn Host, a: &RouteAnswer) {
         let vm = self.vm.clone();
-        let target = a.decode_endpoint.unwrap_or(a.endpoint);
-        let value = base64::engine::general_purpose::STANDARD.encode(target.to_string());
+        let target = a.decode_endpoint.unwrap_or(a.endpoint).to_string();
+        let value = base64::engine::general_purpose::STANDARD.encode(&target);
         let prefiller = a.decode_endpoint.map(|_| a.endpoint.to_string());
         let matched = a.matched_blocks.to_string();
         let pinned = match vm.config.pin_mode {
@@ -385,7 +385,7 @@ impl RequestFilter {
             }
         };
         if pinned {
-            self.pinned_to = Some(target.to_string());
+            self.pinned_to = Some(target);
         }
         vm.stats.inc(
             host,

@@ -67,9 +67,10 @@ impl PromptEncoder {
         let t: Value = serde_json::from_slice(tokenizer_json)
             .map_err(|e| LoadError::Tokenizer(e.to_string()))?;
         let fast = FastBpe::for_requests(&t).map_err(|e| LoadError::Tokenizer(e.to_string()))?;
-        let defaults = crate::config::Config::default().caches;
         let enc = match fast {
-            Some(bpe) => Encoder::Fast(RefCell::new(SegmentEncoder::new(bpe, defaults))),
+            Some(bpe) => {
+                Encoder::Fast(RefCell::new(SegmentEncoder::new(bpe, CacheLimits::DEFAULT)))
+            }
             None => Encoder::Hf(
                 Tokenizer::from_bytes(tokenizer_json)
                     .map_err(|e| LoadError::Tokenizer(e.to_string()))?,
