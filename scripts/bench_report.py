@@ -115,10 +115,14 @@ def placement(res: Path, out: Path):
     other = load(res / "placement-other.json")
     strategies = ["round-robin", "sticky", "kvroute-engine", "sglang-router", "oracle"]
 
+    def measured(a, st):
+        """The multi-turn summaries of `st` in the runs of one arrival that measured it."""
+        found = (find(r["summaries"], "multi-turn", st) for r in runs[a])
+        return [s for s in found if s is not None]
+
     def med(a, st):
         """Per-field medians over the runs of one arrival, or None when not measured."""
-        found = [find(r["summaries"], "multi-turn", st) for r in runs[a]]
-        found = [s for s in found if s is not None]
+        found = measured(a, st)
         if not found:
             return None
         keys = ("cached_ratio", "engines_per_prefix", "ttft_p90_ms")
@@ -179,8 +183,7 @@ def placement(res: Path, out: Path):
         need = g["cached_ratio"] * factor
 
         def mean_of(st):
-            found = [find(r["summaries"], "multi-turn", st) for r in runs[a]]
-            return mean_sd([s["cached_ratio"] for s in found if s is not None])[0]
+            return mean_sd([s["cached_ratio"] for s in measured(a, st)])[0]
 
         km, gm = mean_of("kvroute-engine"), mean_of("sglang-router")
         rows.append(
