@@ -157,12 +157,11 @@ impl std::fmt::Debug for SegmentEncoder {
 impl SegmentEncoder {
     /// Wraps `bpe`, with both caches bounded by `limits`.
     pub fn new(bpe: FastBpe, limits: CacheLimits) -> SegmentEncoder {
-        let mut enc = SegmentEncoder {
+        bpe.set_piece_cache_limits(limits.pieces.entries, limits.pieces.bytes);
+        SegmentEncoder {
             bpe,
             cache: Generational::new(limits.segments),
-        };
-        enc.set_limits(limits);
-        enc
+        }
     }
 
     /// Bounds (and empties) the segment and piece caches.
