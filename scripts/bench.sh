@@ -2,7 +2,7 @@
 # Runs kvroute's end-to-end benchmarks and writes the result tables into docs/:
 #
 #   small      docs/bench-small.md      small preset: 4 workloads x 5 strategies on 4 endpoints
-#   placement  docs/bench-placement.md  issue 7's constrained workload (2 endpoints x 256 blocks,
+#   placement  docs/bench-placement.md  the constrained workload (2 endpoints x 256 blocks,
 #                                       10 system prompts of ~600 tokens, 40 users x 4 turns),
 #                                       staggered and burst (9 runs each, medians): round robin, sticky, kvroute,
 #                                       sglang-router 0.3.2, oracle; one-shot and hot-prefix; targets

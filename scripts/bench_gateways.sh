@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 5: 1 vs 4 Envoy gateways (each with the kvroute filter) sharing one kvroute-inventory.
+# 1 vs 4 Envoy gateways (each with the kvroute filter) sharing one kvroute-inventory.
 # Called by scripts/bench.sh (which has installed Envoy, built the .wasm and the release binaries);
 # writes gateways-1.{json,md} and gateways-4.{json,md} into OUT_DIR.
 #

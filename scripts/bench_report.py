@@ -4,7 +4,7 @@
 usage: bench_report.py PART RESULTS_DIR OUT.md     PART: small, placement, scale, gateways
 
 Each part reads the files bench.sh wrote into RESULTS_DIR (<part>*.json, and the markdown
-table kvroute-bench printed, <part>*.md) and writes one page. `placement` also judges issue 7's
+table kvroute-bench printed, <part>*.md) and writes one page. `placement` also judges the constrained fleet's
 targets from the figures (met / not met, with the numbers).
 """
 
@@ -106,7 +106,7 @@ def mean_sd(values):
 
 
 def placement(res: Path, out: Path):
-    # Multi-turn runs per arrival (bench.sh exports it; issue 7's own table is a median of 3).
+    # Multi-turn runs per arrival (bench.sh exports it).
     RUNS = int(os.environ.get("KVROUTE_PLACEMENT_RUNS", "9"))
     runs = {
         a: [load(res / f"placement-{a}-{i}.json") for i in range(1, RUNS + 1)]
@@ -129,7 +129,7 @@ def placement(res: Path, out: Path):
         return {k: median([s[k] for s in found]) for k in keys}
 
     text = (
-        "# Benchmark: placement on a constrained fleet (issue 7)\n\n"
+        "# Benchmark: placement on a constrained fleet\n\n"
         f"Measured {stamp()} by `scripts/bench.sh placement` (kvroute-bench `--preset constrained`, "
         "the Qwen3 tokenizer, vLLM simulators with a vLLM-like free-block queue). "
         f"Workload: {shape_line(runs['staggered'][0])}; burst = every user at once "
@@ -249,7 +249,7 @@ def scale(res: Path, out: Path):
     d = load(res / "scale.json")
     sums = d["summaries"]
     text = (
-        "# Benchmark: scale curve (issue 5)\n\n"
+        "# Benchmark: scale curve\n\n"
         f"Measured {stamp()} by `scripts/bench.sh scale`. Workload: {shape_line(d)}; the same "
         "sessions at every fleet size, 4 requests in flight per endpoint.\n\n"
         "| endpoints | round robin | kvroute-engine | oracle | kvroute / round robin | kvroute / oracle "
@@ -275,7 +275,7 @@ def scale(res: Path, out: Path):
 
 def gateways(res: Path, out: Path):
     text = (
-        "# Benchmark: 1 vs 4 Envoy gateways sharing one inventory (issue 5)\n\n"
+        "# Benchmark: 1 vs 4 Envoy gateways sharing one inventory\n\n"
         f"Measured {stamp()} by `scripts/bench.sh gateways`: one kvroute-inventory, the same "
         "simulators, Envoy + the kvroute filter; the driver spreads requests round robin over the "
         "gateways, so turns of one conversation cross gateways. Caches and the inventory are "

@@ -133,7 +133,7 @@ if ! tokenizer_ok; then
     tokenizer_ok || fail "tokenizer: $TOKENIZER_DIR incomplete after copy"
 fi
 
-# --- 3b. sglang-router (issue 7's peer in the benchmark and its test), in its own venv --------
+# --- 3b. sglang-router (the benchmark's peer router and its test), in its own venv --------
 SGLANG_ROUTER_VERSION="0.3.2"
 ROUTER_VENV="$KVROUTE_CACHE/sglang-router-venv"
 router_ok() {

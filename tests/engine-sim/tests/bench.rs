@@ -119,7 +119,7 @@ fn bench_routes_through_the_inventory() {
     }
 }
 
-/// The sglang-router peer (issue 7): the real router (sglang-router 0.3.2, installed by
+/// The sglang-router peer: the real router (sglang-router 0.3.2, installed by
 /// scripts/setup.sh into .cache/sglang-router-venv) proxies the workload to the simulators;
 /// the bench reads cached tokens and the serving simulator through it, and stops it afterwards.
 #[test]

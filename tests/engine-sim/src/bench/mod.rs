@@ -6,8 +6,8 @@
 //! run. Output: a markdown table on stdout (and `--markdown`), every summary in `--json`.
 //!
 //! Presets: `small` runs all four workloads x five strategies on 4 endpoints in about a minute;
-//! `full` is issue 5's sizes (200 users x 5 turns over 10 system prompts of ~1000 words);
-//! `constrained` is issue 7's: 2 endpoints of 256 blocks, 40 users x 4 turns over 10 system
+//! `full` is the large fleet's sizes (200 users x 5 turns over 10 system prompts of ~1000 words);
+//! `constrained`: 2 endpoints of 256 blocks, 40 users x 4 turns over 10 system
 //! prompts of ~600 tokens (the aggregate cache holds between 1x and 2x the shared prefixes).
 
 pub mod driver;
@@ -38,7 +38,7 @@ use workload::{Arrival, Kind, Shape};
     about = "Drive workloads through routing strategies over simulated engines and report prefill saved"
 )]
 pub struct BenchArgs {
-    /// small (about a minute), full (issue 5's sizes) or constrained (issue 7's: 2 endpoints x
+    /// small (about a minute), full (200 users x 5 turns) or constrained (2 endpoints x
     /// 256 blocks, 10 system prompts of ~600 tokens, 40 users x 4 turns).
     #[arg(long, default_value = "small")]
     pub preset: String,

@@ -17,7 +17,7 @@ use serde_json::Value;
 
 use super::fleet::{free_port, Proc};
 
-/// The router version the benchmark pins (issue 7).
+/// The router version the benchmark pins.
 pub const SGLANG_ROUTER_VERSION: &str = "0.3.2";
 
 /// Where `scripts/bench.sh` installs the router's virtualenv, relative to the repository root.

@@ -8,7 +8,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-/// The workload shapes of issue 5.
+/// The workload shapes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum Kind {
