@@ -77,6 +77,26 @@ if ! command -v redis-server >/dev/null 2>&1 || ! command -v redis-cli >/dev/nul
     apt_install "redis" redis-server redis-tools
 fi
 
+# --- 1c. prometheus and promtool (tests/tests/prometheus.rs starts its own on a free port) ---
+# --no-install-recommends: the recommended node exporter would be one more service on a fixed
+# port. On a machine running systemd (or sysvinit) the package's postinst starts a system
+# Prometheus on :9090; the tests never use it, so it is stopped and disabled once here.
+if ! command -v prometheus >/dev/null 2>&1 || ! command -v promtool >/dev/null 2>&1; then
+    note "installing prometheus from apt (monitoring test)"
+    apt_install "prometheus" --no-install-recommends prometheus
+    prom_sudo=""
+    [[ "$(id -u)" == 0 ]] || prom_sudo="sudo"
+    if [[ -d /run/systemd/system ]] && systemctl is-enabled --quiet prometheus.service 2>/dev/null; then
+        $prom_sudo systemctl disable --now prometheus.service >/dev/null 2>&1 ||
+            fail "prometheus: cannot stop and disable the system prometheus.service"
+    elif [[ -x /etc/init.d/prometheus ]] && /etc/init.d/prometheus status >/dev/null 2>&1; then
+        $prom_sudo /etc/init.d/prometheus stop >/dev/null 2>&1 ||
+            fail "prometheus: cannot stop the system prometheus init script"
+        $prom_sudo update-rc.d prometheus disable >/dev/null 2>&1 || true
+    fi
+    command -v promtool >/dev/null 2>&1 || fail "prometheus: promtool missing after installing prometheus"
+fi
+
 # --- 2. Envoy ---------------------------------------------------------------------------------
 ENVOY_BIN="$KVROUTE_CACHE/envoy/envoy"
 envoy_ok() {
