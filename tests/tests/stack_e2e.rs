@@ -19,6 +19,8 @@ use serde_json::{json, Value};
 const MODEL: &str = "Qwen/Qwen3-0.6B";
 const TOKEN: &str = "stack-e2e-token";
 const SIM_IPS: [&str; 3] = ["127.0.0.31", "127.0.0.32", "127.0.0.33"];
+/// The load test's simulators: other addresses, so both tests of this file can run at once.
+const LOAD_SIM_IPS: [&str; 3] = ["127.0.0.34", "127.0.0.35", "127.0.0.36"];
 const SIM_HEADER: &str = "x-kvroute-sim";
 
 fn bin(name: &str) -> Result<PathBuf> {
@@ -94,6 +96,7 @@ fn envoy_config(
     inventory: SocketAddr,
     sims: &[Sim],
     rule: &str,
+    fast_health_checks: bool,
 ) -> Result<Value> {
     let text = std::fs::read_to_string(harness::repo_root().join("envoy/envoy.yaml"))?;
     let mut cfg: Value = serde_yaml::from_str(&text)?;
@@ -131,8 +134,10 @@ fn envoy_config(
                     .map(|s| json!({"endpoint": {"address": {"socket_address": {"address": s.addr.ip().to_string(), "port_value": s.addr.port()}}}}))
                     .collect();
                 cluster["load_assignment"]["endpoints"] = json!([{"lb_endpoints": eps}]);
-                cluster["health_checks"][0]["interval"] = json!("0.2s");
-                cluster["health_checks"][0]["no_traffic_interval"] = json!("0.2s");
+                if fast_health_checks {
+                    cluster["health_checks"][0]["interval"] = json!("0.2s");
+                    cluster["health_checks"][0]["no_traffic_interval"] = json!("0.2s");
+                }
             }
             Some("kvroute_inventory") => {
                 cluster["type"] = json!("STATIC");
@@ -199,26 +204,40 @@ async fn chat(
 /// One ZMQ port for the rule (kvZmqPort), free on every simulator's address and below the
 /// kernel's ephemeral range: a port picked by binding port 0 comes from that range, so a
 /// simulator's own HTTP listener (also port 0) could take it before its ZMQ publisher binds.
-fn zmq_port() -> u16 {
-    let start = (std::process::id() % 600) as u16 * 20;
+fn zmq_port(ips: &[&str]) -> u16 {
+    let start = (std::process::id() % 600) as u16 * 20 + u16::from(ips == LOAD_SIM_IPS) * 3;
     (0..500u16)
         .map(|i| 20_000 + (start + i * 7) % 12_000)
         .find(|p| {
-            let held: Vec<_> = SIM_IPS
+            let held: Vec<_> = ips
                 .iter()
                 .filter_map(|ip| TcpListener::bind((*ip, *p)).ok())
                 .collect();
-            held.len() == SIM_IPS.len()
+            held.len() == ips.len()
         })
         .expect("a port free on every simulator address")
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn conversation_sticks_to_its_prefix_and_falls_back_when_the_engine_dies() {
+/// The running stack: simulators, the inventory, Envoy with the filter (tokenizer loaded).
+struct Stack {
+    _dir: TempDir,
+    sims: Vec<Sim>,
+    _inv_child: ChildGuard,
+    inv: SocketAddr,
+    rule_id: String,
+    gw_port: u16,
+    admin_port: u16,
+    envoy: Envoy,
+    client: reqwest::Client,
+}
+
+/// Starts the stack. `fast_health_checks`: Envoy probes every 200 ms instead of the shipped 5 s
+/// (the fall-back test waits for the probe; the load test must not lean on it).
+async fn start_stack(ips: &[&str], fast_health_checks: bool) -> Stack {
     let dir = TempDir::new("stack-e2e").unwrap();
-    let zmq_port = zmq_port();
+    let zmq_port = zmq_port(ips);
     let mut sims = Vec::new();
-    for ip in SIM_IPS {
+    for ip in ips {
         sims.push(start_sim(ip, zmq_port, &dir).await.unwrap());
     }
 
@@ -271,7 +290,7 @@ async fn conversation_sticks_to_its_prefix_and_falls_back_when_the_engine_dies()
         .to_string();
 
     let admin_port = harness::free_port().unwrap();
-    let cfg = envoy_config(gw_port, admin_port, inv, &sims, &rule).unwrap();
+    let cfg = envoy_config(gw_port, admin_port, inv, &sims, &rule, fast_health_checks).unwrap();
     let envoy = Envoy::start(&cfg, admin_port).await.unwrap();
 
     // Until the worker VM has its tokenizer, requests pass unpinned: wait for it (bounded), with
@@ -288,6 +307,26 @@ async fn conversation_sticks_to_its_prefix_and_falls_back_when_the_engine_dies()
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 
+    Stack {
+        _dir: dir,
+        sims,
+        _inv_child: inv_child,
+        inv,
+        rule_id,
+        gw_port,
+        admin_port,
+        envoy,
+        client,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn conversation_sticks_to_its_prefix_and_falls_back_when_the_engine_dies() {
+    // Held whole: its other fields (the inventory process, the temp dir) must live to the end.
+    let mut stack = start_stack(&SIM_IPS, true).await;
+    let (inv, gw_port, admin_port) = (stack.inv, stack.gw_port, stack.admin_port);
+    let (client, rule_id) = (stack.client.clone(), stack.rule_id.clone());
+    let (envoy, sims) = (&stack.envoy, &mut stack.sims);
     let system = "You are the operations assistant of a large inference fleet. ".repeat(30);
     let mut messages = vec![
         json!({"role": "system", "content": system}),
@@ -391,4 +430,106 @@ async fn conversation_sticks_to_its_prefix_and_falls_back_when_the_engine_dies()
             "unknown simulator {sim:?}"
         );
     }
+}
+
+/// The number of `engines` hosts Envoy's `/clusters` reports healthy.
+async fn healthy_engines(client: &reqwest::Client, admin_port: u16) -> usize {
+    let Ok(r) = client
+        .get(format!("http://127.0.0.1:{admin_port}/clusters"))
+        .send()
+        .await
+    else {
+        return 0;
+    };
+    let text = r.text().await.unwrap_or_default();
+    text.lines()
+        .filter(|l| l.starts_with("engines::") && l.ends_with("::health_flags::healthy"))
+        .count()
+}
+
+/// An engine killed while conversations stream through the shipped configuration (production
+/// health-check intervals, not the fast ones of the test above): Envoy retries what never reached
+/// an engine and ejects the dead host, so clients see at most a handful of errors.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_engine_under_load_costs_at_most_a_handful_of_client_errors() {
+    const CLIENTS: usize = 8;
+    const PER_CLIENT: usize = 30;
+    /// A handful: what a request already on the dead engine's connection can lose.
+    const MAX_ERRORS: usize = 4;
+    let mut stack = start_stack(&LOAD_SIM_IPS, false).await;
+    let (gw_port, admin_port, client) = (stack.gw_port, stack.admin_port, stack.client.clone());
+    let (envoy, sims) = (&stack.envoy, &mut stack.sims);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while healthy_engines(&client, admin_port).await < sims.len() {
+        assert!(
+            Instant::now() < deadline,
+            "Envoy never saw every engine healthy:\n{}",
+            envoy.log()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+
+    let done = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let mut tasks = Vec::new();
+    for c in 0..CLIENTS {
+        let client = client.clone();
+        let done = done.clone();
+        tasks.push(tokio::spawn(async move {
+            let system = format!("You are assistant number {} of the fleet. ", c % 3).repeat(20);
+            let mut messages = vec![json!({"role": "system", "content": system})];
+            let mut outcomes: Vec<Result<(), String>> = Vec::with_capacity(PER_CLIENT);
+            for turn in 0..PER_CLIENT {
+                if messages.len() > 9 {
+                    messages.truncate(1);
+                }
+                messages.push(
+                    json!({"role": "user", "content": format!("Client {c}, question {turn}.")}),
+                );
+                let r = chat(&client, gw_port, &messages).await;
+                if let Ok((_, _, answer)) = &r {
+                    messages.push(json!({"role": "assistant", "content": answer}));
+                } else {
+                    messages.pop();
+                }
+                outcomes.push(r.map(|_| ()).map_err(|e| e.to_string()));
+                done.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            }
+            outcomes
+        }));
+    }
+    // Kill an engine a third of the way through.
+    let total = CLIENTS * PER_CLIENT;
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while done.load(std::sync::atomic::Ordering::Relaxed) < total / 3 {
+        assert!(
+            Instant::now() < deadline,
+            "the load never got a third of the way"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let victim = sims[0].name.clone();
+    drop(sims[0].child.take());
+    let killed_at = done.load(std::sync::atomic::Ordering::Relaxed);
+
+    let mut errors = Vec::new();
+    let mut finished = 0;
+    for t in tasks {
+        let outcomes = tokio::time::timeout(Duration::from_secs(180), t)
+            .await
+            .expect("the load finished within 180 s")
+            .expect("a client task");
+        finished += outcomes.len();
+        errors.extend(outcomes.into_iter().filter_map(Result::err));
+    }
+    assert_eq!(finished, total);
+    println!(
+        "killed {victim} after {killed_at} of {total} requests: {} client errors",
+        errors.len()
+    );
+    assert!(
+        errors.len() <= MAX_ERRORS,
+        "{} of {total} requests failed after an engine was killed (at most {MAX_ERRORS} allowed): {errors:?}\n{}",
+        errors.len(),
+        envoy.log()
+    );
 }
