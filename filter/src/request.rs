@@ -348,9 +348,13 @@ impl RequestFilter {
             Some("200") => RouteAnswer::parse(body).ok_or(FailReason::BadResponse),
             Some("504") => Err(FailReason::Timeout),
             Some("503") => Err(FailReason::Unavailable),
-            // No response at all (Envoy reset the callout: connection closed, or the timeout
-            // fired after the headers, while the body trickled in).
-            None if elapsed_ns >= duration_ns(self.vm.config.timeout) => Err(FailReason::Timeout),
+            // No response at all: Envoy reset the callout (connection closed, or its timeout
+            // fired after the headers, while the body trickled in). Envoy arms that timer from
+            // its event loop's cached clock, which can lag the filter's clock by a loop
+            // iteration under load, so from half the timeout on it counts as the timeout.
+            None if elapsed_ns.saturating_mul(2) >= duration_ns(self.vm.config.timeout) => {
+                Err(FailReason::Timeout)
+            }
             None => Err(FailReason::Unavailable),
             Some(_) => Err(FailReason::Status),
         };
@@ -363,7 +367,11 @@ impl RequestFilter {
                 self.fail_open(
                     host,
                     reason,
-                    &format!("route answer status {}", status.unwrap_or("none")),
+                    &format!(
+                        "route answer status {} after {} us",
+                        status.unwrap_or("none"),
+                        elapsed_ns / 1000
+                    ),
                 );
                 host.resume_request();
             }

@@ -301,7 +301,8 @@ async fn expect_stat(gw: &Gateway, name: &str, want: u64) {
         .wait_for_stat(&full, Duration::from_secs(5), |v| v == want)
         .await
     {
-        panic!("{e:#}\n{}", gw.envoy.log());
+        let stats = gw.envoy.stats("fail_open").await.unwrap_or_default();
+        panic!("{e:#}\n{stats:?}\n{}", gw.envoy.log());
     }
 }
 
