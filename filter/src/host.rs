@@ -332,14 +332,18 @@ mod abi {
         }
     }
 
-    /// A property path as the ABI takes it: each segment followed by a NUL.
+    /// A property path as the ABI takes it: the segments joined by NUL (`upstream\0address`),
+    /// no trailing NUL (Envoy then looks up a name ending in an empty segment).
     fn property_path(path: &[&str]) -> Vec<u8> {
-        let mut bytes = Vec::with_capacity(path.iter().map(|p| p.len() + 1).sum());
-        for part in path {
-            bytes.extend_from_slice(part.as_bytes());
-            bytes.push(0);
-        }
-        bytes
+        path.join("\0").into_bytes()
+    }
+
+    #[cfg(test)]
+    #[test]
+    fn property_paths_are_nul_separated() {
+        assert_eq!(property_path(&["upstream", "address"]), b"upstream\0address");
+        assert_eq!(property_path(&["kvroute_pin"]), b"kvroute_pin");
+        assert_eq!(property_path(&[]), b"");
     }
 
     pub fn log(level: u32, message: &str) {
