@@ -2,7 +2,7 @@
 //!
 //! The routing logic ([`crate::plugin`], [`crate::request`]) sees the [`Host`] trait and never
 //! `proxy_wasm`, so it runs in native unit tests against a fake host ([`testing::FakeHost`]).
-//! [`ProxyHost`] is the real implementation over the proxy-wasm hostcalls; together with `lib.rs`
+//! [`ProxyHost`] is the real implementation over the proxy-wasm ABI imports; together with `lib.rs`
 //! it is the only code that touches the SDK. Every hostcall failure is swallowed here and reported
 //! as `None`/`false`: a filter that cannot log or count must still pass the request through
 //! (fail open).
@@ -341,7 +341,10 @@ mod abi {
     #[cfg(test)]
     #[test]
     fn property_paths_are_nul_separated() {
-        assert_eq!(property_path(&["upstream", "address"]), b"upstream\0address");
+        assert_eq!(
+            property_path(&["upstream", "address"]),
+            b"upstream\0address"
+        );
         assert_eq!(property_path(&["kvroute_pin"]), b"kvroute_pin");
         assert_eq!(property_path(&[]), b"");
     }
