@@ -16,7 +16,9 @@ KVROUTE_CACHE="${KVROUTE_CACHE:-$REPO/.cache}"
 TARGET=wasm32-unknown-unknown
 PROFILE=release-wasm
 TARGET_DIR="${KVROUTE_WASM_TARGET_DIR:-$REPO/target-wasm}"
-OUT="$KVROUTE_CACHE/wasm/kvroute_filter.wasm"
+# KVROUTE_WASM_FEATURES / KVROUTE_WASM_OUT: a test build (e.g. the `test-crash-hook` feature) to
+# another file; the default is the shipped module.
+OUT="${KVROUTE_WASM_OUT:-$KVROUTE_CACHE/wasm/kvroute_filter.wasm}"
 
 fail() {
     echo "build-wasm.sh: $*" >&2
@@ -27,6 +29,7 @@ cd "$REPO"
 export RUSTFLAGS="${RUSTFLAGS:+$RUSTFLAGS }--cfg getrandom_backend=\"custom\""
 
 args=(build -p kvroute-filter --lib --profile "$PROFILE" --target "$TARGET" --target-dir "$TARGET_DIR")
+[[ -n "${KVROUTE_WASM_FEATURES:-}" ]] && args+=(--features "$KVROUTE_WASM_FEATURES")
 if command -v rustup >/dev/null 2>&1 &&
     [[ "$(rustup target list --installed 2>/dev/null)" == *"$TARGET"* ]]; then
     toolchain="rustup"

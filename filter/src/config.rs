@@ -111,6 +111,10 @@ pub struct RawConfig {
     pub key_cache_bytes: Option<u64>,
     #[serde(default)]
     pub key_cache_entries: Option<u64>,
+    /// Credential for the inventory's `/v1/route` (its `--route-token-file`): sent as
+    /// `authorization: Bearer <token>` on every callout; absent = no header.
+    #[serde(default)]
+    pub route_token: Option<String>,
 }
 
 /// The checked configuration.
@@ -131,6 +135,25 @@ pub struct Config {
     pub caches: CacheLimits,
     /// Bounds of the block-key cache.
     pub key_cache: Limits,
+    /// Bearer credential sent on callouts (`route_token`).
+    pub route_token: Option<RouteToken>,
+}
+
+/// A validated `route_token`: non-empty, printable ASCII (a header value). Its `Debug` hides it.
+#[derive(Clone, PartialEq, Eq)]
+pub struct RouteToken(String);
+
+impl RouteToken {
+    /// The token text.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl std::fmt::Debug for RouteToken {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("RouteToken(<redacted>)")
+    }
 }
 
 impl Default for Config {
@@ -152,6 +175,7 @@ impl Default for Config {
                 entries: 131_072,
                 bytes: 16 << 20,
             },
+            route_token: None,
         }
     }
 }
@@ -172,7 +196,7 @@ pub enum ConfigError {
         "plugin configuration is not a JSON object with fields rule, inventory_cluster, inventory_authority, \
          timeout_ms, max_body_bytes, pin_header, tokenize (filter|service), tokenizer (inventory|embedded|none), \
          model, refresh_ms, pin_mode (header|filter_state), segment_cache_bytes, segment_cache_entries, \
-         piece_cache_bytes, piece_cache_entries, key_cache_bytes, key_cache_entries: {0}"
+         piece_cache_bytes, piece_cache_entries, key_cache_bytes, key_cache_entries, route_token: {0}"
     )]
     Json(String),
     #[error("invalid plugin configuration: {}", .0.iter().map(ToString::to_string).collect::<Vec<_>>().join("; "))]
@@ -330,6 +354,22 @@ impl TryFrom<RawConfig> for Config {
                 });
             }
         }
+        let route_token = match raw.route_token {
+            None => None,
+            Some(t) if !t.is_empty() && t.bytes().all(|b| b.is_ascii_graphic()) => {
+                Some(RouteToken(t))
+            }
+            Some(t) => {
+                problems.push(Problem {
+                    field: "route_token",
+                    // Never echo a credential: its length is enough to find the mistake.
+                    value: format!("a string of {} bytes", t.len()),
+                    allowed:
+                        "a non-empty string of printable ASCII (no spaces or control characters)",
+                });
+                None
+            }
+        };
         if !problems.is_empty() {
             return Err(ConfigError::Invalid(problems));
         }
@@ -347,6 +387,7 @@ impl TryFrom<RawConfig> for Config {
             pin_mode: raw.pin_mode.unwrap_or_default(),
             caches,
             key_cache,
+            route_token,
         })
     }
 }
@@ -427,5 +468,27 @@ mod tests {
             .to_string();
         assert!(err.contains("tokenize (filter|service)"), "{err}");
         assert!(Config::parse(br#"{"nope":1}"#).is_err());
+    }
+
+    #[test]
+    fn route_token_is_checked_and_never_printed() {
+        let c = Config::parse(br#"{"route_token":"s3cr3t-Token_1"}"#).unwrap();
+        assert_eq!(
+            c.route_token.as_ref().map(RouteToken::as_str),
+            Some("s3cr3t-Token_1")
+        );
+        assert!(!format!("{c:?}").contains("s3cr3t"));
+        for bad in [
+            r#""""#,
+            r#""a\nb""#,
+            r#""a b""#,
+            r#""tok\u0000""#,
+            r#""caf\u00e9""#,
+        ] {
+            let json = format!(r#"{{"route_token":{bad}}}"#);
+            let err = Config::parse(json.as_bytes()).unwrap_err().to_string();
+            assert!(err.contains("route_token: got a string of"), "{bad}: {err}");
+            assert!(err.contains("printable ASCII"), "{err}");
+        }
     }
 }

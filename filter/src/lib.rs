@@ -69,7 +69,7 @@ impl Context for Root {
 impl Root {
     /// Re-arms the tick so the next load starts without waiting for a long idle period.
     fn tick_soon(&self) {
-        let _ = proxy_wasm::hostcalls::set_tick_period(plugin::LOADING_TICK);
+        host::set_tick_period(plugin::LOADING_TICK);
     }
 }
 
@@ -79,14 +79,7 @@ impl RootContext for Root {
     }
 
     fn on_configure(&mut self, _plugin_configuration_size: usize) -> bool {
-        let bytes = proxy_wasm::hostcalls::get_buffer(
-            proxy_wasm::types::BufferType::PluginConfiguration,
-            0,
-            usize::MAX,
-        )
-        .ok()
-        .flatten()
-        .unwrap_or_default();
+        let bytes = host::plugin_configuration();
         let ok = self.plugin.configure(&ProxyHost, &bytes);
         // Loads start from the first tick: callouts are not reliable inside on_configure.
         self.tick_soon();
@@ -95,7 +88,7 @@ impl RootContext for Root {
 
     fn on_tick(&mut self) {
         let period = self.plugin.on_tick(&ProxyHost);
-        let _ = proxy_wasm::hostcalls::set_tick_period(period);
+        host::set_tick_period(period);
     }
 
     fn create_http_context(&self, _context_id: u32) -> Option<Box<dyn HttpContext>> {
@@ -139,6 +132,13 @@ impl Context for Http {
 
 impl HttpContext for Http {
     fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
+        #[cfg(feature = "test-crash-hook")]
+        if ProxyHost
+            .header_bytes(Headers::Request, "x-test-crash-vm")
+            .is_some()
+        {
+            crash_vm();
+        }
         action(self.request.on_request_headers(&ProxyHost, end_of_stream))
     }
 
@@ -159,6 +159,15 @@ impl HttpContext for Http {
                 .on_response_body(&ProxyHost, body_size, end_of_stream),
         )
     }
+}
+
+/// Traps the VM (test builds only, see the `test-crash-hook` feature).
+#[cfg(feature = "test-crash-hook")]
+fn crash_vm() -> ! {
+    #[cfg(target_arch = "wasm32")]
+    core::arch::wasm32::unreachable();
+    #[cfg(not(target_arch = "wasm32"))]
+    std::process::abort();
 }
 
 fn action(step: Step) -> Action {

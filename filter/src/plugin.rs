@@ -248,6 +248,7 @@ impl Plugin {
             authority: &c.inventory_authority,
             body: None,
             timeout: LOAD_TIMEOUT,
+            bearer: c.route_token.as_ref().map(|t| t.as_str()),
         };
         match host.dispatch(&call) {
             Some(token) => self.pending = Some((token, what)),

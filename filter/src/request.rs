@@ -77,6 +77,10 @@ pub struct RequestFilter {
     tail: Tail,
 }
 
+fn duration_ns(d: std::time::Duration) -> u64 {
+    u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
+}
+
 fn routed_endpoint(path: &str) -> Option<Endpoint> {
     let path = path.split(['?', '#']).next().unwrap_or(path);
     match path {
@@ -125,7 +129,8 @@ impl RequestFilter {
         let stats = &self.vm.stats;
         stats.inc(host, Stat::Requests);
         for name in self.routing_headers() {
-            if host.header(Headers::Request, name).is_some() {
+            // By presence, as bytes: a value that is not UTF-8 is removed like any other.
+            if host.header_bytes(Headers::Request, name).is_some() {
                 host.set_header(Headers::Request, name, None);
                 stats.inc(host, Stat::SpoofedHeaders);
             }
@@ -142,7 +147,10 @@ impl RequestFilter {
         let (Some("POST"), Some(endpoint)) = (method.as_deref(), endpoint) else {
             return Step::Continue;
         };
-        if let Some(ct) = host.header(Headers::Request, "content-type") {
+        if let Some(ct) = host.header_bytes(Headers::Request, "content-type") {
+            let Ok(ct) = String::from_utf8(ct) else {
+                return self.fail_open(host, FailReason::BadHeader, "content-type is not UTF-8");
+            };
             if !ct.to_ascii_lowercase().contains("json") {
                 return Step::Continue;
             }
@@ -304,6 +312,7 @@ impl RequestFilter {
             authority: &c.inventory_authority,
             body: Some(&json),
             timeout: c.timeout,
+            bearer: c.route_token.as_ref().map(|t| t.as_str()),
         };
         match host.dispatch(&call) {
             Some(token) => {
@@ -331,16 +340,23 @@ impl RequestFilter {
         if self.state != (RequestState::AwaitingRoute { token }) {
             return;
         }
-        self.vm.stats.record(
-            host,
-            Stat::CalloutUs,
-            host.now_nanos().saturating_sub(self.dispatched_ns) / 1000,
-        );
+        let elapsed_ns = host.now_nanos().saturating_sub(self.dispatched_ns);
+        self.vm
+            .stats
+            .record(host, Stat::CalloutUs, elapsed_ns / 1000);
         let answer = match status {
             Some("200") => RouteAnswer::parse(body).ok_or(FailReason::BadResponse),
             Some("504") => Err(FailReason::Timeout),
             Some("503") => Err(FailReason::Unavailable),
-            _ => Err(FailReason::Status),
+            // No response at all: Envoy reset the callout (connection closed, or its timeout
+            // fired after the headers, while the body trickled in). Envoy arms that timer from
+            // its event loop's cached clock, which can lag the filter's clock by a loop
+            // iteration under load, so from half the timeout on it counts as the timeout.
+            None if elapsed_ns.saturating_mul(2) >= duration_ns(self.vm.config.timeout) => {
+                Err(FailReason::Timeout)
+            }
+            None => Err(FailReason::Unavailable),
+            Some(_) => Err(FailReason::Status),
         };
         match answer {
             Ok(a) => {
@@ -351,7 +367,11 @@ impl RequestFilter {
                 self.fail_open(
                     host,
                     reason,
-                    &format!("route answer status {}", status.unwrap_or("none")),
+                    &format!(
+                        "route answer status {} after {} us",
+                        status.unwrap_or("none"),
+                        elapsed_ns / 1000
+                    ),
                 );
                 host.resume_request();
             }
@@ -434,7 +454,7 @@ impl RequestFilter {
     /// otherwise look like a cache that evicts).
     pub fn on_response_headers(&mut self, host: &dyn Host) -> Step {
         let pin = self.vm.config.pin_header.clone();
-        if host.header(Headers::Response, &pin).is_some() {
+        if host.header_bytes(Headers::Response, &pin).is_some() {
             host.set_header(Headers::Response, &pin, None);
         }
         if let Some(target) = self.pinned_to.take() {
@@ -703,7 +723,9 @@ mod tests {
             (Some("503"), b"", "unavailable"),
             (Some("500"), b"boom", "status"),
             (Some("200"), b"garbage", "bad_response"),
-            (None, b"", "status"),
+            (Some("401"), b"", "status"),
+            (Some("\u{fffd}"), b"", "status"),
+            (None, b"", "unavailable"),
         ] {
             let host = FakeHost::default();
             let p = ready(&host, CFG);
@@ -720,6 +742,106 @@ mod tests {
                 "{stat}"
             );
         }
+    }
+
+    #[test]
+    fn a_callout_without_an_answer_past_its_timeout_counts_as_a_timeout() {
+        let host = FakeHost::default();
+        let p = ready(&host, CFG);
+        let (mut r, _) = to_callout(&host, &p, "/v1/completions", br#"{"prompt":"hello"}"#);
+        // Envoy reset the callout 30 ms later (its 25 ms timeout fired mid-body).
+        host.clock.set(host.clock.get() + 30_000_000);
+        host.no_answer();
+        r.on_route_response(&host, 1, None, b"");
+        assert_eq!(host.resumed.get(), 1);
+        assert_eq!(r.state(), RequestState::Forwarded { pinned: false });
+        assert_eq!(
+            host.counter("kvroute_filter_fail_open_timeout_total"),
+            Some(1)
+        );
+        assert_eq!(
+            host.counter("kvroute_filter_fail_open_unavailable_total"),
+            Some(0)
+        );
+    }
+
+    #[test]
+    fn routing_headers_that_are_not_utf8_are_removed_and_the_request_still_routes() {
+        let host = FakeHost::default();
+        let p = ready(&host, CFG);
+        let body = br#"{"prompt":"hello"}"#;
+        post(&host, "/v1/completions", body);
+        for name in [
+            "x-kvroute-pin",
+            PREFILLER_HEADER,
+            TIER_HEADER,
+            MATCHED_HEADER,
+        ] {
+            host.raw_request_headers
+                .borrow_mut()
+                .insert(name.into(), b"\xff\xfe".to_vec());
+        }
+        let mut r = p.new_request();
+        assert_eq!(r.on_request_headers(&host, false), Step::Pause);
+        assert!(host.raw_request_headers.borrow().is_empty());
+        assert_eq!(
+            host.counter("kvroute_filter_spoofed_headers_total"),
+            Some(4)
+        );
+        assert_eq!(r.on_request_body(&host, body.len(), true), Step::Pause);
+        r.on_route_response(&host, 1, Some("200"), HIT);
+        assert_eq!(r.state(), RequestState::Forwarded { pinned: true });
+        assert_eq!(host.req_header(TIER_HEADER).as_deref(), Some("tier15"));
+    }
+
+    #[test]
+    fn a_content_type_that_is_not_utf8_fails_open_and_is_counted() {
+        let host = FakeHost::default();
+        let p = ready(&host, CFG);
+        post(&host, "/v1/completions", br#"{"prompt":"hello"}"#);
+        host.raw_request_headers
+            .borrow_mut()
+            .insert("content-type".into(), b"application/json\xff".to_vec());
+        let mut r = p.new_request();
+        assert_eq!(r.on_request_headers(&host, false), Step::Continue);
+        assert_eq!(r.state(), RequestState::Forwarded { pinned: false });
+        assert!(host.calls.borrow().is_empty());
+        assert_eq!(
+            host.counter("kvroute_filter_fail_open_bad_header_total"),
+            Some(1)
+        );
+    }
+
+    #[test]
+    fn route_token_goes_out_as_a_bearer_header_on_every_callout() {
+        let host = FakeHost::default();
+        let mut p = Plugin::new();
+        p.configure(&host, br#"{"rule":"10.0.0.1:8080","route_token":"t0k3n"}"#);
+        p.note_traffic();
+        p.on_tick(&host);
+        p.on_call_response(&host, 1, Some("200"), CONTRACT);
+        p.on_tick(&host);
+        let (_r, _) = {
+            p.on_call_response(&host, 2, Some("200"), tiny_tokenizer_json().as_bytes());
+            p.on_tick(&host);
+            p.on_call_response(&host, 3, Some("200"), TINY_CONFIG.as_bytes());
+            to_callout(&host, &p, "/v1/completions", br#"{"prompt":"hello"}"#)
+        };
+        let calls = host.calls.borrow();
+        assert_eq!(calls.len(), 4, "{calls:?}");
+        for c in calls.iter() {
+            assert_eq!(
+                c.authorization.as_deref(),
+                Some("Bearer t0k3n"),
+                "{}",
+                c.path
+            );
+        }
+        drop(calls);
+        let host = FakeHost::default();
+        let p = ready(&host, CFG);
+        let _ = to_callout(&host, &p, "/v1/completions", br#"{"prompt":"hello"}"#);
+        assert_eq!(host.calls.borrow()[0].authorization, None);
     }
 
     #[test]

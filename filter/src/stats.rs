@@ -32,11 +32,13 @@ pub enum FailReason {
     BadResponse,
     /// The request ended (client reset) while the filter held it.
     Aborted,
+    /// A request header the filter reads (`content-type`) is not valid UTF-8.
+    BadHeader,
 }
 
 impl FailReason {
     /// Every reason, in counter order.
-    pub const ALL: [FailReason; 11] = [
+    pub const ALL: [FailReason; 12] = [
         FailReason::BodyTooLarge,
         FailReason::BadRequest,
         FailReason::NoContract,
@@ -48,6 +50,7 @@ impl FailReason {
         FailReason::Status,
         FailReason::BadResponse,
         FailReason::Aborted,
+        FailReason::BadHeader,
     ];
 
     /// The label value.
@@ -64,6 +67,7 @@ impl FailReason {
             FailReason::Status => "status",
             FailReason::BadResponse => "bad_response",
             FailReason::Aborted => "aborted",
+            FailReason::BadHeader => "bad_header",
         }
     }
 }
@@ -251,7 +255,7 @@ const FIXED: [(Stat, &str, MetricKind); FIXED_LEN] = [
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Stats {
     fixed: [Option<CounterId>; FIXED_LEN],
-    fail: [Option<CounterId>; 11],
+    fail: [Option<CounterId>; FailReason::ALL.len()],
 }
 
 impl Stats {

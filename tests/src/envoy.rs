@@ -462,7 +462,31 @@ fn sock(addr: &str, port: u16) -> Value {
     json!({"socket_address": {"address": addr, "port_value": port}})
 }
 
-/// The bootstrap: listener → [buffer] → kvroute Wasm → stateful_session → router; clusters
+/// The Wasm filter's `failure_policy`, as in envoy/envoy.yaml (tests/tests/filter_manifests.rs
+/// checks they match).
+pub const FAILURE_POLICY: &str = "FAIL_RELOAD";
+
+/// The Wasm filter's `reload_config`, as in envoy/envoy.yaml.
+pub fn reload_config() -> Value {
+    json!({"backoff": {"base_interval": "1s"}})
+}
+
+/// The first filter, as in envoy/envoy.yaml: Envoy itself drops every routing header a client
+/// sends (all of `x-kvroute-*`, `x-prefiller-host-port`), so a dead VM cannot let one through,
+/// and the pin Envoy echoes never reaches the client.
+pub fn strip_filter() -> Value {
+    json!({"name": "envoy.filters.http.header_mutation", "typed_config": {
+    "@type": "type.googleapis.com/envoy.extensions.filters.http.header_mutation.v3.HeaderMutation",
+    "mutations": {
+        "request_mutations": [
+            {"remove_on_match": {"key_matcher": {"prefix": "x-kvroute-"}}},
+            {"remove": "x-prefiller-host-port"}
+        ],
+        "response_mutations": [{"remove": PIN_HEADER}]
+    }}})
+}
+
+/// The bootstrap: strip → [buffer] → kvroute Wasm → stateful_session → router; clusters
 /// `engines` (health-checked, outlier detection) and `kvroute_inventory`.
 pub fn bootstrap(b: &Bootstrap<'_>) -> Result<Value> {
     let wasm = harness::wasm_module()?;
@@ -482,14 +506,15 @@ pub fn bootstrap(b: &Bootstrap<'_>) -> Result<Value> {
     }
     let mut wasm_config = json!({
         "name": "kvroute",
-        "failure_policy": "FAIL_OPEN",
+        "failure_policy": FAILURE_POLICY,
+        "reload_config": reload_config(),
         "configuration": {"@type": "type.googleapis.com/google.protobuf.StringValue", "value": plugin.to_string()},
         "vm_config": {"vm_id": "kvroute", "runtime": "envoy.wasm.runtime.v8", "code": {"local": {"filename": wasm}}}
     });
     if b.variant == Variant::EnvoyFilter {
         wasm_config["allow_on_headers_stop_iteration"] = json!(true);
     }
-    let mut filters = Vec::new();
+    let mut filters = vec![strip_filter()];
     if !b.without_filter {
         filters.push(json!({"name": "envoy.filters.http.wasm", "typed_config": {
             "@type": "type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm", "config": wasm_config}}));
@@ -586,10 +611,21 @@ pub struct Gateway {
 
 impl Gateway {
     /// Starts Envoy with [`bootstrap`] on fresh ports and waits for its listener.
-    pub async fn start(mut b: Bootstrap<'_>) -> Result<Gateway> {
+    pub async fn start(b: Bootstrap<'_>) -> Result<Gateway> {
+        Gateway::start_with(b, |_| {}).await
+    }
+
+    /// [`Gateway::start`] with the bootstrap JSON changed by `edit` first (a test's own module,
+    /// a filter left out).
+    pub async fn start_with(
+        mut b: Bootstrap<'_>,
+        edit: impl FnOnce(&mut Value),
+    ) -> Result<Gateway> {
         b.listener_port = harness::free_port()?;
         b.admin_port = harness::free_port()?;
-        let envoy = harness::Envoy::start(&bootstrap(&b)?, b.admin_port).await?;
+        let mut config = bootstrap(&b)?;
+        edit(&mut config);
+        let envoy = harness::Envoy::start(&config, b.admin_port).await?;
         harness::wait_for_tcp(
             harness::local(b.listener_port),
             Duration::from_secs(10),
@@ -708,6 +744,28 @@ impl Gateway {
             .copied()
             .unwrap_or(0))
     }
+}
+
+/// The filter built with its `test-crash-hook` feature (a request carrying `x-test-crash-vm`
+/// traps the VM), at `<cache>/wasm/kvroute_filter_crash_hook.wasm`; built with
+/// scripts/build-wasm.sh when missing or older than the shipped module. Test use only.
+pub fn crash_hook_module() -> Result<PathBuf> {
+    let shipped = harness::wasm_module()?;
+    let out = shipped.with_file_name("kvroute_filter_crash_hook.wasm");
+    let modified = |p: &std::path::Path| std::fs::metadata(p).and_then(|m| m.modified()).ok();
+    if modified(&out).is_some() && modified(&out) >= modified(&shipped) {
+        return Ok(out);
+    }
+    let script = harness::repo_root().join("scripts/build-wasm.sh");
+    let status = Command::new(&script)
+        .env("KVROUTE_WASM_FEATURES", "test-crash-hook")
+        .env("KVROUTE_WASM_OUT", &out)
+        .status()
+        .with_context(|| format!("running {}", script.display()))?;
+    if !status.success() {
+        bail!("{} with test-crash-hook failed: {status}", script.display());
+    }
+    Ok(out)
 }
 
 /// A 127.0.0.1 address nothing listens on (the kernel just handed the port out and it was

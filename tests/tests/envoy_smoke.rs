@@ -218,4 +218,10 @@ fn wasm_module_imports_only_the_proxy_wasm_abi() {
             "missing export {name}; exports: {exports:?}"
         );
     }
+    // The crash hook exists only in the test build (`test-crash-hook`), never in this module.
+    let bytes = std::fs::read(harness::wasm_module().unwrap()).unwrap();
+    assert!(
+        !bytes.windows(15).any(|w| w == b"x-test-crash-vm"),
+        "the shipped module carries the test crash hook: rebuild it with scripts/build-wasm.sh"
+    );
 }

@@ -7,12 +7,14 @@
 use std::path::PathBuf;
 use std::process::Command;
 
-use kvroute_tests::envoy::{wasmplugin_companions, PIN_HEADER};
+use kvroute_tests::envoy::{
+    reload_config, strip_filter, wasmplugin_companions, FAILURE_POLICY, PIN_HEADER,
+};
 use kvroute_tests::harness::{self, TempDir};
 use serde_json::Value;
 
 /// Every plugin configuration field the filter accepts (filter/src/config.rs; unknown ones are refused).
-const PLUGIN_FIELDS: [&str; 12] = [
+const PLUGIN_FIELDS: [&str; 13] = [
     "rule",
     "inventory_cluster",
     "inventory_authority",
@@ -24,6 +26,7 @@ const PLUGIN_FIELDS: [&str; 12] = [
     "model",
     "refresh_ms",
     "pin_mode",
+    "route_token",
     "_comment",
 ];
 
@@ -87,16 +90,11 @@ fn envoy_yaml_has_the_filter_pinning_and_health_checks() {
         ]
     );
     let f = &hcm["http_filters"];
-    assert_eq!(
-        f[0]["typed_config"]["mutations"]["response_mutations"][0]["remove"],
-        PIN_HEADER
-    );
-    assert_eq!(
-        f[0]["typed_config"]["mutations"]["request_mutations"][0]["remove"],
-        PIN_HEADER
-    );
+    // The strip filter and the failure policy are exactly what the e2e tests run.
+    assert_eq!(f[0], strip_filter());
     let wasm = &f[1]["typed_config"]["config"];
-    assert_eq!(wasm["failure_policy"], "FAIL_OPEN");
+    assert_eq!(wasm["failure_policy"], FAILURE_POLICY);
+    assert_eq!(wasm["reload_config"], reload_config());
     assert_eq!(wasm["allow_on_headers_stop_iteration"], true);
     assert_eq!(wasm["vm_config"]["runtime"], "envoy.wasm.runtime.v8");
     let plugin: Value =
@@ -239,7 +237,9 @@ fn istio_envoyfilter_pair_is_complete() {
     let value = &patch["patch"]["value"];
     let cfg = &value["typed_config"]["config"];
     assert_eq!(cfg["allow_on_headers_stop_iteration"], true);
-    assert_eq!(cfg["failure_policy"], "FAIL_OPEN");
+    assert_eq!(cfg["failure_policy"], FAILURE_POLICY);
+    assert_eq!(cfg["reload_config"], reload_config());
+    check_strip(&d);
     let remote = &cfg["vm_config"]["code"]["remote"];
     assert!(remote["http_uri"]["uri"]
         .as_str()
@@ -267,6 +267,15 @@ fn istio_envoyfilter_pair_is_complete() {
         p["patch"]["value"]["config_discovery"]["type_urls"][0],
         "type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm"
     );
+}
+
+/// The EnvoyFilter that puts the tested strip filter first in the gateway's chain.
+fn check_strip(docs: &[Value]) {
+    let ef = find(docs, "EnvoyFilter", "kvroute-strip-routing-headers");
+    let p = &ef["spec"]["configPatches"][0];
+    assert_eq!(p["applyTo"], "HTTP_FILTER");
+    assert_eq!(p["patch"]["operation"], "INSERT_FIRST");
+    assert_eq!(p["patch"]["value"], strip_filter());
 }
 
 /// `outbound|PORT||SERVICE.NAMESPACE.svc.cluster.local` must name the shipped inventory Service.
@@ -313,6 +322,7 @@ fn istio_wasmplugin_and_companions_match_the_tested_filters() {
 
     // The companion filters are exactly those the WasmPlugin e2e test runs, in the same order.
     let c = docs("istio/wasmplugin-companions.yaml");
+    check_strip(&c);
     let ef = find(&c, "EnvoyFilter", "kvroute-wasmplugin-companions");
     let shipped: Vec<Value> = ef["spec"]["configPatches"]
         .as_array()
