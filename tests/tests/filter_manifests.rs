@@ -114,6 +114,25 @@ fn envoy_yaml_has_the_filter_pinning_and_health_checks() {
         engines["outlier_detection"]["successful_active_health_check_uneject_host"],
         false
     );
+    // A killed engine: its refused connections eject it and are retried elsewhere
+    // (stack_e2e.rs measures the client errors under load).
+    assert_eq!(
+        engines["outlier_detection"]["split_external_local_origin_errors"],
+        true
+    );
+    assert_eq!(
+        engines["outlier_detection"]["consecutive_local_origin_failure"],
+        2
+    );
+    let retry = &route["route"]["retry_policy"];
+    assert_eq!(
+        retry["retry_on"],
+        "connect-failure,refused-stream,reset-before-request"
+    );
+    assert_eq!(
+        retry["retry_host_predicate"][0]["name"],
+        "envoy.retry_host_predicates.previous_hosts"
+    );
     assert!(
         clusters
             .iter()
@@ -359,6 +378,15 @@ fn istio_engines_service_and_destination_rule() {
             > 0
     );
     assert!(dr["spec"]["trafficPolicy"]["loadBalancer"]["simple"].is_string());
+    let od = &dr["spec"]["trafficPolicy"]["outlierDetection"];
+    assert_eq!(od["splitExternalLocalOriginErrors"], true);
+    assert_eq!(od["consecutiveLocalOriginFailures"], 2);
+    let vs = d.iter().find(|x| x["kind"] == "VirtualService").unwrap();
+    assert_eq!(vs["spec"]["hosts"][0], dr["spec"]["host"]);
+    assert_eq!(
+        vs["spec"]["http"][0]["retries"]["retryOn"],
+        "connect-failure,refused-stream,reset-before-request"
+    );
 
     let inv = docs("istio/inventory.yaml");
     let dep = find(&inv, "Deployment", "kvroute-inventory");
