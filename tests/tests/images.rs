@@ -216,7 +216,10 @@ async fn inventory_rootfs_has_no_shell_and_serves_healthz() {
             .arg(rootfs.join("lib/x86_64-linux-gnu"))
             .arg(rootfs.join(&BIN_PATH[1..]));
     }
-    cmd.args(["serve", "--listen", &listen]).env_clear();
+    // No host environment leaks in (PATH only to find chroot itself).
+    cmd.args(["serve", "--listen", &listen])
+        .env_clear()
+        .env("PATH", "/usr/sbin:/usr/bin:/sbin:/bin");
     let mut child = ChildGuard::spawn(
         "inventory (image rootfs)",
         cmd,
@@ -249,7 +252,10 @@ fn filter_compat_image_holds_plugin_wasm_in_one_gzip_layer() {
             .trim_start_matches("sha256:"),
     );
     let listing = run(Command::new("tar").arg("-tzf").arg(&path));
-    let files: Vec<&str> = listing.lines().filter(|l| !l.ends_with('/')).collect();
+    let files: Vec<&str> = listing
+        .lines()
+        .filter(|l| !l.ends_with('/') && *l != ".")
+        .collect();
     assert_eq!(
         files
             .iter()
