@@ -170,6 +170,27 @@ if ! router_ok; then
     router_ok || fail "sglang-router: $ROUTER_VENV has no sglang-router $SGLANG_ROUTER_VERSION after installing it"
 fi
 
+# --- 3c. kubernetes-validate and check-jsonschema (tests/tests/k8s_manifests.rs), own venv ----
+# deploy/kubernetes/validate.py runs them offline: core kinds against the Kubernetes schemas
+# kubernetes-validate ships, Istio kinds against the CRD schemas vendored in deploy/kubernetes/schemas.
+KUBERNETES_VALIDATE_VERSION="1.37.0"
+CHECK_JSONSCHEMA_VERSION="0.39.0"
+K8S_VENV="$KVROUTE_CACHE/k8s-validate-venv"
+k8s_validate_ok() {
+    [[ -x "$K8S_VENV/bin/python" ]] &&
+        [[ "$("$K8S_VENV/bin/python" -c 'import importlib.metadata as m; print(m.version("kubernetes-validate"), m.version("check-jsonschema"))' 2>/dev/null)" == "$KUBERNETES_VALIDATE_VERSION $CHECK_JSONSCHEMA_VERSION" ]]
+}
+if ! k8s_validate_ok; then
+    note "installing kubernetes-validate==$KUBERNETES_VALIDATE_VERSION check-jsonschema==$CHECK_JSONSCHEMA_VERSION into $K8S_VENV"
+    rm -rf "$K8S_VENV"
+    python3 -m venv "$K8S_VENV" || fail "k8s validators: python3 -m venv $K8S_VENV failed"
+    "$K8S_VENV/bin/python" -m pip install --quiet --disable-pip-version-check \
+        "kubernetes-validate==$KUBERNETES_VALIDATE_VERSION" "check-jsonschema==$CHECK_JSONSCHEMA_VERSION" \
+        >"$SCRATCH/pip.log" 2>&1 ||
+        fail "k8s validators: pip install failed (log: $(tail -n 1 "$SCRATCH/pip.log"))"
+    k8s_validate_ok || fail "k8s validators: $K8S_VENV lacks kubernetes-validate $KUBERNETES_VALIDATE_VERSION / check-jsonschema $CHECK_JSONSCHEMA_VERSION"
+fi
+
 # --- 4. env.sh --------------------------------------------------------------------------------
 # KVROUTE_WASM is where build-wasm.sh puts the module; it need not exist yet.
 mkdir -p "$KVROUTE_CACHE/wasm"
