@@ -18,6 +18,7 @@ WANTED = [
     ("EnvoyFilter", "networking.istio.io", "v1alpha3"),
     ("WasmPlugin", "extensions.istio.io", "v1alpha1"),
     ("DestinationRule", "networking.istio.io", "v1"),
+    ("VirtualService", "networking.istio.io", "v1"),
 ]
 
 
