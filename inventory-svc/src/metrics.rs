@@ -19,7 +19,7 @@ pub struct Metrics {
     pub seq_gaps: IntCounterVec,
     /// `engine`, `outcome` (ok, failed, unconfigured).
     pub replays: IntCounterVec,
-    /// Inventory clears: `engine`, `cause` (restart, gap, event, reconnect).
+    /// Inventory clears: `engine`, `cause` (restart, rewind, gap, event, reconnect).
     pub clears: IntCounterVec,
     /// `engine`.
     pub decode_errors: IntCounterVec,

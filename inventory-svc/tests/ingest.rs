@@ -271,6 +271,37 @@ async fn gap_without_replay_clears_and_restart_clears() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn out_of_range_sequence_does_not_stall_the_endpoint() {
+    let mut p = Publisher::bind(0).await.unwrap();
+    let r = vllm_rule(p.port, json!({}));
+    let svc = Service::start("seqjump", &json!([r]), &[]);
+    subscribed(&svc, &mut p).await;
+
+    // One frame with an out-of-range sequence (a gap: cleared), then the publisher goes on in order.
+    p.send_seq(1 << 62, &batch(vec![stored(&[0x11], &[], false)]))
+        .await;
+    svc.wait_for("the jump is applied", 10, || async {
+        svc.inventory(RULE, 0).await == vec![0x11]
+    })
+    .await;
+    for k in 0..5u64 {
+        p.send(&batch(vec![stored(&[0x100 + k], &[], false)])).await;
+    }
+    // Within REWIND_RUN frames the tracker follows the publisher again: cleared, then applied.
+    svc.wait_for("in-order frames applied after the jump", 10, || async {
+        let inv = svc.inventory(RULE, 0).await;
+        inv.contains(&0x103) && inv.contains(&0x104) && !inv.contains(&0x11)
+    })
+    .await;
+    let m = svc.metrics().await;
+    assert_metric(
+        &m,
+        r#"kvroute_ingest_clears_total{cause="rewind",engine="vllm"}"#,
+        1.0,
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sglang_three_ranks_union_into_one_endpoint() {
     let mut pubs = bind_consecutive(3).await;
     let r = rule(

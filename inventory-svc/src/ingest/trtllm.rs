@@ -2,7 +2,8 @@
 //!
 //! The endpoint drains the engine's queue, so nobody else may call it. Event ids are tracked like
 //! ZMQ sequence numbers: a jump means events were lost (cleared, no replay exists), an id back at
-//! or below the last after a failed poll, or 0, means a restart (cleared).
+//! or below the last after a failed poll, or 0, means a restart (cleared); a run of ids below the last
+//! one means the last was out of range (cleared, then followed).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -59,17 +60,18 @@ pub async fn run(
                         .and_then(|e| e.get("event_id"))
                         .and_then(Value::as_u64)
                         .unwrap_or(first);
-                    let verdict = seq.observe(first);
-                    // Advance over the rest of the drain (ids are consecutive within one drain).
-                    if last > first {
-                        let _ = seq.observe(last);
-                    }
+                    let verdict = seq.observe_span(first, last);
                     match verdict {
-                        SeqVerdict::Restart => {
+                        SeqVerdict::Restart | SeqVerdict::Rewind => {
+                            let cause = if verdict == SeqVerdict::Restart {
+                                "restart"
+                            } else {
+                                "rewind"
+                            };
                             state
                                 .metrics
                                 .clears
-                                .with_label_values(&[engine, "restart"])
+                                .with_label_values(&[engine, cause])
                                 .inc();
                             keyer.reset();
                             apply_ops(&state, &rule, ep, 0, &[IndexOp::Clear]);
