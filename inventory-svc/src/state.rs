@@ -187,6 +187,8 @@ pub struct AppState {
     pub tokenizer_dir: Option<PathBuf>,
     /// Bearer token for management writes; `None` disables writes.
     pub auth_token: Option<String>,
+    /// Bearer token `POST /v1/route` requires (`--route-token-file`); `None` leaves it open.
+    pub route_token: Option<String>,
     pub http: reqwest::Client,
     pub ready: AtomicBool,
     /// Tokenizers loaded for offloaded tokenization.
@@ -212,6 +214,7 @@ impl AppState {
             cancel,
             tokenizer_dir,
             auth_token,
+            route_token: None,
             http: reqwest::Client::builder()
                 .timeout(Duration::from_secs(5))
                 .build()
