@@ -160,3 +160,76 @@ async fn route_is_open_without_a_route_token() {
     let (s, b) = svc.post("/v1/route", &route_body(), None).await;
     assert_eq!(s, 200, "{b}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reposting_a_rule_keeps_its_inventory() {
+    let mut p = Publisher::bind(0).await.unwrap();
+    let r = rule(8080, "vllm", p.port, &[("127.0.0.1".into(), 9)], json!({}));
+    let svc = Service::start("repost", &json!([]), &[]);
+    let (s, b) = svc
+        .post(
+            "/netlox/v1/config/loadbalancer",
+            &r.to_string(),
+            Some(TOKEN),
+        )
+        .await;
+    assert_eq!(s, 200, "{b}");
+    assert_eq!(b["unchanged"], false, "{b}");
+    let probe = batch(vec![stored(&[0xABCD], &[], false)]);
+    publish_until_seen(&svc, &mut p, RULE, 0, 0xABCD, &probe).await;
+    let keys: Vec<u64> = (1..=100).collect();
+    p.send(&batch(vec![stored(&keys, &[], false)])).await;
+    svc.wait_for("100 blocks", 10, || async {
+        svc.inventory(RULE, 0).await.len() == 101
+    })
+    .await;
+
+    // The identical rule again (a GitOps reconciler's pass): a no-op.
+    let (s, b) = svc
+        .post(
+            "/netlox/v1/config/loadbalancer",
+            &r.to_string(),
+            Some(TOKEN),
+        )
+        .await;
+    assert_eq!(s, 200, "{b}");
+    assert_eq!(b["unchanged"], true, "{b}");
+    assert_eq!(svc.inventory(RULE, 0).await.len(), 101);
+
+    // A change that keeps the endpoints and the hash contract keeps the blocks, and the new
+    // subscriber goes on ingesting from the same publisher.
+    let changed = rule(
+        8080,
+        "vllm",
+        p.port,
+        &[("127.0.0.1".into(), 9)],
+        json!({"sel": 1}),
+    );
+    let (s, b) = svc
+        .post(
+            "/netlox/v1/config/loadbalancer",
+            &changed.to_string(),
+            Some(TOKEN),
+        )
+        .await;
+    assert_eq!(s, 200, "{b}");
+    assert_eq!(b["unchanged"], false, "{b}");
+    assert_eq!(svc.inventory(RULE, 0).await.len(), 101);
+    let m = svc.metrics().await;
+    assert_metric(
+        &m,
+        r#"kvroute_index_blocks{ep="0",rule="10.0.0.1:8080/tcp"}"#,
+        101.0,
+    );
+    let end = Instant::now() + Duration::from_secs(20);
+    loop {
+        p.send(&batch(vec![stored(&[0x5000], &[], false)])).await;
+        let inv = svc.inventory(RULE, 0).await;
+        if inv.contains(&0x5000) {
+            assert!(inv.len() >= 101, "{}", inv.len());
+            break;
+        }
+        assert!(Instant::now() < end, "the replaced rule never ingested");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}

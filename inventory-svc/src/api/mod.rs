@@ -133,15 +133,31 @@ pub fn install_and_share(
     state: &Arc<AppState>,
     spec: RuleSpec,
 ) -> Result<Arc<RuleRuntime>, ApiError> {
+    install_shared(state, spec).map(|(rt, _)| rt)
+}
+
+/// [`install_and_share`], also saying whether the rule was already installed unchanged (then
+/// nothing is restarted, replaced or shared).
+fn install_shared(
+    state: &Arc<AppState>,
+    spec: RuleSpec,
+) -> Result<(Arc<RuleRuntime>, bool), ApiError> {
+    if let Some(rt) = state.unchanged(&spec) {
+        return Ok((rt, true));
+    }
     let (rt, replaced) = install(state, spec)?;
     if let Some(r) = state.replica.get() {
         r.rule_put(state, &rt, replaced.as_deref());
     }
-    Ok(rt)
+    Ok((rt, false))
 }
 
-/// Stores and starts a validated rule locally (a rule another replica shared).
+/// Stores and starts a validated rule locally (a rule another replica shared); an identical
+/// installed rule is left as it is.
 pub fn install_rule(state: &Arc<AppState>, spec: RuleSpec) -> Result<Arc<RuleRuntime>, ApiError> {
+    if let Some(rt) = state.unchanged(&spec) {
+        return Ok(rt);
+    }
     install(state, spec).map(|(rt, _)| rt)
 }
 
@@ -203,9 +219,9 @@ async fn add_rule(
 ) -> Result<Json<Value>, ApiError> {
     let raw: Value = parse_json(&body)?;
     let spec = parse_rule(&raw, &state.settings).map_err(rejected)?;
-    let rt = install_and_share(&state, spec)?;
+    let (rt, unchanged) = install_shared(&state, spec)?;
     Ok(Json(
-        json!({"result": "Success", "id": rt.id, "name": rt.spec.name()}),
+        json!({"result": "Success", "id": rt.id, "name": rt.spec.name(), "unchanged": unchanged}),
     ))
 }
 

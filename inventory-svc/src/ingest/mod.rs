@@ -220,11 +220,13 @@ pub fn spawn_rule(state: &Arc<AppState>, rule: &Arc<RuleRuntime>) {
         }
     }
     for ep in 0..rule.eps.len() {
+        // A replaced rule may have kept its predecessor's inventory.
+        let n = rule.index.block_count(EndpointId(ep as u8));
         state
             .metrics
             .inventory_blocks
             .with_label_values(&[&rule.spec.name(), &ep.to_string()])
-            .set(0);
+            .set(n as i64);
     }
 }
 
