@@ -83,6 +83,8 @@ pub struct Metrics {
     pub malformed_events: IntCounterVec,
     /// Stored blocks refused because the endpoint reached its key cap: `engine`.
     pub key_cap_refusals: IntCounterVec,
+    /// Endpoint health probes: `outcome` (ok, refused, failed).
+    pub health_probes: IntCounterVec,
 }
 
 impl Metrics {
@@ -267,6 +269,11 @@ impl Metrics {
                 "kvroute_index_key_cap_refusals_total",
                 "Stored blocks refused because the endpoint holds KVROUTE_MAX_KEYS_PER_ENDPOINT blocks.",
                 &["engine"],
+            )?,
+            health_probes: cv(
+                "kvroute_endpoint_health_probes_total",
+                "Endpoint health probes by outcome (ok, refused, failed).",
+                &["outcome"],
             )?,
             registry,
         };

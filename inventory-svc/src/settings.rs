@@ -175,7 +175,7 @@ impl Default for Settings {
             coldstart_seed_n: 0,
             spec_ttl: Duration::from_millis(2000),
             inflight_window: Duration::from_millis(5000),
-            health_interval: Duration::from_millis(5000),
+            health_interval: Duration::from_millis(500),
             health_path: "/health".into(),
             scrape_interval: Duration::from_millis(0),
             replay_timeout: Duration::from_millis(2000),
@@ -242,7 +242,7 @@ pub const ENV_VARS: &[(&str, &str)] = &[
     ),
     (
         "KVROUTE_HEALTH_INTERVAL_MS",
-        "active health check period, 0 disables (default 5000)",
+        "active health check period per endpoint, 0 disables (default 500)",
     ),
     ("KVROUTE_HEALTH_PATH", "health check path (default /health)"),
     (

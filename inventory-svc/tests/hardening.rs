@@ -233,3 +233,89 @@ async fn reposting_a_rule_keeps_its_inventory() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
+
+/// A fake engine's serving port: answers every request 200 and closes. Aborting the task closes
+/// the listener (a killed engine: connection refused).
+async fn fake_engine() -> (u16, tokio::task::JoinHandle<()>) {
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = l.local_addr().unwrap().port();
+    let h = tokio::spawn(async move {
+        while let Ok((mut s, _)) = l.accept().await {
+            tokio::spawn(async move {
+                let mut buf = [0u8; 1024];
+                let _ = s.read(&mut buf).await;
+                let _ = s
+                    .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\nconnection: close\r\n\r\n")
+                    .await;
+            });
+        }
+    });
+    (port, h)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_engine_is_unroutable_within_a_second_or_two() {
+    let (pa, _a) = fake_engine().await;
+    let (pb, b) = fake_engine().await;
+    // Round robin over both (sel 0), no KV so every answer is the fallback's choice.
+    let r = rule(
+        8080,
+        "vllm",
+        5557,
+        &[("127.0.0.1".into(), pa), ("127.0.0.1".into(), pb)],
+        json!({"kvExactMode": 0}),
+    );
+    // The default health interval (the harness disables checks unless told otherwise).
+    let svc = Service::start(
+        "dead",
+        &json!([r]),
+        &[("KVROUTE_HEALTH_INTERVAL_MS", UNSET)],
+    );
+    let dead = format!("127.0.0.1:{pb}");
+    let chosen = || async {
+        let (s, b) = svc.post("/v1/route", &route_body(), None).await;
+        assert_eq!(s, 200, "{b}");
+        b["endpoint"].as_str().unwrap().to_owned()
+    };
+    // Both are chosen while alive.
+    let mut seen_b = false;
+    for _ in 0..20 {
+        seen_b |= chosen().await == dead;
+    }
+    assert!(seen_b, "round robin never chose the second endpoint");
+    // Kill it under route load; measure until 20 answers in a row avoid it.
+    b.abort();
+    let _ = b.await;
+    let t0 = Instant::now();
+    let mut clean = 0;
+    while clean < 20 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(3),
+            "the dead endpoint is still chosen after {:?}",
+            t0.elapsed()
+        );
+        if chosen().await == dead {
+            clean = 0;
+        } else {
+            clean += 1;
+        }
+    }
+    let took = t0.elapsed();
+    assert!(took < Duration::from_secs(2), "unroutable after {took:?}");
+    let m = svc.metrics().await;
+    assert_metric(
+        &m,
+        r#"kvroute_endpoint_healthy{ep="1",rule="10.0.0.1:8080/tcp"}"#,
+        0.0,
+    );
+    assert!(
+        metric(
+            &m,
+            r#"kvroute_endpoint_health_probes_total{outcome="refused"}"#
+        )
+        .unwrap_or(0.0)
+            >= 1.0,
+        "{m}"
+    );
+    eprintln!("dead engine unroutable after {took:?}");
+}
