@@ -154,7 +154,33 @@ pub fn apply_local(state: &AppState, rule: &RuleRuntime, ep: usize, rank: u8, op
     if ops.is_empty() {
         return;
     }
-    rule.index.apply(EndpointId(ep as u8), Rank(rank), ops);
+    let held = rule.index.block_count(EndpointId(ep as u8));
+    let cap = key_cap(state, rule, ep);
+    if held >= cap && ops.iter().any(|o| matches!(o, IndexOp::Store(_))) {
+        // At the cap: stores are refused (counted) until evictions or a clear make room, so one
+        // endpoint's index is bounded by the cap plus one message whatever a publisher sends.
+        let mut refused = 0u64;
+        let kept: Vec<IndexOp> = ops
+            .iter()
+            .filter(|o| match o {
+                IndexOp::Store(k) => {
+                    refused += k.len() as u64;
+                    false
+                }
+                _ => true,
+            })
+            .cloned()
+            .collect();
+        state
+            .metrics
+            .key_cap_refusals
+            .with_label_values(&[rule.spec.engine.as_str()])
+            .inc_by(refused);
+        tracing::debug!(rule = %rule.spec.name(), ep, held, cap, refused, "endpoint key cap reached");
+        rule.index.apply(EndpointId(ep as u8), Rank(rank), &kept);
+    } else {
+        rule.index.apply(EndpointId(ep as u8), Rank(rank), ops);
+    }
     if rule.cancel.is_cancelled() {
         return;
     }
@@ -164,6 +190,31 @@ pub fn apply_local(state: &AppState, rule: &RuleRuntime, ep: usize, rank: u8, op
         .inventory_blocks
         .with_label_values(&[&rule.spec.name(), &ep.to_string()])
         .set(n as i64);
+}
+
+/// Blocks endpoint `ep` may hold: `KVROUTE_MAX_KEYS_PER_ENDPOINT`, else 4 x its capacity (the
+/// rule's `kvCapacityBlocks` or the scraped num_gpu_blocks; at least 65536), else
+/// [`crate::settings::DEFAULT_MAX_KEYS_PER_ENDPOINT`].
+pub fn key_cap(state: &AppState, rule: &RuleRuntime, ep: usize) -> u64 {
+    if state.settings.max_keys_per_endpoint > 0 {
+        return state.settings.max_keys_per_endpoint;
+    }
+    let capacity = rule
+        .spec
+        .endpoints
+        .get(ep)
+        .and_then(|e| e.capacity_blocks)
+        .map(u64::from)
+        .or_else(|| {
+            rule.eps
+                .get(ep)
+                .map(|e| e.capacity.load(std::sync::atomic::Ordering::Relaxed))
+        })
+        .filter(|c| *c > 0);
+    match capacity {
+        Some(c) => c.saturating_mul(4).max(65_536),
+        None => crate::settings::DEFAULT_MAX_KEYS_PER_ENDPOINT,
+    }
 }
 
 /// Sets the connected flag and gauge of one publisher.
@@ -268,6 +319,7 @@ pub fn spawn_endpoint(
 
 #[cfg(test)]
 mod tests {
+    #![allow(clippy::panic)]
     use super::*;
 
     #[test]

@@ -15,6 +15,44 @@ use super::{apply_ops, next_backoff, set_connected, SeqTracker, SeqVerdict};
 use crate::index::IndexOp;
 use crate::state::{AppState, RuleRuntime};
 
+/// Largest drain body read: a drain of 100 ms holds a few hundred events of a few KiB; past this the
+/// drain is refused (counted as a decode error) instead of buffered.
+pub const MAX_DRAIN_BODY: usize = 32 << 20;
+
+/// Reads a drain body of at most [`MAX_DRAIN_BODY`] bytes and parses it.
+async fn read_bounded(
+    mut r: reqwest::Response,
+    state: &AppState,
+    cancel: &tokio_util::sync::CancellationToken,
+) -> Result<Value, String> {
+    let too_big = || {
+        state
+            .metrics
+            .decode_errors
+            .with_label_values(&["trtllm"])
+            .inc();
+        format!("drain body over {MAX_DRAIN_BODY} bytes")
+    };
+    if r.content_length()
+        .is_some_and(|n| n > MAX_DRAIN_BODY as u64)
+    {
+        return Err(too_big());
+    }
+    let mut body = Vec::new();
+    loop {
+        let chunk = tokio::select! {
+            _ = cancel.cancelled() => return Err("cancelled".into()),
+            c = r.chunk() => c.map_err(|e| e.to_string())?,
+        };
+        let Some(c) = chunk else { break };
+        if body.len() + c.len() > MAX_DRAIN_BODY {
+            return Err(too_big());
+        }
+        body.extend_from_slice(&c);
+    }
+    serde_json::from_slice(&body).map_err(|e| format!("drain body: {e}"))
+}
+
 /// Polls one TensorRT-LLM endpoint until `cancel` (the rule's token, or the endpoint's lease);
 /// `resume` is the last event id already applied (replicated takeover).
 pub async fn run(
@@ -42,7 +80,7 @@ pub async fn run(
             r = state.http.post(&url).header("content-type", "application/json").body("{}").send() => r,
         };
         let events = match res {
-            Ok(r) if r.status().is_success() => r.json::<Value>().await.map_err(|e| e.to_string()),
+            Ok(r) if r.status().is_success() => read_bounded(r, &state, &cancel).await,
             Ok(r) => Err(format!("status {}", r.status())),
             Err(e) => Err(e.to_string()),
         };

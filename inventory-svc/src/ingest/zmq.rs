@@ -285,6 +285,13 @@ fn apply_payload(
     let engine = rule.spec.engine;
     match decode_batch(payload, bytes_key(engine)) {
         Ok(batch) => {
+            for why in &batch.skips {
+                state
+                    .metrics
+                    .malformed_events
+                    .with_label_values(&[engine.as_str(), why.as_str()])
+                    .inc();
+            }
             let ops = p.keyer.batch_ops(&batch);
             apply_ops(state, rule, ep, rank, &ops);
             if let Some(r) = &p.keyer.parity {
