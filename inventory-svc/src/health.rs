@@ -1,7 +1,9 @@
 //! Active endpoint health checks and engine load scraping, one task each per rule.
 //!
-//! Health: `GET http://<ep><KVROUTE_HEALTH_PATH>`; anything but 2xx (or no answer within 2 s)
-//! marks the endpoint unhealthy and the scorer never picks it. Load: the engine's Prometheus text
+//! Health: `GET http://<ep><KVROUTE_HEALTH_PATH>` every `KVROUTE_HEALTH_INTERVAL_MS` per endpoint
+//! ([`Health`]): a refused connection marks the endpoint unhealthy at once; a timeout (1 s) or a
+//! non-2xx is re-probed after 100 ms and marks it after [`FALL`] in a row; one 2xx restores it.
+//! The scorer never picks an unhealthy endpoint. Load: the engine's Prometheus text
 //! (`vllm:num_requests_running` + `vllm:num_requests_waiting`, SGLang `sglang:num_running_reqs`
 //! + `sglang:num_queue_reqs`) corrects the in-flight estimate kept from routing decisions.
 
@@ -19,49 +21,141 @@ const LOAD_SERIES: &[&str] = &[
     "sglang:num_queue_reqs",
 ];
 
-/// Starts the rule's health and scrape tasks (when enabled in settings).
+/// Consecutive failed probes (timeouts, non-2xx) that mark an endpoint unhealthy: one slow probe
+/// does not flip it. A refused connection marks it at once (nothing listens: the engine is gone).
+pub const FALL: u32 = 2;
+
+/// How soon a probe follows a failed one (the next one confirms or clears the failure).
+pub const RETRY: Duration = Duration::from_millis(100);
+
+/// How long one probe may take.
+pub const PROBE_TIMEOUT: Duration = Duration::from_millis(1000);
+
+/// The outcome of one health probe.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Probe {
+    Ok,
+    /// Connection refused (or unreachable): nothing serves the port.
+    Refused,
+    /// Timed out, non-2xx, or failed mid-exchange.
+    Failed,
+}
+
+impl Probe {
+    fn as_str(self) -> &'static str {
+        match self {
+            Probe::Ok => "ok",
+            Probe::Refused => "refused",
+            Probe::Failed => "failed",
+        }
+    }
+}
+
+/// Per-endpoint health: a small state machine over consecutive failures.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Health {
+    Up,
+    /// Up, with this many consecutive failed probes (`< FALL`): re-probed after [`RETRY`].
+    Suspect(u32),
+    Down,
+}
+
+impl Health {
+    /// The state after `probe`.
+    pub fn next(self, probe: Probe) -> Health {
+        match (self, probe) {
+            (_, Probe::Ok) => Health::Up,
+            (_, Probe::Refused) | (Health::Down, Probe::Failed) => Health::Down,
+            (Health::Up, Probe::Failed) if FALL <= 1 => Health::Down,
+            (Health::Up, Probe::Failed) => Health::Suspect(1),
+            (Health::Suspect(n), Probe::Failed) if n + 1 >= FALL => Health::Down,
+            (Health::Suspect(n), Probe::Failed) => Health::Suspect(n + 1),
+        }
+    }
+
+    /// Whether the scorer may choose the endpoint.
+    pub fn routable(self) -> bool {
+        self != Health::Down
+    }
+
+    /// How long until the next probe.
+    pub fn wait(self, interval: Duration) -> Duration {
+        match self {
+            Health::Suspect(_) => RETRY.min(interval),
+            _ => interval,
+        }
+    }
+}
+
+/// Starts the rule's health and scrape tasks (when enabled in settings): one health task per
+/// endpoint, so a slow endpoint never delays another's verdict.
 pub fn spawn_rule(state: &Arc<AppState>, rule: &Arc<RuleRuntime>) {
     let name = rule.spec.name();
     for i in 0..rule.eps.len() {
+        let up = rule.eps[i].healthy.load(Ordering::Relaxed);
         state
             .metrics
             .endpoint_healthy
             .with_label_values(&[&name, &i.to_string()])
-            .set(1);
+            .set(i64::from(up));
     }
     if !state.settings.health_interval.is_zero() {
-        tokio::spawn(health_loop(state.clone(), rule.clone()));
+        for i in 0..rule.eps.len() {
+            tokio::spawn(health_loop(state.clone(), rule.clone(), i));
+        }
     }
     if !state.settings.scrape_interval.is_zero() {
         tokio::spawn(scrape_loop(state.clone(), rule.clone()));
     }
 }
 
-async fn health_loop(state: Arc<AppState>, rule: Arc<RuleRuntime>) {
+async fn probe(state: &AppState, url: &str) -> Probe {
+    match state.http.get(url).timeout(PROBE_TIMEOUT).send().await {
+        Ok(r) if r.status().is_success() => Probe::Ok,
+        Err(e) if e.is_connect() && !e.is_timeout() => Probe::Refused,
+        _ => Probe::Failed,
+    }
+}
+
+async fn health_loop(state: Arc<AppState>, rule: Arc<RuleRuntime>, i: usize) {
     let name = rule.spec.name();
+    let url = format!(
+        "http://{}{}",
+        rule.spec.endpoints[i].addr(),
+        state.settings.health_path
+    );
+    let mut health = if rule.eps[i].healthy.load(Ordering::Relaxed) {
+        Health::Up
+    } else {
+        Health::Down
+    };
     loop {
-        for (i, ep) in rule.spec.endpoints.iter().enumerate() {
-            let url = format!("http://{}{}", ep.addr(), state.settings.health_path);
-            let ok = tokio::select! {
-                _ = rule.cancel.cancelled() => return,
-                r = state.http.get(&url).timeout(Duration::from_secs(2)).send() => matches!(r, Ok(r) if r.status().is_success()),
-            };
-            let was = rule.eps[i].healthy.swap(ok, Ordering::Relaxed);
-            if was != ok {
-                tracing::info!(rule = %name, ep = i, healthy = ok, "endpoint health changed");
-            }
-            if rule.cancel.is_cancelled() {
-                return;
-            }
-            state
-                .metrics
-                .endpoint_healthy
-                .with_label_values(&[&name, &i.to_string()])
-                .set(i64::from(ok));
+        let p = tokio::select! {
+            _ = rule.cancel.cancelled() => return,
+            p = probe(&state, &url) => p,
+        };
+        if rule.cancel.is_cancelled() {
+            return;
         }
+        state
+            .metrics
+            .health_probes
+            .with_label_values(&[p.as_str()])
+            .inc();
+        health = health.next(p);
+        let ok = health.routable();
+        let was = rule.eps[i].healthy.swap(ok, Ordering::Relaxed);
+        if was != ok {
+            tracing::info!(rule = %name, ep = i, healthy = ok, probe = p.as_str(), "endpoint health changed");
+        }
+        state
+            .metrics
+            .endpoint_healthy
+            .with_label_values(&[&name, &i.to_string()])
+            .set(i64::from(ok));
         tokio::select! {
             _ = rule.cancel.cancelled() => return,
-            _ = tokio::time::sleep(state.settings.health_interval) => {}
+            _ = tokio::time::sleep(health.wait(state.settings.health_interval)) => {}
         }
     }
 }
@@ -126,6 +220,21 @@ async fn scrape_loop(state: Arc<AppState>, rule: Arc<RuleRuntime>) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn health_hysteresis() {
+        let h = Health::Up;
+        assert_eq!(h.next(Probe::Refused), Health::Down);
+        let s = h.next(Probe::Failed);
+        assert_eq!(s, Health::Suspect(1));
+        assert!(s.routable(), "one slow probe does not flip it");
+        assert_eq!(s.wait(Duration::from_secs(5)), RETRY);
+        assert_eq!(s.next(Probe::Ok), Health::Up);
+        assert_eq!(s.next(Probe::Failed), Health::Down);
+        assert!(!Health::Down.routable());
+        assert_eq!(Health::Down.next(Probe::Failed), Health::Down);
+        assert_eq!(Health::Down.next(Probe::Ok), Health::Up);
+    }
 
     #[test]
     fn sums_vllm_and_sglang_series() {

@@ -6,13 +6,15 @@
 //! * [`score`] — Tier 1.5 scoring (pure).
 //! * [`api`] — axum routes; [`metrics`] — Prometheus; [`health`] — health checks and load scrapes.
 //! * [`rules`], [`settings`], [`state`] — validated configuration and shared runtime state.
-//! * [`server`] — wiring for the `serve` subcommand ([`tls`] when a certificate is given);
+//! * [`server`] — wiring for the `serve` subcommand; [`listener`] — the bounded accept loop
+//!   ([`tls`] when a certificate is given);
 //!   [`preflight`] — the `hash` subcommand.
 
 pub mod api;
 pub mod health;
 pub mod index;
 pub mod ingest;
+pub mod listener;
 pub mod metrics;
 pub mod preflight;
 pub mod replica;

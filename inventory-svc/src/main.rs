@@ -46,6 +46,10 @@ enum Cmd {
         /// File holding the bearer token management writes require; without it writes are refused (401).
         #[arg(long, env = "KVROUTE_AUTH_TOKEN_FILE")]
         auth_token_file: Option<PathBuf>,
+        /// File holding the bearer token POST /v1/route requires (`Authorization: Bearer <token>`);
+        /// without it /v1/route is open to anyone who reaches the listener.
+        #[arg(long, env = "KVROUTE_ROUTE_TOKEN_FILE")]
+        route_token_file: Option<PathBuf>,
         /// PEM certificate chain: serve HTTPS (with --tls-key).
         #[arg(long, env = "KVROUTE_TLS_CERT", requires = "tls_key")]
         tls_cert: Option<PathBuf>,
@@ -72,6 +76,7 @@ fn main() {
         config,
         tokenizer_dir,
         auth_token_file,
+        route_token_file,
         tls_cert,
         tls_key,
     } = cli.cmd
@@ -108,6 +113,7 @@ fn main() {
         tokenizer_dir,
         auth_token_file,
         tls,
+        route_token_file,
     };
     match rt.block_on(serve(opts, settings, CancellationToken::new())) {
         Ok(()) => std::process::exit(0),

@@ -19,7 +19,7 @@ pub struct Metrics {
     pub seq_gaps: IntCounterVec,
     /// `engine`, `outcome` (ok, failed, unconfigured).
     pub replays: IntCounterVec,
-    /// Inventory clears: `engine`, `cause` (restart, gap, event, reconnect).
+    /// Inventory clears: `engine`, `cause` (restart, rewind, gap, event, reconnect).
     pub clears: IntCounterVec,
     /// `engine`.
     pub decode_errors: IntCounterVec,
@@ -73,6 +73,18 @@ pub struct Metrics {
     pub repl_resyncs: IntCounterVec,
     /// Length of the last Redis outage a resynchronisation covered.
     pub repl_last_gap_seconds: Gauge,
+    /// Open HTTP connections (every listener).
+    pub http_connections: IntGauge,
+    /// Connections the service closed: `reason` (header_timeout, idle_timeout, tls_handshake).
+    pub http_closes: IntCounterVec,
+    /// Accepts that waited because `KVROUTE_MAX_CONNECTIONS` connections were open.
+    pub http_limit_waits: IntCounter,
+    /// Ingest events dropped as malformed: `engine`, `reason`.
+    pub malformed_events: IntCounterVec,
+    /// Stored blocks refused because the endpoint reached its key cap: `engine`.
+    pub key_cap_refusals: IntCounterVec,
+    /// Endpoint health probes: `outcome` (ok, refused, failed).
+    pub health_probes: IntCounterVec,
 }
 
 impl Metrics {
@@ -234,6 +246,35 @@ impl Metrics {
                 registry.register(Box::new(g.clone()))?;
                 g
             },
+            http_connections: {
+                let g = IntGauge::new("kvroute_http_connections", "Open HTTP connections on the service's listener.")?;
+                registry.register(Box::new(g.clone()))?;
+                g
+            },
+            http_closes: cv(
+                "kvroute_http_connections_closed_total",
+                "Connections the service closed, by reason (header_timeout, idle_timeout, tls_handshake).",
+                &["reason"],
+            )?,
+            http_limit_waits: c(
+                "kvroute_http_connection_limit_waits_total",
+                "Accepts that waited for a free slot because KVROUTE_MAX_CONNECTIONS connections were open.",
+            )?,
+            malformed_events: cv(
+                "kvroute_ingest_malformed_events_total",
+                "Events inside a decodable batch that were dropped, by reason.",
+                &["engine", "reason"],
+            )?,
+            key_cap_refusals: cv(
+                "kvroute_index_key_cap_refusals_total",
+                "Stored blocks refused because the endpoint holds KVROUTE_MAX_KEYS_PER_ENDPOINT blocks.",
+                &["engine"],
+            )?,
+            health_probes: cv(
+                "kvroute_endpoint_health_probes_total",
+                "Endpoint health probes by outcome (ok, refused, failed).",
+                &["outcome"],
+            )?,
             registry,
         };
         Ok(m)

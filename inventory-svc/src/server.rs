@@ -31,6 +31,18 @@ pub struct ServeOptions {
     pub auth_token_file: Option<PathBuf>,
     /// PEM certificate chain and key: serve HTTPS instead of HTTP.
     pub tls: Option<(PathBuf, PathBuf)>,
+    /// File holding the bearer token `POST /v1/route` requires; `None` leaves it open.
+    pub route_token_file: Option<PathBuf>,
+}
+
+/// Reads a token file (trailing whitespace dropped); `flag` names it in errors.
+fn read_token(flag: &str, path: &Option<PathBuf>) -> anyhow::Result<Option<String>> {
+    let Some(p) = path else { return Ok(None) };
+    let t = std::fs::read_to_string(p)
+        .with_context(|| format!("{flag} {}: unreadable", p.display()))?;
+    let t = t.trim().to_owned();
+    anyhow::ensure!(!t.is_empty(), "{flag} {}: empty", p.display());
+    Ok(Some(t))
 }
 
 /// Runs the service until SIGTERM/SIGINT (or `cancel`), then drains.
@@ -39,25 +51,19 @@ pub async fn serve(
     settings: Settings,
     cancel: CancellationToken,
 ) -> anyhow::Result<()> {
-    let auth_token = match &opts.auth_token_file {
-        Some(p) => {
-            let t = std::fs::read_to_string(p)
-                .with_context(|| format!("--auth-token-file {}: unreadable", p.display()))?;
-            let t = t.trim().to_owned();
-            anyhow::ensure!(!t.is_empty(), "--auth-token-file {}: empty", p.display());
-            Some(t)
-        }
-        None => None,
-    };
+    let auth_token = read_token("--auth-token-file", &opts.auth_token_file)?;
+    let route_token = read_token("--route-token-file", &opts.route_token_file)?;
     let signals = terminate();
     let metrics = Arc::new(Metrics::new().context("registering metrics")?);
-    let state = Arc::new(AppState::new(
+    let mut state = AppState::new(
         metrics,
         settings,
         cancel.clone(),
         opts.tokenizer_dir.clone(),
         auth_token,
-    ));
+    );
+    state.route_token = route_token;
+    let state = Arc::new(state);
     if let Some(redis) = state.settings.redis.clone() {
         let rep = crate::replica::Replica::start(&state, redis)?;
         let _ = state.replica.set(rep);
@@ -114,31 +120,19 @@ pub async fn serve(
             }
         }
     };
-    let handle = match acceptor {
-        None => {
-            // TCP_NODELAY: the route answer is one small write per callout; never hold it back.
-            let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
-                if let Err(e) = tcp.set_nodelay(true) {
-                    tracing::debug!("TCP_NODELAY not set: {e}");
-                }
-            });
-            let server = axum::serve(listener, app).with_graceful_shutdown(shutdown);
-            tokio::spawn(async move { server.await })
-        }
-        Some(acc) => {
-            tokio::spawn(shutdown);
-            let c = cancel.clone();
-            tokio::spawn(async move {
-                crate::tls::serve(listener, app, acc, c).await;
-                Ok::<(), std::io::Error>(())
-            })
-        }
-    };
+    tokio::spawn(shutdown);
+    let handle = tokio::spawn(crate::listener::serve(
+        listener,
+        app,
+        acceptor,
+        state.settings.http,
+        state.metrics.clone(),
+        cancel.clone(),
+    ));
     cancel.cancelled().await;
     state.ready.store(false, Ordering::Relaxed);
     match tokio::time::timeout(DRAIN_GRACE, handle).await {
-        Ok(Ok(Ok(()))) => {}
-        Ok(Ok(Err(e))) => tracing::warn!("server error while draining: {e}"),
+        Ok(Ok(())) => {}
         Ok(Err(e)) => tracing::warn!("server task failed: {e}"),
         Err(_) => tracing::warn!(
             "drain grace of {DRAIN_GRACE:?} elapsed; exiting with requests in flight"

@@ -87,6 +87,41 @@ pub struct Settings {
     pub capacity_blocks: u64,
     /// Shared state across replicas (`KVROUTE_REDIS_URL`); `None` runs standalone in memory.
     pub redis: Option<RedisSettings>,
+    /// Listener limits (`KVROUTE_HTTP_*`, `KVROUTE_MAX_CONNECTIONS`).
+    pub http: HttpLimits,
+    /// `KVROUTE_MAX_KEYS_PER_ENDPOINT`: blocks one endpoint may hold in the index; 0 = sized from
+    /// the endpoint's capacity (4 x `kvCapacityBlocks` or scraped num_gpu_blocks), else
+    /// [`DEFAULT_MAX_KEYS_PER_ENDPOINT`].
+    pub max_keys_per_endpoint: u64,
+}
+
+/// Blocks an endpoint may hold when neither the setting nor its capacity says otherwise: far above
+/// any GPU's KV cache (an 80 GB GPU holds about 500k 16-token blocks of a small model), so it only
+/// stops a publisher sending keys without bound (34 bytes each: 16M keys = 544 MB).
+pub const DEFAULT_MAX_KEYS_PER_ENDPOINT: u64 = 16 << 20;
+
+/// Bounds of every HTTP listener: a client cannot hold a connection without sending a request, nor
+/// hold more than its share of file descriptors.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HttpLimits {
+    /// `KVROUTE_HTTP_HEADER_TIMEOUT_MS`: from a request's first byte to its complete headers.
+    pub header_timeout: Duration,
+    /// `KVROUTE_HTTP_IDLE_TIMEOUT_MS`: a connection with no request in flight and no bytes moving
+    /// is closed after this long (also bounds a TLS handshake).
+    pub idle_timeout: Duration,
+    /// `KVROUTE_MAX_CONNECTIONS`: open connections; past it new connections wait in the kernel
+    /// backlog until one closes.
+    pub max_connections: usize,
+}
+
+impl Default for HttpLimits {
+    fn default() -> Self {
+        HttpLimits {
+            header_timeout: Duration::from_millis(10_000),
+            idle_timeout: Duration::from_millis(120_000),
+            max_connections: 4096,
+        }
+    }
 }
 
 /// Where and how replicas share state (see docs/replication.md).
@@ -140,7 +175,7 @@ impl Default for Settings {
             coldstart_seed_n: 0,
             spec_ttl: Duration::from_millis(2000),
             inflight_window: Duration::from_millis(5000),
-            health_interval: Duration::from_millis(5000),
+            health_interval: Duration::from_millis(500),
             health_path: "/health".into(),
             scrape_interval: Duration::from_millis(0),
             replay_timeout: Duration::from_millis(2000),
@@ -151,6 +186,8 @@ impl Default for Settings {
             memory_ttl: Duration::from_millis(1_800_000),
             capacity_blocks: 0,
             redis: None,
+            http: HttpLimits::default(),
+            max_keys_per_endpoint: 0,
         }
     }
 }
@@ -205,7 +242,7 @@ pub const ENV_VARS: &[(&str, &str)] = &[
     ),
     (
         "KVROUTE_HEALTH_INTERVAL_MS",
-        "active health check period, 0 disables (default 5000)",
+        "active health check period per endpoint, 0 disables (default 500)",
     ),
     ("KVROUTE_HEALTH_PATH", "health check path (default /health)"),
     (
@@ -239,6 +276,22 @@ pub const ENV_VARS: &[(&str, &str)] = &[
     (
         "KVROUTE_PLACEMENT_CAPACITY_BLOCKS",
         "cache blocks assumed per endpoint when num_gpu_blocks is not scraped, 0 = unknown (default 0)",
+    ),
+    (
+        "KVROUTE_HTTP_HEADER_TIMEOUT_MS",
+        "a request's headers must arrive within this long of its first byte, 100..=600000 (default 10000)",
+    ),
+    (
+        "KVROUTE_HTTP_IDLE_TIMEOUT_MS",
+        "a connection idle this long (no request, no bytes) is closed, 100..=86400000 (default 120000)",
+    ),
+    (
+        "KVROUTE_MAX_CONNECTIONS",
+        "open HTTP connections; more wait in the backlog, 1..=1000000 (default 4096)",
+    ),
+    (
+        "KVROUTE_MAX_KEYS_PER_ENDPOINT",
+        "blocks one endpoint may hold; 0 = 4 x its capacity if known, else 16777216 (default 0)",
     ),
     (
         "KVROUTE_REDIS_URL",
@@ -333,6 +386,18 @@ impl Settings {
         });
         num("KVROUTE_PLACEMENT_CAPACITY_BLOCKS", 0, 1 << 40, &mut |n| {
             s.capacity_blocks = n
+        });
+        num("KVROUTE_HTTP_HEADER_TIMEOUT_MS", 100, 600_000, &mut |n| {
+            s.http.header_timeout = Duration::from_millis(n)
+        });
+        num("KVROUTE_HTTP_IDLE_TIMEOUT_MS", 100, 86_400_000, &mut |n| {
+            s.http.idle_timeout = Duration::from_millis(n)
+        });
+        num("KVROUTE_MAX_CONNECTIONS", 1, 1_000_000, &mut |n| {
+            s.http.max_connections = n as usize
+        });
+        num("KVROUTE_MAX_KEYS_PER_ENDPOINT", 0, 1 << 40, &mut |n| {
+            s.max_keys_per_endpoint = n
         });
         if let Some(v) = lookup("LOXILB_KV_LB_MODE").filter(|v| !v.is_empty()) {
             match v.trim().to_ascii_lowercase().as_str() {

@@ -187,6 +187,8 @@ pub struct AppState {
     pub tokenizer_dir: Option<PathBuf>,
     /// Bearer token for management writes; `None` disables writes.
     pub auth_token: Option<String>,
+    /// Bearer token `POST /v1/route` requires (`--route-token-file`); `None` leaves it open.
+    pub route_token: Option<String>,
     pub http: reqwest::Client,
     pub ready: AtomicBool,
     /// Tokenizers loaded for offloaded tokenization.
@@ -212,6 +214,7 @@ impl AppState {
             cancel,
             tokenizer_dir,
             auth_token,
+            route_token: None,
             http: reqwest::Client::builder()
                 .timeout(Duration::from_secs(5))
                 .build()
@@ -267,14 +270,19 @@ impl AppState {
             .map_or_else(|| self.next_id.fetch_add(1, Ordering::Relaxed), |o| o.id);
         let addrs: Vec<String> = spec.endpoints.iter().map(|e| e.addr()).collect();
         let tokenizer_problem = self.tokenizer_problem(&spec);
+        let eps: Vec<EpRuntime> = spec
+            .endpoints
+            .iter()
+            .map(|_| EpRuntime::new(spec.dp_ranks as usize))
+            .collect();
+        let index = match old.as_ref().filter(|o| same_keys(&o.spec, &spec)) {
+            Some(o) => keep_inventory(o, &spec, &eps),
+            None => Arc::new(MemIndex::new()) as Arc<dyn BlockIndex>,
+        };
         let rt = Arc::new(RuleRuntime {
             id,
-            eps: spec
-                .endpoints
-                .iter()
-                .map(|_| EpRuntime::new(spec.dp_ranks as usize))
-                .collect(),
-            index: Arc::new(MemIndex::new()),
+            eps,
+            index,
             ring: HashRing::new(&addrs),
             memory: PlacementMemory::new(self.settings.memory_entries, self.settings.memory_ttl),
             created: Instant::now(),
@@ -287,6 +295,19 @@ impl AppState {
         });
         rules.insert(id, rt.clone());
         Ok((rt, old))
+    }
+
+    /// The installed rule named like `spec` when it is identical to it (re-posting a rule is a
+    /// no-op: GitOps reconcilers do it on every pass).
+    pub fn unchanged(&self, spec: &RuleSpec) -> Option<Arc<RuleRuntime>> {
+        let name = spec.name();
+        let generation = spec.generation();
+        self.rules
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .values()
+            .find(|r| r.spec.name() == name && r.generation == generation)
+            .cloned()
     }
 
     /// Removes a rule by id (`VIP:port/protocol`) and stops its tasks.
@@ -319,4 +340,48 @@ impl AppState {
             ))
         }
     }
+}
+
+/// True when a replacing rule keys blocks exactly as the old one (same engine, contract, block
+/// size, key mode and ranks): what the old rule's index holds is still valid for it.
+fn same_keys(old: &RuleSpec, new: &RuleSpec) -> bool {
+    old.kv_enabled()
+        && new.kv_enabled()
+        && old.engine == new.engine
+        && old.contract() == new.contract()
+        && old.algo == new.algo
+        && old.block_size == new.block_size
+        && old.key_mode == new.key_mode
+        && old.dp_ranks == new.dp_ranks
+        && old.exact_mode == new.exact_mode
+}
+
+/// Carries the old rule's index over to its replacement: endpoints at the same position with the
+/// same address keep their blocks, sequence positions, health and capacity (their new subscribers
+/// resume like after a reconnect: a gap replays or clears, a restart clears); any other position
+/// is cleared.
+fn keep_inventory(old: &RuleRuntime, new: &RuleSpec, eps: &[EpRuntime]) -> Arc<dyn BlockIndex> {
+    use crate::index::{EndpointId, IndexOp, Rank};
+    let index = old.index.clone();
+    let n = old.spec.endpoints.len().max(new.endpoints.len());
+    for i in 0..n {
+        let same = match (old.spec.endpoints.get(i), new.endpoints.get(i)) {
+            (Some(a), Some(b)) => a.addr() == b.addr(),
+            _ => false,
+        };
+        if let (true, Some(o), Some(e)) = (same, old.eps.get(i), eps.get(i)) {
+            for (src, dst) in o.seqs.iter().zip(&e.seqs) {
+                dst.store(src.load(Ordering::Relaxed), Ordering::Relaxed);
+            }
+            e.healthy
+                .store(o.healthy.load(Ordering::Relaxed), Ordering::Relaxed);
+            e.capacity
+                .store(o.capacity.load(Ordering::Relaxed), Ordering::Relaxed);
+        } else {
+            for r in 0..old.spec.dp_ranks.max(1) {
+                index.apply(EndpointId(i as u8), Rank(r), &[IndexOp::Clear]);
+            }
+        }
+    }
+    index
 }

@@ -271,6 +271,90 @@ async fn gap_without_replay_clears_and_restart_clears() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn out_of_range_sequence_does_not_stall_the_endpoint() {
+    let mut p = Publisher::bind(0).await.unwrap();
+    let r = vllm_rule(p.port, json!({}));
+    let svc = Service::start("seqjump", &json!([r]), &[]);
+    subscribed(&svc, &mut p).await;
+
+    // One frame with an out-of-range sequence (a gap: cleared), then the publisher goes on in order.
+    p.send_seq(1 << 62, &batch(vec![stored(&[0x11], &[], false)]))
+        .await;
+    svc.wait_for("the jump is applied", 10, || async {
+        svc.inventory(RULE, 0).await == vec![0x11]
+    })
+    .await;
+    for k in 0..5u64 {
+        p.send(&batch(vec![stored(&[0x100 + k], &[], false)])).await;
+    }
+    // Within REWIND_RUN frames the tracker follows the publisher again: cleared, then applied.
+    svc.wait_for("in-order frames applied after the jump", 10, || async {
+        let inv = svc.inventory(RULE, 0).await;
+        inv.contains(&0x103) && inv.contains(&0x104) && !inv.contains(&0x11)
+    })
+    .await;
+    let m = svc.metrics().await;
+    assert_metric(
+        &m,
+        r#"kvroute_ingest_clears_total{cause="rewind",engine="vllm"}"#,
+        1.0,
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn malformed_events_are_counted_and_the_key_cap_holds() {
+    let mut p = Publisher::bind(0).await.unwrap();
+    let r = vllm_rule(p.port, json!({"kvHashAlgo": "sha256_cbor"}));
+    let svc = Service::start(
+        "malformed",
+        &json!([r]),
+        &[("KVROUTE_MAX_KEYS_PER_ENDPOINT", "20")],
+    );
+    subscribed(&svc, &mut p).await;
+    // A token id >= 2^32 rejects its event (malformed, not a parity mismatch); the rest applies.
+    let mut bad = stored(&[0x77], &[], false);
+    if let rmpv::Value::Map(m) = &mut bad {
+        for (k, v) in m.iter_mut() {
+            if k.as_str() == Some("token_ids") {
+                *v = rmpv::Value::Array(vec![rmpv::Value::from(1u64 << 32); 16]);
+            }
+        }
+    }
+    p.send(&batch(vec![bad, stored(&[0x78], &[], false)])).await;
+    svc.wait_for("the good event", 10, || async {
+        svc.inventory(RULE, 0).await.contains(&0x78)
+    })
+    .await;
+    assert!(!svc.inventory(RULE, 0).await.contains(&0x77));
+    let m = svc.metrics().await;
+    assert_metric(
+        &m,
+        r#"kvroute_ingest_malformed_events_total{engine="vllm",reason="bad_token_ids"}"#,
+        1.0,
+    );
+    assert!(
+        m.lines()
+            .all(|l| !l.starts_with("kvroute_ingest_parity_mismatches_total")),
+        "{m}"
+    );
+    // The per-endpoint key cap: stores past it are refused and counted.
+    for i in 0..10u64 {
+        let keys: Vec<u64> = (0..5).map(|j| 0x1000 + i * 5 + j).collect();
+        p.send(&batch(vec![stored(&keys, &[], false)])).await;
+    }
+    svc.wait_for("refusals at the cap", 10, || async {
+        metric(
+            &svc.metrics().await,
+            r#"kvroute_index_key_cap_refusals_total{engine="vllm"}"#,
+        )
+        .is_some_and(|v| v > 0.0)
+    })
+    .await;
+    let n = svc.inventory(RULE, 0).await.len();
+    assert!((20..=25).contains(&n), "{n} blocks held with a cap of 20");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sglang_three_ranks_union_into_one_endpoint() {
     let mut pubs = bind_consecutive(3).await;
     let r = rule(

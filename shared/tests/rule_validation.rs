@@ -179,7 +179,7 @@ fn kv_contract_follows_engine_seed_and_key_mode() {
 // kvBlockSize: default 16, >= 1
 #[case::block_size_default(json!({}), "kvBlockSize", json!(16))]
 #[case::block_size_min(json!({"kvBlockSize": 1}), "kvBlockSize", json!(1))]
-#[case::block_size_max(json!({"kvBlockSize": 4294967295_u64}), "kvBlockSize", json!(4294967295_u64))]
+#[case::block_size_max(json!({"kvBlockSize": 8192}), "kvBlockSize", json!(8192))]
 // kvHashAlgo: derived from the engine when omitted; each coherent pair
 #[case::algo_vllm_default(json!({}), "kvHashAlgo", json!("sha256_cbor"))]
 #[case::algo_sglang_default(json!({"kvEngineType": "sglang"}), "kvHashAlgo", json!("sha256_sglang"))]
@@ -242,7 +242,9 @@ fn accepted(#[case] patch: Value, #[case] field: &str, #[case] want: Value) {
 #[case::exact_mode_negative(json!({"kvExactMode": -1}), format!("kvExactMode: got -1, allowed: {MODES}"))]
 #[case::block_size_0(json!({"kvBlockSize": 0}), "kvBlockSize: got 0, allowed: >= 1".into())]
 #[case::block_size_negative(json!({"kvBlockSize": -16}), "kvBlockSize: got -16, allowed: >= 1".into())]
-#[case::block_size_too_big(json!({"kvBlockSize": 4294967296_u64}), "kvBlockSize: got 4294967296, allowed: <= 4294967295".into())]
+#[case::block_size_too_big(json!({"kvBlockSize": 8193}), "kvBlockSize: got 8193, allowed: <= 8192".into())]
+#[case::block_size_billion(json!({"kvBlockSize": 1_000_000_000}), "kvBlockSize: got 1000000000, allowed: <= 8192".into())]
+#[case::block_size_past_u32(json!({"kvBlockSize": 4294967296_u64}), "kvBlockSize: got 4294967296, allowed: <= 8192".into())]
 #[case::algo_unknown(json!({"kvHashAlgo": "md5"}), format!("kvHashAlgo: got \"md5\", allowed: {ALGOS}"))]
 #[case::algo_pickle_sha256(json!({"kvHashAlgo": "sha256"}), format!("kvHashAlgo: got \"sha256\", allowed: {ALGOS}"))]
 #[case::algo_tokens(

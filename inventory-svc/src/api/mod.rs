@@ -2,13 +2,13 @@
 //!
 //! | route | who | what |
 //! |---|---|---|
-//! | `POST /v1/route` | filter | routing decision ([`route`]) |
+//! | `POST /v1/route` | filter (bearer with `--route-token-file`) | routing decision ([`route`]) |
 //! | `GET /v1/rules`, `GET /v1/rules/{id}/contract` | filter | hash contract per rule |
 //! | `GET /v1/tokenizers/{slug}[/tokenizer_config.json]` | filter | staged tokenizers |
 //! | `POST /netlox/v1/config/loadbalancer` | operator (bearer) | add a rule |
 //! | `GET /netlox/v1/config/loadbalancer/all` | operator | list rules |
 //! | `DELETE /netlox/v1/config/loadbalancer/externalipaddress/{ip}/port/{port}/protocol/{proto}` | operator (bearer) | delete |
-//! | `GET /netlox/v1/config/ai/kv/inventory?service_id=&ep_idx=[&offset=&limit=]` | operator | inventory page |
+//! | `GET /netlox/v1/config/ai/kv/inventory?service_id=&ep_idx=[&offset=&limit=]` | operator | inventory page (bounded: a cursor over the table) |
 //! | `/healthz`, `/readyz`, `/metrics` | probes, Prometheus | |
 //!
 //! Bodies are size-capped; malformed JSON is a 400 through [`error::ApiError`], never a panic.
@@ -56,11 +56,17 @@ pub fn router(state: Arc<AppState>) -> Router {
             state.clone(),
             require_bearer,
         ));
-    Router::new()
+    let route = Router::new()
         .route(
             "/v1/route",
             post(route::route).layer(DefaultBodyLimit::max(MAX_ROUTE_BODY)),
         )
+        .route_layer(middleware::from_fn_with_state(
+            state.clone(),
+            require_route_token,
+        ));
+    Router::new()
+        .merge(route)
         .route("/v1/rules", get(list_contracts))
         .route("/v1/rules/{id}/contract", get(contract))
         .route("/v1/tokenizers/{slug}", get(tokenizers::tokenizer_json))
@@ -84,16 +90,36 @@ async fn require_bearer(
     req: Request,
     next: Next,
 ) -> Response {
-    let given = headers
-        .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "));
-    match (&state.auth_token, given) {
-        (Some(want), Some(got)) if constant_eq(want.as_bytes(), got.trim().as_bytes()) => {
-            next.run(req).await
-        }
+    match &state.auth_token {
+        Some(want) if bearer_matches(&headers, want) => next.run(req).await,
         _ => ApiError::Unauthorized.into_response(),
     }
+}
+
+/// `POST /v1/route` with `--route-token-file`: the same bearer check; open without it.
+async fn require_route_token(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    req: Request,
+    next: Next,
+) -> Response {
+    match &state.route_token {
+        None => next.run(req).await,
+        Some(want) if bearer_matches(&headers, want) => next.run(req).await,
+        Some(_) => ApiError::Unauthorized.into_response(),
+    }
+}
+
+/// True when `Authorization` is `Bearer <want>`; the scheme is case-insensitive (RFC 9110 11.1).
+fn bearer_matches(headers: &HeaderMap, want: &str) -> bool {
+    let Some((scheme, token)) = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().split_once(' '))
+    else {
+        return false;
+    };
+    scheme.eq_ignore_ascii_case("bearer") && constant_eq(want.as_bytes(), token.trim().as_bytes())
 }
 
 /// Compares without an early exit, so the token cannot be guessed byte by byte from timing.
@@ -107,15 +133,31 @@ pub fn install_and_share(
     state: &Arc<AppState>,
     spec: RuleSpec,
 ) -> Result<Arc<RuleRuntime>, ApiError> {
+    install_shared(state, spec).map(|(rt, _)| rt)
+}
+
+/// [`install_and_share`], also saying whether the rule was already installed unchanged (then
+/// nothing is restarted, replaced or shared).
+fn install_shared(
+    state: &Arc<AppState>,
+    spec: RuleSpec,
+) -> Result<(Arc<RuleRuntime>, bool), ApiError> {
+    if let Some(rt) = state.unchanged(&spec) {
+        return Ok((rt, true));
+    }
     let (rt, replaced) = install(state, spec)?;
     if let Some(r) = state.replica.get() {
         r.rule_put(state, &rt, replaced.as_deref());
     }
-    Ok(rt)
+    Ok((rt, false))
 }
 
-/// Stores and starts a validated rule locally (a rule another replica shared).
+/// Stores and starts a validated rule locally (a rule another replica shared); an identical
+/// installed rule is left as it is.
 pub fn install_rule(state: &Arc<AppState>, spec: RuleSpec) -> Result<Arc<RuleRuntime>, ApiError> {
+    if let Some(rt) = state.unchanged(&spec) {
+        return Ok(rt);
+    }
     install(state, spec).map(|(rt, _)| rt)
 }
 
@@ -177,9 +219,9 @@ async fn add_rule(
 ) -> Result<Json<Value>, ApiError> {
     let raw: Value = parse_json(&body)?;
     let spec = parse_rule(&raw, &state.settings).map_err(rejected)?;
-    let rt = install_and_share(&state, spec)?;
+    let (rt, unchanged) = install_shared(&state, spec)?;
     Ok(Json(
-        json!({"result": "Success", "id": rt.id, "name": rt.spec.name()}),
+        json!({"result": "Success", "id": rt.id, "name": rt.spec.name(), "unchanged": unchanged}),
     ))
 }
 
@@ -277,8 +319,13 @@ async fn inventory(
             }),
         }
     };
-    let offset = num("offset", 0)?;
-    let limit = num("limit", 1000)?.min(MAX_PAGE);
+    // `offset` is the table position a previous page returned as `next_offset` (`cursor` is
+    // accepted as its name too).
+    let offset = match q.get("cursor") {
+        Some(_) => num("cursor", 0)?,
+        None => num("offset", 0)?,
+    };
+    let limit = num("limit", 1000)?.clamp(1, MAX_PAGE);
     let r = state
         .find(sid)
         .ok_or_else(|| ApiError::NotFound(format!("unknown service_id {sid:?}")))?;
@@ -289,14 +336,14 @@ async fn inventory(
         )));
     }
     let total = r.index.block_count(EndpointId(ep as u8));
-    let blocks: Vec<Value> = r
-        .index
-        .blocks(EndpointId(ep as u8), offset, limit)
+    let page = r.index.blocks(EndpointId(ep as u8), offset, limit);
+    let mut found: Vec<(usize, u64)> = page.blocks.iter().map(|(i, k)| (*i, k.0)).collect();
+    found.sort_unstable_by_key(|(_, k)| *k);
+    let blocks: Vec<Value> = found
         .iter()
-        .enumerate()
-        .map(|(i, k)| json!({"block_idx": offset + i, "hash_uint64": k.0}))
+        .map(|(i, k)| json!({"block_idx": i, "hash_uint64": k}))
         .collect();
-    let next = (offset + blocks.len() < total as usize).then_some(offset + blocks.len());
+    let next = page.next;
     Ok(Json(json!({
         "service_id": r.id,
         "ep_idx": ep,

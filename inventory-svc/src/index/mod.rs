@@ -59,6 +59,19 @@ pub enum IndexOp {
     Clear,
 }
 
+/// One page of an endpoint's blocks ([`BlockIndex::blocks`]).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct BlockPage {
+    /// `(table position, key)` in table order.
+    pub blocks: Vec<(usize, BlockKey)>,
+    /// Where the next page starts; `None` when the table was scanned to its end.
+    pub next: Option<usize>,
+}
+
+/// Slots one page may scan per requested block: bounds the lock hold of a page of a sparse
+/// endpoint (one of many holding few keys).
+pub const PAGE_SCAN_FACTOR: usize = 16;
+
 /// The inventory of one rule, behind a trait a replicated store can implement.
 pub trait BlockIndex: Send + Sync {
     /// Applies one message's operations from `(ep, rank)` atomically with respect to queries.
@@ -74,8 +87,11 @@ pub trait BlockIndex: Send + Sync {
     /// Blocks `ep` really holds (speculative entries excluded).
     fn block_count(&self, ep: EndpointId) -> u64;
 
-    /// A page of `ep`'s blocks in a stable order (sorted by key), for the inventory API.
-    fn blocks(&self, ep: EndpointId, offset: usize, limit: usize) -> Vec<BlockKey>;
+    /// A page of `ep`'s blocks in table order from position `cursor`, for the inventory API: at
+    /// most `limit` blocks, found within a bounded scan (a page may hold fewer, even none, when the
+    /// endpoint holds few of the keys). Returns `(position, key)` pairs and the cursor of the next
+    /// page (`None` at the end). The work and lock hold per page are O(`limit`), whatever the size.
+    fn blocks(&self, ep: EndpointId, cursor: usize, limit: usize) -> BlockPage;
 
     /// Distinct keys held by any endpoint.
     fn key_count(&self) -> usize;
@@ -361,22 +377,19 @@ impl BlockIndex for MemIndex {
             .collect()
     }
 
-    fn blocks(&self, ep: EndpointId, offset: usize, limit: usize) -> Vec<BlockKey> {
+    fn blocks(&self, ep: EndpointId, cursor: usize, limit: usize) -> BlockPage {
+        let limit = limit.max(1);
         let t = self.read();
         let bit = ep.bit();
-        let mut all: Vec<u64> = t
-            .holders
-            .iter()
-            .filter(|(_, c)| *c & bit != 0)
-            .map(|(k, _)| k)
-            .collect();
-        drop(t);
-        all.sort_unstable();
-        all.into_iter()
-            .skip(offset)
-            .take(limit)
-            .map(BlockKey)
-            .collect()
+        let mut blocks = Vec::with_capacity(limit.min(1024));
+        let budget = limit.saturating_mul(PAGE_SCAN_FACTOR);
+        let next = t.holders.scan(cursor, budget, |i, k, bits| {
+            if bits & bit != 0 {
+                blocks.push((i, BlockKey(k)));
+            }
+            blocks.len() < limit
+        });
+        BlockPage { blocks, next }
     }
 
     fn key_count(&self) -> usize {
@@ -398,6 +411,19 @@ impl BlockIndex for MemIndex {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Every block of `ep`, sorted, by following the page cursor.
+    fn all_blocks(ix: &MemIndex, ep: EndpointId) -> Vec<BlockKey> {
+        let mut out = Vec::new();
+        let mut cursor = Some(0);
+        while let Some(c) = cursor {
+            let p = ix.blocks(ep, c, 2);
+            out.extend(p.blocks.iter().map(|(_, k)| *k));
+            cursor = p.next;
+        }
+        out.sort_unstable();
+        out
+    }
 
     fn k(v: &[u64]) -> Vec<BlockKey> {
         v.iter().copied().map(BlockKey).collect()
@@ -433,7 +459,7 @@ mod tests {
         assert_eq!(ix.block_count(ep), 2);
         ix.apply(ep, Rank(0), &[IndexOp::Remove(k(&[7, 99]))]);
         assert_eq!(ix.block_count(ep), 1);
-        assert_eq!(ix.blocks(ep, 0, 10), k(&[8]));
+        assert_eq!(all_blocks(&ix, ep), k(&[8]));
     }
 
     #[test]
@@ -476,7 +502,7 @@ mod tests {
         assert_eq!(ix.block_count(ep), 3);
         ix.apply(ep, Rank(2), &[IndexOp::Clear]);
         assert_eq!(ix.block_count(ep), 1);
-        assert_eq!(ix.blocks(ep, 0, 10), k(&[1]));
+        assert_eq!(all_blocks(&ix, ep), k(&[1]));
     }
 
     #[test]
@@ -494,11 +520,25 @@ mod tests {
     }
 
     #[test]
-    fn pagination_is_sorted_and_bounded() {
+    fn pagination_is_bounded_and_complete() {
         let ix = MemIndex::new();
-        ix.apply(EndpointId(0), Rank(0), &[IndexOp::Store(k(&[5, 3, 9, 1]))]);
-        assert_eq!(ix.blocks(EndpointId(0), 1, 2), k(&[3, 5]));
-        assert!(ix.blocks(EndpointId(0), 10, 2).is_empty());
+        let keys: Vec<u64> = (0..5000u64).map(|i| i.wrapping_mul(0x9E37_79B9)).collect();
+        ix.apply(EndpointId(0), Rank(0), &[IndexOp::Store(k(&keys))]);
+        ix.apply(EndpointId(1), Rank(0), &[IndexOp::Store(k(&[7]))]);
+        let mut want = k(&keys);
+        want.sort_unstable();
+        assert_eq!(all_blocks(&ix, EndpointId(0)), want);
+        assert_eq!(all_blocks(&ix, EndpointId(1)), k(&[7]));
+        // A page holds at most `limit` blocks; a sparse endpoint's page scans a bounded span.
+        let p = ix.blocks(EndpointId(0), 0, 100);
+        assert_eq!(p.blocks.len(), 100);
+        let p = ix.blocks(EndpointId(1), 0, 1);
+        let n = p.next.unwrap_or(usize::MAX);
+        assert!(
+            p.blocks.len() <= 1 && n <= PAGE_SCAN_FACTOR || p.blocks.len() == 1,
+            "{p:?}"
+        );
+        assert!(ix.blocks(EndpointId(0), 1 << 40, 2).blocks.is_empty());
     }
 
     #[test]
@@ -520,7 +560,7 @@ mod tests {
         // Rank 1 evicting 2 must leave rank 0's copy, as in the original.
         copy.apply(ep, Rank(1), &[IndexOp::Remove(k(&[2]))]);
         ix.apply(ep, Rank(1), &[IndexOp::Remove(k(&[2]))]);
-        assert_eq!(copy.blocks(ep, 0, 10), ix.blocks(ep, 0, 10));
+        assert_eq!(all_blocks(&copy, ep), all_blocks(&ix, ep));
         assert!(ix.export(EndpointId(5)).is_empty());
     }
 

@@ -207,6 +207,24 @@ impl KeyTable {
         }
     }
 
+    /// Visits the entries of slots `from..` in table order until `f` returns false or `max_slots`
+    /// slots were looked at; returns the slot to continue from, `None` at the end of the table.
+    /// Bounded work for a paged listing.
+    pub fn scan(
+        &self,
+        from: usize,
+        max_slots: usize,
+        mut f: impl FnMut(usize, u64, u64) -> bool,
+    ) -> Option<usize> {
+        let end = from.saturating_add(max_slots).min(self.slots.len());
+        for (i, s) in self.slots.iter().enumerate().take(end).skip(from) {
+            if s.bits != 0 && !f(i, s.key, s.bits) {
+                return (i + 1 < self.slots.len()).then_some(i + 1);
+            }
+        }
+        (end < self.slots.len()).then_some(end)
+    }
+
     /// Every `(key, bits)`.
     pub fn iter(&self) -> impl Iterator<Item = (u64, u64)> + '_ {
         self.slots

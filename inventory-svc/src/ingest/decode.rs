@@ -83,6 +83,36 @@ pub struct EventBatch {
     pub dp_rank: Option<u32>,
     /// Events skipped because their type is unknown or their fields malformed.
     pub skipped: u32,
+    /// Why each skipped event was skipped (`skipped` entries).
+    pub skips: Vec<Skip>,
+}
+
+/// Why an event inside a decodable batch was dropped.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Skip {
+    /// Neither a map nor an array, or no string `type`.
+    NotAnEvent,
+    /// A type this service does not know (ignored by design, still counted).
+    UnknownType,
+    /// `block_hashes` missing or holding something other than integer / 8+ byte keys.
+    BadKeys,
+    /// `parent_block_hash` present but not a key.
+    BadParent,
+    /// `token_ids` holding a non-integer or an id >= 2^32 (no tokenizer has that many ids).
+    BadTokens,
+}
+
+impl Skip {
+    /// The metric label.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Skip::NotAnEvent => "not_an_event",
+            Skip::UnknownType => "unknown_type",
+            Skip::BadKeys => "bad_keys",
+            Skip::BadParent => "bad_parent",
+            Skip::BadTokens => "bad_token_ids",
+        }
+    }
 }
 
 /// What can be wrong with a frame or payload; messages name the part and what was expected.
@@ -140,11 +170,15 @@ pub fn decode_batch(payload: &[u8], bytes_key: BytesKey) -> Result<EventBatch, D
         events: Vec::with_capacity(events.len()),
         dp_rank,
         skipped: 0,
+        skips: Vec::new(),
     };
     for ev in &events {
         match decode_event(ev, bytes_key) {
-            Some(e) => out.events.push(e),
-            None => out.skipped += 1,
+            Ok(e) => out.events.push(e),
+            Err(why) => {
+                out.skipped += 1;
+                out.skips.push(why);
+            }
         }
     }
     Ok(out)
@@ -156,15 +190,17 @@ fn map_get<'a>(m: &'a [(Value, Value)], key: &str) -> Option<&'a Value> {
         .map(|(_, v)| v)
 }
 
-fn decode_event(ev: &Value, bk: BytesKey) -> Option<KvEvent> {
+fn decode_event(ev: &Value, bk: BytesKey) -> Result<KvEvent, Skip> {
     match ev {
         Value::Map(m) => {
-            let ty = map_get(m, "type")?.as_str()?;
+            let ty = map_get(m, "type")
+                .and_then(Value::as_str)
+                .ok_or(Skip::NotAnEvent)?;
             let f = |name: &str| map_get(m, name);
             build(ty, &f, bk)
         }
         Value::Array(a) => {
-            let ty = a.first()?.as_str()?;
+            let ty = a.first().and_then(Value::as_str).ok_or(Skip::NotAnEvent)?;
             // Positional order is the declaration order of the engine's struct (same as map order).
             let names: &[&str] = match ty {
                 "BlockStored" => &[
@@ -188,23 +224,30 @@ fn decode_event(ev: &Value, bk: BytesKey) -> Option<KvEvent> {
             };
             build(ty, &f, bk)
         }
-        _ => None,
+        _ => Err(Skip::NotAnEvent),
     }
 }
 
-fn build<'a>(ty: &str, f: &dyn Fn(&str) -> Option<&'a Value>, bk: BytesKey) -> Option<KvEvent> {
+fn build<'a>(
+    ty: &str,
+    f: &dyn Fn(&str) -> Option<&'a Value>,
+    bk: BytesKey,
+) -> Result<KvEvent, Skip> {
     match ty {
         "BlockStored" => {
-            let block_hashes = keys(f("block_hashes")?, bk)?;
+            let block_hashes = f("block_hashes")
+                .and_then(|v| keys(v, bk))
+                .ok_or(Skip::BadKeys)?;
             let parent = match f("parent_block_hash") {
                 None | Some(Value::Nil) => None,
-                Some(v) => Some(key(v, bk)?),
+                Some(v) => Some(key(v, bk).ok_or(Skip::BadParent)?),
             };
             let token_ids = match f("token_ids") {
                 Some(Value::Array(t)) => t
                     .iter()
-                    .map(|x| x.as_u64().map(|n| n as u32))
-                    .collect::<Option<Vec<_>>>()?,
+                    .map(|x| x.as_u64().and_then(|n| u32::try_from(n).ok()))
+                    .collect::<Option<Vec<_>>>()
+                    .ok_or(Skip::BadTokens)?,
                 _ => Vec::new(),
             };
             let has_lora = !matches!(f("lora_id"), None | Some(Value::Nil))
@@ -213,23 +256,27 @@ fn build<'a>(ty: &str, f: &dyn Fn(&str) -> Option<&'a Value>, bk: BytesKey) -> O
                 Some(Value::Array(a)) => a.iter().any(|x| !x.is_nil()),
                 _ => false,
             };
-            Some(KvEvent::Stored(Stored {
+            Ok(KvEvent::Stored(Stored {
                 block_hashes,
                 parent,
                 token_ids,
-                block_size: f("block_size").and_then(Value::as_u64).map(|n| n as u32),
+                block_size: f("block_size")
+                    .and_then(Value::as_u64)
+                    .map(|n| u32::try_from(n).unwrap_or(u32::MAX)),
                 medium: Medium::parse(f("medium")),
                 has_lora,
                 has_extra_keys,
                 cache_salt: f("cache_salt").and_then(Value::as_str).map(str::to_owned),
             }))
         }
-        "BlockRemoved" => Some(KvEvent::Removed {
-            block_hashes: keys(f("block_hashes")?, bk)?,
+        "BlockRemoved" => Ok(KvEvent::Removed {
+            block_hashes: f("block_hashes")
+                .and_then(|v| keys(v, bk))
+                .ok_or(Skip::BadKeys)?,
             medium: Medium::parse(f("medium")),
         }),
-        "AllBlocksCleared" => Some(KvEvent::AllCleared),
-        _ => None,
+        "AllBlocksCleared" => Ok(KvEvent::AllCleared),
+        _ => Err(Skip::UnknownType),
     }
 }
 
@@ -435,6 +482,46 @@ mod tests {
         let b = decode_batch(&buf, BytesKey::Last8).unwrap();
         assert_eq!(b.events, vec![KvEvent::AllCleared]);
         assert_eq!(b.skipped, 1);
+        assert_eq!(b.skips, vec![Skip::UnknownType]);
         assert_eq!(b.dp_rank, None);
+    }
+
+    #[test]
+    fn token_ids_past_u32_reject_the_event() {
+        let ev = |tok: u64| {
+            Value::Map(vec![
+                (Value::from("type"), Value::from("BlockStored")),
+                (
+                    Value::from("block_hashes"),
+                    Value::Array(vec![Value::from(7u64)]),
+                ),
+                (
+                    Value::from("token_ids"),
+                    Value::Array(vec![Value::from(tok)]),
+                ),
+            ])
+        };
+        let mut buf = Vec::new();
+        let v = Value::Array(vec![
+            Value::F64(1.0),
+            Value::Array(vec![
+                ev(1 << 32),
+                ev(u64::from(u32::MAX)),
+                Value::Map(vec![(Value::from("type"), Value::from("BlockRemoved"))]),
+                Value::from(3),
+            ]),
+            Value::Nil,
+        ]);
+        rmpv::encode::write_value(&mut buf, &v).unwrap();
+        let b = decode_batch(&buf, BytesKey::Last8).unwrap();
+        assert_eq!(b.events.len(), 1, "{b:?}");
+        assert!(
+            matches!(&b.events[0], KvEvent::Stored(s) if s.token_ids == vec![u32::MAX]),
+            "{b:?}"
+        );
+        assert_eq!(
+            b.skips,
+            vec![Skip::BadTokens, Skip::BadKeys, Skip::NotAnEvent]
+        );
     }
 }

@@ -38,7 +38,8 @@ pub struct Keyer {
     mismatches: u64,
 }
 
-/// Entries the engine-key map may hold before it is dropped (it is rebuilt from new events).
+/// Entries the engine-key map (tokens mode, TensorRT-LLM) may hold; past it the map is dropped and
+/// the endpoint cleared ([`Keyer::overflow`]), so memory stays bounded whatever a publisher sends.
 const MAX_MAP: usize = 4 << 20;
 
 impl Keyer {
@@ -89,7 +90,7 @@ impl Keyer {
                             .inc_by(s.block_hashes.len() as u64);
                         continue;
                     }
-                    if let Some(op) = self.stored(s) {
+                    if let Some(op) = self.stored(s, &mut ops) {
                         ops.push(op);
                     }
                 }
@@ -125,7 +126,18 @@ impl Keyer {
         ops
     }
 
-    fn stored(&mut self, s: &Stored) -> Option<IndexOp> {
+    /// The engine-key map is full: forget it and clear the endpoint (counted), since removals of
+    /// what it held could no longer be applied; the inventory is rebuilt from new events.
+    fn overflow(&mut self, ops: &mut Vec<IndexOp>) {
+        self.map.clear();
+        self.metrics
+            .clears
+            .with_label_values(&[self.engine.as_str(), "keyer_full"])
+            .inc();
+        ops.push(IndexOp::Clear);
+    }
+
+    fn stored(&mut self, s: &Stored, ops: &mut Vec<IndexOp>) -> Option<IndexOp> {
         match self.key_mode {
             KeyMode::Engine => {
                 if s.parent.is_none()
@@ -167,8 +179,8 @@ impl Keyer {
                 };
                 let bsz = BlockSize::new(self.block_size)?;
                 let keys = content_keys(&s.token_ids, bsz, parent);
-                if self.map.len() > MAX_MAP {
-                    self.map.clear();
+                if self.map.len() + keys.len() > MAX_MAP {
+                    self.overflow(ops);
                 }
                 for (h, k) in s.block_hashes.iter().zip(&keys) {
                     self.map.insert(*h, k.0);
@@ -236,20 +248,30 @@ impl Keyer {
                         .unwrap_or(&[])
                     {
                         let engine_hash = b.get("block_hash").and_then(Value::as_u64);
-                        let tokens: Vec<u32> = b
+                        // A token that is not an id below 2^32 makes the block unkeyable (never
+                        // truncated into a different key).
+                        let tokens: Option<Vec<u32>> = b
                             .get("tokens")
                             .and_then(Value::as_array)
                             .map(|t| {
                                 t.iter()
-                                    .filter_map(|x| {
+                                    .map(|x| {
                                         x.get("token_id")
                                             .and_then(Value::as_u64)
                                             .or_else(|| x.as_u64())
+                                            .and_then(|v| u32::try_from(v).ok())
                                     })
-                                    .map(|v| v as u32)
                                     .collect()
                             })
-                            .unwrap_or_default();
+                            .unwrap_or(Some(Vec::new()));
+                        let Some(tokens) = tokens else {
+                            self.metrics
+                                .malformed_events
+                                .with_label_values(&[self.engine.as_str(), "bad_token_ids"])
+                                .inc();
+                            parent_key = None;
+                            continue;
+                        };
                         let level_gpu =
                             b.get("cache_level").and_then(Value::as_u64).unwrap_or(0) == 0;
                         let (Some(eh), Some(pk)) = (engine_hash, parent_key) else {
@@ -290,6 +312,11 @@ impl Keyer {
                                 }
                             }
                         };
+                        if self.map.len() >= MAX_MAP {
+                            // Removals could no longer be mapped: rebuild from new events.
+                            self.overflow(&mut ops);
+                            keys.clear();
+                        }
                         self.map.insert(eh, key);
                         parent_engine = Some(eh);
                         parent_key = Some(key);

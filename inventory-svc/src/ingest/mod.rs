@@ -30,7 +30,8 @@ pub enum SeqVerdict {
     /// The first message of this subscriber.
     First,
     InOrder,
-    /// Already applied (a replay overlap): skip.
+    /// Already applied (a replay overlap), or below the last one without yet forming a run of
+    /// [`REWIND_RUN`] in-order frames: skip.
     Duplicate,
     /// The publisher restarted (sequence back to 0, or lower after a reconnect): clear, then apply.
     Restart,
@@ -38,14 +39,36 @@ pub enum SeqVerdict {
     Gap {
         from: u64,
     },
+    /// [`REWIND_RUN`] consecutive in-order sequences arrived below the last one: the last one was
+    /// out of range (a corrupt or hostile jump ahead) or the publisher restarted unnoticed. The
+    /// tracker follows the new run: clear, then apply.
+    Rewind,
 }
 
-/// Per-publisher sequence tracking.
+/// In-order frames below the last sequence that make the tracker follow them ([`SeqVerdict::Rewind`]).
+/// A replay overlap or a stray old frame is shorter; a publisher that really moved back sends
+/// this many frames in a few milliseconds.
+pub const REWIND_RUN: u32 = 3;
+
+/// Per-publisher sequence tracking: a small state machine over `last` (the highest applied),
+/// `fresh` (a reconnect happened) and `behind` (a run of in-order frames below `last`).
+///
+/// Invariants (checked by the property test below over arbitrary inputs):
+/// * after any input, a run of in-order frames has one applied within its first
+///   [`REWIND_RUN`] + 1 frames (+ 1: a run that reaches the last applied frame skips it, and the
+///   next is in order), and every later frame of the run is [`SeqVerdict::InOrder`];
+/// * a frame equal to the last applied one is never applied again without a reconnect;
+/// * applied sequences increase by one ([`SeqVerdict::InOrder`], wrapping at `u64::MAX`) or jump
+///   ahead ([`SeqVerdict::Gap`]) except at a verdict that clears the inventory
+///   ([`SeqVerdict::Restart`], [`SeqVerdict::Rewind`]) or the first frame;
+/// * [`SeqVerdict::Duplicate`] is only given to a sequence at or below the last applied one.
 #[derive(Clone, Debug, Default)]
 pub struct SeqTracker {
     last: Option<u64>,
     /// Set after a reconnect: a lower sequence then means a restart, not a duplicate.
     fresh: bool,
+    /// Frames below `last` forming an in-order run: `(next expected, run length)`.
+    behind: Option<(u64, u32)>,
 }
 
 impl SeqTracker {
@@ -56,6 +79,7 @@ impl SeqTracker {
         SeqTracker {
             last,
             fresh: last.is_some(),
+            behind: None,
         }
     }
 
@@ -66,18 +90,43 @@ impl SeqTracker {
 
     /// Classifies `seq` and advances the tracker.
     pub fn observe(&mut self, seq: u64) -> SeqVerdict {
+        self.observe_span(seq, seq)
+    }
+
+    /// Classifies a batch of consecutive sequences `first..=last` (a TensorRT-LLM drain) by its
+    /// first one and advances the tracker past the whole batch; `last < first` counts as `first`.
+    pub fn observe_span(&mut self, first: u64, last: u64) -> SeqVerdict {
         let fresh = std::mem::take(&mut self.fresh);
+        let span = last.saturating_sub(first);
+        let end = first.max(last);
         let v = match self.last {
             None => SeqVerdict::First,
-            Some(l) if seq == l.wrapping_add(1) => SeqVerdict::InOrder,
-            Some(_) if seq == 0 => SeqVerdict::Restart,
-            Some(l) if seq <= l && fresh => SeqVerdict::Restart,
-            Some(l) if seq <= l => SeqVerdict::Duplicate,
+            Some(l) if first == l.wrapping_add(1) => SeqVerdict::InOrder,
+            Some(l) if first <= l && fresh => SeqVerdict::Restart,
+            Some(l) if first == l => {
+                self.behind = None;
+                return SeqVerdict::Duplicate;
+            }
+            Some(_) if first == 0 => SeqVerdict::Restart,
+            Some(l) if first < l => {
+                let run = match self.behind {
+                    Some((next, n)) if next == first => n,
+                    _ => 0,
+                };
+                // A drain counts each of its events; a span past the run length is capped.
+                let run = run
+                    .saturating_add(1)
+                    .saturating_add(span.min(u64::from(REWIND_RUN)) as u32);
+                if run < REWIND_RUN {
+                    self.behind = Some((end.wrapping_add(1), run));
+                    return SeqVerdict::Duplicate;
+                }
+                SeqVerdict::Rewind
+            }
             Some(l) => SeqVerdict::Gap { from: l + 1 },
         };
-        if v != SeqVerdict::Duplicate {
-            self.last = Some(seq);
-        }
+        self.behind = None;
+        self.last = Some(end);
         v
     }
 }
@@ -105,7 +154,33 @@ pub fn apply_local(state: &AppState, rule: &RuleRuntime, ep: usize, rank: u8, op
     if ops.is_empty() {
         return;
     }
-    rule.index.apply(EndpointId(ep as u8), Rank(rank), ops);
+    let held = rule.index.block_count(EndpointId(ep as u8));
+    let cap = key_cap(state, rule, ep);
+    if held >= cap && ops.iter().any(|o| matches!(o, IndexOp::Store(_))) {
+        // At the cap: stores are refused (counted) until evictions or a clear make room, so one
+        // endpoint's index is bounded by the cap plus one message whatever a publisher sends.
+        let mut refused = 0u64;
+        let kept: Vec<IndexOp> = ops
+            .iter()
+            .filter(|o| match o {
+                IndexOp::Store(k) => {
+                    refused += k.len() as u64;
+                    false
+                }
+                _ => true,
+            })
+            .cloned()
+            .collect();
+        state
+            .metrics
+            .key_cap_refusals
+            .with_label_values(&[rule.spec.engine.as_str()])
+            .inc_by(refused);
+        tracing::debug!(rule = %rule.spec.name(), ep, held, cap, refused, "endpoint key cap reached");
+        rule.index.apply(EndpointId(ep as u8), Rank(rank), &kept);
+    } else {
+        rule.index.apply(EndpointId(ep as u8), Rank(rank), ops);
+    }
     if rule.cancel.is_cancelled() {
         return;
     }
@@ -115,6 +190,31 @@ pub fn apply_local(state: &AppState, rule: &RuleRuntime, ep: usize, rank: u8, op
         .inventory_blocks
         .with_label_values(&[&rule.spec.name(), &ep.to_string()])
         .set(n as i64);
+}
+
+/// Blocks endpoint `ep` may hold: `KVROUTE_MAX_KEYS_PER_ENDPOINT`, else 4 x its capacity (the
+/// rule's `kvCapacityBlocks` or the scraped num_gpu_blocks; at least 65536), else
+/// [`crate::settings::DEFAULT_MAX_KEYS_PER_ENDPOINT`].
+pub fn key_cap(state: &AppState, rule: &RuleRuntime, ep: usize) -> u64 {
+    if state.settings.max_keys_per_endpoint > 0 {
+        return state.settings.max_keys_per_endpoint;
+    }
+    let capacity = rule
+        .spec
+        .endpoints
+        .get(ep)
+        .and_then(|e| e.capacity_blocks)
+        .map(u64::from)
+        .or_else(|| {
+            rule.eps
+                .get(ep)
+                .map(|e| e.capacity.load(std::sync::atomic::Ordering::Relaxed))
+        })
+        .filter(|c| *c > 0);
+    match capacity {
+        Some(c) => c.saturating_mul(4).max(65_536),
+        None => crate::settings::DEFAULT_MAX_KEYS_PER_ENDPOINT,
+    }
 }
 
 /// Sets the connected flag and gauge of one publisher.
@@ -171,11 +271,13 @@ pub fn spawn_rule(state: &Arc<AppState>, rule: &Arc<RuleRuntime>) {
         }
     }
     for ep in 0..rule.eps.len() {
+        // A replaced rule may have kept its predecessor's inventory.
+        let n = rule.index.block_count(EndpointId(ep as u8));
         state
             .metrics
             .inventory_blocks
             .with_label_values(&[&rule.spec.name(), &ep.to_string()])
-            .set(0);
+            .set(n as i64);
     }
 }
 
@@ -217,6 +319,7 @@ pub fn spawn_endpoint(
 
 #[cfg(test)]
 mod tests {
+    #![allow(clippy::panic)]
     use super::*;
 
     #[test]
@@ -238,5 +341,136 @@ mod tests {
         );
         assert_eq!(SeqTracker::resume(Some(4)).observe(2), SeqVerdict::Restart);
         assert_eq!(SeqTracker::resume(None).observe(2), SeqVerdict::First);
+    }
+
+    #[test]
+    fn out_of_range_jump_recovers() {
+        let mut t = SeqTracker::default();
+        assert_eq!(t.observe(100), SeqVerdict::First);
+        assert_eq!(t.observe(1 << 62), SeqVerdict::Gap { from: 101 });
+        assert_eq!(t.observe(101), SeqVerdict::Duplicate);
+        assert_eq!(t.observe(102), SeqVerdict::Duplicate);
+        assert_eq!(t.observe(103), SeqVerdict::Rewind);
+        assert_eq!(t.observe(104), SeqVerdict::InOrder);
+        // A stray old frame (not a run) stays a duplicate; the last one is never applied twice.
+        assert_eq!(t.observe(50), SeqVerdict::Duplicate);
+        assert_eq!(t.observe(104), SeqVerdict::Duplicate);
+        assert_eq!(t.observe(105), SeqVerdict::InOrder);
+        // A replayed tail ending at the last applied one is skipped.
+        assert_eq!(t.observe(103), SeqVerdict::Duplicate);
+        assert_eq!(t.observe(104), SeqVerdict::Duplicate);
+        assert_eq!(t.observe(105), SeqVerdict::Duplicate);
+        assert_eq!(t.observe(106), SeqVerdict::InOrder);
+        // Wrap.
+        let mut t = SeqTracker::resume(Some(u64::MAX - 1));
+        assert_eq!(t.observe(u64::MAX), SeqVerdict::InOrder);
+        assert_eq!(t.observe(0), SeqVerdict::InOrder);
+        // A TensorRT-LLM drain of ids below the last one: one drain of three events rewinds.
+        let mut t = SeqTracker::default();
+        assert_eq!(t.observe_span(1 << 62, 1 << 62), SeqVerdict::First);
+        assert_eq!(t.observe_span(7, 7), SeqVerdict::Duplicate);
+        assert_eq!(t.observe_span(8, 9), SeqVerdict::Rewind);
+        assert_eq!(t.observe_span(10, 20), SeqVerdict::InOrder);
+        assert_eq!(t.observe_span(21, 21), SeqVerdict::InOrder);
+    }
+
+    /// A seeded xorshift generator: the property test needs no extra dependency and replays
+    /// exactly from its seed.
+    struct Rng(u64);
+    impl Rng {
+        fn next(&mut self) -> u64 {
+            self.0 ^= self.0 << 13;
+            self.0 ^= self.0 >> 7;
+            self.0 ^= self.0 << 17;
+            self.0
+        }
+        fn below(&mut self, n: u64) -> u64 {
+            self.next() % n
+        }
+    }
+
+    /// One arbitrary input step: a frame (near the last, a reset, a jump, a duplicate, an
+    /// arbitrary value, around the wrap) or a reconnect.
+    fn arbitrary_step(r: &mut Rng, prev: u64) -> Option<u64> {
+        Some(match r.below(12) {
+            0 => return None,
+            1 => 0,
+            2 => prev,
+            3 => prev.wrapping_sub(r.below(5)),
+            4 => prev.wrapping_add(2 + r.below(10)),
+            5 => r.next(),
+            6 => u64::MAX - r.below(3),
+            7 => 1 << (r.below(64)),
+            _ => prev.wrapping_add(1),
+        })
+    }
+
+    fn applied(v: SeqVerdict) -> bool {
+        v != SeqVerdict::Duplicate
+    }
+
+    #[test]
+    fn seq_tracker_properties() {
+        for seed in 1..=2000u64 {
+            let mut r = Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1);
+            let mut t = SeqTracker::default();
+            let mut last_applied: Option<u64> = None;
+            let mut reconnected = false;
+            let mut prev = r.next() % 1000;
+            let steps = 1 + r.below(60);
+            for _ in 0..steps {
+                let Some(seq) = arbitrary_step(&mut r, prev) else {
+                    t.reconnected();
+                    reconnected = true;
+                    continue;
+                };
+                prev = seq;
+                let v = t.observe(seq);
+                let ctx = format!("seed {seed}: seq {seq} after {last_applied:?} -> {v:?}");
+                match (v, last_applied) {
+                    (SeqVerdict::First, l) => assert!(l.is_none(), "{ctx}"),
+                    (_, None) => panic!("{ctx}: only First without history"),
+                    (SeqVerdict::InOrder, Some(l)) => assert_eq!(seq, l.wrapping_add(1), "{ctx}"),
+                    (SeqVerdict::Gap { from }, Some(l)) => {
+                        assert_eq!(from, l + 1, "{ctx}");
+                        assert!(seq > from, "{ctx}");
+                    }
+                    (SeqVerdict::Duplicate, Some(l)) => assert!(seq <= l, "{ctx}"),
+                    (SeqVerdict::Restart, Some(l)) => {
+                        assert!(seq == 0 || (reconnected && seq <= l), "{ctx}")
+                    }
+                    (SeqVerdict::Rewind, Some(l)) => assert!(seq < l, "{ctx}"),
+                }
+                if !reconnected && Some(seq) == last_applied {
+                    assert!(!applied(v), "{ctx}: the last applied frame applied twice");
+                }
+                reconnected = false;
+                if applied(v) {
+                    last_applied = Some(seq);
+                }
+            }
+            // After any history, a run of in-order frames from anywhere is followed within
+            // REWIND_RUN + 1 frames and stays followed.
+            let start = match r.below(3) {
+                0 => r.next(),
+                1 => r.below(100),
+                _ => prev.wrapping_add(1),
+            };
+            let mut followed_at = None;
+            for i in 0..(u64::from(REWIND_RUN) + 20) {
+                let seq = start.wrapping_add(i);
+                let v = t.observe(seq);
+                if followed_at.is_some() {
+                    assert_eq!(v, SeqVerdict::InOrder, "seed {seed}: frame {i} of the run");
+                } else if applied(v) {
+                    followed_at = Some(i);
+                }
+            }
+            let at = followed_at.unwrap_or(u64::MAX);
+            assert!(
+                at <= u64::from(REWIND_RUN),
+                "seed {seed}: run from {start} followed at frame {at}"
+            );
+        }
     }
 }

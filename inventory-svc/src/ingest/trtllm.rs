@@ -2,7 +2,8 @@
 //!
 //! The endpoint drains the engine's queue, so nobody else may call it. Event ids are tracked like
 //! ZMQ sequence numbers: a jump means events were lost (cleared, no replay exists), an id back at
-//! or below the last after a failed poll, or 0, means a restart (cleared).
+//! or below the last after a failed poll, or 0, means a restart (cleared); a run of ids below the last
+//! one means the last was out of range (cleared, then followed).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -13,6 +14,44 @@ use super::keyer::Keyer;
 use super::{apply_ops, next_backoff, set_connected, SeqTracker, SeqVerdict};
 use crate::index::IndexOp;
 use crate::state::{AppState, RuleRuntime};
+
+/// Largest drain body read: a drain of 100 ms holds a few hundred events of a few KiB; past this the
+/// drain is refused (counted as a decode error) instead of buffered.
+pub const MAX_DRAIN_BODY: usize = 32 << 20;
+
+/// Reads a drain body of at most [`MAX_DRAIN_BODY`] bytes and parses it.
+async fn read_bounded(
+    mut r: reqwest::Response,
+    state: &AppState,
+    cancel: &tokio_util::sync::CancellationToken,
+) -> Result<Value, String> {
+    let too_big = || {
+        state
+            .metrics
+            .decode_errors
+            .with_label_values(&["trtllm"])
+            .inc();
+        format!("drain body over {MAX_DRAIN_BODY} bytes")
+    };
+    if r.content_length()
+        .is_some_and(|n| n > MAX_DRAIN_BODY as u64)
+    {
+        return Err(too_big());
+    }
+    let mut body = Vec::new();
+    loop {
+        let chunk = tokio::select! {
+            _ = cancel.cancelled() => return Err("cancelled".into()),
+            c = r.chunk() => c.map_err(|e| e.to_string())?,
+        };
+        let Some(c) = chunk else { break };
+        if body.len() + c.len() > MAX_DRAIN_BODY {
+            return Err(too_big());
+        }
+        body.extend_from_slice(&c);
+    }
+    serde_json::from_slice(&body).map_err(|e| format!("drain body: {e}"))
+}
 
 /// Polls one TensorRT-LLM endpoint until `cancel` (the rule's token, or the endpoint's lease);
 /// `resume` is the last event id already applied (replicated takeover).
@@ -41,7 +80,7 @@ pub async fn run(
             r = state.http.post(&url).header("content-type", "application/json").body("{}").send() => r,
         };
         let events = match res {
-            Ok(r) if r.status().is_success() => r.json::<Value>().await.map_err(|e| e.to_string()),
+            Ok(r) if r.status().is_success() => read_bounded(r, &state, &cancel).await,
             Ok(r) => Err(format!("status {}", r.status())),
             Err(e) => Err(e.to_string()),
         };
@@ -59,17 +98,18 @@ pub async fn run(
                         .and_then(|e| e.get("event_id"))
                         .and_then(Value::as_u64)
                         .unwrap_or(first);
-                    let verdict = seq.observe(first);
-                    // Advance over the rest of the drain (ids are consecutive within one drain).
-                    if last > first {
-                        let _ = seq.observe(last);
-                    }
+                    let verdict = seq.observe_span(first, last);
                     match verdict {
-                        SeqVerdict::Restart => {
+                        SeqVerdict::Restart | SeqVerdict::Rewind => {
+                            let cause = if verdict == SeqVerdict::Restart {
+                                "restart"
+                            } else {
+                                "rewind"
+                            };
                             state
                                 .metrics
                                 .clears
-                                .with_label_values(&[engine, "restart"])
+                                .with_label_values(&[engine, cause])
                                 .inc();
                             keyer.reset();
                             apply_ops(&state, &rule, ep, 0, &[IndexOp::Clear]);

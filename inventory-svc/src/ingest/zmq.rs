@@ -4,7 +4,9 @@
 //! A gap triggers a replay through a DEALER (`[b"", start_seq]`, read until the `ff*8` end marker)
 //! when the rule has `kvReplayPort`; otherwise (or when the replay fails) the endpoint's inventory
 //! for this rank is cleared and rebuilt from new events. A sequence back at 0 — or lower than the
-//! last one after a reconnect — is an engine restart: clear, then ingest.
+//! last one after a reconnect — is an engine restart: clear, then ingest. A run of
+//! [`super::REWIND_RUN`] in-order sequences below the last one (the last was an out-of-range jump)
+//! is a rewind: clear, then follow the new run.
 //!
 //! The `zeromq` crate neither reconnects nor reports a dropped publisher (its SUB silently forgets
 //! the peer) and may panic on unexpected frames, so a session runs in its own task and ends after
@@ -201,12 +203,17 @@ async fn handle(
     match p.seq.observe(seq) {
         SeqVerdict::First | SeqVerdict::InOrder => {}
         SeqVerdict::Duplicate => return,
-        SeqVerdict::Restart => {
-            tracing::info!(rule = %rule.spec.name(), ep, rank, seq, "publisher restarted: clearing the endpoint inventory");
+        v @ (SeqVerdict::Restart | SeqVerdict::Rewind) => {
+            let cause = if v == SeqVerdict::Restart {
+                "restart"
+            } else {
+                "rewind"
+            };
+            tracing::info!(rule = %rule.spec.name(), ep, rank, seq, cause, "publisher restarted or rewound: clearing the endpoint inventory");
             state
                 .metrics
                 .clears
-                .with_label_values(&[engine.as_str(), "restart"])
+                .with_label_values(&[engine.as_str(), cause])
                 .inc();
             p.keyer.reset();
             apply_ops(state, rule, ep, rank, &[IndexOp::Clear]);
@@ -278,6 +285,13 @@ fn apply_payload(
     let engine = rule.spec.engine;
     match decode_batch(payload, bytes_key(engine)) {
         Ok(batch) => {
+            for why in &batch.skips {
+                state
+                    .metrics
+                    .malformed_events
+                    .with_label_values(&[engine.as_str(), why.as_str()])
+                    .inc();
+            }
             let ops = p.keyer.batch_ops(&batch);
             apply_ops(state, rule, ep, rank, &ops);
             if let Some(r) = &p.keyer.parity {

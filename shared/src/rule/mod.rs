@@ -44,6 +44,10 @@ pub(crate) use error::{quoted, write_list, Collector};
 
 /// `kvBlockSize` when omitted (vLLM's default `--block-size`).
 pub const DEFAULT_KV_BLOCK_SIZE: u32 = 16;
+/// Largest `kvBlockSize` accepted. Engines use 1-256 tokens per block (vLLM 1-128 on CUDA, SGLang
+/// `page_size`, TensorRT-LLM `tokens_per_block`); vLLM's hybrid (Mamba) models raise the attention
+/// block to a few thousand. A larger value can never match an engine's keys.
+pub const MAX_KV_BLOCK_SIZE: u32 = 8192;
 /// `kvZmqPort` when omitted (vLLM/SGLang default `tcp://*:5557`).
 pub const DEFAULT_KV_ZMQ_PORT: u16 = 5557;
 /// `kvWarmupSec` when omitted (accepted and inert).

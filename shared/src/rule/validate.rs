@@ -12,7 +12,7 @@ use super::{
     quoted, Collector, Endpoint, EndpointRole, IpPrefix, KeyMode, KvConfig, KvMode, LbMode,
     Protocol, RawEndpoint, RawRule, RawServiceArguments, Rule, RuleErrors, RuleId, Sel,
     DEFAULT_KV_BLOCK_SIZE, DEFAULT_KV_DP_RANK_COUNT, DEFAULT_KV_WARMUP_SEC, DEFAULT_KV_ZMQ_PORT,
-    DEFAULT_WEIGHT, MAX_KV_DP_RANK_COUNT, MAX_WEIGHT, MISSING,
+    DEFAULT_WEIGHT, MAX_KV_BLOCK_SIZE, MAX_KV_DP_RANK_COUNT, MAX_WEIGHT, MISSING,
 };
 use crate::hash::{BlockSize, Engine, HashAlgo, HashContract, HashError, DEFAULT_NONE_HASH_SEED};
 use crate::settings::{Settings, NONE_HASH_SEED_VAR};
@@ -306,7 +306,7 @@ fn kv_config(
             a.kv_block_size,
             DEFAULT_KV_BLOCK_SIZE,
             1,
-            i64::from(u32::MAX),
+            i64::from(MAX_KV_BLOCK_SIZE),
         )
         .and_then(BlockSize::new);
     let key_mode = match a.kv_key_mode.as_deref() {
