@@ -235,6 +235,12 @@ pub struct Inventory {
 impl Inventory {
     /// Starts the service on 127.0.0.1:0 (health probes off, fast TensorRT-LLM drains, no load caps).
     pub async fn start() -> Result<Inventory> {
+        Inventory::start_with_route_token(None).await
+    }
+
+    /// [`Inventory::start`], with `/v1/route` requiring `route_token` when given
+    /// (`--route-token-file`).
+    pub async fn start_with_route_token(route_token: Option<&str>) -> Result<Inventory> {
         let dir = TempDir::new("inventory")?;
         let staged = dir.path().join("tokenizers").join("Qwen__Qwen3-0.6B");
         std::fs::create_dir_all(&staged)?;
@@ -258,6 +264,11 @@ impl Inventory {
             .env("LOXILB_KV_LB_MODE", "off")
             .env("LOXILB_KV_SPILL_RELIEF", "off")
             .env("RUST_LOG", "info");
+        if let Some(t) = route_token {
+            let path = dir.path().join("route-token");
+            std::fs::write(&path, t)?;
+            cmd.arg("--route-token-file").arg(path);
+        }
         let mut child = ChildGuard::spawn("kvroute-inventory", cmd, &log)?;
         // The service prints its bound address (port 0 picks one): poll its log for it.
         let deadline = Instant::now() + Duration::from_secs(30);

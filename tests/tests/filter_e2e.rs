@@ -73,13 +73,23 @@ fn bootstrap<'a>(
 
 /// Starts the real inventory with a rule over engines a and b, b holding the prompt's blocks.
 async fn fleet(body: &[u8]) -> (Inventory, Engine, Engine, usize) {
+    fleet_with_route_token(body, None).await
+}
+
+/// [`fleet`], the inventory requiring `route_token` on `/v1/route` when given.
+async fn fleet_with_route_token(
+    body: &[u8],
+    route_token: Option<&str>,
+) -> (Inventory, Engine, Engine, usize) {
     let a = Engine::start("engine-a").await.unwrap();
     let b = Engine::start("engine-b").await.unwrap();
     let tokens = prompt_tokens(body);
     let blocks = tokens.len() / envoy::BLOCK;
     assert!(blocks >= 3, "prompt too short: {} tokens", tokens.len());
     b.store_blocks(&tokens);
-    let inv = Inventory::start().await.unwrap();
+    let inv = Inventory::start_with_route_token(route_token)
+        .await
+        .unwrap();
     let rule = inv.add_rule(&[&a, &b]).await.unwrap();
     inv.wait_for_blocks(rule, 1, blocks).await.unwrap();
     (inv, a, b, blocks)
@@ -550,4 +560,56 @@ async fn offloaded_tokenization_pins_to_the_chosen_endpoint() {
     assert!(last.body.as_ref() == body.as_slice());
     // The filter never loaded a tokenizer.
     assert!(!gw.envoy.log().contains("tokenizer loaded"));
+}
+
+/// The service requires a credential on `/v1/route` (`--route-token-file`): a filter with the
+/// same `route_token` pins; one with a wrong token, or none, is refused (401) and fails open,
+/// counted as `status`, the request still served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn route_token_pins_and_a_wrong_one_fails_open_counted() {
+    let body = chat_body(json!({}));
+    let (inv, a, b, _) = fleet_with_route_token(&body, Some("route-secret-1")).await;
+    let engines = [&a, &b];
+    for (token, pinned) in [
+        (json!("route-secret-1"), true),
+        (json!("route-secret-2"), false),
+        (Value::Null, false),
+    ] {
+        let plugin = if token.is_null() {
+            json!({})
+        } else {
+            json!({ "route_token": token })
+        };
+        let gw = Gateway::start(bootstrap(&engines, inv.addr, plugin, Variant::EnvoyFilter))
+            .await
+            .unwrap();
+        gw.wait_until_routing(READY).await.unwrap();
+        for _ in 0..3 {
+            let r = gw
+                .post("/v1/chat/completions", body.clone(), &[])
+                .await
+                .unwrap();
+            assert_eq!(
+                r.status(),
+                200,
+                "token {token}: the request is served either way"
+            );
+            if pinned {
+                assert_eq!(r.headers()[BACKEND_HEADER], "engine-b", "token {token}");
+            }
+        }
+        let refused = gw
+            .stat("kvroute_filter_fail_open_status_total")
+            .await
+            .unwrap();
+        let tier15 = gw
+            .stat("kvroute_filter_decisions_tier15_total")
+            .await
+            .unwrap();
+        if pinned {
+            assert_eq!((refused, tier15), (0, 3), "token {token}");
+        } else {
+            assert_eq!((refused, tier15), (3, 0), "token {token}");
+        }
+    }
 }
