@@ -22,8 +22,8 @@ export KVROUTE_CACHE="${KVROUTE_CACHE:-$REPO/.cache}"
 # target tokenizes with the real Qwen3 vocabulary, so it runs fewer).
 TARGETS=(zmq_events trtllm_drain replica_codec rule_json openai_body filter_answer filter_config)
 declare -A SMOKE_RUNS=(
-    [zmq_events]=20000 [trtllm_drain]=20000 [replica_codec]=50000 [rule_json]=20000
-    [openai_body]=2000 [filter_answer]=50000 [filter_config]=50000
+    [zmq_events]=100000 [trtllm_drain]=100000 [replica_codec]=200000 [rule_json]=100000
+    [openai_body]=5000 [filter_answer]=200000 [filter_config]=200000
 )
 # Largest input per target (libFuzzer -max_len); openai_body matches its MAX_BODY.
 declare -A MAX_LEN=([openai_body]=4096)

@@ -10,7 +10,7 @@
 //! Bodies over [`MAX_BODY`] bytes are skipped, so a slow path shows up as a per-input timeout.
 #![no_main]
 
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 
 use kvroute_core::chat::ChatTemplate;
 use kvroute_core::hash::{BlockSize, ExtraKeys, HashAlgo, HashContract};
@@ -31,26 +31,27 @@ struct Fixture {
     template: ChatTemplate,
 }
 
-fn fixture() -> &'static Fixture {
-    static F: OnceLock<Fixture> = OnceLock::new();
-    F.get_or_init(|| {
-        let dir = std::env::var("KVROUTE_TOKENIZER_DIR")
-            .expect("KVROUTE_TOKENIZER_DIR is unset: run `source .cache/env.sh` first");
-        let read = |name: &str| {
-            let path = std::path::Path::new(&dir).join(name);
-            std::fs::read(&path).unwrap_or_else(|e| panic!("reading {}: {e}", path.display()))
-        };
-        let tokenizer_json = read("tokenizer.json");
-        let config_json = read("tokenizer_config.json");
-        let fast =
-            PromptEncoder::load(&tokenizer_json, Some(&config_json)).expect("filter encoder");
-        assert!(fast.is_fast(), "the Qwen3 fixture takes the fast path");
-        let hf = Tokenizer::from_bytes(&tokenizer_json).expect("HF tokenizer");
-        let mut template = ChatTemplate::new(&config_json).expect("chat template");
-        // The filter's clock reads 0 until the host sets it; render with the same instant.
-        template.set_clock(Arc::new(|| 0));
-        Fixture { fast, hf, template }
-    })
+fn load_fixture() -> Fixture {
+    let dir = std::env::var("KVROUTE_TOKENIZER_DIR")
+        .expect("KVROUTE_TOKENIZER_DIR is unset: run `source .cache/env.sh` first");
+    let read = |name: &str| {
+        let path = std::path::Path::new(&dir).join(name);
+        std::fs::read(&path).unwrap_or_else(|e| panic!("reading {}: {e}", path.display()))
+    };
+    let tokenizer_json = read("tokenizer.json");
+    let config_json = read("tokenizer_config.json");
+    let fast = PromptEncoder::load(&tokenizer_json, Some(&config_json)).expect("filter encoder");
+    assert!(fast.is_fast(), "the Qwen3 fixture takes the fast path");
+    let hf = Tokenizer::from_bytes(&tokenizer_json).expect("HF tokenizer");
+    let mut template = ChatTemplate::new(&config_json).expect("chat template");
+    // The filter's clock reads 0 until the host sets it; render with the same instant.
+    template.set_clock(Arc::new(|| 0));
+    Fixture { fast, hf, template }
+}
+
+thread_local! {
+    // The filter's encoder is single-threaded (a RefCell cache), as libFuzzer's loop is.
+    static FIXTURE: Fixture = load_fixture();
 }
 
 fn contracts() -> Vec<HashContract> {
@@ -68,7 +69,10 @@ fuzz_target!(|data: &[u8]| {
     if data.len() > MAX_BODY {
         return;
     }
-    let f = fixture();
+    FIXTURE.with(|f| check(f, data));
+});
+
+fn check(f: &Fixture, data: &[u8]) {
     let Ok(request) = Request::from_json(data) else {
         return;
     };
@@ -119,4 +123,4 @@ fuzz_target!(|data: &[u8]| {
             .expect("hasher built once already");
         assert_eq!(cached, keys, "{} keys through the key cache", contract.algo);
     }
-});
+}
