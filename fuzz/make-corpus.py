@@ -96,7 +96,7 @@ for p in sorted((FIX / "rules").glob("*.json")):
 for fixture, prefix in (("qwen3-chat.json", "chat-"), ("qwen3-completions.json", "completion-")):
     for case in load(FIX / "chat" / fixture)["cases"]:
         body = json.dumps(case["request"], ensure_ascii=False).encode()
-        if len(body) <= 4096:
+        if len(body) <= 2048:
             write("openai_body", prefix + case["name"], body)
 write("openai_body", "token-ids", json.dumps({"model": "m", "prompt": [[1, 2, 3] * 12],
                                                "cache_salt": "s"}))

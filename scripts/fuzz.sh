@@ -26,7 +26,7 @@ declare -A SMOKE_RUNS=(
     [openai_body]=5000 [filter_answer]=200000 [filter_config]=200000
 )
 # Largest input per target (libFuzzer -max_len); openai_body matches its MAX_BODY.
-declare -A MAX_LEN=([openai_body]=4096)
+declare -A MAX_LEN=([openai_body]=2048)
 SMOKE_SEED=1
 SMOKE_MAX_SECONDS=20
 # An input taking longer than this is reported as a hang (a crash).
@@ -48,10 +48,11 @@ BIN_DIR="$OUT/$HOST/release"
 build() {
     # --target makes RUSTFLAGS apply to the targets only, not to build scripts and proc macros.
     echo "fuzz.sh: building fuzz targets into $OUT"
+    # CARGO_ENCODED_RUSTFLAGS, when set at all, would replace RUSTFLAGS.
+    unset CARGO_ENCODED_RUSTFLAGS
     RUSTFLAGS="-Cpasses=sancov-module -Cllvm-args=-sanitizer-coverage-level=4 \
 -Cllvm-args=-sanitizer-coverage-inline-8bit-counters -Cllvm-args=-sanitizer-coverage-pc-table \
 -Cllvm-args=-sanitizer-coverage-trace-compares --cfg fuzzing -Cforce-frame-pointers" \
-        CARGO_ENCODED_RUSTFLAGS="" \
         cargo build -q --release --manifest-path fuzz/Cargo.toml --target "$HOST" \
         --target-dir "$OUT" --bins
 }
