@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # THE test command (README, CI): installs what is missing, builds the filter .wasm and every
-# workspace binary, then runs every test in the workspace. Exits non-zero on any failure.
+# workspace binary, checks formatting and lints, runs the fuzz smoke (scripts/fuzz.sh --smoke), then
+# runs every test in the workspace. Exits non-zero on any failure.
 #
 # Works on a clean clone: scripts/setup.sh fetches Envoy, the tokenizer fixture and (when no rustup
 # wasm32 target exists) the Debian wasm toolchain into ${KVROUTE_CACHE:-<repo>/.cache}.
@@ -31,6 +32,16 @@ cargo build --workspace --bins
 step "formatting and lints"
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets -q -- -D warnings
+
+# Coverage-guided fuzz smoke: every decoder of outside input (fuzz/), fixed seed and exec count,
+# fails on any crash naming the crashing input. KVROUTE_SKIP_FUZZ=1 skips it on a developer
+# machine; CI (CI set) always runs it.
+if [[ "${KVROUTE_SKIP_FUZZ:-}" == 1 && -z "${CI:-}" ]]; then
+    step "fuzz smoke skipped (KVROUTE_SKIP_FUZZ=1)"
+else
+    step "fuzz smoke"
+    ./scripts/fuzz.sh --smoke
+fi
 
 step "running tests"
 if (($# > 0)); then

@@ -1,0 +1,51 @@
+//! vLLM / SGLang KV-event payloads (msgpack `[ts, [events...], dp_rank]`) as the inventory's ZMQ
+//! ingest receives them: decoded with both engines' raw-bytes key rules, then keyed in `engine`
+//! mode (with the parity self-check) and in `tokens` mode, as one publisher's keyer would.
+//!
+//! The input is the payload frame. Besides "no panic": decoding succeeds for both key rules or
+//! for neither (they differ only in which 8 digest bytes a raw-bytes key folds).
+#![no_main]
+
+use std::sync::{Arc, OnceLock};
+
+use kvroute_core::hash::{BlockSize, Engine, HashAlgo, HashContract};
+use kvroute_inventory::ingest::decode::{decode_batch, BytesKey};
+use kvroute_inventory::ingest::keyer::Keyer;
+use kvroute_inventory::metrics::Metrics;
+use kvroute_inventory::rules::KeyMode;
+use libfuzzer_sys::fuzz_target;
+
+fn metrics() -> Arc<Metrics> {
+    static M: OnceLock<Arc<Metrics>> = OnceLock::new();
+    M.get_or_init(|| Arc::new(Metrics::new().expect("metrics registry")))
+        .clone()
+}
+
+fuzz_target!(|data: &[u8]| {
+    let bs16 = BlockSize::new(16).expect("16 is a block size");
+    let layouts = [
+        (
+            BytesKey::Last8,
+            Engine::Vllm,
+            HashContract::new(HashAlgo::Sha256Cbor, bs16).with_seed("0"),
+        ),
+        (
+            BytesKey::First8,
+            Engine::Sglang,
+            HashContract::new(HashAlgo::Sha256Sglang, bs16),
+        ),
+    ];
+    let mut ok = Vec::new();
+    for (bytes_key, engine, contract) in layouts {
+        let batch = decode_batch(data, bytes_key);
+        ok.push(batch.is_ok());
+        let Ok(batch) = batch else { continue };
+        let mut engine_keyer = Keyer::new(engine, KeyMode::Engine, 16, Some(contract), metrics());
+        let _ = engine_keyer.batch_ops(&batch);
+        let mut tokens_keyer = Keyer::new(engine, KeyMode::Tokens, 16, None, metrics());
+        let _ = tokens_keyer.batch_ops(&batch);
+        // A second pass reuses the engine-key map (parents and removals found this time).
+        let _ = tokens_keyer.batch_ops(&batch);
+    }
+    assert_eq!(ok[0], ok[1], "decode succeeded for one key rule only");
+});

@@ -1,0 +1,128 @@
+#!/usr/bin/env python3
+"""Writes the seed corpora fuzz/corpus/<target>/ from the repository's golden vectors and test
+fixtures (shared/tests/vectors, shared/tests/fixtures) plus a few hand-built inputs.
+
+Run from anywhere: python3 fuzz/make-corpus.py. Rewrites every seed file; files libFuzzer added
+by hand-kept runs are left alone.
+"""
+import json
+import pathlib
+import struct
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+OUT = ROOT / "fuzz" / "corpus"
+VEC = ROOT / "shared" / "tests" / "vectors"
+FIX = ROOT / "shared" / "tests" / "fixtures"
+
+
+def write(target, name, data):
+    d = OUT / target
+    d.mkdir(parents=True, exist_ok=True)
+    if isinstance(data, str):
+        data = data.encode()
+    (d / name).write_bytes(data)
+
+
+def load(p):
+    return json.loads(p.read_text())
+
+
+# --- zmq_events: msgpack payload frames ---------------------------------------------------------
+vllm = load(VEC / "vllm-0.33.0.json")
+ev = vllm["events"]
+write("zmq_events", "vllm-int-keys", bytes.fromhex(ev["int_keys_default"]["batch_payload_hex"]))
+write("zmq_events", "vllm-bytes-keys", bytes.fromhex(ev["bytes_keys"]["batch_payload_hex"]))
+write("zmq_events", "vllm-legacy-0.23", bytes.fromhex(vllm["legacy_events_0_23"]["batch_payload_hex"]))
+mh = ev["minimal_handbuilt"]
+write("zmq_events", "vllm-rank-none", bytes.fromhex(mh["payload_hex_data_parallel_rank_None"]))
+write("zmq_events", "vllm-rank-3", bytes.fromhex(mh["payload_hex_data_parallel_rank_3"]))
+sglang = load(VEC / "sglang-0.5.23.json")
+for b in sglang["event_batches"]:
+    write("zmq_events", "sglang-" + b["label"], bytes.fromhex(b["payload_hex"]))
+write("zmq_events", "sglang-wire-capture", bytes.fromhex(sglang["zmq_wire_capture"]["frames"][2]))
+
+
+# --- trtllm_drain: /kv_cache_events bodies ------------------------------------------------------
+def toks(a, b):
+    return [{"token_id": t, "token_extra_id": 0} for t in range(a, b)]
+
+
+write("trtllm_drain", "stored-removed", json.dumps([
+    {"event_id": 1, "data": {"type": "stored", "parent_hash": None, "blocks": [
+        {"block_hash": 111, "tokens": toks(0, 4), "cache_level": 0, "priority": 35},
+        {"block_hash": 222, "tokens": toks(4, 8), "cache_level": 0, "priority": 35},
+        {"block_hash": 333, "tokens": toks(8, 10), "cache_level": 0, "priority": 35}]}, "window_size": 32},
+    {"event_id": 2, "data": {"type": "removed", "block_hashes": [222]}, "window_size": 32},
+]))
+write("trtllm_drain", "created-updated-child", json.dumps([
+    {"event_id": 0, "data": {"type": "created", "num_blocks_per_cache_level": [128, 0]}},
+    {"event_id": 1, "data": {"type": "stored", "parent_hash": 111, "blocks": [
+        {"block_hash": 444, "tokens": list(range(4)), "cache_level": 1, "lora_id": 7}]}},
+    {"event_id": 2, "data": {"type": "updated", "block_hash": 444,
+                             "cache_level": {"old_value": 1, "new_value": 0}}},
+]))
+write("trtllm_drain", "empty", "[]")
+
+
+# --- replica_codec: log entries, batches, snapshots ---------------------------------------------
+def keys(ks):
+    return struct.pack("<I", len(ks)) + b"".join(struct.pack("<Q", k) for k in ks)
+
+
+ops = (b"\x01O\x02\x00" + struct.pack("<QI", 41, 3)
+       + b"s" + keys([1, 2, 3]) + b"r" + keys([2]) + b"c")
+ops_noseq = b"\x01O\x00\x01" + struct.pack("<QI", 2**64 - 1, 1) + b"s" + keys([9])
+decision = b"\x01D\x01\x01" + struct.pack("<I", 5000) + keys([7, 8])
+snap_marker = b"\x01S\x03\x01"
+write("replica_codec", "ops", ops)
+write("replica_codec", "ops-no-seq", ops_noseq)
+write("replica_codec", "decision", decision)
+write("replica_codec", "snapshot-marker", snap_marker)
+batch = b"\x01B" + struct.pack("<I", 3) + b"".join(
+    struct.pack("<I", len(e)) + e for e in (ops, decision, snap_marker))
+write("replica_codec", "batch", batch)
+upto = b"1700000000000-3"
+snapshot = (b"KVS1" + struct.pack("<Q", 1700000000123) + bytes([len(upto)]) + upto + b"\x02"
+            + b"\x00" + struct.pack("<Q", 10) + keys([1, 2])
+            + b"\x01" + struct.pack("<Q", 2**64 - 1) + keys([]))
+write("replica_codec", "snapshot", snapshot)
+write("replica_codec", "stream-id", "1700000000000-12")
+
+# --- rule_json: the rule fixtures ---------------------------------------------------------------
+for p in sorted((FIX / "rules").glob("*.json")):
+    write("rule_json", p.stem, p.read_bytes())
+
+# --- openai_body: completions and chat requests -------------------------------------------------
+for fixture, prefix in (("qwen3-chat.json", "chat-"), ("qwen3-completions.json", "completion-")):
+    for case in load(FIX / "chat" / fixture)["cases"]:
+        body = json.dumps(case["request"], ensure_ascii=False).encode()
+        if len(body) <= 2048:
+            write("openai_body", prefix + case["name"], body)
+write("openai_body", "token-ids", json.dumps({"model": "m", "prompt": [[1, 2, 3] * 12],
+                                               "cache_salt": "s"}))
+write("openai_body", "kwargs", json.dumps({
+    "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+    "chat_template_kwargs": {"enable_thinking": False}, "add_generation_prompt": True,
+    "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}))
+
+# --- filter_answer: route answers and contracts -------------------------------------------------
+write("filter_answer", "route", '{"rule_id":1,"endpoint":"127.0.0.1:9","matched_blocks":3,'
+      '"tier":"tier15","reason":"hit","decode_endpoint":null}')
+write("filter_answer", "route-pd", '{"endpoint":"[::1]:8000","tier":"gpu","decode_endpoint":"10.0.0.2:8001"}')
+write("filter_answer", "contract", '{"rule_id":1,"name":"x","vip":"v","engine":"vllm","algo":"sha256_cbor",'
+      '"seed":"0","block_size":16,"key_mode":"engine","model":"m","kv_exact_mode":3,"kv_enabled":true}')
+write("filter_answer", "contract-tokens", '{"rule_id":2,"engine":"trtllm","algo":null,"block_size":32,'
+      '"key_mode":"tokens","kv_enabled":true}')
+
+# --- filter_config: plugin configurations -------------------------------------------------------
+write("filter_config", "envoy-yaml", json.dumps({
+    "rule": "10.0.0.1:8080", "inventory_cluster": "kvroute_inventory",
+    "inventory_authority": "kvroute-inventory", "timeout_ms": 25, "max_body_bytes": 4194304,
+    "pin_header": "x-kvroute-pin", "tokenize": "filter", "tokenizer": "inventory"}))
+write("filter_config", "all-fields", json.dumps({
+    "rule": "r", "tokenize": "service", "tokenizer": "none", "model": "m", "refresh_ms": 1000,
+    "pin_mode": "filter_state", "segment_cache_bytes": 1048576, "segment_cache_entries": 64,
+    "piece_cache_bytes": 65536, "piece_cache_entries": 1024, "key_cache_bytes": 1048576,
+    "key_cache_entries": 4096}))
+write("filter_config", "invalid", '{"timeout_ms":0,"max_body_bytes":1,"pin_header":"X Pin","rule":""}')
+write("filter_config", "empty", "")
