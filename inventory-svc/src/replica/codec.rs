@@ -51,6 +51,8 @@ pub enum CodecError {
     Version(u8),
     #[error("unknown tag {0}")]
     Tag(u8),
+    #[error("snapshot position at byte {0} is not UTF-8")]
+    NotUtf8(usize),
 }
 
 struct Reader<'a> {
@@ -291,7 +293,11 @@ impl Snapshot {
         }
         let taken_ms = r.u64()?;
         let n = r.u8()? as usize;
-        let upto = String::from_utf8_lossy(r.take(n)?).into_owned();
+        let at = r.at;
+        // A stream id is ASCII: a lossy decode could grow it past the 255 bytes encode keeps.
+        let upto = std::str::from_utf8(r.take(n)?)
+            .map_err(|_| CodecError::NotUtf8(at))?
+            .to_owned();
         let nr = r.u8()?;
         let mut ranks = Vec::with_capacity(nr as usize);
         for _ in 0..nr {
@@ -449,6 +455,11 @@ mod tests {
         };
         assert_eq!(Snapshot::decode(&s.encode()).unwrap(), s);
         assert!(Snapshot::decode(b"KVS0").is_err());
+        // A position that is not UTF-8 is refused, not decoded lossily (which could grow it
+        // past the 255 bytes encode keeps, so a re-encoded snapshot would differ).
+        let mut bad = s.encode();
+        bad[4 + 8 + 1] = 0xff;
+        assert_eq!(Snapshot::decode(&bad), Err(CodecError::NotUtf8(13)));
     }
 
     #[test]
