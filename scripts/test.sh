@@ -28,6 +28,11 @@ source "$KVROUTE_CACHE/env.sh"
 step "building workspace binaries"
 cargo build --workspace --bins
 
+# The service's OCI image and the filter's Wasm OCI artifacts (tests/tests/images.rs unpacks and
+# runs them): builds the release binary and packs both into $KVROUTE_CACHE/images.
+step "building the OCI images"
+./scripts/build-images.sh
+
 # The workspace lints (no unwrap/expect/panic outside tests) only bite under clippy.
 step "formatting and lints"
 cargo fmt --all -- --check
