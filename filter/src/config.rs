@@ -10,12 +10,14 @@ use std::time::Duration;
 use serde::Deserialize;
 
 use crate::cache::Limits;
-use crate::tokens::CacheLimits;
+use crate::tokens::{CacheLimits, MAX_PREFIX_TOKENS};
 
 /// Most bytes any one cache may be given (1 GiB).
 const MAX_CACHE_BYTES: u64 = 1 << 30;
 /// Most entries any one cache may be given.
 const MAX_CACHE_ENTRIES: u64 = 1 << 24;
+/// Largest `max_prefix_tokens`: about the default `max_body_bytes` (4 MiB) of text.
+const MAX_PREFIX_TOKENS_LIMIT: u64 = 1 << 20;
 
 /// Where the filter gets the prompt's token ids.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
@@ -111,6 +113,9 @@ pub struct RawConfig {
     pub key_cache_bytes: Option<u64>,
     #[serde(default)]
     pub key_cache_entries: Option<u64>,
+    /// Most prompt tokens routed on (1..=1048576, default 16384): tokenizing stops there.
+    #[serde(default)]
+    pub max_prefix_tokens: Option<u64>,
 }
 
 /// The checked configuration.
@@ -131,6 +136,8 @@ pub struct Config {
     pub caches: CacheLimits,
     /// Bounds of the block-key cache.
     pub key_cache: Limits,
+    /// Most prompt tokens routed on.
+    pub max_prefix_tokens: usize,
 }
 
 impl Default for Config {
@@ -152,6 +159,7 @@ impl Default for Config {
                 entries: 131_072,
                 bytes: 16 << 20,
             },
+            max_prefix_tokens: MAX_PREFIX_TOKENS,
         }
     }
 }
@@ -172,7 +180,7 @@ pub enum ConfigError {
         "plugin configuration is not a JSON object with fields rule, inventory_cluster, inventory_authority, \
          timeout_ms, max_body_bytes, pin_header, tokenize (filter|service), tokenizer (inventory|embedded|none), \
          model, refresh_ms, pin_mode (header|filter_state), segment_cache_bytes, segment_cache_entries, \
-         piece_cache_bytes, piece_cache_entries, key_cache_bytes, key_cache_entries: {0}"
+         piece_cache_bytes, piece_cache_entries, key_cache_bytes, key_cache_entries, max_prefix_tokens: {0}"
     )]
     Json(String),
     #[error("invalid plugin configuration: {}", .0.iter().map(ToString::to_string).collect::<Vec<_>>().join("; "))]
@@ -288,6 +296,14 @@ impl TryFrom<RawConfig> for Config {
             raw.key_cache_entries,
             d.key_cache,
         );
+        let max_prefix_tokens = range(
+            "max_prefix_tokens",
+            raw.max_prefix_tokens,
+            1,
+            MAX_PREFIX_TOKENS_LIMIT,
+            "1..=1048576",
+            d.max_prefix_tokens as u64,
+        );
         let mut text = |field: &'static str, v: Option<String>, dflt: &str, header: bool| match v {
             None => dflt.to_owned(),
             Some(s) if s.is_empty() => {
@@ -347,6 +363,7 @@ impl TryFrom<RawConfig> for Config {
             pin_mode: raw.pin_mode.unwrap_or_default(),
             caches,
             key_cache,
+            max_prefix_tokens: usize::try_from(max_prefix_tokens).unwrap_or(d.max_prefix_tokens),
         })
     }
 }
@@ -399,6 +416,20 @@ mod tests {
                 }
             )
         );
+        assert_eq!(Config::default().max_prefix_tokens, 16_384);
+        let c = Config::parse(br#"{"max_prefix_tokens":4096}"#).unwrap();
+        assert_eq!(c.max_prefix_tokens, 4096);
+        for bad in ["0", "1048577"] {
+            let err = Config::parse(format!(r#"{{"max_prefix_tokens":{bad}}}"#).as_bytes())
+                .unwrap_err()
+                .to_string();
+            assert!(
+                err.contains(&format!(
+                    "max_prefix_tokens: got {bad}, allowed 1..=1048576"
+                )),
+                "{err}"
+            );
+        }
         let err = Config::parse(br#"{"key_cache_bytes":1099511627776}"#)
             .unwrap_err()
             .to_string();
