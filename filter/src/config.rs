@@ -10,14 +10,12 @@ use std::time::Duration;
 use serde::Deserialize;
 
 use crate::cache::Limits;
-use crate::tokens::{CacheLimits, MAX_PREFIX_TOKENS};
+use crate::tokens::{CacheLimits, MAX_PREFIX_TOKENS, MAX_PREFIX_TOKENS_LIMIT};
 
 /// Most bytes any one cache may be given (1 GiB).
 const MAX_CACHE_BYTES: u64 = 1 << 30;
 /// Most entries any one cache may be given.
 const MAX_CACHE_ENTRIES: u64 = 1 << 24;
-/// Largest `max_prefix_tokens`: about the default `max_body_bytes` (4 MiB) of text.
-const MAX_PREFIX_TOKENS_LIMIT: u64 = 1 << 20;
 
 /// Where the filter gets the prompt's token ids.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
@@ -300,7 +298,7 @@ impl TryFrom<RawConfig> for Config {
             "max_prefix_tokens",
             raw.max_prefix_tokens,
             1,
-            MAX_PREFIX_TOKENS_LIMIT,
+            MAX_PREFIX_TOKENS_LIMIT as u64,
             "1..=1048576",
             d.max_prefix_tokens as u64,
         );

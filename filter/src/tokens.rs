@@ -24,12 +24,9 @@ use kvroute_core::prompt::{Prompt, PromptError, Request, RequestBody};
 use kvroute_core::tokenize::Tokenizer;
 use serde_json::Value;
 
-pub use kvroute_core::bpe::MAX_PIECE_BYTES;
+pub use kvroute_core::bpe::{MAX_PIECE_BYTES, MAX_PREFIX_TOKENS, MAX_PREFIX_TOKENS_LIMIT};
 use kvroute_core::segments::SegmentEncoder;
 pub use kvroute_core::segments::{CacheLimits, SegmentStats};
-
-/// Default of `max_prefix_tokens`: the ids routed on per request.
-pub const MAX_PREFIX_TOKENS: usize = 16_384;
 
 /// Unix seconds for `strftime_now` in templates; set by the caller before rendering.
 static CLOCK_SECS: AtomicI64 = AtomicI64::new(0);

@@ -76,6 +76,14 @@ const PIECE_ENTRY_OVERHEAD: usize = 48;
 /// piece worth routing on, and merging one costs well under a millisecond.
 pub const MAX_PIECE_BYTES: usize = 8 << 10;
 
+/// Default number of prompt ids routed on (the filter's `max_prefix_tokens`, the service's
+/// `KVROUTE_MAX_PREFIX_TOKENS`): 1024 blocks of 16 tokens. Endpoints that all hold a prompt's
+/// first 16384 tokens are not told apart by the rest, and a cold encode of that many costs the
+/// filter's Wasm VM tens of milliseconds at most (ENVOY.md: ~16 ms per 7.4k tokens with HF).
+pub const MAX_PREFIX_TOKENS: usize = 16_384;
+/// Largest allowed cap: about the filter's default `max_body_bytes` (4 MiB) of text.
+pub const MAX_PREFIX_TOKENS_LIMIT: usize = 1 << 20;
+
 /// Bounds on the work of one [`FastBpe::encode_prefix`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct PrefixCap {
