@@ -10,7 +10,7 @@ use std::time::Duration;
 use serde::Deserialize;
 
 use crate::cache::Limits;
-use crate::tokens::CacheLimits;
+use crate::tokens::{CacheLimits, MAX_PREFIX_TOKENS, MAX_PREFIX_TOKENS_LIMIT};
 
 /// Most bytes any one cache may be given (1 GiB).
 const MAX_CACHE_BYTES: u64 = 1 << 30;
@@ -115,6 +115,9 @@ pub struct RawConfig {
     /// `authorization: Bearer <token>` on every callout; absent = no header.
     #[serde(default)]
     pub route_token: Option<String>,
+    /// Most prompt tokens routed on (1..=1048576, default 16384): tokenizing stops there.
+    #[serde(default)]
+    pub max_prefix_tokens: Option<u64>,
 }
 
 /// The checked configuration.
@@ -137,6 +140,8 @@ pub struct Config {
     pub key_cache: Limits,
     /// Bearer credential sent on callouts (`route_token`).
     pub route_token: Option<RouteToken>,
+    /// Most prompt tokens routed on.
+    pub max_prefix_tokens: usize,
 }
 
 /// A validated `route_token`: non-empty, printable ASCII (a header value). Its `Debug` hides it.
@@ -176,6 +181,7 @@ impl Default for Config {
                 bytes: 16 << 20,
             },
             route_token: None,
+            max_prefix_tokens: MAX_PREFIX_TOKENS,
         }
     }
 }
@@ -196,7 +202,7 @@ pub enum ConfigError {
         "plugin configuration is not a JSON object with fields rule, inventory_cluster, inventory_authority, \
          timeout_ms, max_body_bytes, pin_header, tokenize (filter|service), tokenizer (inventory|embedded|none), \
          model, refresh_ms, pin_mode (header|filter_state), segment_cache_bytes, segment_cache_entries, \
-         piece_cache_bytes, piece_cache_entries, key_cache_bytes, key_cache_entries, route_token: {0}"
+         piece_cache_bytes, piece_cache_entries, key_cache_bytes, key_cache_entries, route_token, max_prefix_tokens: {0}"
     )]
     Json(String),
     #[error("invalid plugin configuration: {}", .0.iter().map(ToString::to_string).collect::<Vec<_>>().join("; "))]
@@ -312,6 +318,14 @@ impl TryFrom<RawConfig> for Config {
             raw.key_cache_entries,
             d.key_cache,
         );
+        let max_prefix_tokens = range(
+            "max_prefix_tokens",
+            raw.max_prefix_tokens,
+            1,
+            MAX_PREFIX_TOKENS_LIMIT as u64,
+            "1..=1048576",
+            d.max_prefix_tokens as u64,
+        );
         let mut text = |field: &'static str, v: Option<String>, dflt: &str, header: bool| match v {
             None => dflt.to_owned(),
             Some(s) if s.is_empty() => {
@@ -388,6 +402,7 @@ impl TryFrom<RawConfig> for Config {
             caches,
             key_cache,
             route_token,
+            max_prefix_tokens: usize::try_from(max_prefix_tokens).unwrap_or(d.max_prefix_tokens),
         })
     }
 }
@@ -440,6 +455,20 @@ mod tests {
                 }
             )
         );
+        assert_eq!(Config::default().max_prefix_tokens, 16_384);
+        let c = Config::parse(br#"{"max_prefix_tokens":4096}"#).unwrap();
+        assert_eq!(c.max_prefix_tokens, 4096);
+        for bad in ["0", "1048577"] {
+            let err = Config::parse(format!(r#"{{"max_prefix_tokens":{bad}}}"#).as_bytes())
+                .unwrap_err()
+                .to_string();
+            assert!(
+                err.contains(&format!(
+                    "max_prefix_tokens: got {bad}, allowed 1..=1048576"
+                )),
+                "{err}"
+            );
+        }
         let err = Config::parse(br#"{"key_cache_bytes":1099511627776}"#)
             .unwrap_err()
             .to_string();

@@ -151,6 +151,7 @@ impl Plugin {
         }
         if let Some(enc) = &encoder {
             enc.set_cache_limits(config.caches);
+            enc.set_max_prefix_tokens(config.max_prefix_tokens);
         }
         let keys = RefCell::new(KeyCache::new(config.key_cache));
         self.vm = Rc::new(VmState {
@@ -345,6 +346,7 @@ impl Plugin {
                 match PromptEncoder::load(&json, Some(body)) {
                     Ok(enc) => {
                         enc.set_cache_limits(self.vm.config.caches);
+                        enc.set_max_prefix_tokens(self.vm.config.max_prefix_tokens);
                         host.log(
                             Level::Info,
                             &format!(

@@ -257,6 +257,9 @@ impl RequestFilter {
                                 vm.stats.add(host, Stat::SegmentMisses, seg.misses);
                                 vm.stats.add(host, Stat::PieceHits, seg.piece_hits);
                                 vm.stats.add(host, Stat::PieceMisses, seg.piece_misses);
+                                if let Some(t) = seg.truncated {
+                                    vm.stats.inc(host, Stat::truncated(t));
+                                }
                                 Some(ids)
                             }
                             Err(e) => {
@@ -1112,5 +1115,24 @@ mod tests {
         );
         r.on_route_response(&host, 1, Some("200"), HIT);
         assert_eq!(host.resumed.get(), 0);
+    }
+
+    /// `max_prefix_tokens` bounds the ids routed on, and a pre-token piece over the piece bound
+    /// (a 1M-character word) ends them; each cut is counted.
+    #[test]
+    fn long_prompts_route_on_their_first_tokens_and_count_the_cut() {
+        let host = FakeHost::default();
+        let p = ready(&host, r#"{"rule":"10.0.0.1:8080","max_prefix_tokens":8}"#);
+        let body = json!({"prompt": "hello ".repeat(100)}).to_string();
+        let (_, sent) = to_callout(&host, &p, "/v1/completions", body.as_bytes());
+        assert_eq!(sent["token_count"], 8, "{sent}");
+        assert_eq!(sent["keys"].as_array().unwrap().len(), 4);
+        let max = "kvroute_filter_prefix_truncated_max_tokens_total";
+        let long = "kvroute_filter_prefix_truncated_long_piece_total";
+        assert_eq!(host.counter(max), Some(1));
+        let body = json!({"prompt": format!("hello {}", "x".repeat(1_000_000))}).to_string();
+        let (_, sent) = to_callout(&host, &p, "/v1/completions", body.as_bytes());
+        assert_eq!(sent["token_count"], 1, "{sent}");
+        assert_eq!((host.counter(max), host.counter(long)), (Some(1), Some(1)));
     }
 }

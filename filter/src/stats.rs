@@ -109,6 +109,10 @@ pub enum Stat {
     UsageParsed,
     /// Root-context loads (contract, tokenizer) that failed and will be retried.
     LoadFailures,
+    /// Prompts routed on their first `max_prefix_tokens` ids only / on the ids before a
+    /// pre-token piece over the piece bound (not merged).
+    PrefixTruncatedMaxTokens,
+    PrefixTruncatedLongPiece,
     /// Histograms (microseconds).
     TokenizeUs,
     KeysUs,
@@ -121,7 +125,7 @@ pub enum Stat {
 }
 
 /// How many counters and histograms `FIXED` defines (the handles array has the same length).
-const FIXED_LEN: usize = 25;
+const FIXED_LEN: usize = 27;
 
 const FIXED: [(Stat, &str, MetricKind); FIXED_LEN] = [
     (
@@ -215,6 +219,16 @@ const FIXED: [(Stat, &str, MetricKind); FIXED_LEN] = [
         MetricKind::Counter,
     ),
     (
+        Stat::PrefixTruncatedMaxTokens,
+        "kvroute_filter_prefix_truncated_max_tokens_total",
+        MetricKind::Counter,
+    ),
+    (
+        Stat::PrefixTruncatedLongPiece,
+        "kvroute_filter_prefix_truncated_long_piece_total",
+        MetricKind::Counter,
+    ),
+    (
         Stat::PinHonored,
         "kvroute_filter_pin_honored_total",
         MetricKind::Counter,
@@ -250,6 +264,16 @@ const FIXED: [(Stat, &str, MetricKind); FIXED_LEN] = [
         MetricKind::Histogram,
     ),
 ];
+
+impl Stat {
+    /// The counter of a prompt's truncation.
+    pub fn truncated(t: kvroute_core::bpe::Truncation) -> Stat {
+        match t {
+            kvroute_core::bpe::Truncation::MaxTokens => Stat::PrefixTruncatedMaxTokens,
+            kvroute_core::bpe::Truncation::LongPiece => Stat::PrefixTruncatedLongPiece,
+        }
+    }
+}
 
 /// Metric handles; a refused definition only disables that metric.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]

@@ -6,17 +6,25 @@
 //! segment's ids cached by the segment's full text, so a multi-turn follow-up or a shared system
 //! prompt re-encodes only the new segments (the reuse argument is on `kvroute_core::segments`).
 //! The segment cache and the encoder's piece cache are bounded ([`CacheLimits`]).
+//!
+//! The work of one request is bounded too: only the first `max_prefix_tokens` ids are produced
+//! ([`PromptEncoder::set_max_prefix_tokens`]), each exactly the engine's, and a pre-token piece
+//! over [`MAX_PIECE_BYTES`] ends the ids before it instead of being merged; [`SegmentStats`]'s
+//! `truncated` says which bound cut a request. Routing on a prefix loses nothing the first ids
+//! decide: the text past them cannot change which endpoint holds the longest prefix of them. On
+//! the HF fallback path the ids are cut after a full encode (HF's merge is O(n log n) too).
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::Arc;
 
-use kvroute_core::bpe::FastBpe;
+use kvroute_core::bpe::{FastBpe, PrefixCap, Truncation};
 use kvroute_core::chat::ChatTemplate;
 use kvroute_core::prompt::{Prompt, PromptError, Request, RequestBody};
 use kvroute_core::tokenize::Tokenizer;
 use serde_json::Value;
 
+pub use kvroute_core::bpe::{MAX_PIECE_BYTES, MAX_PREFIX_TOKENS, MAX_PREFIX_TOKENS_LIMIT};
 use kvroute_core::segments::SegmentEncoder;
 pub use kvroute_core::segments::{CacheLimits, SegmentStats};
 
@@ -47,6 +55,8 @@ enum Encoder {
 pub struct PromptEncoder {
     enc: Encoder,
     template: Option<ChatTemplate>,
+    /// The bound of every encode (`max_prefix_tokens`).
+    cap: Cell<PrefixCap>,
 }
 
 impl std::fmt::Debug for PromptEncoder {
@@ -85,7 +95,16 @@ impl PromptEncoder {
                 Some(tpl)
             }
         };
-        Ok(PromptEncoder { enc, template })
+        Ok(PromptEncoder {
+            enc,
+            template,
+            cap: Cell::new(PrefixCap::tokens(MAX_PREFIX_TOKENS)),
+        })
+    }
+
+    /// Routes on at most the first `n` ids of each prompt (default [`MAX_PREFIX_TOKENS`]).
+    pub fn set_max_prefix_tokens(&self, n: usize) {
+        self.cap.set(PrefixCap::tokens(n));
     }
 
     /// Bounds (and empties) the segment and piece caches.
@@ -105,12 +124,18 @@ impl PromptEncoder {
         self.template.is_some()
     }
 
-    /// The token ids the engine computes for `request` (vLLM defaults: completions with special
-    /// tokens, chat without), and how the segment cache did.
+    /// The first token ids the engine computes for `request` (vLLM defaults: completions with
+    /// special tokens, chat without), at most `max_prefix_tokens`, and how the segment cache did
+    /// (`truncated`: why ids are missing).
     pub fn tokens(&self, request: &Request) -> Result<(Vec<u32>, SegmentStats), PromptError> {
         match &request.body {
             RequestBody::Completion(Prompt::TokenIds(ids)) => {
-                Ok((ids.clone(), SegmentStats::default()))
+                let n = ids.len().min(self.cap.get().max_tokens);
+                let stats = SegmentStats {
+                    truncated: (n < ids.len()).then_some(Truncation::MaxTokens),
+                    ..SegmentStats::default()
+                };
+                Ok((ids.get(..n).unwrap_or(&[]).to_vec(), stats))
             }
             RequestBody::Completion(Prompt::Text(text)) => {
                 self.encode(text, request.add_special_tokens.unwrap_or(true))
@@ -128,9 +153,18 @@ impl PromptEncoder {
         text: &str,
         add_special_tokens: bool,
     ) -> Result<(Vec<u32>, SegmentStats), PromptError> {
+        let cap = self.cap.get();
         match &self.enc {
-            Encoder::Hf(t) => Ok((t.encode(text, add_special_tokens)?, SegmentStats::default())),
-            Encoder::Fast(enc) => Ok(enc.borrow_mut().encode(text)),
+            Encoder::Hf(t) => {
+                let mut ids = t.encode(text, add_special_tokens)?;
+                let stats = SegmentStats {
+                    truncated: (ids.len() > cap.max_tokens).then_some(Truncation::MaxTokens),
+                    ..SegmentStats::default()
+                };
+                ids.truncate(cap.max_tokens);
+                Ok((ids, stats))
+            }
+            Encoder::Fast(enc) => Ok(enc.borrow_mut().encode_prefix(text, cap)),
         }
     }
 
@@ -291,6 +325,64 @@ mod fixture_parity {
             for round in 0..2 {
                 let (got, _) = enc.tokens(&req).unwrap();
                 assert_eq!(got, want, "round {round}: {b}");
+            }
+        }
+    }
+}
+
+/// The prefix cap on the real Qwen3 tokenizer: 1 MB of prose and a 1M-character word in a chat
+/// request give exactly HF's first ids, within the cap; skipped without the fixture.
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+mod fixture_prefix_cap {
+    use super::*;
+
+    #[test]
+    fn huge_prompts_give_hf_first_ids_within_the_cap() {
+        let dir =
+            std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.cache/fixtures/qwen3");
+        let (Ok(json), Ok(config)) = (
+            std::fs::read(dir.join("tokenizer.json")),
+            std::fs::read(dir.join("tokenizer_config.json")),
+        ) else {
+            eprintln!("skipped: no Qwen3 tokenizer fixture");
+            return;
+        };
+        let enc = PromptEncoder::load(&json, Some(&config)).unwrap();
+        assert!(enc.is_fast());
+        let hf = Tokenizer::from_bytes(&json).unwrap();
+        let tpl = ChatTemplate::new(&config).unwrap();
+        let sentence = "The router sends each request to the backend whose cache holds its prefix, 42 times.\n";
+        let prose = sentence.repeat((1 << 20) / sentence.len());
+        let word = "a".repeat(1_000_000);
+        for (content, why) in [
+            (prose, Truncation::MaxTokens),
+            (word, Truncation::LongPiece),
+        ] {
+            let body = serde_json::json!({"messages": [
+                {"role": "system", "content": "Be brief."}, {"role": "user", "content": content}]});
+            let req = Request::from_json(body.to_string().as_bytes()).unwrap();
+            let (ids, stats) = enc.tokens(&req).unwrap();
+            assert_eq!(stats.truncated, Some(why));
+            let RequestBody::Chat(chat) = &req.body else {
+                panic!()
+            };
+            let text = tpl.render(chat).unwrap();
+            // HF's ids of a head of the text long enough to hold the ids routed on.
+            let head = match why {
+                Truncation::MaxTokens => &text[..200_000],
+                Truncation::LongPiece => &text[..text.find("aaaa").unwrap()],
+            };
+            let want = hf.encode(head, false).unwrap();
+            match why {
+                Truncation::MaxTokens => {
+                    assert_eq!(ids.len(), MAX_PREFIX_TOKENS);
+                    assert_eq!(ids[..], want[..MAX_PREFIX_TOKENS]);
+                }
+                Truncation::LongPiece => {
+                    assert!(ids.len() > 3 && ids.len() < 40, "{}", ids.len());
+                    assert_eq!(ids, want);
+                }
             }
         }
     }

@@ -40,6 +40,8 @@ pub struct Metrics {
     /// New prefix families placed by free cache (footprint) instead of `sel`.
     pub tier15_placements: IntCounter,
     pub route_latency: Histogram,
+    /// Offloaded prompts routed on a prefix of their tokens: `reason` (max_tokens, long_piece).
+    pub offload_truncated: IntCounterVec,
     /// `rule`, `ep`: 1 healthy, 0 unhealthy.
     pub endpoint_healthy: IntGaugeVec,
     /// `rule`, `ep`: running + waiting requests from the last engine metrics scrape.
@@ -145,6 +147,11 @@ impl Metrics {
             tier15_placements: c(
                 "kvroute_tier15_footprint_placements_total",
                 "New prefix families placed on the endpoint with the most free cache instead of by sel.",
+            )?,
+            offload_truncated: cv(
+                "kvroute_offload_prompts_truncated_total",
+                "Offloaded prompts routed on their first tokens only: max_tokens (KVROUTE_MAX_PREFIX_TOKENS reached) or long_piece (stopped before a pre-token piece over 8 KiB, not merged).",
+                &["reason"],
             )?,
             route_latency: {
                 let h = Histogram::with_opts(
@@ -277,6 +284,10 @@ impl Metrics {
             )?,
             registry,
         };
+        // Every reason is exported from the start (at 0).
+        for t in kvroute_core::bpe::Truncation::ALL {
+            m.offload_truncated.with_label_values(&[t.as_str()]);
+        }
         Ok(m)
     }
 

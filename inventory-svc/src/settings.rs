@@ -85,6 +85,9 @@ pub struct Settings {
     /// `KVROUTE_PLACEMENT_CAPACITY_BLOCKS`: cache capacity assumed for an endpoint whose
     /// `vllm:cache_config_info` num_gpu_blocks was not scraped; 0 = unknown.
     pub capacity_blocks: u64,
+    /// `KVROUTE_MAX_PREFIX_TOKENS`: offloaded tokenization routes on at most this many prompt
+    /// tokens (the filter's `max_prefix_tokens`).
+    pub max_prefix_tokens: usize,
     /// Shared state across replicas (`KVROUTE_REDIS_URL`); `None` runs standalone in memory.
     pub redis: Option<RedisSettings>,
     /// Listener limits (`KVROUTE_HTTP_*`, `KVROUTE_MAX_CONNECTIONS`).
@@ -185,6 +188,7 @@ impl Default for Settings {
             memory_entries: 65_536,
             memory_ttl: Duration::from_millis(1_800_000),
             capacity_blocks: 0,
+            max_prefix_tokens: kvroute_core::bpe::MAX_PREFIX_TOKENS,
             redis: None,
             http: HttpLimits::default(),
             max_keys_per_endpoint: 0,
@@ -294,6 +298,10 @@ pub const ENV_VARS: &[(&str, &str)] = &[
         "blocks one endpoint may hold; 0 = 4 x its capacity if known, else 16777216 (default 0)",
     ),
     (
+        "KVROUTE_MAX_PREFIX_TOKENS",
+        "offloaded tokenization routes on at most this many prompt tokens, 1..=1048576 (default 16384)",
+    ),
+    (
         "KVROUTE_REDIS_URL",
         "redis:// or rediss:// URL: share state across replicas; unset = standalone in memory",
     ),
@@ -399,6 +407,12 @@ impl Settings {
         num("KVROUTE_MAX_KEYS_PER_ENDPOINT", 0, 1 << 40, &mut |n| {
             s.max_keys_per_endpoint = n
         });
+        num(
+            "KVROUTE_MAX_PREFIX_TOKENS",
+            1,
+            kvroute_core::bpe::MAX_PREFIX_TOKENS_LIMIT as u64,
+            &mut |n| s.max_prefix_tokens = n as usize,
+        );
         if let Some(v) = lookup("LOXILB_KV_LB_MODE").filter(|v| !v.is_empty()) {
             match v.trim().to_ascii_lowercase().as_str() {
                 "off" | "0" => s.lb_mode = LbMode::Off,
@@ -527,6 +541,15 @@ mod tests {
         let s = Settings::from_env(|_| None).unwrap();
         assert_eq!(s.mean_load_factor, 175);
         assert_eq!(s.spec_ttl, Duration::from_secs(2));
+        assert_eq!(s.max_prefix_tokens, 16_384);
+        let s = Settings::from_env(|k| (k == "KVROUTE_MAX_PREFIX_TOKENS").then(|| "512".into()));
+        assert_eq!(s.unwrap().max_prefix_tokens, 512);
+        let e = Settings::from_env(|k| (k == "KVROUTE_MAX_PREFIX_TOKENS").then(|| "0".into()))
+            .unwrap_err();
+        assert_eq!(
+            e.0,
+            ["KVROUTE_MAX_PREFIX_TOKENS: got \"0\", allowed integer 1..=1048576"]
+        );
         let e = Settings::from_env(|k| match k {
             "LOXILB_KV_MEAN_LOAD_FACTOR" => Some("5".into()),
             "LOXILB_KV_SPILL_RELIEF" => Some("maybe".into()),

@@ -471,6 +471,7 @@ fn help_documents_flags_and_env() {
         "KVROUTE_LISTEN",
         "LLB_KV_MIN_MATCH_TOKENS",
         "LOXILB_KV_SPILL_RELIEF",
+        "KVROUTE_MAX_PREFIX_TOKENS",
     ] {
         assert!(text.contains(needle), "{needle} missing from:\n{text}");
     }
@@ -654,6 +655,26 @@ async fn offloaded_tokenization_computes_the_filters_keys() {
         .await;
     assert_eq!(s, 200, "{c}");
     assert_ne!(c["reason"], "miss_no_keys", "{c}\n{}", svc.stderr());
+
+    // A 1M-character word is not merged: the keys stop before it; 1 MB of prose is routed on
+    // its first KVROUTE_MAX_PREFIX_TOKENS (default 16384) tokens. Each cut is counted.
+    let word = format!("{prompt}{}", "a".repeat(1_000_000));
+    let prose = prompt.repeat((1 << 20) / prompt.len());
+    for body in [
+        json!({"rule": "1", "prompt": word}),
+        json!({"rule": "1", "prompt": prose}),
+    ] {
+        let (s, r) = svc.post("/v1/route", &body.to_string(), None).await;
+        assert_eq!(s, 200, "{r}");
+        assert_ne!(r["reason"], "miss_no_keys", "{r}\n{}", svc.stderr());
+    }
+    let m = svc.metrics().await;
+    for line in [
+        "kvroute_offload_prompts_truncated_total{reason=\"long_piece\"} 1",
+        "kvroute_offload_prompts_truncated_total{reason=\"max_tokens\"} 1",
+    ] {
+        assert!(m.contains(line), "{line} missing from:\n{m}");
+    }
 }
 
 /// The offload path encodes with the fast BPE for Qwen3, and its keys equal HF tokenizers' keys
@@ -692,12 +713,12 @@ fn offload_fast_encoder_equals_hf_tokenizers() {
         },
     ];
     for o in &cases {
-        let a = keys_for(&fast, &contract, o).unwrap();
-        let b = keys_for(&hf, &contract, o).unwrap();
-        assert!(a.0.len() >= 8, "{}", a.0.len());
+        let a = keys_for(&fast, &contract, o, 16_384).unwrap();
+        let b = keys_for(&hf, &contract, o, 16_384).unwrap();
+        assert!(a.keys.len() >= 8, "{}", a.keys.len());
         assert_eq!(a, b);
         // Again, now from the segment cache.
-        assert_eq!(keys_for(&fast, &contract, o).unwrap(), b);
+        assert_eq!(keys_for(&fast, &contract, o, 16_384).unwrap(), b);
     }
     let (segments, _) = fast.fast.as_ref().unwrap().lock().unwrap().usage();
     assert!(segments > 0, "the segment cache is in use");

@@ -3,6 +3,10 @@
 //!
 //! "cold" clears the piece cache before every encode; "warm" repeats a prompt whose pieces are all
 //! cached (a multi-turn follow-up).
+//!
+//! `single_word_vs_prose_<n>_chars`: one word of `n` letters (one pre-token piece) against prose of
+//! the same size, cold, encoded whole (`encode`: the merge's own cost, O(n log n)) and as the
+//! filter and the offload path do (`encode_prefix`, 16384 tokens, 8 KiB piece bound).
 //! Needs the Qwen3 fixture (`scripts/setup.sh`); without it the bench says so and exits.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -10,7 +14,7 @@ use std::hint::black_box;
 use std::path::PathBuf;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use kvroute_core::bpe::FastBpe;
+use kvroute_core::bpe::{FastBpe, PrefixCap, MAX_PREFIX_TOKENS};
 use kvroute_core::chat::{ChatRequest, ChatTemplate};
 use serde_json::json;
 
@@ -99,7 +103,48 @@ fn bench(c: &mut Criterion) {
         });
         g.finish();
     }
+    single_word(c, &bytes);
     render(c, &hf);
+}
+
+/// One long word versus prose of the same byte size, cold.
+fn single_word(c: &mut Criterion, bytes: &[u8]) {
+    let fast = FastBpe::from_tokenizer_json(bytes).unwrap().unwrap();
+    let cap = PrefixCap::tokens(MAX_PREFIX_TOKENS);
+    for n in [10_000usize, 100_000, 1_000_000] {
+        let mut s = 0x2545_f491_4f6c_dd1du64;
+        let word: String = (0..n)
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 7;
+                s ^= s << 17;
+                char::from(b'a' + (s % 26) as u8)
+            })
+            .collect();
+        let mut text = prose(n / 5, 3);
+        let end = (0..=n)
+            .rev()
+            .find(|&i| text.is_char_boundary(i))
+            .unwrap_or(0);
+        text.truncate(end);
+        let mut g = c.benchmark_group(format!("single_word_vs_prose_{n}_chars"));
+        g.throughput(Throughput::Bytes(n as u64));
+        for (name, input) in [("word", &word), ("prose", &text)] {
+            g.bench_function(BenchmarkId::new("encode", name), |b| {
+                b.iter(|| {
+                    fast.clear_cache();
+                    fast.encode(black_box(input)).len()
+                })
+            });
+            g.bench_function(BenchmarkId::new("encode_prefix_16384", name), |b| {
+                b.iter(|| {
+                    fast.clear_cache();
+                    fast.encode_prefix(black_box(input), cap).0.len()
+                })
+            });
+        }
+        g.finish();
+    }
 }
 
 /// Renders a conversation of a system prompt and `turns` alternating turns of 150 words (the

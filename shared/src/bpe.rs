@@ -11,6 +11,18 @@
 //! 4. map each piece's bytes to byte-level symbols and apply merges lowest rank first,
 //!    ties to the leftmost pair, exactly like HF's `Word::merge_all`.
 //!
+//! Step 4 is O(L log L) in the piece's length L: a linked list of symbols and a min-heap of
+//! candidate pairs keyed `(rank, position)` (the argument that this merges in exactly the order of
+//! the rescan-every-step definition is on [`FastBpe::merge`]). One run of letters is one piece,
+//! so a quadratic merge would let one long word hold the encoder for seconds.
+//!
+//! [`FastBpe::encode_prefix`] bounds the work of one encode ([`PrefixCap`]): it stops once the cap's
+//! token count is reached, cutting only between pieces, so every id it returns is the id the full
+//! encode has at that position; and it stops before a piece longer than
+//! [`MAX_PIECE_BYTES`] instead of merging it (a piece's ids depend on all of its bytes, so no
+//! prefix of such a piece can be encoded exactly without merging all of it). It says why it
+//! stopped ([`Truncation`]).
+//!
 //! Step 3 is most of a cold encode. The byte-level patterns (GPT-2, Llama-3, Qwen) end in
 //! `\s+(?!\S)|\s+`, the only lookaround in them, which forces a backtracking engine on the whole
 //! pattern. [`Splitter::Dfa`] runs `head|\s+` on regex-automata's lazy DFA instead and applies the
@@ -23,7 +35,9 @@
 //! proven against HF on a corpus in `tests/bpe_parity.rs`.
 
 use std::cell::{Cell, RefCell};
-use std::collections::HashMap;
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashMap};
+use std::ops::ControlFlow;
 
 use aho_corasick::{AhoCorasick, MatchKind};
 use regex_automata::{meta, Anchored, Input};
@@ -55,6 +69,67 @@ pub const PIECE_CACHE_ENTRIES: usize = 200_000;
 pub const PIECE_CACHE_BYTES: usize = 16 << 20;
 /// Bytes charged per cache entry besides its key and ids (two boxed slices and the table slot).
 const PIECE_ENTRY_OVERHEAD: usize = 48;
+
+/// Default bound on one pre-token piece in [`PrefixCap::tokens`]: 8 KiB. Pieces of ordinary
+/// text are words, numbers, punctuation and whitespace runs (tens of bytes; a long CJK clause a
+/// few hundred; HF itself caches only words under 256 characters), so 8 KiB is far above any
+/// piece worth routing on, and merging one costs well under a millisecond.
+pub const MAX_PIECE_BYTES: usize = 8 << 10;
+
+/// Default number of prompt ids routed on (the filter's `max_prefix_tokens`, the service's
+/// `KVROUTE_MAX_PREFIX_TOKENS`): 1024 blocks of 16 tokens. Endpoints that all hold a prompt's
+/// first 16384 tokens are not told apart by the rest, and a cold encode of that many costs the
+/// filter's Wasm VM tens of milliseconds at most (ENVOY.md: ~16 ms per 7.4k tokens with HF).
+pub const MAX_PREFIX_TOKENS: usize = 16_384;
+/// Largest allowed cap: about the filter's default `max_body_bytes` (4 MiB) of text.
+pub const MAX_PREFIX_TOKENS_LIMIT: usize = 1 << 20;
+
+/// Bounds on the work of one [`FastBpe::encode_prefix`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PrefixCap {
+    /// Most ids returned: the first `max_tokens` ids of the full encode.
+    pub max_tokens: usize,
+    /// A piece longer than this (in bytes) is not merged: the encode stops before it.
+    pub max_piece_bytes: usize,
+}
+
+impl PrefixCap {
+    /// No bound: the full encode.
+    pub const NONE: PrefixCap = PrefixCap {
+        max_tokens: usize::MAX,
+        max_piece_bytes: usize::MAX,
+    };
+
+    /// At most `max_tokens` ids, pieces up to [`MAX_PIECE_BYTES`].
+    pub const fn tokens(max_tokens: usize) -> PrefixCap {
+        PrefixCap {
+            max_tokens,
+            max_piece_bytes: MAX_PIECE_BYTES,
+        }
+    }
+}
+
+/// Why an encode under a [`PrefixCap`] returned fewer ids than the full encode has.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Truncation {
+    /// The cap's token count was reached.
+    MaxTokens,
+    /// A piece longer than the cap's piece bound came next; the ids stop before it.
+    LongPiece,
+}
+
+impl Truncation {
+    /// Every case, in counter order.
+    pub const ALL: [Truncation; 2] = [Truncation::MaxTokens, Truncation::LongPiece];
+
+    /// The label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Truncation::MaxTokens => "max_tokens",
+            Truncation::LongPiece => "long_piece",
+        }
+    }
+}
 
 /// The tail of every byte-level BPE pattern: the pattern's only lookaround.
 const LOOKAHEAD_TAIL: &str = r"|\s+(?!\S)|\s+";
@@ -88,8 +163,10 @@ impl Splitter {
             .map_err(|e| BpeError::Regex(e.to_string()))
     }
 
-    /// Calls `piece` for every match and every gap between matches, in order (`Isolated`).
-    fn split(&self, seg: &str, mut piece: impl FnMut(&[u8])) {
+    /// Calls `piece` for every match and every gap between matches, in order (`Isolated`),
+    /// until it breaks. The pieces are found left to right, so stopping early costs nothing
+    /// past the last piece taken.
+    fn split(&self, seg: &str, mut piece: impl FnMut(&[u8]) -> ControlFlow<()>) -> ControlFlow<()> {
         let bytes = seg.as_bytes();
         let mut at = 0;
         match self {
@@ -100,9 +177,9 @@ impl Splitter {
                         break;
                     };
                     if m.start() > at {
-                        piece(&bytes[at..m.start()]);
+                        piece(&bytes[at..m.start()])?;
                     }
-                    piece(m.as_str().as_bytes());
+                    piece(m.as_str().as_bytes())?;
                     at = m.end();
                 }
             }
@@ -136,17 +213,18 @@ impl Splitter {
                         }
                     }
                     if start > at {
-                        piece(&bytes[at..start]);
+                        piece(&bytes[at..start])?;
                     }
-                    piece(&bytes[start..end]);
+                    piece(&bytes[start..end])?;
                     at = end;
                     pos = end;
                 }
             }
         }
         if at < bytes.len() {
-            piece(&bytes[at..]);
+            piece(&bytes[at..])?;
         }
+        ControlFlow::Continue(())
     }
 }
 
@@ -175,6 +253,43 @@ pub struct FastBpe {
     cache_limits: Cell<(usize, usize)>,
     hits: Cell<u64>,
     misses: Cell<u64>,
+    /// Buffers of [`FastBpe::merge`], kept between pieces.
+    scratch: RefCell<MergeScratch>,
+}
+
+/// No neighbour (a symbol index past every piece: pieces are bounded by the body size).
+const NO_SYM: u32 = u32::MAX;
+
+/// One symbol of a piece being merged: its id and its live neighbours.
+#[derive(Clone, Copy)]
+struct Sym {
+    id: u32,
+    prev: u32,
+    next: u32,
+    /// False once merged into its left neighbour.
+    alive: bool,
+}
+
+/// The symbol list and the candidate heap of [`FastBpe::merge`], reused across pieces.
+#[derive(Default)]
+struct MergeScratch {
+    syms: Vec<Sym>,
+    /// `Reverse((rank << 32) | left position)`: the lowest rank first, then the leftmost.
+    heap: BinaryHeap<Reverse<u64>>,
+}
+
+/// Drops the ids past `max_tokens` (the last piece taken may pass it) and says whether any ids
+/// are missing: `stop` when the encode stopped early, else `MaxTokens` when ids were dropped.
+pub(crate) fn cut_to(
+    out: &mut Vec<u32>,
+    max_tokens: usize,
+    stop: Option<Truncation>,
+) -> Option<Truncation> {
+    if out.len() > max_tokens {
+        out.truncate(max_tokens);
+        return stop.or(Some(Truncation::MaxTokens));
+    }
+    stop
 }
 
 /// GPT-2's reversible byte -> printable char table used by byte-level BPE vocabularies.
@@ -316,7 +431,8 @@ impl FastBpe {
             let joined = format!("{a}{b}");
             match (vocab.get(a), vocab.get(b), vocab.get(joined.as_str())) {
                 (Some(&ia), Some(&ib), Some(&ij)) => {
-                    merges.entry((ia, ib)).or_insert((rank as u32, ij));
+                    // A pair listed twice takes its last rank, as HF's map (collected in order) does.
+                    merges.insert((ia, ib), (rank as u32, ij));
                 }
                 _ => return Err(BpeError::Merge(format!("{a} {b}"))),
             }
@@ -363,6 +479,7 @@ impl FastBpe {
             cache_limits: Cell::new((PIECE_CACHE_ENTRIES, PIECE_CACHE_BYTES)),
             hits: Cell::new(0),
             misses: Cell::new(0),
+            scratch: RefCell::new(MergeScratch::default()),
         }))
     }
 
@@ -376,35 +493,87 @@ impl FastBpe {
 
     /// [`FastBpe::encode`], appending the ids to `out`.
     pub fn encode_into(&self, text: &str, out: &mut Vec<u32>) {
-        self.segments(text, |seg| match seg {
-            Segment::Text(t) => self.encode_segment(t, out),
-            Segment::Added(id) => out.push(id),
+        let _ = self.segments(text, |seg| {
+            match seg {
+                Segment::Text(t) => {
+                    let _ = self.encode_segment(t, PrefixCap::NONE, out);
+                }
+                Segment::Added(id) => out.push(id),
+            }
+            ControlFlow::Continue(())
         });
     }
 
+    /// The first ids of `text` under `cap`: exactly the first `min(cap.max_tokens, n)` of
+    /// [`FastBpe::encode`]'s `n` ids, unless a piece longer than `cap.max_piece_bytes` comes
+    /// first (then the ids before it), and why ids are missing (`None`: none are). Splitting and
+    /// merging stop at the first piece not needed, so the cost is bounded by the cap, not the
+    /// text (NFC normalisation, when the tokenizer declares it, still reads a whole segment).
+    pub fn encode_prefix(&self, text: &str, cap: PrefixCap) -> (Vec<u32>, Option<Truncation>) {
+        let mut out = Vec::with_capacity(text.len().min(cap.max_tokens.saturating_mul(4)) / 3 + 8);
+        let mut stop = None;
+        let _ = self.segments(text, |seg| {
+            if out.len() >= cap.max_tokens {
+                stop = Some(Truncation::MaxTokens);
+                return ControlFlow::Break(());
+            }
+            match seg {
+                Segment::Text(t) => {
+                    stop = self.encode_segment(t, cap, &mut out);
+                    if stop.is_some() {
+                        return ControlFlow::Break(());
+                    }
+                }
+                Segment::Added(id) => out.push(id),
+            }
+            ControlFlow::Continue(())
+        });
+        let stop = cut_to(&mut out, cap.max_tokens, stop);
+        (out, stop)
+    }
+
     /// Cuts `text` at added tokens (leftmost-longest), exactly where [`FastBpe::encode`] does,
-    /// and calls `f` on each non-empty piece in order. Ids never depend on text across a cut.
-    pub fn segments<'t>(&self, text: &'t str, mut f: impl FnMut(Segment<'t>)) {
+    /// and calls `f` on each non-empty piece in order until it breaks. Ids never depend on text
+    /// across a cut.
+    pub fn segments<'t>(
+        &self,
+        text: &'t str,
+        mut f: impl FnMut(Segment<'t>) -> ControlFlow<()>,
+    ) -> ControlFlow<()> {
         let mut at = 0;
         if let Some((ac, ids)) = &self.added {
             for m in ac.find_iter(text) {
                 if m.start() > at {
-                    f(Segment::Text(&text[at..m.start()]));
+                    f(Segment::Text(&text[at..m.start()]))?;
                 }
                 if let Some(id) = ids.get(m.pattern().as_usize()) {
-                    f(Segment::Added(*id));
+                    f(Segment::Added(*id))?;
                 }
                 at = m.end();
             }
         }
         if at < text.len() {
-            f(Segment::Text(&text[at..]));
+            f(Segment::Text(&text[at..]))?;
         }
+        ControlFlow::Continue(())
     }
 
     /// Appends the ids of a [`Segment::Text`] (text with no added token inside).
     pub fn encode_text_segment_into(&self, seg: &str, out: &mut Vec<u32>) {
-        self.encode_segment(seg, out);
+        let _ = self.encode_segment(seg, PrefixCap::NONE, out);
+    }
+
+    /// [`FastBpe::encode_text_segment_into`] under `cap`, whose token count includes the ids
+    /// already in `out`: appends the segment's pieces while `out` holds fewer than
+    /// `cap.max_tokens` ids (the last piece may pass it; the caller cuts), and stops before a
+    /// piece longer than `cap.max_piece_bytes`. `Some` when it stopped before the segment's end.
+    pub fn encode_text_segment_prefix_into(
+        &self,
+        seg: &str,
+        cap: PrefixCap,
+        out: &mut Vec<u32>,
+    ) -> Option<Truncation> {
+        self.encode_segment(seg, cap, out)
     }
 
     /// Forgets every cached piece (benchmarks use it to measure a cold encoder).
@@ -431,23 +600,35 @@ impl FastBpe {
         matches!(self.split, Splitter::Dfa { .. })
     }
 
-    fn encode_segment(&self, seg: &str, out: &mut Vec<u32>) {
+    fn encode_segment(&self, seg: &str, cap: PrefixCap, out: &mut Vec<u32>) -> Option<Truncation> {
         if seg.is_empty() {
-            return;
+            return None;
         }
         // Text already in NFC (all ASCII, or a quick-check "yes") is its own normal form:
         // normalizing it would only copy it.
         if self.nfc && !seg.is_ascii() && is_nfc_quick(seg.chars()) != IsNormalized::Yes {
             let normalized: String = seg.nfc().map(|(c, _)| c).collect();
-            self.split_and_merge(&normalized, out);
+            self.split_and_merge(&normalized, cap, out)
         } else {
-            self.split_and_merge(seg, out);
+            self.split_and_merge(seg, cap, out)
         }
     }
 
-    fn split_and_merge(&self, seg: &str, out: &mut Vec<u32>) {
+    fn split_and_merge(&self, seg: &str, cap: PrefixCap, out: &mut Vec<u32>) -> Option<Truncation> {
         // Isolated split: matches become pieces, and so do the gaps between them.
-        self.split.split(seg, |piece| self.piece(piece, out));
+        let mut stop = None;
+        let _ = self.split.split(seg, |piece| {
+            if out.len() >= cap.max_tokens {
+                stop = Some(Truncation::MaxTokens);
+            } else if piece.len() > cap.max_piece_bytes {
+                stop = Some(Truncation::LongPiece);
+            } else {
+                self.piece(piece, out);
+                return ControlFlow::Continue(());
+            }
+            ControlFlow::Break(())
+        });
+        stop
     }
 
     fn piece(&self, bytes: &[u8], out: &mut Vec<u32>) {
@@ -460,8 +641,9 @@ impl FastBpe {
             return;
         }
         self.misses.set(self.misses.get() + 1);
-        let ids = self.merge(bytes);
-        out.extend_from_slice(&ids);
+        let start = out.len();
+        self.merge(bytes, out);
+        let ids = out.get(start..).unwrap_or(&[]);
         let (max_entries, max_bytes) = self.cache_limits.get();
         let size = bytes.len() + 4 * ids.len() + PIECE_ENTRY_OVERHEAD;
         if size > max_bytes || max_entries == 0 {
@@ -473,11 +655,90 @@ impl FastBpe {
             self.cache_bytes.set(0);
         }
         self.cache_bytes.set(self.cache_bytes.get() + size);
-        cache.insert(bytes.into(), ids.into_boxed_slice());
+        cache.insert(bytes.into(), ids.into());
     }
 
-    /// HF `Word::merge_all`: repeatedly merge the adjacent pair of lowest rank, leftmost on ties.
-    fn merge(&self, bytes: &[u8]) -> Vec<u32> {
+    /// Appends the ids of one piece: HF `Word::merge_all`, the adjacent pair of lowest rank
+    /// merged first, the leftmost among equal ranks, until no adjacent pair has a merge.
+    ///
+    /// Symbols stay in place (a merge keeps the left one and unlinks the right one), so a
+    /// symbol's index orders it among the live ones. The heap holds an entry `(rank, left
+    /// index)` for every adjacent live pair with a merge (pushed when the pair forms), plus stale
+    /// ones. An entry is live iff its left symbol is alive, has a right neighbour, and that pair's
+    /// merge has this rank (a rank names one pair); a stale entry is skipped. So each pop of a
+    /// live entry is the minimum `(rank, index)` over the current pairs: the pair the
+    /// rescan-every-step definition (`merge_reference` in the tests) picks. HF orders its queue
+    /// the same way (`Merge::cmp`: rank, then position). O(L log L) for L bytes.
+    fn merge(&self, bytes: &[u8], out: &mut Vec<u32>) {
+        let Ok(len) = u32::try_from(bytes.len()) else {
+            return;
+        };
+        if len == 1 {
+            out.push(self.byte_ids[bytes[0] as usize]);
+            return;
+        }
+        let mut scratch = self.scratch.borrow_mut();
+        let MergeScratch { syms, heap } = &mut *scratch;
+        syms.clear();
+        heap.clear();
+        syms.extend(bytes.iter().zip(0u32..).map(|(&b, i)| Sym {
+            id: self.byte_ids[b as usize],
+            prev: if i == 0 { NO_SYM } else { i - 1 },
+            next: if i + 1 == len { NO_SYM } else { i + 1 },
+            alive: true,
+        }));
+        let key = |rank: u32, pos: u32| Reverse((u64::from(rank) << 32) | u64::from(pos));
+        for (pos, pair) in (0u32..).zip(syms.windows(2)) {
+            if let Some(&(rank, _)) = self.merges.get(&(pair[0].id, pair[1].id)) {
+                heap.push(key(rank, pos));
+            }
+        }
+        while let Some(Reverse(top)) = heap.pop() {
+            let (rank, pos) = ((top >> 32) as u32, top as u32 as usize);
+            let Some(&left) = syms.get(pos) else { continue };
+            let Some(&right) = syms.get(left.next as usize) else {
+                continue;
+            };
+            if !left.alive {
+                continue;
+            }
+            let Some(&(r, merged)) = self.merges.get(&(left.id, right.id)) else {
+                continue;
+            };
+            if r != rank {
+                continue;
+            }
+            let next = right.next;
+            if let Some(s) = syms.get_mut(left.next as usize) {
+                s.alive = false;
+            }
+            if let Some(s) = syms.get_mut(pos) {
+                s.id = merged;
+                s.next = next;
+            }
+            if let Some(s) = syms.get_mut(next as usize) {
+                s.prev = pos as u32;
+                if let Some(&(r, _)) = self.merges.get(&(merged, s.id)) {
+                    heap.push(key(r, pos as u32));
+                }
+            }
+            if let Some(p) = syms.get(left.prev as usize) {
+                if let Some(&(r, _)) = self.merges.get(&(p.id, merged)) {
+                    heap.push(key(r, left.prev));
+                }
+            }
+        }
+        let mut at = 0usize;
+        while let Some(s) = syms.get(at) {
+            out.push(s.id);
+            at = s.next as usize;
+        }
+    }
+
+    /// The rescan-every-step definition [`FastBpe::merge`] must equal (O(L^2)): find the
+    /// lowest-rank adjacent pair, leftmost on ties, merge it, repeat.
+    #[cfg(test)]
+    fn merge_reference(&self, bytes: &[u8]) -> Vec<u32> {
         let mut syms: Vec<u32> = bytes.iter().map(|&b| self.byte_ids[b as usize]).collect();
         loop {
             let mut best: Option<(u32, usize, u32)> = None;
@@ -549,7 +810,10 @@ mod tests {
         assert_eq!(bpe.encode("abc ab"), vec![257, 258]);
         // The cuts: text around and between added tokens, nothing empty.
         let mut cuts = Vec::new();
-        bpe.segments("<|x|>ab<|x|><|x|>c", |s| cuts.push(s));
+        let _ = bpe.segments("<|x|>ab<|x|><|x|>c", |s| {
+            cuts.push(s);
+            ControlFlow::Continue(())
+        });
         use Segment::{Added, Text};
         assert_eq!(
             cuts,
@@ -560,7 +824,10 @@ mod tests {
     /// The pieces `split` yields for `text`.
     fn pieces(split: &Splitter, text: &str) -> Vec<String> {
         let mut out = Vec::new();
-        split.split(text, |p| out.push(String::from_utf8_lossy(p).into_owned()));
+        let _ = split.split(text, |p| {
+            out.push(String::from_utf8_lossy(p).into_owned());
+            ControlFlow::Continue(())
+        });
         out
     }
 
@@ -629,6 +896,143 @@ mod tests {
         bpe.set_piece_cache_limits(0, 0);
         assert_eq!(bpe.encode("abc ab"), vec![257, 258]);
         assert!(bpe.cache.borrow().is_empty());
+    }
+
+    /// xorshift64: deterministic pseudo-random numbers for the property tests.
+    fn rng(mut seed: u64) -> impl FnMut() -> u64 {
+        move || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed
+        }
+    }
+
+    /// A random byte-level BPE over the letters `a..=e`: merges of random pairs of existing
+    /// tokens, some of whose results already exist (so one token is reachable by several merge
+    /// orders, the case where stale heap entries and ties matter). The tokenizer.json text.
+    fn random_bpe(seed: u64, merges: usize) -> String {
+        let mut next = rng(seed);
+        let mut tokens: Vec<String> = ('a'..='e').map(String::from).collect();
+        let mut extra: Vec<String> = Vec::new();
+        let mut list: Vec<String> = Vec::new();
+        let mut pairs = std::collections::HashSet::new();
+        while list.len() < merges {
+            let a = tokens[(next() % tokens.len() as u64) as usize].clone();
+            let b = tokens[(next() % tokens.len() as u64) as usize].clone();
+            if a.len() + b.len() > 12 || !pairs.insert((a.clone(), b.clone())) {
+                continue;
+            }
+            let joined = format!("{a}{b}");
+            if !tokens.contains(&joined) {
+                tokens.push(joined.clone());
+                extra.push(joined);
+            }
+            list.push(format!("{a} {b}"));
+        }
+        let refs: Vec<&str> = extra.iter().map(String::as_str).collect();
+        serde_json::json!({
+            "version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
+            "normalizer": null,
+            "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": false, "use_regex": true},
+            "post_processor": null, "decoder": null,
+            "model": {"type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
+                      "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false, "ignore_merges": false,
+                      "vocab": byte_vocab(&refs), "merges": list}
+        })
+        .to_string()
+    }
+
+    /// The heap merge equals the rescan-every-step definition and HF tokenizers on random
+    /// vocabularies and random words (long ones and runs of one letter included).
+    #[test]
+    fn heap_merge_equals_reference_and_hf_on_random_vocabularies() {
+        let mut next = rng(0x2545_f491_4f6c_dd1d);
+        let mut checked = 0;
+        for v in 0..24u64 {
+            let json = random_bpe(v + 1, 20 + (v as usize * 7) % 90);
+            let bpe = FastBpe::from_tokenizer_json(json.as_bytes())
+                .unwrap()
+                .unwrap();
+            let hf = tokenizers::Tokenizer::from_bytes(json.as_bytes()).unwrap();
+            for w in 0..60 {
+                let len = match w % 4 {
+                    0 => 1 + (next() % 8) as usize,
+                    1 => 1 + (next() % 64) as usize,
+                    2 => 200 + (next() % 800) as usize,
+                    _ => 1 + (next() % 300) as usize,
+                };
+                let word: String = match w % 10 {
+                    // Runs of one letter and of a repeated short pattern.
+                    9 => "a".repeat(len),
+                    8 => "ab".repeat(len / 2 + 1),
+                    _ => (0..len)
+                        .map(|_| char::from(b'a' + (next() % 5) as u8))
+                        .collect(),
+                };
+                let mut heap = Vec::new();
+                bpe.merge(word.as_bytes(), &mut heap);
+                assert_eq!(
+                    heap,
+                    bpe.merge_reference(word.as_bytes()),
+                    "vocab {v} word {word:?}"
+                );
+                let want = hf.encode(word.as_str(), false).unwrap().get_ids().to_vec();
+                assert_eq!(heap, want, "vocab {v} word {word:?} against HF");
+                checked += 1;
+            }
+        }
+        assert_eq!(checked, 24 * 60);
+    }
+
+    /// A merge pair listed twice takes the rank HF gives it.
+    #[test]
+    fn duplicate_merge_pairs_rank_as_hf() {
+        let json = serde_json::json!({
+            "version": "1.0", "added_tokens": [], "normalizer": null,
+            "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": false, "use_regex": true},
+            "post_processor": null, "decoder": null,
+            "model": {"type": "BPE", "dropout": null, "byte_fallback": false, "ignore_merges": false,
+                      "vocab": byte_vocab(&["ab", "bc"]), "merges": ["a b", "b c", "a b"]}
+        })
+        .to_string();
+        let bpe = FastBpe::from_tokenizer_json(json.as_bytes())
+            .unwrap()
+            .unwrap();
+        let hf = tokenizers::Tokenizer::from_bytes(json.as_bytes()).unwrap();
+        let want = hf.encode("abc", false).unwrap().get_ids().to_vec();
+        assert_eq!(bpe.encode("abc"), want);
+    }
+
+    #[test]
+    fn prefix_cap_cuts_between_pieces_and_before_long_pieces() {
+        let bpe = tiny();
+        let full = bpe.encode("abc ab abc ab x");
+        assert_eq!(full.len(), 7, "{full:?}");
+        for n in 0..=full.len() + 1 {
+            let (ids, why) = bpe.encode_prefix("abc ab abc ab x", PrefixCap::tokens(n));
+            assert_eq!(ids, full[..n.min(full.len())], "cap {n}");
+            let want = (n < full.len()).then_some(Truncation::MaxTokens);
+            assert_eq!(why, want, "cap {n}");
+        }
+        // A piece longer than the bound is not merged: the ids stop before it.
+        let cap = PrefixCap {
+            max_tokens: 100,
+            max_piece_bytes: 4,
+        };
+        let (ids, why) = bpe.encode_prefix("abc ab<|x|> abcabc ab", cap);
+        assert_eq!(ids, vec![257, 258, 1000]);
+        assert_eq!(why, Some(Truncation::LongPiece));
+        // Exactly at the bound is merged.
+        assert_eq!(
+            bpe.encode_prefix("abca", cap),
+            (vec![257, u32::from(b'a')], None)
+        );
+        assert_eq!(bpe.encode_prefix("", cap), (vec![], None));
+        assert_eq!(
+            bpe.encode_prefix("abc ab", PrefixCap::NONE),
+            (bpe.encode("abc ab"), None)
+        );
     }
 
     #[test]

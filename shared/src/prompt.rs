@@ -11,9 +11,12 @@
 //! [`PromptTokens::from_request`] then produces the ids: token-id prompts as given, text
 //! prompts encoded with vLLM's completions default (`add_special_tokens=true`), chat requests
 //! rendered with the model's [`ChatTemplate`] and encoded with vLLM's chat default (`false`).
+//! [`PromptTokens::prefix_from_request`] does the same under a [`PrefixCap`]: only the first ids
+//! (exactly the engine's), with the reason when ids are missing.
 
 use serde_json::{Map, Value};
 
+use crate::bpe::{PrefixCap, Truncation};
 use crate::chat::{ChatError, ChatRequest, ChatTemplate};
 use crate::tokenize::{TokenizeError, Tokenizer};
 
@@ -223,6 +226,22 @@ pub struct PromptTokens;
 pub trait TextEncoder {
     /// Encodes `text`; `add_special_tokens` applies the tokenizer's post-processor.
     fn encode_text(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, TokenizeError>;
+
+    /// The first `cap.max_tokens` ids of [`TextEncoder::encode_text`] (fewer when the encoder
+    /// stops before a piece longer than `cap.max_piece_bytes`), and why ids are missing. The
+    /// default encodes everything and cuts, so it bounds the ids but not the work; an encoder
+    /// that can stop early (the fast BPE) overrides it.
+    fn encode_text_prefix(
+        &self,
+        text: &str,
+        add_special_tokens: bool,
+        cap: PrefixCap,
+    ) -> Result<(Vec<u32>, Option<Truncation>), TokenizeError> {
+        let mut ids = self.encode_text(text, add_special_tokens)?;
+        let cut = ids.len() > cap.max_tokens;
+        ids.truncate(cap.max_tokens);
+        Ok((ids, cut.then_some(Truncation::MaxTokens)))
+    }
 }
 
 impl TextEncoder for Tokenizer {
@@ -249,6 +268,37 @@ impl PromptTokens {
                 let template = template.ok_or(PromptError::NoChatTemplate)?;
                 let text = template.render(chat)?;
                 Ok(tokenizer.encode_text(&text, request.add_special_tokens.unwrap_or(false))?)
+            }
+        }
+    }
+
+    /// [`PromptTokens::from_request`] under `cap`: the first ids only (token-id prompts are cut
+    /// too), and why ids are missing (`None`: they are all there).
+    pub fn prefix_from_request<E: TextEncoder + ?Sized>(
+        request: &Request,
+        tokenizer: &E,
+        template: Option<&ChatTemplate>,
+        cap: PrefixCap,
+    ) -> Result<(Vec<u32>, Option<Truncation>), PromptError> {
+        match &request.body {
+            RequestBody::Completion(Prompt::TokenIds(ids)) => {
+                let n = ids.len().min(cap.max_tokens);
+                let cut = (n < ids.len()).then_some(Truncation::MaxTokens);
+                Ok((ids.get(..n).unwrap_or(&[]).to_vec(), cut))
+            }
+            RequestBody::Completion(Prompt::Text(text)) => Ok(tokenizer.encode_text_prefix(
+                text,
+                request.add_special_tokens.unwrap_or(true),
+                cap,
+            )?),
+            RequestBody::Chat(chat) => {
+                let template = template.ok_or(PromptError::NoChatTemplate)?;
+                let text = template.render(chat)?;
+                Ok(tokenizer.encode_text_prefix(
+                    &text,
+                    request.add_special_tokens.unwrap_or(false),
+                    cap,
+                )?)
             }
         }
     }

@@ -8,6 +8,11 @@
 //! the same text. A multi-turn follow-up or a shared system prompt re-encodes only its new
 //! segments. Both caches (segments here, pre-token pieces inside `FastBpe`) are bounded.
 //!
+//! [`SegmentEncoder::encode_prefix`] bounds one encode by a [`PrefixCap`] (see `FastBpe::encode_prefix`):
+//! segments are taken in order while fewer ids than the cap are held, a segment cut short is not
+//! cached (its cached ids would be incomplete), and a cached segment is copied whole and the
+//! result cut to the cap. The ids returned are always the first ids of the full encode.
+//!
 //! Invariants of [`Generational`]: bounded in entries and in bytes (the caller states each
 //! entry's size); a limit of zero disables it, and an entry larger than half the byte limit is
 //! not kept.
@@ -15,8 +20,11 @@
 use std::borrow::Borrow;
 use std::collections::HashMap;
 use std::hash::Hash;
+use std::ops::ControlFlow;
 
-use crate::bpe::{FastBpe, Segment, PIECE_CACHE_BYTES, PIECE_CACHE_ENTRIES};
+use crate::bpe::{
+    cut_to, FastBpe, PrefixCap, Segment, Truncation, PIECE_CACHE_BYTES, PIECE_CACHE_ENTRIES,
+};
 
 /// A map with a fast (non-SipHash) hasher; keys are request text and token ids.
 pub type FastMap<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
@@ -138,6 +146,8 @@ pub struct SegmentStats {
     /// Pre-token pieces served from / merged into the encoder's piece cache.
     pub piece_hits: u64,
     pub piece_misses: u64,
+    /// Why the ids stop before the text's end under a [`PrefixCap`] (`None`: they do not).
+    pub truncated: Option<Truncation>,
 }
 
 /// [`FastBpe`] with the segment cache in front of it.
@@ -173,14 +183,34 @@ impl SegmentEncoder {
 
     /// The ids of `text` (what `FastBpe::encode` returns), and how the caches did.
     pub fn encode(&mut self, text: &str) -> (Vec<u32>, SegmentStats) {
+        self.encode_prefix(text, PrefixCap::NONE)
+    }
+
+    /// The first ids of `text` under `cap` (what `FastBpe::encode_prefix` returns), and how the
+    /// caches did; `stats.truncated` says why ids are missing.
+    pub fn encode_prefix(&mut self, text: &str, cap: PrefixCap) -> (Vec<u32>, SegmentStats) {
         let SegmentEncoder { bpe, cache } = self;
-        let mut out = Vec::with_capacity(text.len() / 3 + 8);
+        let mut out = Vec::with_capacity(text.len().min(cap.max_tokens.saturating_mul(4)) / 3 + 8);
         let mut stats = SegmentStats::default();
         let (piece_hits, piece_misses) = bpe.piece_cache_stats();
-        bpe.segments(text, |seg| match seg {
-            Segment::Text(t) => segment(bpe, cache, t, &mut out, &mut stats),
-            Segment::Added(id) => out.push(id),
+        let mut stop = None;
+        let _ = bpe.segments(text, |seg| {
+            if out.len() >= cap.max_tokens {
+                stop = Some(Truncation::MaxTokens);
+                return ControlFlow::Break(());
+            }
+            match seg {
+                Segment::Text(t) => {
+                    stop = segment(bpe, cache, t, cap, &mut out, &mut stats);
+                    if stop.is_some() {
+                        return ControlFlow::Break(());
+                    }
+                }
+                Segment::Added(id) => out.push(id),
+            }
+            ControlFlow::Continue(())
         });
+        stats.truncated = cut_to(&mut out, cap.max_tokens, stop);
         let (h, m) = bpe.piece_cache_stats();
         stats.piece_hits = h.saturating_sub(piece_hits);
         stats.piece_misses = m.saturating_sub(piece_misses);
@@ -200,25 +230,30 @@ impl SegmentEncoder {
 }
 
 /// Appends the ids of one text segment (no added token inside), from the cache when the same
-/// text was encoded before.
+/// text was encoded before; under `cap` (counting the ids already in `out`) it may stop early,
+/// and says so (then nothing is cached).
 fn segment(
     bpe: &FastBpe,
     cache: &mut Generational<Box<str>, Box<[u32]>>,
     seg: &str,
+    cap: PrefixCap,
     out: &mut Vec<u32>,
     stats: &mut SegmentStats,
-) {
+) -> Option<Truncation> {
     if let Some(ids) = cache.get(seg) {
         out.extend_from_slice(ids);
         stats.hits += 1;
-        return;
+        return None;
     }
     stats.misses += 1;
     let start = out.len();
-    bpe.encode_text_segment_into(seg, out);
-    let ids = out.get(start..).unwrap_or(&[]);
-    let size = seg.len() + 4 * ids.len() + SEGMENT_ENTRY_OVERHEAD;
-    cache.insert(seg.into(), ids.into(), size);
+    let stop = bpe.encode_text_segment_prefix_into(seg, cap, out);
+    if stop.is_none() {
+        let ids = out.get(start..).unwrap_or(&[]);
+        let size = seg.len() + 4 * ids.len() + SEGMENT_ENTRY_OVERHEAD;
+        cache.insert(seg.into(), ids.into(), size);
+    }
+    stop
 }
 
 #[cfg(test)]

@@ -158,3 +158,131 @@ fn long_document_matches_and_repeats_identically() {
     // Second pass is served from the piece cache and must not change a single id.
     assert_eq!(fast.encode(&doc), want);
 }
+
+/// The largest char boundary of `s` at or before `at`.
+fn floor_char_boundary(s: &str, at: usize) -> usize {
+    (0..=at.min(s.len()))
+        .rev()
+        .find(|&i| s.is_char_boundary(i))
+        .unwrap_or(0)
+}
+
+/// xorshift64 over a fixed seed.
+fn rng(mut seed: u64) -> impl FnMut() -> u64 {
+    move || {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        seed
+    }
+}
+
+/// Long single pieces (one run of letters is one pre-token): random letters of several
+/// scripts, one repeated letter, repeated syllables, digit runs, whitespace and punctuation runs.
+#[test]
+fn long_words_match_hf_tokenizers() {
+    let (hf, fast) = load();
+    let mut next = rng(0x9e37_79b9_7f4a_7c15);
+    let mut pick = |alphabet: &[char], n: usize| -> String {
+        (0..n)
+            .map(|_| alphabet[(next() % alphabet.len() as u64) as usize])
+            .collect()
+    };
+    let latin: Vec<char> = ('a'..='z').chain('A'..='Z').collect();
+    let mixed: Vec<char> = "aeioustrnkéüßжщяλωمرحبا中文字日本語한국어ก"
+        .chars()
+        .collect();
+    let mut words = vec![
+        "a".repeat(20_000),
+        "ab".repeat(10_000),
+        "xyz".repeat(7_000),
+        "é".repeat(5_000),
+        "中".repeat(5_000),
+        "1234567890".repeat(2_000),
+        " ".repeat(10_000),
+        "=".repeat(10_000),
+        "\n".repeat(5_000),
+    ];
+    for n in [1_000, 10_000, 30_000] {
+        words.push(pick(&latin, n));
+        words.push(pick(&mixed, n / 3));
+    }
+    for (i, w) in words.iter().enumerate() {
+        let want = hf.encode(w.as_str(), false).unwrap().get_ids().to_vec();
+        fast.clear_cache();
+        assert_eq!(fast.encode(w), want, "word #{i} ({} bytes)", w.len());
+        // With a prefix in front and a normal sentence after it.
+        let text = format!("Say: {w}, then stop.");
+        let want = hf.encode(text.as_str(), false).unwrap().get_ids().to_vec();
+        assert_eq!(fast.encode(&text), want, "text around word #{i}");
+    }
+}
+
+/// Under a cap the ids are exactly the first ids of HF's encode, cut only between pieces; a
+/// 1M-character word and 1 MB of prose both stay within it, and the reason is reported.
+#[test]
+fn prefix_cap_keeps_the_first_ids_exact() {
+    use kvroute_core::bpe::{PrefixCap, Truncation, MAX_PIECE_BYTES};
+    let (hf, fast) = load();
+    let text: String = corpus().concat();
+    let want = hf.encode(text.as_str(), false).unwrap().get_ids().to_vec();
+    for n in [
+        0,
+        1,
+        7,
+        100,
+        1000,
+        4096,
+        want.len() - 1,
+        want.len(),
+        want.len() + 5,
+    ] {
+        fast.clear_cache();
+        let (ids, why) = fast.encode_prefix(&text, PrefixCap::tokens(n));
+        assert_eq!(ids[..], want[..n.min(want.len())], "cap {n}");
+        assert_eq!(
+            why,
+            (n < want.len()).then_some(Truncation::MaxTokens),
+            "cap {n}"
+        );
+    }
+
+    // 1 MB of prose: exactly the cap's count of HF's first ids.
+    let mut prose = String::new();
+    while prose.len() < 1 << 20 {
+        prose.push_str(&text);
+    }
+    prose.truncate(floor_char_boundary(&prose, 1 << 20));
+    let (ids, why) = fast.encode_prefix(&prose, PrefixCap::tokens(16_384));
+    assert_eq!(ids.len(), 16_384);
+    assert_eq!(why, Some(Truncation::MaxTokens));
+    let head = &prose[..floor_char_boundary(&prose, 200_000)];
+    let want = hf.encode(head, false).unwrap().get_ids().to_vec();
+    assert_eq!(ids[..], want[..16_384]);
+
+    // A 1M-character word: the ids before it, and the word is not merged.
+    let word = format!("Summarise <|im_start|> this: {}", "a".repeat(1_000_000));
+    let (ids, why) = fast.encode_prefix(&word, PrefixCap::tokens(16_384));
+    let want = hf
+        .encode("Summarise <|im_start|> this:", false)
+        .unwrap()
+        .get_ids()
+        .to_vec();
+    assert_eq!(ids, want);
+    assert_eq!(why, Some(Truncation::LongPiece));
+    // A word just within the bound is merged (and matches HF); one byte more is not.
+    let at = format!("x {}", "b".repeat(MAX_PIECE_BYTES - 1));
+    let want = hf.encode(at.as_str(), false).unwrap().get_ids().to_vec();
+    assert_eq!(
+        fast.encode_prefix(&at, PrefixCap::tokens(16_384)),
+        (want, None)
+    );
+    let over = format!("x {}", "b".repeat(MAX_PIECE_BYTES));
+    assert_eq!(
+        fast.encode_prefix(&over, PrefixCap::tokens(16_384)),
+        (
+            vec![hf.token_to_id("x").unwrap()],
+            Some(Truncation::LongPiece)
+        )
+    );
+}

@@ -12,12 +12,18 @@
 //! segment's ids (the text between special tokens), so a follow-up turn encodes only its new
 //! segments. Its caches are not thread-safe, so requests of one slug take turns on it (a mutex);
 //! the template is rendered before the lock is taken.
+//!
+//! The work is bounded as in the filter: only the first `KVROUTE_MAX_PREFIX_TOKENS` ids are
+//! produced (each exactly the engine's), and a pre-token piece over
+//! [`kvroute_core::bpe::MAX_PIECE_BYTES`] ends the ids before it instead of being merged, so one
+//! huge word cannot hold the slug's encoder (and every request queued on its mutex). [`Keyed`]
+//! says which bound cut a prompt; the caller counts it.
 
 use std::collections::HashMap;
 use std::path::Path;
 use std::sync::{Arc, Mutex};
 
-use kvroute_core::bpe::FastBpe;
+use kvroute_core::bpe::{FastBpe, PrefixCap, Truncation};
 use kvroute_core::chat::ChatTemplate;
 use kvroute_core::hash::{BlockKey, ExtraKeys, HashContract};
 use kvroute_core::prompt::{PromptTokens, Request, TextEncoder};
@@ -68,6 +74,26 @@ impl TextEncoder for Loaded {
             None => self.tokenizer.encode(text, add_special_tokens),
         }
     }
+
+    fn encode_text_prefix(
+        &self,
+        text: &str,
+        add_special_tokens: bool,
+        cap: PrefixCap,
+    ) -> Result<(Vec<u32>, Option<Truncation>), TokenizeError> {
+        match &self.fast {
+            Some(fast) => {
+                let (ids, stats) = lock(fast).encode_prefix(text, cap);
+                Ok((ids, stats.truncated))
+            }
+            None => {
+                let mut ids = self.tokenizer.encode(text, add_special_tokens)?;
+                let cut = ids.len() > cap.max_tokens;
+                ids.truncate(cap.max_tokens);
+                Ok((ids, cut.then_some(Truncation::MaxTokens)))
+            }
+        }
+    }
 }
 
 /// Per-slug cache of loaded tokenizers.
@@ -102,12 +128,23 @@ pub struct Offload {
     pub messages: Option<Value>,
 }
 
-/// Tokenizes and hashes; returns the keys and the prompt's token count.
+/// The keys of an offloaded prompt.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Keyed {
+    pub keys: Vec<BlockKey>,
+    /// Tokens the keys cover (at most the cap).
+    pub token_count: u32,
+    /// Why tokens past `token_count` were not routed on (`None`: the prompt has no more).
+    pub truncated: Option<Truncation>,
+}
+
+/// Tokenizes at most `max_prefix_tokens` tokens of the prompt and hashes them.
 pub fn keys_for(
     loaded: &Loaded,
     contract: &HashContract,
     o: &Offload,
-) -> Result<(Vec<BlockKey>, u32), String> {
+    max_prefix_tokens: usize,
+) -> Result<Keyed, String> {
     let mut body = match (&o.prompt, &o.messages) {
         (Some(p), None) => json!({"prompt": p}),
         (None, Some(m)) => json!({"messages": m}),
@@ -118,12 +155,74 @@ pub fn keys_for(
     }
     let bytes = serde_json::to_vec(&body).map_err(|e| e.to_string())?;
     let req = Request::from_json(&bytes).map_err(|e| e.to_string())?;
-    let tokens = PromptTokens::from_request(&req, loaded, loaded.template.as_ref())
-        .map_err(|e| e.to_string())?;
+    let (tokens, truncated) = PromptTokens::prefix_from_request(
+        &req,
+        loaded,
+        loaded.template.as_ref(),
+        PrefixCap::tokens(max_prefix_tokens),
+    )
+    .map_err(|e| e.to_string())?;
     let extra = ExtraKeys {
         cache_salt: req.cache_salt.clone(),
         ..ExtraKeys::default()
     };
     let keys = contract.keys(&tokens, &extra).map_err(|e| e.to_string())?;
-    Ok((keys, tokens.len() as u32))
+    Ok(Keyed {
+        keys,
+        token_count: u32::try_from(tokens.len()).unwrap_or(u32::MAX),
+        truncated,
+    })
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+mod tests {
+    use super::*;
+    use kvroute_core::hash::{BlockSize, HashAlgo};
+
+    /// 1 MB of prose and a 1M-character word, fast path and HF path: the keys cover at most the
+    /// cap, the fast path equals HF on the tokens it keeps, and the cut is reported.
+    #[test]
+    fn huge_prompts_stay_within_the_cap() {
+        let dir =
+            std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.cache/fixtures/qwen3");
+        let (Ok(tj), Ok(config)) = (
+            std::fs::read(dir.join("tokenizer.json")),
+            std::fs::read(dir.join("tokenizer_config.json")),
+        ) else {
+            eprintln!("skipped: no Qwen3 tokenizer fixture");
+            return;
+        };
+        let fast = Loaded::new(&tj, Some(&config), true).unwrap();
+        let hf = Loaded::new(&tj, Some(&config), false).unwrap();
+        let contract =
+            HashContract::new(HashAlgo::Sha256Cbor, BlockSize::new(16).unwrap()).with_seed("0");
+        let sentence = "Routers route requests to the engine holding their prefix, 7 times. ";
+        let prose = Offload {
+            model: None,
+            prompt: Some(sentence.repeat((1 << 20) / sentence.len())),
+            messages: None,
+        };
+        let a = keys_for(&fast, &contract, &prose, 16_384).unwrap();
+        assert_eq!(
+            (a.token_count, a.keys.len(), a.truncated),
+            (16_384, 1024, Some(Truncation::MaxTokens))
+        );
+        // HF on a head that holds well over the cap's tokens: the same first 16384 tokens.
+        let head = Offload {
+            prompt: Some(sentence.repeat(200_000 / sentence.len())),
+            ..prose
+        };
+        assert_eq!(keys_for(&hf, &contract, &head, 16_384).unwrap(), a);
+        let word = Offload {
+            model: None,
+            prompt: None,
+            messages: Some(
+                json!([{"role": "user", "content": format!("Hi {}", "a".repeat(1_000_000))}]),
+            ),
+        };
+        let w = keys_for(&fast, &contract, &word, 16_384).unwrap();
+        assert_eq!(w.truncated, Some(Truncation::LongPiece));
+        assert!(w.token_count > 0 && w.token_count < 16, "{}", w.token_count);
+    }
 }

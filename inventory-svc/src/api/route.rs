@@ -132,13 +132,20 @@ async fn offload(state: &Arc<AppState>, req: &mut RouteRequest) {
     let st = state.clone();
     let res = tokio::task::spawn_blocking(move || {
         let loaded = st.tokenizers.get(&dir, &slug)?;
-        super::offload::keys_for(&loaded, &contract, &o)
+        super::offload::keys_for(&loaded, &contract, &o, st.settings.max_prefix_tokens)
     })
     .await;
     match res {
-        Ok(Ok((keys, n))) => {
-            req.keys = keys.into_iter().map(|k| WireKey::Unsigned(k.0)).collect();
-            req.token_count = n;
+        Ok(Ok(k)) => {
+            if let Some(t) = k.truncated {
+                state
+                    .metrics
+                    .offload_truncated
+                    .with_label_values(&[t.as_str()])
+                    .inc();
+            }
+            req.keys = k.keys.into_iter().map(|k| WireKey::Unsigned(k.0)).collect();
+            req.token_count = k.token_count;
         }
         Ok(Err(e)) => {
             tracing::warn!(rule = %rule.spec.name(), "offloaded tokenization failed: {e}")
