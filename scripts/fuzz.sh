@@ -26,7 +26,7 @@ declare -A SMOKE_RUNS=(
     [openai_body]=5000 [filter_answer]=200000 [filter_config]=200000
 )
 # Largest input per target (libFuzzer -max_len); openai_body matches its MAX_BODY.
-declare -A MAX_LEN=([openai_body]=2048)
+declare -A MAX_LEN=([openai_body]=65536)
 SMOKE_SEED=1
 SMOKE_MAX_SECONDS=20
 # An input taking longer than this is reported as a hang (a crash).
