@@ -39,7 +39,10 @@ say "building the filter .wasm"
 # shellcheck source=/dev/null
 source "$KVROUTE_CACHE/env.sh"
 say "building kvroute-inventory, kvroute-engine-sim, kvroute-bench (release)"
-cargo build --release -q -p kvroute-inventory -p kvroute-engine-sim
+# Two builds, not one: built alone, kvroute-inventory has the same dependency features as in
+# scripts/build-images.sh, so the test command does not build its release binary twice.
+cargo build --release -q -p kvroute-inventory
+cargo build --release -q -p kvroute-engine-sim
 BIN="$REPO/target/release"
 INVENTORY_BIN="${KVROUTE_INVENTORY_BIN:-$BIN/kvroute-inventory}"
 [[ -x "$INVENTORY_BIN" ]] || die "KVROUTE_INVENTORY_BIN=$INVENTORY_BIN is not an executable"

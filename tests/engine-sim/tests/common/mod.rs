@@ -63,11 +63,15 @@ impl Sim {
             // Keep draining so the child never blocks on a full pipe.
             for _ in lines {}
         });
-        let line = match rx.recv_timeout(Duration::from_secs(30)) {
+        let line = match rx.recv_timeout(Duration::from_secs(90)) {
             Ok(l) => l,
-            Err(_) => {
+            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
+                let status = child.wait().map(|s| s.to_string()).unwrap_or_default();
+                panic!("simulator exited before its ready line ({status}; its stderr is above)");
+            }
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
                 let _ = child.kill();
-                panic!("simulator did not print its ready line within 30 s");
+                panic!("simulator did not print its ready line within 90 s");
             }
         };
         let addr = line
