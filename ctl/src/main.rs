@@ -245,6 +245,10 @@ fn main() -> ExitCode {
                 print!("{e}");
                 return ExitCode::SUCCESS;
             }
+            if e.kind() == ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand {
+                eprint!("{e}");
+                return ExitCode::from(2);
+            }
             eprintln!("kvroutectl: {}", one_line(&e.to_string()));
             return ExitCode::from(2);
         }
@@ -992,8 +996,10 @@ async fn explain(api: &Api, out: Output, a: &ExplainArgs) -> Res<()> {
             m.insert("affinity_key".into(), json!(k));
         }
     }
+    // A service started with --route-token-file wants its bearer on /v1/route too.
+    let token = api.token()?;
     let mut v = api
-        .send(reqwest::Method::POST, "/v1/route", Some(body), None)
+        .send(reqwest::Method::POST, "/v1/route", Some(body), Some(&token))
         .await?;
     match out {
         Output::Json => {
