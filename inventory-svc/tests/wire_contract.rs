@@ -80,6 +80,7 @@ fn the_filter_reads_every_answer_the_service_writes() {
         tier: "tier15".into(),
         reason: "hit".into(),
         decode_endpoint: None,
+        explain: None,
     };
     let a = RouteAnswer::parse(&serde_json::to_vec(&hit).unwrap()).expect("a hit");
     assert_eq!(

@@ -16,6 +16,12 @@
 //!  "decode_endpoint": null}
 //! ```
 //! 404 for an unknown rule, 503 when no endpoint is healthy: the filter fails open on any error.
+//!
+//! `"explain": true` (optional, default false) asks the same question without side effects: the
+//! answer is the decision a real request would get now, plus `explain` (per endpoint: matched
+//! blocks, held blocks, load, health; the placement memory's recall), and nothing is committed:
+//! no speculative credit, placement memory or heat, in-flight count, sequence counters, metrics or
+//! replication message (`kvroutectl explain`).
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -72,6 +78,34 @@ pub struct RouteRequest {
     /// Chat messages when the filter offloads tokenization.
     #[serde(default)]
     pub messages: Option<serde_json::Value>,
+    /// Decide without committing anything, and say why (see the module docs).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub explain: bool,
+}
+
+/// Why a decision went where it did (`"explain": true` only).
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq, Eq)]
+pub struct Explain {
+    /// Keys the request carried (after offloaded tokenization).
+    pub keys: u32,
+    pub token_count: u32,
+    pub endpoints: Vec<ExplainEndpoint>,
+    /// The placement memory's home for this prefix family: endpoint index and depth in blocks.
+    pub recall: Option<(usize, u32)>,
+}
+
+/// One endpoint as the scorer saw it.
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq, Eq)]
+pub struct ExplainEndpoint {
+    pub idx: usize,
+    pub endpoint: String,
+    pub healthy: bool,
+    /// Leading request blocks this endpoint holds (speculative credit included).
+    pub matched_blocks: u32,
+    /// Blocks the endpoint really holds.
+    pub blocks: u64,
+    /// In-flight estimate.
+    pub load: u64,
 }
 
 /// The answer.
@@ -87,6 +121,9 @@ pub struct RouteResponse {
     pub reason: String,
     /// kvExactMode 1: the decode endpoint.
     pub decode_endpoint: Option<String>,
+    /// Present only when the request set `"explain": true`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub explain: Option<Explain>,
 }
 
 /// Most keys one request may carry (a 1 MiB body holds fewer anyway).
@@ -103,10 +140,12 @@ pub async fn route(
         offload(&state, &mut req).await;
     }
     let res = answer(&state, &req, Instant::now());
-    state
-        .metrics
-        .route_latency
-        .observe(start.elapsed().as_secs_f64());
+    if !req.explain {
+        state
+            .metrics
+            .route_latency
+            .observe(start.elapsed().as_secs_f64());
+    }
     res.map(Json)
 }
 
@@ -137,7 +176,7 @@ async fn offload(state: &Arc<AppState>, req: &mut RouteRequest) {
     .await;
     match res {
         Ok(Ok(k)) => {
-            if let Some(t) = k.truncated {
+            if let (Some(t), false) = (k.truncated, req.explain) {
                 state
                     .metrics
                     .offload_truncated
@@ -156,7 +195,8 @@ async fn offload(state: &Arc<AppState>, req: &mut RouteRequest) {
     }
 }
 
-/// Decides one request against the current state (also used by tests and benches).
+/// Decides one request against the current state (also used by tests and benches); with
+/// `req.explain` nothing is committed.
 pub fn answer(
     state: &AppState,
     req: &RouteRequest,
@@ -202,6 +242,11 @@ pub fn answer(
             _ => HashRing::key_hash(a),
         }
     });
+    // Explain peeks: the same recall without counting it toward the family's heat.
+    let recall = match req.explain {
+        true => rule.memory.peek(&keys, now),
+        false => rule.memory.recall(&keys, now),
+    };
     let d = decide(&ScoreInput {
         exact_mode: rule.spec.exact_mode,
         kv_enabled: rule.spec.kv_enabled(),
@@ -213,9 +258,38 @@ pub fn answer(
         ring: &rule.ring,
         hit_seq: rule.hit_seq.load(Ordering::Relaxed),
         rr_seq: rule.rr_seq.load(Ordering::Relaxed),
-        recall: rule.memory.recall(&keys, now),
+        recall,
         settings: s,
     });
+    if req.explain {
+        let ep = d.ep.ok_or_else(|| ApiError::NoEndpoint(rule.spec.name()))?;
+        let endpoints = eps
+            .iter()
+            .enumerate()
+            .map(|(i, e)| ExplainEndpoint {
+                idx: i,
+                endpoint: rule.spec.endpoints[i].addr(),
+                healthy: e.healthy,
+                matched_blocks: e.matched,
+                blocks: e.blocks,
+                load: e.load,
+            })
+            .collect();
+        return Ok(RouteResponse {
+            rule_id: rule.id,
+            endpoint: rule.spec.endpoints[ep].addr(),
+            matched_blocks: d.matched,
+            tier: d.tier.as_str().to_owned(),
+            reason: d.reason.as_str().to_owned(),
+            decode_endpoint: d.decode.map(|i| rule.spec.endpoints[i].addr()),
+            explain: Some(Explain {
+                keys: u32::try_from(keys.len()).unwrap_or(u32::MAX),
+                token_count: req.token_count,
+                endpoints,
+                recall: recall.map(|r| (r.ep, r.depth)),
+            }),
+        });
+    }
     let m = &state.metrics;
     m.route_decisions
         .with_label_values(&[d.tier.as_str(), d.reason.as_str()])
@@ -274,5 +348,6 @@ pub fn answer(
         tier: d.tier.as_str().to_owned(),
         reason: d.reason.as_str().to_owned(),
         decode_endpoint: d.decode.map(|i| rule.spec.endpoints[i].addr()),
+        explain: None,
     })
 }

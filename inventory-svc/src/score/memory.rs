@@ -158,13 +158,26 @@ impl PlacementMemory {
     /// The deepest remembered prefix of `keys`, if any is live. Counts the recall toward the
     /// rule's and the entry's heat.
     pub fn recall(&self, keys: &[BlockKey], now: Instant) -> Option<Recall> {
+        self.lookup(keys, now, true)
+    }
+
+    /// What [`PlacementMemory::recall`] would answer at `now`, counting nothing (the route API's
+    /// `explain`).
+    pub fn peek(&self, keys: &[BlockKey], now: Instant) -> Option<Recall> {
+        self.lookup(keys, now, false)
+    }
+
+    fn lookup(&self, keys: &[BlockKey], now: Instant, count: bool) -> Option<Recall> {
         if self.max_entries == 0 {
             return None;
         }
         let mut inner = lock(&self.inner);
         let inner = &mut *inner;
-        let total = inner.recalls.get_or_insert_with(|| Heat::new(now));
+        let mut total = inner.recalls.unwrap_or_else(|| Heat::new(now));
         total.bump(now);
+        if count {
+            inner.recalls = Some(total);
+        }
         let total = total.value;
         // Deepest first: every index, so a previous turn's last block (not a sampled level of
         // this longer request) is found too. Bounded by the request's key count.
@@ -173,8 +186,12 @@ impl PlacementMemory {
             if now.saturating_duration_since(e.last) > self.ttl {
                 return None;
             }
-            e.heat.bump(now);
-            let share = (e.heat.value / total.max(HEAT_MIN_RECALLS)).clamp(0.0, 1.0);
+            let mut heat = e.heat;
+            heat.bump(now);
+            if count {
+                e.heat = heat;
+            }
+            let share = (heat.value / total.max(HEAT_MIN_RECALLS)).clamp(0.0, 1.0);
             Some(Recall {
                 ep: usize::from(e.ep),
                 depth: (i + 1) as u32,
@@ -301,6 +318,31 @@ mod tests {
 
     fn at(r: Option<Recall>) -> Option<(usize, u32)> {
         r.map(|r| (r.ep, r.depth))
+    }
+
+    /// `peek` answers what `recall` would and counts nothing: recalls after any number of peeks
+    /// see the heat of recalls alone.
+    #[test]
+    fn peek_is_recall_without_counting() {
+        let t0 = Instant::now();
+        let hot = keys(1, 40);
+        let (peeked, plain) = (
+            PlacementMemory::new(100, Duration::from_secs(60)),
+            PlacementMemory::new(100, Duration::from_secs(60)),
+        );
+        for m in [&peeked, &plain] {
+            m.record(&hot, 1, Update::Place, t0);
+        }
+        for n in 1..20u64 {
+            let t = t0 + Duration::from_millis(10 * n);
+            let p = peeked.peek(&hot, t);
+            for _ in 0..3 {
+                assert_eq!(peeked.peek(&hot, t), p);
+            }
+            let r = peeked.recall(&hot, t);
+            assert_eq!(r, p, "peek differs from the recall it announces");
+            assert_eq!(r, plain.recall(&hot, t));
+        }
     }
 
     #[test]
