@@ -201,3 +201,115 @@ async fn served_document_is_checked_in_valid_and_lists_every_route() {
         "#/components/schemas/RawRule"
     );
 }
+
+/// Checks each `(schema name, instance)` against the served document's component schemas with
+/// the validator venv's OpenAPI 3.1 schema validator.
+fn check_instances(dir: &std::path::Path, doc: &str, pairs: &[(&str, Value)]) {
+    let doc_file = dir.join("openapi.json");
+    std::fs::write(&doc_file, doc).unwrap();
+    let file = dir.join("instances.json");
+    std::fs::write(&file, serde_json::to_string(pairs).unwrap()).unwrap();
+    let python = validator().with_file_name("python");
+    let script = r##"
+import json, sys
+from openapi_schema_validator import OAS31Validator
+doc = json.load(open(sys.argv[1]))
+bad = []
+for name, inst in json.load(open(sys.argv[2])):
+    schema = {"$ref": "#/components/schemas/" + name, "components": doc["components"]}
+    errs = [f"{list(e.absolute_path)}: {e.message}" for e in OAS31Validator(schema).iter_errors(inst)]
+    if errs:
+        bad.append(f"{name}: {errs[:3]} in {json.dumps(inst)[:300]}")
+print("\n".join(bad))
+sys.exit(1 if bad else 0)
+"##;
+    let out = Command::new(python)
+        .args(["-c", script])
+        .arg(&doc_file)
+        .arg(&file)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "answers that do not match their schemas:\n{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn live_answers_match_their_schemas() {
+    let eps = [("127.0.0.1".to_string(), 1), ("127.0.0.2".to_string(), 1)];
+    let installed = rule(
+        18080,
+        "vllm",
+        5557,
+        &eps,
+        json!({"kvModel": "Qwen/Qwen3-0.6B"}),
+    );
+    let mut svc = Service::start("openapi-live", &json!([installed.clone()]), &[]);
+    let mut pairs: Vec<(&str, Value)> = vec![("RawRule", installed)];
+
+    let contracts = svc.get_json("/v1/rules").await;
+    let id = contracts["rules"][0]["rule_id"].as_u64().unwrap();
+    pairs.push(("RuleContracts", contracts));
+    pairs.push((
+        "RuleContract",
+        svc.get_json(&format!("/v1/rules/{id}/contract")).await,
+    ));
+    pairs.push((
+        "RuleList",
+        svc.get_json("/netlox/v1/config/loadbalancer/all").await,
+    ));
+    pairs.push(("Health", svc.get_json("/healthz").await));
+    pairs.push((
+        "InventoryPage",
+        svc.get_json(&format!(
+            "/netlox/v1/config/ai/kv/inventory?service_id={id}&ep_idx=0"
+        ))
+        .await,
+    ));
+
+    let ask = json!({"rule": id.to_string(), "keys": [1, -2, u64::MAX], "token_count": 48, "affinity_key": "t"});
+    let (status, answer) = svc.post("/v1/route", &ask.to_string(), None).await;
+    assert_eq!(status, 200, "{answer}");
+    pairs.push(("RouteRequest", ask));
+    pairs.push(("RouteResponse", answer));
+
+    let added = rule(18081, "sglang", 5600, &eps, json!({}));
+    let lb = "/netlox/v1/config/loadbalancer";
+    let (status, body) = svc.post(lb, &added.to_string(), Some(TOKEN)).await;
+    assert_eq!(status, 200, "{body}");
+    pairs.push(("RuleAdded", body));
+    let r = svc
+        .http
+        .delete(format!(
+            "{}{lb}/externalipaddress/10.0.0.1/port/18081/protocol/tcp",
+            svc.base
+        ))
+        .bearer_auth(TOKEN)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 200);
+    pairs.push(("RuleDeleted", r.json().await.unwrap()));
+
+    // Error answers: unknown rule, invalid rule (with problems), no token.
+    let (status, body) = svc.get("/v1/rules/nope/contract").await;
+    assert_eq!(status, 404);
+    pairs.push(("ErrorBody", serde_json::from_str(&body).unwrap()));
+    let bad = json!({"serviceArguments": {"externalIP": "x", "port": 0}});
+    let (status, body) = svc.post(lb, &bad.to_string(), Some(TOKEN)).await;
+    assert_eq!(status, 400, "{body}");
+    assert!(body["problems"].is_array(), "{body}");
+    pairs.push(("ErrorBody", body));
+    let (status, body) = svc.post(lb, &bad.to_string(), None).await;
+    assert_eq!(status, 401);
+    pairs.push(("ErrorBody", body));
+
+    let (status, doc) = svc.get("/openapi.json").await;
+    assert_eq!(status, 200);
+    let dir = svc.dir.clone();
+    svc.terminate();
+    check_instances(&dir, &doc, &pairs);
+}
