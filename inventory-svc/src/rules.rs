@@ -178,7 +178,7 @@ impl RuleSpec {
 }
 
 /// One validation problem: the field, the value given, what is allowed.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, utoipa::ToSchema)]
 pub struct FieldProblem {
     pub field: String,
     pub value: String,

@@ -3,9 +3,20 @@
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use serde_json::json;
+use serde::Serialize;
+use utoipa::ToSchema;
 
 use crate::rules::FieldProblem;
+
+/// The body of every error answer.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ErrorBody {
+    /// What went wrong, e.g. `missing or wrong bearer token`.
+    pub error: String,
+    /// Every rejected field of an invalid rule (only on `invalid rule`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub problems: Option<Vec<FieldProblem>>,
+}
 
 /// Errors the HTTP API answers with.
 #[derive(Debug, thiserror::Error)]
@@ -40,13 +51,17 @@ impl IntoResponse for ApiError {
             ApiError::NoEndpoint(_) => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
         };
-        let body = match &self {
-            ApiError::InvalidRule(p) => json!({"error": self.to_string(), "problems": p}),
+        let problems = match &self {
+            ApiError::InvalidRule(p) => Some(p.clone()),
             ApiError::Internal(detail) => {
                 tracing::error!("internal error: {detail}");
-                json!({"error": self.to_string()})
+                None
             }
-            _ => json!({"error": self.to_string()}),
+            _ => None,
+        };
+        let body = ErrorBody {
+            error: self.to_string(),
+            problems,
         };
         let mut resp = (status, Json(body)).into_response();
         if matches!(self, ApiError::Unauthorized) {

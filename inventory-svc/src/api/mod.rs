@@ -10,11 +10,13 @@
 //! | `DELETE /netlox/v1/config/loadbalancer/externalipaddress/{ip}/port/{port}/protocol/{proto}` | operator (bearer) | delete |
 //! | `GET /netlox/v1/config/ai/kv/inventory?service_id=&ep_idx=[&offset=&limit=]` | operator | inventory page (bounded: a cursor over the table) |
 //! | `/healthz`, `/readyz`, `/metrics` | probes, Prometheus | |
+//! | `GET /openapi.json` | anyone | this table as an OpenAPI 3.1 document ([`openapi`]) |
 //!
 //! Bodies are size-capped; malformed JSON is a 400 through [`error::ApiError`], never a panic.
 
 pub mod error;
 pub mod offload;
+pub mod openapi;
 pub mod route;
 pub mod tokenizers;
 
@@ -29,12 +31,17 @@ use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{delete, get, post};
 use axum::{Json, Router};
-use serde_json::{json, Value};
+use kvroute_core::rule::{
+    RawAllowedSource, RawEndpoint, RawRule, RawSecondaryIp, RawServiceArguments,
+};
+use serde::Serialize;
+use serde_json::Value;
+use utoipa::ToSchema;
 
 use crate::index::EndpointId;
 use crate::rules::{parse_rule, RuleRejected, RuleSpec};
 use crate::state::{lock, AppState, RuleRuntime};
-use error::{parse_json, ApiError};
+use error::{parse_json, ApiError, ErrorBody};
 
 /// Cap on management bodies (a rule with 64 endpoints is a few KiB).
 pub const MAX_RULE_BODY: usize = 256 * 1024;
@@ -79,6 +86,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
+        .route("/openapi.json", get(openapi::openapi_json))
         .merge(writes)
         .fallback(|| async { ApiError::NotFound("no such route".into()) })
         .with_state(state)
@@ -213,22 +221,77 @@ pub fn rejected(e: RuleRejected) -> ApiError {
     }
 }
 
+/// `POST /netlox/v1/config/loadbalancer` answer.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct RuleAdded {
+    /// Always `Success`.
+    pub result: String,
+    pub id: u32,
+    /// `VIP:port/protocol`.
+    pub name: String,
+    /// The same rule was already installed: nothing was restarted or shared.
+    pub unchanged: bool,
+}
+
+/// `DELETE .../externalipaddress/{ip}/port/{port}/protocol/{proto}` answer.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct RuleDeleted {
+    /// Always `Success`.
+    pub result: String,
+    pub id: u32,
+}
+
+#[utoipa::path(
+    post,
+    path = "/netlox/v1/config/loadbalancer",
+    tag = "management",
+    summary = "Add or replace a rule (loxilb LoadbalanceEntry shape)",
+    request_body = RawRule,
+    responses(
+        (status = 200, description = "Installed (or already installed unchanged)", body = RuleAdded),
+        (status = 400, description = "Malformed JSON or invalid rule (every rejected field in `problems`)", body = ErrorBody),
+        (status = 401, description = "Missing or wrong bearer token", body = ErrorBody),
+        (status = 413, description = "Body over the management body cap"),
+    ),
+    security(("management_token" = [])),
+)]
 async fn add_rule(
     State(state): State<Arc<AppState>>,
     body: Bytes,
-) -> Result<Json<Value>, ApiError> {
+) -> Result<Json<RuleAdded>, ApiError> {
     let raw: Value = parse_json(&body)?;
     let spec = parse_rule(&raw, &state.settings).map_err(rejected)?;
     let (rt, unchanged) = install_shared(&state, spec)?;
-    Ok(Json(
-        json!({"result": "Success", "id": rt.id, "name": rt.spec.name(), "unchanged": unchanged}),
-    ))
+    Ok(Json(RuleAdded {
+        result: "Success".into(),
+        id: rt.id,
+        name: rt.spec.name(),
+        unchanged,
+    }))
 }
 
+#[utoipa::path(
+    delete,
+    path = "/netlox/v1/config/loadbalancer/externalipaddress/{ip}/port/{port}/protocol/{proto}",
+    tag = "management",
+    summary = "Delete a rule",
+    params(
+        ("ip" = String, Path, description = "The rule's VIP"),
+        ("port" = u16, Path, description = "The rule's port"),
+        ("proto" = String, Path, description = "The rule's protocol (`tcp`)"),
+    ),
+    responses(
+        (status = 200, description = "Deleted", body = RuleDeleted),
+        (status = 400, description = "`ip` is not an IP address or `port` not a port", body = ErrorBody),
+        (status = 401, description = "Missing or wrong bearer token", body = ErrorBody),
+        (status = 404, description = "No such rule", body = ErrorBody),
+    ),
+    security(("management_token" = [])),
+)]
 async fn delete_rule(
     State(state): State<Arc<AppState>>,
     Path((ip, port, proto)): Path<(String, u16, String)>,
-) -> Result<Json<Value>, ApiError> {
+) -> Result<Json<RuleDeleted>, ApiError> {
     let ip: std::net::IpAddr = ip.parse().map_err(|_| {
         ApiError::BadRequest(format!(
             "externalipaddress: got {ip:?}, allowed an IP address"
@@ -240,62 +303,188 @@ async fn delete_rule(
             if let Some(r) = state.replica.get() {
                 r.rule_del(&state, &rt);
             }
-            Ok(Json(json!({"result": "Success", "id": rt.id})))
+            Ok(Json(RuleDeleted {
+                result: "Success".into(),
+                id: rt.id,
+            }))
         }
         None => Err(ApiError::NotFound(format!("no rule {name}"))),
     }
 }
 
-fn contract_json(r: &RuleRuntime) -> Value {
-    json!({
-        "rule_id": r.id,
-        "name": r.spec.name(),
-        "vip": r.spec.vip_port(),
-        "engine": r.spec.engine.as_str(),
-        "algo": r.spec.algo.map(|a| a.as_str()),
-        "seed": r.spec.contract().and_then(|c| c.seed),
-        "block_size": r.spec.block_size,
-        "key_mode": r.spec.key_mode.as_str(),
-        "model": r.spec.model,
-        "kv_exact_mode": r.spec.exact_mode.as_u8(),
-        "kv_enabled": r.spec.kv_enabled(),
+/// A rule's hash contract: what the filter needs to compute the rule's block keys.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct RuleContract {
+    pub rule_id: u32,
+    /// `VIP:port/protocol`.
+    pub name: String,
+    /// `VIP:port`.
+    pub vip: String,
+    /// `vllm`, `sglang`, ...
+    pub engine: String,
+    /// Block hash algorithm; null when KV routing is off.
+    pub algo: Option<String>,
+    /// vLLM PYTHONHASHSEED; null when unset.
+    pub seed: Option<String>,
+    pub block_size: u32,
+    /// `engine` or `tokens`.
+    pub key_mode: String,
+    pub model: Option<String>,
+    pub kv_exact_mode: u8,
+    pub kv_enabled: bool,
+}
+
+/// `GET /v1/rules` answer.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct RuleContracts {
+    pub rules: Vec<RuleContract>,
+}
+
+/// One installed rule as `GET /netlox/v1/config/loadbalancer/all` lists it: the rule in its
+/// canonical loxilb shape (the `RawRule` fields), its id and its contract.
+#[derive(Debug, Serialize, ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ListedRule {
+    pub service_arguments: RawServiceArguments,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub endpoints: Option<Vec<RawEndpoint>>,
+    #[serde(rename = "secondaryIPs", skip_serializing_if = "Option::is_none")]
+    pub secondary_ips: Option<Vec<RawSecondaryIp>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub allowed_sources: Option<Vec<RawAllowedSource>>,
+    pub id: u32,
+    pub contract: RuleContract,
+}
+
+/// `GET /netlox/v1/config/loadbalancer/all` answer (loxilb's `lbAttr` list).
+#[derive(Debug, Serialize, ToSchema)]
+pub struct RuleList {
+    #[serde(rename = "lbAttr")]
+    pub lb_attr: Vec<ListedRule>,
+}
+
+fn contract_json(r: &RuleRuntime) -> RuleContract {
+    RuleContract {
+        rule_id: r.id,
+        name: r.spec.name(),
+        vip: r.spec.vip_port(),
+        engine: r.spec.engine.as_str().into(),
+        algo: r.spec.algo.map(|a| a.as_str().into()),
+        seed: r.spec.contract().and_then(|c| c.seed),
+        block_size: r.spec.block_size,
+        key_mode: r.spec.key_mode.as_str().into(),
+        model: r.spec.model.clone(),
+        kv_exact_mode: r.spec.exact_mode.as_u8(),
+        kv_enabled: r.spec.kv_enabled(),
+    }
+}
+
+#[utoipa::path(
+    get,
+    path = "/v1/rules",
+    tag = "routing",
+    summary = "Hash contract of every installed rule",
+    responses((status = 200, description = "Contracts", body = RuleContracts)),
+)]
+async fn list_contracts(State(state): State<Arc<AppState>>) -> Json<RuleContracts> {
+    Json(RuleContracts {
+        rules: state.rules().iter().map(|r| contract_json(r)).collect(),
     })
 }
 
-async fn list_contracts(State(state): State<Arc<AppState>>) -> Json<Value> {
-    Json(json!({"rules": state.rules().iter().map(|r| contract_json(r)).collect::<Vec<_>>()}))
-}
-
+#[utoipa::path(
+    get,
+    path = "/v1/rules/{id}/contract",
+    tag = "routing",
+    summary = "Hash contract of one rule",
+    params(("id" = String, Path, description = "Rule id or `VIP:port`")),
+    responses(
+        (status = 200, description = "Contract", body = RuleContract),
+        (status = 404, description = "Unknown rule", body = ErrorBody),
+    ),
+)]
 async fn contract(
     State(state): State<Arc<AppState>>,
     Path(id): Path<String>,
-) -> Result<Json<Value>, ApiError> {
+) -> Result<Json<RuleContract>, ApiError> {
     let r = state
         .find(&id)
         .ok_or_else(|| ApiError::NotFound(format!("unknown rule {id:?}")))?;
     Ok(Json(contract_json(&r)))
 }
 
-async fn list_rules(State(state): State<Arc<AppState>>) -> Json<Value> {
-    let attrs: Vec<Value> = state
+#[utoipa::path(
+    get,
+    path = "/netlox/v1/config/loadbalancer/all",
+    tag = "management",
+    summary = "Every installed rule",
+    responses((status = 200, description = "Rules", body = RuleList)),
+)]
+async fn list_rules(State(state): State<Arc<AppState>>) -> Json<RuleList> {
+    let lb_attr = state
         .rules()
         .iter()
         .map(|r| {
-            let mut v = r.spec.raw_json();
-            if let Value::Object(m) = &mut v {
-                m.insert("id".into(), json!(r.id));
-                m.insert("contract".into(), contract_json(r));
+            let raw = r.spec.rule.to_raw();
+            ListedRule {
+                service_arguments: raw.service_arguments,
+                endpoints: raw.endpoints,
+                secondary_ips: raw.secondary_ips,
+                allowed_sources: raw.allowed_sources,
+                id: r.id,
+                contract: contract_json(r),
             }
-            v
         })
         .collect();
-    Json(json!({"lbAttr": attrs}))
+    Json(RuleList { lb_attr })
 }
 
+/// One stored block of an inventory page.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct InventoryBlock {
+    /// Position in the endpoint's table.
+    pub block_idx: usize,
+    pub hash_uint64: u64,
+}
+
+/// `GET /netlox/v1/config/ai/kv/inventory` answer: one page of an endpoint's stored blocks.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct InventoryPage {
+    pub service_id: u32,
+    pub ep_idx: usize,
+    pub hash_algo: Option<String>,
+    /// Sorted by `hash_uint64`.
+    pub blocks: Vec<InventoryBlock>,
+    /// Blocks the endpoint stores.
+    pub total: u64,
+    pub offset: usize,
+    pub limit: usize,
+    /// `offset` of the next page; null on the last page.
+    pub next_offset: Option<usize>,
+}
+
+#[utoipa::path(
+    get,
+    path = "/netlox/v1/config/ai/kv/inventory",
+    tag = "management",
+    summary = "One page of an endpoint's stored blocks",
+    params(
+        ("service_id" = String, Query, description = "Rule id or `VIP:port`"),
+        ("ep_idx" = usize, Query, description = "Endpoint index from 0"),
+        ("offset" = Option<usize>, Query, description = "Table position a previous page returned as `next_offset` (default 0)"),
+        ("cursor" = Option<usize>, Query, description = "Another name of `offset`"),
+        ("limit" = Option<usize>, Query, description = "Page size, 1 to 10000 (default 1000)"),
+    ),
+    responses(
+        (status = 200, description = "Page", body = InventoryPage),
+        (status = 400, description = "Missing or non-numeric parameter", body = ErrorBody),
+        (status = 404, description = "Unknown service_id or ep_idx out of range", body = ErrorBody),
+    ),
+)]
 async fn inventory(
     State(state): State<Arc<AppState>>,
     Query(q): Query<HashMap<String, String>>,
-) -> Result<Json<Value>, ApiError> {
+) -> Result<Json<InventoryPage>, ApiError> {
     let sid = q
         .get("service_id")
         .filter(|s| !s.is_empty())
@@ -339,32 +528,85 @@ async fn inventory(
     let page = r.index.blocks(EndpointId(ep as u8), offset, limit);
     let mut found: Vec<(usize, u64)> = page.blocks.iter().map(|(i, k)| (*i, k.0)).collect();
     found.sort_unstable_by_key(|(_, k)| *k);
-    let blocks: Vec<Value> = found
+    let blocks = found
         .iter()
-        .map(|(i, k)| json!({"block_idx": i, "hash_uint64": k}))
+        .map(|&(block_idx, hash_uint64)| InventoryBlock {
+            block_idx,
+            hash_uint64,
+        })
         .collect();
-    let next = page.next;
-    Ok(Json(json!({
-        "service_id": r.id,
-        "ep_idx": ep,
-        "hash_algo": r.spec.algo.map(|a| a.as_str()),
-        "blocks": blocks,
-        "total": total,
-        "offset": offset,
-        "limit": limit,
-        "next_offset": next,
-    })))
+    Ok(Json(InventoryPage {
+        service_id: r.id,
+        ep_idx: ep,
+        hash_algo: r.spec.algo.map(|a| a.as_str().into()),
+        blocks,
+        total,
+        offset,
+        limit,
+        next_offset: page.next,
+    }))
+}
+
+/// `GET /healthz` answer.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct Health {
+    /// `ok`, or `degraded` when a parity check failed or a tokenizer is missing.
+    pub status: String,
+    pub rules: Vec<RuleHealth>,
+    /// Null without `--redis-url`.
+    pub replication: Option<ReplicationHealth>,
+}
+
+/// One rule in `GET /healthz`.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct RuleHealth {
+    pub id: u32,
+    pub name: String,
+    pub engine: String,
+    /// Why the rule's tokenizer is unusable; null when it is fine or not needed.
+    pub tokenizer: Option<String>,
+    pub endpoints: Vec<EndpointHealth>,
+}
+
+/// One endpoint in `GET /healthz`.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct EndpointHealth {
+    pub idx: usize,
+    /// `ip:port`.
+    pub endpoint: String,
+    pub healthy: bool,
+    /// Per DP rank: the KV event subscriber is connected.
+    pub connected: Vec<bool>,
+    /// Replicated: this replica owns (subscribes to) the endpoint.
+    pub owned: bool,
+    pub blocks: u64,
+    /// The hash parity self-check's verdict when the engine's keys do not match the contract.
+    pub parity: Option<crate::ingest::parity::ParityReport>,
+}
+
+/// Replication state in `GET /healthz`.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ReplicationHealth {
+    pub replica: String,
+    pub redis_connected: bool,
 }
 
 /// Liveness plus the detail an operator needs for a 0% hit rate: per endpoint health, subscriber
 /// state, block count and parity verdict; per rule the tokenizer problem.
-async fn healthz(State(state): State<Arc<AppState>>) -> Json<Value> {
+#[utoipa::path(
+    get,
+    path = "/healthz",
+    tag = "probes",
+    summary = "Liveness with per rule and per endpoint detail",
+    responses((status = 200, description = "Alive (see `status`)", body = Health)),
+)]
+async fn healthz(State(state): State<Arc<AppState>>) -> Json<Health> {
     let mut degraded = false;
-    let rules: Vec<Value> = state
+    let rules = state
         .rules()
         .iter()
         .map(|r| {
-            let eps: Vec<Value> = r
+            let endpoints = r
                 .spec
                 .endpoints
                 .iter()
@@ -372,33 +614,53 @@ async fn healthz(State(state): State<Arc<AppState>>) -> Json<Value> {
                 .map(|(i, e)| {
                     let parity = lock(&r.eps[i].parity).clone();
                     degraded |= parity.is_some();
-                    json!({
-                        "idx": i,
-                        "endpoint": e.addr(),
-                        "healthy": r.eps[i].healthy.load(Ordering::Relaxed),
-                        "connected": r.eps[i].connected.iter().map(|c| c.load(Ordering::Relaxed)).collect::<Vec<_>>(),
+                    EndpointHealth {
+                        idx: i,
+                        endpoint: e.addr(),
+                        healthy: r.eps[i].healthy.load(Ordering::Relaxed),
+                        connected: r.eps[i]
+                            .connected
+                            .iter()
+                            .map(|c| c.load(Ordering::Relaxed))
+                            .collect(),
                         // Replicated: only the owner subscribes, and reports connection and parity.
-                        "owned": r.eps[i].owned.load(Ordering::Relaxed),
-                        "blocks": r.index.block_count(EndpointId(i as u8)),
-                        "parity": parity,
-                    })
+                        owned: r.eps[i].owned.load(Ordering::Relaxed),
+                        blocks: r.index.block_count(EndpointId(i as u8)),
+                        parity,
+                    }
                 })
                 .collect();
             degraded |= r.tokenizer_problem.is_some();
-            json!({"id": r.id, "name": r.spec.name(), "engine": r.spec.engine.as_str(), "tokenizer": r.tokenizer_problem, "endpoints": eps})
+            RuleHealth {
+                id: r.id,
+                name: r.spec.name(),
+                engine: r.spec.engine.as_str().into(),
+                tokenizer: r.tokenizer_problem.clone(),
+                endpoints,
+            }
         })
         .collect();
-    let replication = state.replica.get().map(|r| {
-        json!({
-            "replica": r.id,
-            "redis_connected": state.metrics.redis_connected.get() == 1,
-        })
+    let replication = state.replica.get().map(|r| ReplicationHealth {
+        replica: r.id.clone(),
+        redis_connected: state.metrics.redis_connected.get() == 1,
     });
-    Json(
-        json!({"status": if degraded { "degraded" } else { "ok" }, "rules": rules, "replication": replication}),
-    )
+    Json(Health {
+        status: if degraded { "degraded" } else { "ok" }.into(),
+        rules,
+        replication,
+    })
 }
 
+#[utoipa::path(
+    get,
+    path = "/readyz",
+    tag = "probes",
+    summary = "Readiness",
+    responses(
+        (status = 200, description = "Ready", content_type = "text/plain", body = String),
+        (status = 503, description = "Starting or shutting down", content_type = "text/plain", body = String),
+    ),
+)]
 async fn readyz(State(state): State<Arc<AppState>>) -> Response {
     if state.ready.load(Ordering::Relaxed) && !state.cancel.is_cancelled() {
         (StatusCode::OK, "ready\n").into_response()
@@ -407,6 +669,13 @@ async fn readyz(State(state): State<Arc<AppState>>) -> Response {
     }
 }
 
+#[utoipa::path(
+    get,
+    path = "/metrics",
+    tag = "probes",
+    summary = "Prometheus metrics",
+    responses((status = 200, description = "Prometheus text exposition 0.0.4", content_type = "text/plain", body = String)),
+)]
 async fn metrics(State(state): State<Arc<AppState>>) -> Response {
     // Placement gauges follow every decision: computed when scraped rather than per request.
     for rt in state.rules() {

@@ -56,7 +56,7 @@ impl WireKey {
 }
 
 /// The filter's question.
-#[derive(Clone, Debug, Deserialize, Serialize, Default)]
+#[derive(Clone, Debug, Deserialize, Serialize, Default, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct RouteRequest {
     /// Rule id (`"3"`) or `VIP:port`.
@@ -109,7 +109,7 @@ pub struct ExplainEndpoint {
 }
 
 /// The answer.
-#[derive(Clone, Debug, Deserialize, Serialize, PartialEq, Eq)]
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq, Eq, utoipa::ToSchema)]
 pub struct RouteResponse {
     pub rule_id: u32,
     /// `ip:port` to pin the upstream to.
@@ -130,6 +130,23 @@ pub struct RouteResponse {
 const MAX_KEYS: usize = 1 << 16;
 
 /// Handler for `POST /v1/route`.
+#[utoipa::path(
+    post,
+    path = "/v1/route",
+    tag = "routing",
+    summary = "Routing decision for one request",
+    description = "The filter's question: block keys (or the prompt/messages when tokenization is offloaded) in, the endpoint to pin out. A bearer token is required only when the service runs with `--route-token-file`.",
+    request_body = RouteRequest,
+    responses(
+        (status = 200, description = "Decision", body = RouteResponse),
+        (status = 400, description = "Malformed body", body = super::error::ErrorBody),
+        (status = 401, description = "Missing or wrong route token (with `--route-token-file`)", body = super::error::ErrorBody),
+        (status = 404, description = "Unknown rule", body = super::error::ErrorBody),
+        (status = 413, description = "Body over the route body cap"),
+        (status = 503, description = "No healthy endpoint", body = super::error::ErrorBody),
+    ),
+    security((), ("route_token" = [])),
+)]
 pub async fn route(
     State(state): State<Arc<AppState>>,
     body: Bytes,

@@ -45,6 +45,17 @@ async fn serve(state: &AppState, slug: &str, file: &str) -> Result<Response, Api
 }
 
 /// `tokenizer.json` of a slug.
+#[utoipa::path(
+    get,
+    path = "/v1/tokenizers/{slug}",
+    tag = "tokenizers",
+    summary = "Staged tokenizer.json of a model slug",
+    params(("slug" = String, Path, description = "Model name with `/` replaced by `__`")),
+    responses(
+        (status = 200, description = "The staged `tokenizer.json`", content_type = "application/json", body = Object),
+        (status = 404, description = "No tokenizer directory, invalid slug or not staged", body = super::error::ErrorBody),
+    ),
+)]
 pub async fn tokenizer_json(
     State(state): State<Arc<AppState>>,
     Path(slug): Path<String>,
@@ -53,6 +64,20 @@ pub async fn tokenizer_json(
 }
 
 /// Another staged file of a slug (`tokenizer_config.json`).
+#[utoipa::path(
+    get,
+    path = "/v1/tokenizers/{slug}/{file}",
+    tag = "tokenizers",
+    summary = "Another staged file of a model slug",
+    params(
+        ("slug" = String, Path, description = "Model name with `/` replaced by `__`"),
+        ("file" = String, Path, description = "`tokenizer.json` or `tokenizer_config.json`"),
+    ),
+    responses(
+        (status = 200, description = "The staged file", content_type = "application/json", body = Object),
+        (status = 404, description = "No tokenizer directory, invalid slug or file, or not staged", body = super::error::ErrorBody),
+    ),
+)]
 pub async fn tokenizer_file(
     State(state): State<Arc<AppState>>,
     Path((slug, file)): Path<(String, String)>,

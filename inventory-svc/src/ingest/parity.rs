@@ -13,7 +13,7 @@ use serde::Serialize;
 use super::decode::Stored;
 
 /// What the self-check concluded.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, utoipa::ToSchema)]
 pub struct ParityReport {
     pub message: String,
     pub suggested_algo: Option<String>,

@@ -17,6 +17,7 @@ use serde::{Deserialize, Serialize};
 
 /// `POST /netlox/v1/config/loadbalancer` body, and one element of `GET .../all`'s `lbAttr`.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
 pub struct RawRule {
     #[serde(default)]
@@ -35,6 +36,7 @@ pub struct RawRule {
 
 /// loxilb's `serviceArguments` subset kvroute implements, plus the KV-exact fields.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
 pub struct RawServiceArguments {
     /// loxilb: "IP address for external access" (required).
@@ -86,6 +88,7 @@ pub struct RawServiceArguments {
 
 /// One loxilb endpoint (`endpointIP`, `targetPort`, `weight`) plus the P/D role.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
 pub struct RawEndpoint {
     #[serde(
@@ -114,6 +117,7 @@ pub struct RawEndpoint {
 
 /// loxilb `secondaryIPs` item.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
 pub struct RawSecondaryIp {
     #[serde(
@@ -126,6 +130,7 @@ pub struct RawSecondaryIp {
 
 /// loxilb `allowedSources` item: a source prefix allowed to reach the service.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
 pub struct RawAllowedSource {
     #[serde(default, skip_serializing_if = "Option::is_none")]
