@@ -84,18 +84,19 @@ pub struct RouteRequest {
 }
 
 /// Why a decision went where it did (`"explain": true` only).
-#[derive(Clone, Debug, Deserialize, Serialize, PartialEq, Eq)]
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq, Eq, utoipa::ToSchema)]
 pub struct Explain {
     /// Keys the request carried (after offloaded tokenization).
     pub keys: u32,
     pub token_count: u32,
     pub endpoints: Vec<ExplainEndpoint>,
     /// The placement memory's home for this prefix family: endpoint index and depth in blocks.
+    #[schema(value_type = Option<Vec<u64>>, min_items = 2, max_items = 2)]
     pub recall: Option<(usize, u32)>,
 }
 
 /// One endpoint as the scorer saw it.
-#[derive(Clone, Debug, Deserialize, Serialize, PartialEq, Eq)]
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq, Eq, utoipa::ToSchema)]
 pub struct ExplainEndpoint {
     pub idx: usize,
     pub endpoint: String,
