@@ -89,13 +89,19 @@ pub fn median(values: &[f64]) -> f64 {
     }
 }
 
-/// Per series and strategy: (median, min, max) of the cached-token ratio over the runs, for the
-/// summaries of `workload`. Strategies in order of first appearance.
-#[allow(clippy::type_complexity)]
+/// (median, min, max) of one strategy's cached-token ratios (%) over a series' runs; `None` when
+/// no run measured it.
+pub type Spread = Option<(f64, f64, f64)>;
+
+/// A named line: (x, y) points.
+pub type Line = (String, Vec<(f64, f64)>);
+
+/// The strategies of `workload` (in order of first appearance) and per series and strategy the
+/// [`Spread`] of the cached-token ratio over its runs.
 pub fn ratio_stats(
     series: &[RatioSeries],
     workload: &str,
-) -> anyhow::Result<(Vec<String>, Vec<Vec<Option<(f64, f64, f64)>>>)> {
+) -> anyhow::Result<(Vec<String>, Vec<Vec<Spread>>)> {
     let mut strategies = Vec::new();
     for s in series {
         for doc in &s.runs {
@@ -264,6 +270,7 @@ pub fn ttft_cdf_svg(title: &str, workload: &str, records: &Value) -> anyhow::Res
         chart
             .configure_mesh()
             .x_desc("TTFT, ms (log scale)")
+            .x_label_formatter(&|x| format!("{x:.0}"))
             .y_desc("fraction of requests")
             .draw()
             .map_err(err)?;
@@ -295,8 +302,8 @@ pub fn ttft_cdf_svg(title: &str, workload: &str, records: &Value) -> anyhow::Res
 }
 
 /// Per strategy of `workload`: (endpoints, cached-token ratio %) sorted by endpoints.
-pub fn scale_points(doc: &Value, workload: &str) -> anyhow::Result<Vec<(String, Vec<(f64, f64)>)>> {
-    let mut out: Vec<(String, Vec<(f64, f64)>)> = Vec::new();
+pub fn scale_points(doc: &Value, workload: &str) -> anyhow::Result<Vec<Line>> {
+    let mut out: Vec<Line> = Vec::new();
     for s in summaries(doc)? {
         if str_field(s, "workload")? != workload {
             continue;
