@@ -9,6 +9,10 @@
 #   scale      docs/bench-scale.md      multi-turn at 4, 8 and 16 endpoints
 #   gateways   docs/bench-gateways.md   1 vs 4 Envoy gateways (kvroute filter) sharing one inventory
 #
+# After each part kvroute-plot draws its SVG plots beside the page (docs/bench-small.svg and
+# bench-small-ttft.svg, bench-placement.svg and bench-placement-ttft-{staggered,burst}.svg,
+# bench-scale.svg), which the page embeds.
+#
 # Usage: scripts/bench.sh [small|placement|scale|gateways]...   (default: all four)
 #
 # Before measuring it installs what is missing, idempotently: scripts/setup.sh (Envoy, the Qwen3
@@ -75,11 +79,25 @@ mkdir -p "$OUT"
 
 bench() { "$BIN/kvroute-bench" --inventory-bin "$INVENTORY_BIN" "$@"; }
 report() { python3 "$REPO/scripts/bench_report.py" "$@"; }
+plot() { "$BIN/kvroute-plot" "$@"; }
+DOCS="$REPO/docs"
+START=$SECONDS
+# The placement loop's progress: in place on a terminal, one line per run otherwise.
+progress() {
+    local line
+    line="bench.sh: $1/$2 placement runs done, $((SECONDS - START)) s elapsed; $3"
+    if [[ -t 2 ]]; then printf '\r\033[K%s' "$line" >&2; else echo "$line" >&2; fi
+}
 
 if want small; then
     say "small preset"
-    bench --preset small --json "$OUT/small.json" --markdown "$OUT/small.md"
-    report small "$OUT" "$REPO/docs/bench-small.md"
+    bench --preset small --json "$OUT/small.json" --markdown "$OUT/small.md" \
+        --records "$OUT/small-records.json"
+    plot ratio --title "Small preset, multi-turn: cached-token ratio" \
+        --series "small=$OUT/small.json" --out "$DOCS/bench-small.svg"
+    plot ttft --title "Small preset, multi-turn: TTFT" \
+        --records "$OUT/small-records.json" --out "$DOCS/bench-small-ttft.svg"
+    report small "$OUT" "$DOCS/bench-small.md"
 fi
 
 if want placement; then
@@ -94,13 +112,27 @@ if want placement; then
     [[ "$runs" =~ ^[1-9][0-9]*$ ]] || die "KVROUTE_PLACEMENT_RUNS=$runs: allowed a positive integer"
     export KVROUTE_PLACEMENT_RUNS="$runs"
     rm -f "$OUT"/placement-staggered-*.json "$OUT"/placement-burst-*.json
+    total=$((2 * runs)) finished=0 series=()
     for arrival in staggered burst; do
+        files=()
         for run in $(seq 1 "$runs"); do
-            say "constrained preset, multi-turn, $arrival arrival, run $run of $runs"
+            what="multi-turn, $arrival arrival, run $run of $runs"
+            progress "$finished" "$total" "$what"
             bench "${common[@]}" --workloads multi-turn --arrival "$arrival" \
-                --json "$OUT/placement-$arrival-$run.json" --markdown "$OUT/placement-$arrival-$run.md"
+                --progress-label "bench.sh: placement $finished/$total, $what" \
+                --json "$OUT/placement-$arrival-$run.json" --markdown "$OUT/placement-$arrival-$run.md" \
+                --records "$OUT/placement-$arrival-$run-records.json"
+            files+=("$OUT/placement-$arrival-$run.json")
+            finished=$((finished + 1))
         done
+        series+=("--series" "$arrival=$(IFS=,; echo "${files[*]}")")
+        plot ttft --title "Constrained fleet, multi-turn, $arrival arrival (run 1): TTFT" \
+            --records "$OUT/placement-$arrival-1-records.json" --out "$DOCS/bench-placement-ttft-$arrival.svg"
     done
+    progress "$finished" "$total" "finished"
+    if [[ -t 2 ]]; then echo >&2; fi
+    plot ratio --title "Constrained fleet, multi-turn: cached-token ratio, median and min-max of $runs runs" \
+        "${series[@]}" --out "$DOCS/bench-placement.svg"
     say "constrained preset, one-shot and hot-prefix"
     bench "${common[@]}" --workloads one-shot,hot-prefix \
         --json "$OUT/placement-other.json" --markdown "$OUT/placement-other.md"
@@ -112,11 +144,13 @@ if want scale; then
     bench --preset small --workloads multi-turn --endpoints 4,8,16 \
         --strategies round-robin,kvroute-engine,oracle \
         --json "$OUT/scale.json" --markdown "$OUT/scale.md"
-    report scale "$OUT" "$REPO/docs/bench-scale.md"
+    plot scale --title "Multi-turn: cached-token ratio against fleet size" \
+        --json "$OUT/scale.json" --out "$DOCS/bench-scale.svg"
+    report scale "$OUT" "$DOCS/bench-scale.md"
 fi
 
 if want gateways; then
     "$REPO/scripts/bench_gateways.sh" "$OUT"
     report gateways "$OUT" "$REPO/docs/bench-gateways.md"
 fi
-say "done: tables in docs/bench-*.md, raw results in $OUT"
+say "done: tables in docs/bench-*.md, plots in docs/bench-*.svg, raw results in $OUT"

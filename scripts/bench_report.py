@@ -76,6 +76,15 @@ def command_of(md_path: Path) -> str:
     return "\n\n".join(head[:2]) + "\n\n"
 
 
+def figures(out: Path, plots) -> str:
+    """Embeds the SVG plots kvroute-plot drew beside the page (bench.sh), those that exist."""
+    text = ""
+    for name, alt in plots:
+        if (out.parent / name).is_file():
+            text += f"![{alt}]({name})\n\n"
+    return text
+
+
 def stamp():
     return time.strftime("%Y-%m-%d")
 
@@ -83,6 +92,13 @@ def stamp():
 def small(res: Path, out: Path):
     d = load(res / "small.json")
     text = f"# Benchmark: small preset\n\nMeasured {stamp()} by `scripts/bench.sh small`.\n\n"
+    text += figures(
+        out,
+        [
+            ("bench-small.svg", "multi-turn cached-token ratio per strategy"),
+            ("bench-small-ttft.svg", "multi-turn TTFT distribution per strategy"),
+        ],
+    )
     text += command_of(res / "small.md")
     text += full_table(d["summaries"])
     out.write_text(text)
@@ -135,6 +151,16 @@ def placement(res: Path, out: Path):
         f"Workload: {shape_line(runs['staggered'][0])}; burst = every user at once "
         f"(bounded by 8 requests in flight). Multi-turn figures are the median of {RUNS} runs "
         "(each run measures every strategy in turn on fresh simulators); the per-run values follow.\n\n"
+    )
+    text += figures(
+        out,
+        [
+            ("bench-placement.svg", "multi-turn cached-token ratio per strategy, median and min-max over the runs"),
+            ("bench-placement-ttft-staggered.svg", "TTFT distribution per strategy, staggered arrival, run 1"),
+            ("bench-placement-ttft-burst.svg", "TTFT distribution per strategy, burst arrival, run 1"),
+        ],
+    )
+    text += (
         "## Multi-turn, side by side (medians)\n\n"
         "| strategy | staggered: cached-token ratio | engines per system prompt | TTFT p90 ms "
         "| burst: cached-token ratio | engines per system prompt | TTFT p90 ms |\n"
@@ -252,6 +278,9 @@ def scale(res: Path, out: Path):
         "# Benchmark: scale curve\n\n"
         f"Measured {stamp()} by `scripts/bench.sh scale`. Workload: {shape_line(d)}; the same "
         "sessions at every fleet size, 4 requests in flight per endpoint.\n\n"
+    )
+    text += figures(out, [("bench-scale.svg", "multi-turn cached-token ratio against endpoints per strategy")])
+    text += (
         "| endpoints | round robin | kvroute-engine | oracle | kvroute / round robin | kvroute / oracle "
         "| kvroute engines/prefix | kvroute TTFT p90 ms | round robin TTFT p90 ms | route p99 ms |\n"
         "|---|---|---|---|---|---|---|---|---|---|\n"

@@ -12,6 +12,8 @@
 
 pub mod driver;
 pub mod fleet;
+pub mod plot;
+pub mod progress;
 pub mod report;
 pub mod sglang;
 pub mod workload;
@@ -131,9 +133,12 @@ pub struct BenchArgs {
     #[arg(long)]
     pub markdown: Option<PathBuf>,
     /// Write every request's record (serving simulator, cached tokens, TTFT, kvroute reason) here,
-    /// as JSON, for analysis.
+    /// as JSON, for analysis (`kvroute-plot ttft` draws its TTFT distributions).
     #[arg(long)]
     pub records: Option<PathBuf>,
+    /// Text put before the progress line on stderr (e.g. a calling script's own runs done).
+    #[arg(long)]
+    pub progress_label: Option<String>,
 }
 
 fn list<T>(s: &str, what: &str, parse: impl Fn(&str) -> Option<T>) -> anyhow::Result<Vec<T>> {
@@ -404,25 +409,37 @@ pub async fn main(args: BenchArgs) -> anyhow::Result<Vec<Summary>> {
     ));
     md.push_str(report::HEADER);
     print!("{md}");
+    let mut progress = progress::Progress::new(
+        endpoint_counts.len() * kinds.len() * strategies.len(),
+        args.progress_label.as_deref(),
+    );
     for &n in &endpoint_counts {
         let concurrency = args.concurrency.unwrap_or(4 * n);
         for &kind in &kinds {
             let sessions = workload::generate(kind, &shape, args.workload_seed);
             let mut rr_ratio = None;
             for &strategy in &strategies {
+                let what = format!("{} / {}, {n} endpoints", kind.as_str(), strategy.as_str());
+                progress.start(&what);
                 if strategy.needs_inventory() && inventory_bin.is_none() {
+                    progress.clear();
                     eprintln!("skipping {}: kvroute-inventory not found (build it or pass --inventory-bin)", strategy.as_str());
+                    progress.finish(&format!("{what} skipped"));
                     continue;
                 }
                 if strategy == Strategy::Gateway && (gateways.is_empty() || given_sims.is_none()) {
+                    progress.clear();
                     eprintln!("skipping gateway: pass --gateway URL and the stack's simulators as --sims URL,...");
+                    progress.finish(&format!("{what} skipped"));
                     continue;
                 }
                 if strategy.needs_inventory() && given_sims.is_some() {
+                    progress.clear();
                     eprintln!(
                         "skipping {}: it starts its own inventory and simulators (drop --sims)",
                         strategy.as_str()
                     );
+                    progress.finish(&format!("{what} skipped"));
                     continue;
                 }
                 // A fresh fleet per run: every strategy starts from empty caches.
@@ -492,6 +509,7 @@ pub async fn main(args: BenchArgs) -> anyhow::Result<Vec<Summary>> {
                 if strategy == Strategy::RoundRobin {
                     rr_ratio = Some(s.cached_ratio);
                 }
+                progress.clear();
                 if s.errors > 0 {
                     if let Some(e) = records.iter().find_map(|r| r.error.as_ref()) {
                         eprintln!(
@@ -512,12 +530,14 @@ pub async fn main(args: BenchArgs) -> anyhow::Result<Vec<Summary>> {
                 print!("{line}");
                 md.push_str(&line);
                 summaries.push(s);
+                progress.finish(&what);
                 drop(_peer);
                 drop(_inventory);
                 drop(fleet);
             }
         }
     }
+    progress.end();
     if let Some(p) = &args.json {
         std::fs::write(
             p,
