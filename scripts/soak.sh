@@ -43,7 +43,8 @@ STACK_PID=""
 cleanup() {
     trap - EXIT INT TERM
     if [[ -n "$STACK_PID" ]]; then
-        kill -INT "$STACK_PID" 2>/dev/null || true
+        # TERM, not INT: a background job of a script ignores SIGINT.
+        kill -TERM "$STACK_PID" 2>/dev/null || true
         wait "$STACK_PID" 2>/dev/null || true
     fi
 }
