@@ -128,40 +128,44 @@ honored=$(stat_sum kvroute_filter_pin_honored_total)
 overridden=$(stat_sum kvroute_filter_pin_overridden_total)
 requests=$(stat_sum kvroute_filter_requests_total)
 
-python3 - "$SAMPLES" "$OUT" <<PY
-import sys, datetime, platform, os
-rows = [l.rstrip("\n").split("\t") for l in open(sys.argv[1])][1:]
-rows = [[int(x) for x in r] for r in rows]
+SOAK_MINUTES=$MINUTES SOAK_CYCLES=$cycles SOAK_ERRORS=$errors SOAK_HOSTILE=$HOSTILE_SENT \
+    SOAK_UNANSWERED=$HOSTILE_UNANSWERED SOAK_REQUESTS=$requests SOAK_HONORED=$honored \
+    SOAK_OVERRIDDEN=$overridden python3 - "$SAMPLES" "$OUT" <<'PY'
+import datetime, os, sys
+e = os.environ
+rows = [[int(x) for x in l.rstrip("\n").split("\t")] for l in list(open(sys.argv[1]))[1:]]
 cpu = "unknown CPU"
 try:
     for line in open("/proc/cpuinfo"):
         if line.startswith("model name"):
-            cpu = line.split(":", 1)[1].strip(); break
+            cpu = line.split(":", 1)[1].strip()
+            break
 except OSError:
     pass
-def growth(i):
-    first, last = rows[0][i], rows[-1][i]
-    peak = max(r[i] for r in rows)
-    return first, last, peak
-lines = []
-lines.append("# Soak: memory and descriptors under a mixed workload\n")
-lines.append(f"Measured {datetime.date.today()} on {os.cpu_count()} cores ({cpu}) by `./scripts/soak.sh $MINUTES`: "
-             "the stack of `scripts/stack.sh` (Envoy 1.40 with 2 workers, the filter, the inventory, 3 vLLM simulators) "
-             "driven for $MINUTES minutes by cycles of the multi-turn workload through the gateway plus a hostile mix "
-             "(non-UTF-8 header values, a 1 MB one-word body, a non-JSON body, a client pin, a half-sent request).\n")
-lines.append(f"Cycles: $cycles, failed cycles: $errors; hostile requests: $HOSTILE_SENT, unanswered within 10 s: $HOSTILE_UNANSWERED; "
-             f"filter requests: $requests, pins honored / overridden: $honored / $overridden.\n")
-lines.append("| process | RSS start MiB | RSS end MiB | RSS peak MiB | fds start | fds end | fds peak |")
-lines.append("|---|---|---|---|---|---|---|")
+def span(i):
+    return rows[0][i], rows[-1][i], max(r[i] for r in rows)
+m = e["SOAK_MINUTES"]
+out = ["# Soak: memory and descriptors under a mixed workload\n"]
+out.append(f"Measured {datetime.date.today()} on {os.cpu_count()} cores ({cpu}) by `./scripts/soak.sh {m}`: "
+           "the stack of `scripts/stack.sh` (Envoy 1.40 with 2 workers, the filter, the inventory, 3 vLLM simulators) "
+           f"driven for {m} minutes by cycles of the multi-turn workload through the gateway (192 requests each) plus "
+           "a hostile mix (non-UTF-8 header values, a 1 MB one-word body, a non-JSON body, a client pin, a half-sent "
+           "request).\n")
+out.append(f"Cycles: {e['SOAK_CYCLES']}, failed cycles: {e['SOAK_ERRORS']}; hostile requests: {e['SOAK_HOSTILE']}, "
+           f"unanswered within 10 s: {e['SOAK_UNANSWERED']}; filter requests: {e['SOAK_REQUESTS']}, pins honored / "
+           f"overridden: {e['SOAK_HONORED']} / {e['SOAK_OVERRIDDEN']}.\n")
+out.append("| process | RSS start MiB | RSS end MiB | RSS peak MiB | fds start | fds end | fds peak |")
+out.append("|---|---|---|---|---|---|---|")
 for name, rss, fd in (("Envoy", 1, 2), ("kvroute-inventory", 3, 4)):
-    a, b, c = growth(rss); d, e, f = growth(fd)
-    lines.append(f"| {name} | {a/1024:.1f} | {b/1024:.1f} | {c/1024:.1f} | {d} | {e} | {f} |")
-lines.append("\n## Samples\n")
-lines.append("| t s | Envoy RSS MiB | Envoy fds | inventory RSS MiB | inventory fds |")
-lines.append("|---|---|---|---|---|")
+    a, b, c = span(rss)
+    d, f, g = span(fd)
+    out.append(f"| {name} | {a / 1024:.1f} | {b / 1024:.1f} | {c / 1024:.1f} | {d} | {f} | {g} |")
+out.append("\n## Samples\n")
+out.append("| t s | Envoy RSS MiB | Envoy fds | inventory RSS MiB | inventory fds |")
+out.append("|---|---|---|---|---|")
 for r in rows:
-    lines.append(f"| {r[0]} | {r[1]/1024:.1f} | {r[2]} | {r[3]/1024:.1f} | {r[4]} |")
-open(sys.argv[2], "w").write("\n".join(lines) + "\n")
+    out.append(f"| {r[0]} | {r[1] / 1024:.1f} | {r[2]} | {r[3] / 1024:.1f} | {r[4]} |")
+open(sys.argv[2], "w").write("\n".join(out) + "\n")
 PY
 say "wrote $OUT ($cycles cycles, $errors failed, $HOSTILE_UNANSWERED of $HOSTILE_SENT hostile requests unanswered)"
 ((errors == 0 && HOSTILE_UNANSWERED == 0)) || exit 1
