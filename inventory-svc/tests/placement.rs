@@ -1,4 +1,4 @@
-//! Placement that survives evictions (issue 7), end to end with the real binary: a new prefix
+//! Placement that survives evictions, end to end with the real binary: a new prefix
 //! family is placed where it fits, and after its engine evicted it (BlockRemoved over real ZMQ)
 //! the family still goes back to that engine instead of being placed anew.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
@@ -102,7 +102,7 @@ async fn evicted_family_returns_to_its_engine() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_memory_an_evicted_family_is_placed_anew() {
-    // The control: memory and footprint placement off (the behaviour before issue 7).
+    // The control: memory and footprint placement off (plain exact routing).
     let mut p = Publisher::bind(0).await.unwrap();
     let mut env = ENV.to_vec();
     env.push(("KVROUTE_PLACEMENT_MEMORY_ENTRIES", "0"));

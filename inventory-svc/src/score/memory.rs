@@ -2,7 +2,7 @@
 //!
 //! The exact inventory forgets a prefix the moment the engine evicts it; a router that then sees no
 //! match places the next request of that family by load, and the family ends up cached on several
-//! engines that crowd each other out (issue 7). This memory keeps a bounded map from a request's
+//! engines that crowd each other out. This memory keeps a bounded map from a request's
 //! leading block keys to the endpoint that served them, so the family goes back to its home.
 //!
 //! Shape: an approximate prefix tree sampled at block indices `3, 7, 15, 31, ...` (`2^k - 1`,
@@ -17,13 +17,13 @@
 //! remembered (a user's own next turn, another user's message after the shared system prompt)
 //! credits nothing. Those tails are private and short-lived (the engine's LRU drops them when the
 //! user goes idle), and counting them made placement follow which families happened to be busy
-//! early instead of how much shared cache each endpoint must keep (issue 7's constrained workload
+//! early instead of how much shared cache each endpoint must keep (the constrained workload
 //! placed 6 of 10 equal system prompts on one of two endpoints).
 //!
 //! Heat: every recall also counts, with exponential decay (half-life [`HEAT_HALF_LIFE`]), how
 //! often the recalled entry answered and how many recalls the rule had; [`Recall::heat_permille`]
 //! is the entry's share of the rule's recent recalls. A shared prefix that most requests arrive at
-//! (issue 7's hot-prefix workload) has a high share; a chat family's later turns each recall the
+//! (the hot-prefix workload) has a high share; a chat family's later turns each recall the
 //! user's own previous turn, so their shares stay small. The scorer replicates a family whose share
 //! exceeds one endpoint's share of the fleet (see `score::decide`).
 //!

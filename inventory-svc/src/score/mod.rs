@@ -12,7 +12,7 @@
 //!   the highest overlap under its cap wins, ties by lower load then lower index;
 //! * spill relief (tri-state): a winner at or over its cap spills to the under-cap endpoint with
 //!   the most overlap, ties least loaded;
-//! * hot families (issue 7's hot prefix): a family whose share of the rule's recent requests
+//! * hot families (a hot prefix): a family whose share of the rule's recent requests
 //!   ([`Recall::heat_permille`]) exceeds twice its home's share of the fleet's weight (or 60%)
 //!   is replicated:
 //!   equal copies are chosen by load instead of by home, and the endpoint it would go to spills
@@ -25,7 +25,7 @@
 //!   per endpoint), priority (weight), least loaded; unhealthy endpoints are never chosen;
 //! * kvExactMode 1: only prefill endpoints are scored; the decode endpoint is the least loaded.
 //!
-//! Placement that survives evictions (issue 7, see `docs/placement.md`):
+//! Placement that survives evictions (see `docs/placement.md`):
 //! * the [`PlacementMemory`] remembers which endpoint served each prefix family; its home counts
 //!   as holding the remembered depth, so it wins when the exact inventory has no or a shorter
 //!   match (an exact longer match still wins), and ties between equal overlaps go to the home;
