@@ -161,20 +161,25 @@ async fn route_is_open_without_a_route_token() {
     assert_eq!(s, 200, "{b}");
 }
 
+/// Posts `rule`; expects 200 and the answer's `unchanged` to be `unchanged`.
+async fn post_rule(svc: &Service, rule: &Value, unchanged: bool) {
+    let (s, b) = svc
+        .post(
+            "/netlox/v1/config/loadbalancer",
+            &rule.to_string(),
+            Some(TOKEN),
+        )
+        .await;
+    assert_eq!(s, 200, "{b}");
+    assert_eq!(b["unchanged"], unchanged, "{b}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reposting_a_rule_keeps_its_inventory() {
     let mut p = Publisher::bind(0).await.unwrap();
     let r = rule(8080, "vllm", p.port, &[("127.0.0.1".into(), 9)], json!({}));
     let svc = Service::start("repost", &json!([]), &[]);
-    let (s, b) = svc
-        .post(
-            "/netlox/v1/config/loadbalancer",
-            &r.to_string(),
-            Some(TOKEN),
-        )
-        .await;
-    assert_eq!(s, 200, "{b}");
-    assert_eq!(b["unchanged"], false, "{b}");
+    post_rule(&svc, &r, false).await;
     let probe = batch(vec![stored(&[0xABCD], &[], false)]);
     publish_until_seen(&svc, &mut p, RULE, 0, 0xABCD, &probe).await;
     let keys: Vec<u64> = (1..=100).collect();
@@ -185,15 +190,7 @@ async fn reposting_a_rule_keeps_its_inventory() {
     .await;
 
     // The identical rule again (a GitOps reconciler's pass): a no-op.
-    let (s, b) = svc
-        .post(
-            "/netlox/v1/config/loadbalancer",
-            &r.to_string(),
-            Some(TOKEN),
-        )
-        .await;
-    assert_eq!(s, 200, "{b}");
-    assert_eq!(b["unchanged"], true, "{b}");
+    post_rule(&svc, &r, true).await;
     assert_eq!(svc.inventory(RULE, 0).await.len(), 101);
 
     // A change that keeps the endpoints and the hash contract keeps the blocks, and the new
@@ -205,15 +202,7 @@ async fn reposting_a_rule_keeps_its_inventory() {
         &[("127.0.0.1".into(), 9)],
         json!({"sel": 1}),
     );
-    let (s, b) = svc
-        .post(
-            "/netlox/v1/config/loadbalancer",
-            &changed.to_string(),
-            Some(TOKEN),
-        )
-        .await;
-    assert_eq!(s, 200, "{b}");
-    assert_eq!(b["unchanged"], false, "{b}");
+    post_rule(&svc, &changed, false).await;
     assert_eq!(svc.inventory(RULE, 0).await.len(), 101);
     let m = svc.metrics().await;
     assert_metric(
