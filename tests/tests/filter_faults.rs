@@ -244,6 +244,9 @@ impl Sent {
     }
 }
 
+/// The content type of a routable request.
+const JSON: &[u8] = b"application/json";
+
 /// POSTs the chat body with `content_type` and extra headers given as raw bytes; requires 200
 /// with the body echoed and exactly one engine having received it.
 async fn send(
@@ -293,6 +296,14 @@ async fn send(
     })
 }
 
+/// Waits until every VM loaded the rule's contract, then requires a plain request to be pinned.
+async fn routing_pinned(gw: &Gateway, engines: &[&Engine; 2], pin: &str) {
+    gw.wait_for_log("rule contract loaded", 2, READY)
+        .await
+        .unwrap();
+    assert!(send(gw, engines, JSON, &[]).await.unwrap().pinned(pin));
+}
+
 /// Waits until wasm stat `name` is `want`.
 async fn expect_stat(gw: &Gateway, name: &str, want: u64) {
     let full = format!("wasmcustom.{name}");
@@ -327,19 +338,12 @@ async fn header_values_that_are_not_utf8_are_served_and_the_vm_survives() {
     )
     .await
     .unwrap();
-    gw.wait_for_log("rule contract loaded", 2, READY)
-        .await
-        .unwrap();
-    let json_ct: &[u8] = b"application/json";
-    assert!(send(&gw, &engines, json_ct, &[])
-        .await
-        .unwrap()
-        .pinned(&pin));
+    routing_pinned(&gw, &engines, &pin).await;
 
     let bad: &[u8] = b"\xff\xfe\x80";
     let mut spoofed = 0;
     for name in ["x-kvroute-tier", "x-prefiller-host-port"] {
-        let got = send(&gw, &engines, json_ct, &[(name, bad)])
+        let got = send(&gw, &engines, JSON, &[(name, bad)])
             .await
             .unwrap_or_else(|e| panic!("{name}: {e}\n{}", gw.envoy.log()));
         // Removed and counted; the request itself is routed as usual.
@@ -351,7 +355,7 @@ async fn header_values_that_are_not_utf8_are_served_and_the_vm_survives() {
         spoofed += 1;
         expect_stat(&gw, "kvroute_filter_spoofed_headers_total", spoofed).await;
         // The VM is alive: the next request is pinned.
-        let next = send(&gw, &engines, json_ct, &[]).await.unwrap();
+        let next = send(&gw, &engines, JSON, &[]).await.unwrap();
         assert!(next.pinned(&pin), "after {name}");
     }
 
@@ -360,10 +364,7 @@ async fn header_values_that_are_not_utf8_are_served_and_the_vm_survives() {
         .unwrap_or_else(|e| panic!("content-type: {e}\n{}", gw.envoy.log()));
     assert_eq!(header(&got.received, PIN_HEADER), None);
     expect_stat(&gw, "kvroute_filter_fail_open_bad_header_total", 1).await;
-    assert!(send(&gw, &engines, json_ct, &[])
-        .await
-        .unwrap()
-        .pinned(&pin));
+    assert!(send(&gw, &engines, JSON, &[]).await.unwrap().pinned(&pin));
     assert!(!gw.envoy.log().contains("panicked"), "{}", gw.envoy.log());
 }
 
@@ -378,14 +379,7 @@ async fn every_callout_outcome_resumes_the_request_unpinned_within_the_timeout()
     let gw = Gateway::start(bootstrap(&engines, inv.addr, plugin))
         .await
         .unwrap();
-    gw.wait_for_log("rule contract loaded", 2, READY)
-        .await
-        .unwrap();
-    let json_ct: &[u8] = b"application/json";
-    assert!(send(&gw, &engines, json_ct, &[])
-        .await
-        .unwrap()
-        .pinned(&pin));
+    routing_pinned(&gw, &engines, &pin).await;
     let limit = Duration::from_millis(TIMEOUT_MS) + BOUND;
     let mut counted = std::collections::HashMap::new();
     for (answer, reason) in [
@@ -396,7 +390,7 @@ async fn every_callout_outcome_resumes_the_request_unpinned_within_the_timeout()
         (Answer::Hang, "timeout"),
     ] {
         inv.set(answer);
-        let got = send(&gw, &engines, json_ct, &[])
+        let got = send(&gw, &engines, JSON, &[])
             .await
             .unwrap_or_else(|e| panic!("{answer:?}: {e}\n{}", gw.envoy.log()));
         assert!(
@@ -414,7 +408,7 @@ async fn every_callout_outcome_resumes_the_request_unpinned_within_the_timeout()
         );
         // The VM is alive: the next request is pinned again.
         inv.set(Answer::Pin);
-        let next = send(&gw, &engines, json_ct, &[]).await.unwrap();
+        let next = send(&gw, &engines, JSON, &[]).await.unwrap();
         assert!(next.pinned(&pin), "after {answer:?}");
     }
     // The route token went out on every route callout.
@@ -451,14 +445,7 @@ async fn a_dead_vm_is_reloaded_and_no_routing_header_reaches_an_engine() {
     )
     .await
     .unwrap();
-    gw.wait_for_log("rule contract loaded", 2, READY)
-        .await
-        .unwrap();
-    let json_ct: &[u8] = b"application/json";
-    assert!(send(&gw, &engines, json_ct, &[])
-        .await
-        .unwrap()
-        .pinned(&pin));
+    routing_pinned(&gw, &engines, &pin).await;
 
     // A crash right after the VM loaded: within the reload backoff (1 s, jittered up to 1.5 s)
     // of that load Envoy refuses requests (503) until it may reload.
@@ -490,8 +477,7 @@ async fn crash_and_recover(
     engines: &[&Engine; 2],
     pin: &str,
 ) -> (u32, u32, Duration) {
-    let json_ct: &[u8] = b"application/json";
-    let crashed = send(gw, engines, json_ct, &[("x-test-crash-vm", b"1")]).await;
+    let crashed = send(gw, engines, JSON, &[("x-test-crash-vm", b"1")]).await;
     assert_eq!(
         crashed.err().as_deref(),
         Some("status 503 Service Unavailable")
@@ -507,7 +493,7 @@ async fn crash_and_recover(
     let t0 = Instant::now();
     let (mut served, mut refused) = (0, 0);
     while t0.elapsed() < Duration::from_secs(30) {
-        match send(gw, engines, json_ct, &spoofs).await {
+        match send(gw, engines, JSON, &spoofs).await {
             Ok(s) => {
                 served += 1;
                 for (name, value) in spoofs {
