@@ -953,9 +953,9 @@ async fn explain(api: &Api, out: Output, a: &ExplainArgs) -> Res<()> {
                 ))
             })?;
             let cfg = std::fs::read(dir.join("tokenizer_config.json")).ok();
-            let loaded = kvroute_inventory::api::offload::Loaded::new(&tj, cfg.as_deref(), true)
+            let loaded = kvroute_inventory::offload::Loaded::new(&tj, cfg.as_deref(), true)
                 .map_err(|e| Fail::Usage(format!("--tokenizer: {}: {e}", dir.display())))?;
-            let o = kvroute_inventory::api::offload::Offload {
+            let o = kvroute_inventory::offload::Offload {
                 model: a
                     .model
                     .clone()
@@ -963,13 +963,9 @@ async fn explain(api: &Api, out: Output, a: &ExplainArgs) -> Res<()> {
                 prompt: a.prompt.clone(),
                 messages: messages.clone(),
             };
-            let k = kvroute_inventory::api::offload::keys_for(
-                &loaded,
-                &contract,
-                &o,
-                a.max_prefix_tokens,
-            )
-            .map_err(|e| Fail::Usage(format!("explain: {e}")))?;
+            let k =
+                kvroute_inventory::offload::keys_for(&loaded, &contract, &o, a.max_prefix_tokens)
+                    .map_err(|e| Fail::Usage(format!("explain: {e}")))?;
             (
                 k.keys.iter().map(|k| k.0).collect::<Vec<u64>>(),
                 k.token_count,

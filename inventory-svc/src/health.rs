@@ -7,11 +7,11 @@
 //! (`vllm:num_requests_running` + `vllm:num_requests_waiting`, SGLang `sglang:num_running_reqs`
 //! + `sglang:num_queue_reqs`) corrects the in-flight estimate kept from routing decisions.
 
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::state::{AppState, RuleRuntime};
+use crate::fleet::{Fleet, RuleRuntime};
+use crate::index::EndpointId;
 
 /// Series summed into an endpoint's load.
 const LOAD_SERIES: &[&str] = &[
@@ -89,19 +89,13 @@ impl Health {
 
 /// Starts the rule's health and scrape tasks (when enabled in settings): one health task per
 /// endpoint, so a slow endpoint never delays another's verdict.
-pub fn spawn_rule(state: &Arc<AppState>, rule: &Arc<RuleRuntime>) {
-    let name = rule.spec.name();
-    for i in 0..rule.eps.len() {
-        let up = rule.eps[i].healthy.load(Ordering::Relaxed);
-        state
-            .metrics
-            .endpoint_healthy
-            .with_label_values(&[&name, &i.to_string()])
-            .set(i64::from(up));
+pub fn spawn_rule(state: &Arc<Fleet>, rule: &Arc<RuleRuntime>) {
+    for (ep, e) in rule.endpoint_ids().zip(rule.eps()) {
+        state.set_healthy(rule, ep, e.healthy());
     }
     if !state.settings.health_interval.is_zero() {
-        for i in 0..rule.eps.len() {
-            tokio::spawn(health_loop(state.clone(), rule.clone(), i));
+        for ep in rule.endpoint_ids() {
+            tokio::spawn(health_loop(state.clone(), rule.clone(), ep));
         }
     }
     if !state.settings.scrape_interval.is_zero() {
@@ -109,7 +103,7 @@ pub fn spawn_rule(state: &Arc<AppState>, rule: &Arc<RuleRuntime>) {
     }
 }
 
-async fn probe(state: &AppState, url: &str) -> Probe {
+async fn probe(state: &Fleet, url: &str) -> Probe {
     match state.http.get(url).timeout(PROBE_TIMEOUT).send().await {
         Ok(r) if r.status().is_success() => Probe::Ok,
         Err(e) if e.is_connect() && !e.is_timeout() => Probe::Refused,
@@ -117,24 +111,23 @@ async fn probe(state: &AppState, url: &str) -> Probe {
     }
 }
 
-async fn health_loop(state: Arc<AppState>, rule: Arc<RuleRuntime>, i: usize) {
+async fn health_loop(state: Arc<Fleet>, rule: Arc<RuleRuntime>, ep: EndpointId) {
+    let (Some(e), Some(spec)) = (rule.ep(ep), rule.spec.endpoints.get(usize::from(ep.0))) else {
+        return;
+    };
     let name = rule.spec.name();
-    let url = format!(
-        "http://{}{}",
-        rule.spec.endpoints[i].addr(),
-        state.settings.health_path
-    );
-    let mut health = if rule.eps[i].healthy.load(Ordering::Relaxed) {
+    let url = format!("http://{}{}", spec.addr(), state.settings.health_path);
+    let mut health = if e.healthy() {
         Health::Up
     } else {
         Health::Down
     };
     loop {
         let p = tokio::select! {
-            _ = rule.cancel.cancelled() => return,
+            _ = rule.stopped() => return,
             p = probe(&state, &url) => p,
         };
-        if rule.cancel.is_cancelled() {
+        if rule.is_stopped() {
             return;
         }
         state
@@ -144,17 +137,12 @@ async fn health_loop(state: Arc<AppState>, rule: Arc<RuleRuntime>, i: usize) {
             .inc();
         health = health.next(p);
         let ok = health.routable();
-        let was = rule.eps[i].healthy.swap(ok, Ordering::Relaxed);
+        let was = state.set_healthy(&rule, ep, ok);
         if was != ok {
-            tracing::info!(rule = %name, ep = i, healthy = ok, probe = p.as_str(), "endpoint health changed");
+            tracing::info!(rule = %name, ep = ep.0, healthy = ok, probe = p.as_str(), "endpoint health changed");
         }
-        state
-            .metrics
-            .endpoint_healthy
-            .with_label_values(&[&name, &i.to_string()])
-            .set(i64::from(ok));
         tokio::select! {
-            _ = rule.cancel.cancelled() => return,
+            _ = rule.stopped() => return,
             _ = tokio::time::sleep(health.wait(state.settings.health_interval)) => {}
         }
     }
@@ -181,12 +169,12 @@ pub fn parse_load(text: &str) -> Option<u64> {
     seen.then_some(total.round() as u64)
 }
 
-async fn scrape_loop(state: Arc<AppState>, rule: Arc<RuleRuntime>) {
+async fn scrape_loop(state: Arc<Fleet>, rule: Arc<RuleRuntime>) {
     loop {
-        for (i, ep) in rule.spec.endpoints.iter().enumerate() {
+        for (i, (ep, rt)) in rule.spec.endpoints.iter().zip(rule.eps()).enumerate() {
             let url = format!("http://{}/metrics", ep.addr());
             let text = tokio::select! {
-                _ = rule.cancel.cancelled() => return,
+                _ = rule.stopped() => return,
                 r = state.http.get(&url).timeout(Duration::from_secs(2)).send() => match r {
                     Ok(r) if r.status().is_success() => r.text().await.ok(),
                     _ => None,
@@ -194,13 +182,11 @@ async fn scrape_loop(state: Arc<AppState>, rule: Arc<RuleRuntime>) {
             };
             // Placement compares free cache: the engine's own capacity when it publishes one.
             if let Some(cap) = text.as_deref().and_then(crate::score::parse_num_gpu_blocks) {
-                rule.eps[i]
-                    .capacity
-                    .store(cap, std::sync::atomic::Ordering::Relaxed);
+                rt.set_capacity(cap);
             }
             if let Some(load) = text.as_deref().and_then(parse_load) {
-                rule.eps[i].record_scrape(Instant::now(), load);
-                if rule.cancel.is_cancelled() {
+                rt.record_scrape(Instant::now(), load);
+                if rule.is_stopped() {
                     return;
                 }
                 state
@@ -211,7 +197,7 @@ async fn scrape_loop(state: Arc<AppState>, rule: Arc<RuleRuntime>) {
             }
         }
         tokio::select! {
-            _ = rule.cancel.cancelled() => return,
+            _ = rule.stopped() => return,
             _ = tokio::time::sleep(state.settings.scrape_interval) => {}
         }
     }

@@ -1,26 +1,32 @@
 //! `kvroute-inventory`: the service that knows which endpoint holds which KV blocks and answers
 //! the filter's routing question.
 //!
+//! * [`fleet`] — the rule table and each rule's lifecycle: the one layer that changes live state
+//!   (install, replace, remove, apply index operations, route and commit), with replication
+//!   behind its [`fleet::Replication`] seam.
 //! * [`ingest`] — engine event ingestion (vLLM/SGLang ZMQ, TensorRT-LLM drain), key modes, parity.
 //! * [`index`] — the block inventory behind the [`index::BlockIndex`] trait (sync, no I/O).
 //! * [`score`] — Tier 1.5 scoring (pure).
 //! * [`api`] — axum routes; [`metrics`] — Prometheus; [`health`] — health checks and load scrapes.
-//! * [`rules`], [`settings`], [`state`] — validated configuration and shared runtime state.
+//! * [`replica`] — replication through Redis (the Redis [`fleet::Replication`]).
+//! * [`rules`], [`settings`] — validated configuration; [`offload`] — offloaded tokenization.
 //! * [`server`] — wiring for the `serve` subcommand; [`listener`] — the bounded accept loop
 //!   ([`tls`] when a certificate is given);
 //!   [`preflight`] — the `hash` subcommand.
 
 pub mod api;
+pub mod fleet;
 pub mod health;
 pub mod index;
 pub mod ingest;
 pub mod listener;
 pub mod metrics;
+pub mod offload;
 pub mod preflight;
 pub mod replica;
 pub mod rules;
 pub mod score;
 pub mod server;
 pub mod settings;
-pub mod state;
+pub mod sync;
 pub mod tls;

@@ -291,6 +291,31 @@ impl Metrics {
         Ok(m)
     }
 
+    /// Drops every per-endpoint series of a removed rule (`eps` endpoints, `ranks` ranks each).
+    pub fn drop_endpoint_series(&self, rule: &str, eps: usize, ranks: usize) {
+        for i in 0..eps {
+            let ep = i.to_string();
+            let labels = [rule, ep.as_str()];
+            for g in [
+                &self.inventory_blocks,
+                &self.endpoint_healthy,
+                &self.endpoint_scraped_load,
+                &self.endpoint_capacity_blocks,
+                &self.endpoint_homed_blocks,
+                &self.snapshot_bytes,
+                &self.lease_owned,
+            ] {
+                let _ = g.remove_label_values(&labels);
+            }
+            let _ = self.snapshot_age.remove_label_values(&labels);
+            for rank in 0..ranks {
+                let _ =
+                    self.subscriber_connected
+                        .remove_label_values(&[rule, &ep, &rank.to_string()]);
+            }
+        }
+    }
+
     /// The text exposition of every metric.
     pub fn render(&self) -> String {
         let mut buf = Vec::new();

@@ -13,11 +13,11 @@ use std::time::Duration;
 use anyhow::Context;
 use tokio_util::sync::CancellationToken;
 
-use crate::api;
+use crate::api::{self, ApiState};
+use crate::fleet::{Fleet, Origin, RuleRuntime};
 use crate::metrics::Metrics;
 use crate::rules::{parse_rule, parse_rules_file};
 use crate::settings::Settings;
-use crate::state::AppState;
 
 /// How long in-flight requests may take after SIGTERM.
 pub const DRAIN_GRACE: Duration = Duration::from_secs(10);
@@ -33,6 +33,12 @@ pub struct ServeOptions {
     pub tls: Option<(PathBuf, PathBuf)>,
     /// File holding the bearer token `POST /v1/route` requires; `None` leaves it open.
     pub route_token_file: Option<PathBuf>,
+}
+
+/// Starts an installed rule's tasks: its event feeds and its health checks and scrapes.
+fn start_tasks(fleet: &Arc<Fleet>, rule: &Arc<RuleRuntime>) {
+    crate::ingest::spawn_rule(fleet, rule);
+    crate::health::spawn_rule(fleet, rule);
 }
 
 /// Reads a token file (trailing whitespace dropped); `flag` names it in errors.
@@ -55,19 +61,21 @@ pub async fn serve(
     let route_token = read_token("--route-token-file", &opts.route_token_file)?;
     let signals = terminate();
     let metrics = Arc::new(Metrics::new().context("registering metrics")?);
-    let mut state = AppState::new(
+    let fleet = Arc::new(Fleet::new(
         metrics,
         settings,
         cancel.clone(),
         opts.tokenizer_dir.clone(),
-        auth_token,
-    );
-    state.route_token = route_token;
-    let state = Arc::new(state);
-    if let Some(redis) = state.settings.redis.clone() {
-        let rep = crate::replica::Replica::start(&state, redis)?;
-        let _ = state.replica.set(rep);
-    }
+        start_tasks,
+    ));
+    let replica = match fleet.settings.redis.clone() {
+        Some(redis) => {
+            let rep = crate::replica::Replica::start(&fleet, redis)?;
+            fleet.set_replication(rep.clone());
+            Some(rep)
+        }
+        None => None,
+    };
     if let Some(path) = &opts.config {
         let text = std::fs::read_to_string(path)
             .with_context(|| format!("--config {}: unreadable", path.display()))?;
@@ -75,7 +83,7 @@ pub async fn serve(
         let mut problems = Vec::new();
         let mut specs = Vec::new();
         for (i, raw) in raws.iter().enumerate() {
-            match parse_rule(raw, &state.settings) {
+            match parse_rule(raw, &fleet.settings) {
                 Ok(s) => specs.push(s),
                 Err(e) => problems.push(format!("rule {i}: {e}")),
             }
@@ -88,13 +96,15 @@ pub async fn serve(
         );
         for s in specs {
             let name = s.name();
-            api::install_and_share(&state, s)
-                .map_err(|e| anyhow::anyhow!("--config {}: rule {name}: {e:?}", path.display()))?;
+            fleet
+                .install(s, Origin::Local)
+                .map_err(|e| anyhow::anyhow!("--config {}: rule {name}: {e}", path.display()))?;
         }
     }
-    if let Some(rep) = state.replica.get() {
-        rep.start_tailer(&state);
+    if let Some(rep) = &replica {
+        rep.start_tailer(&fleet);
     }
+    let state = Arc::new(ApiState::new(fleet.clone(), auth_token, route_token));
     let acceptor = match &opts.tls {
         Some((cert, key)) => Some(crate::tls::acceptor(cert, key)?),
         None => None,
@@ -125,8 +135,8 @@ pub async fn serve(
         listener,
         app,
         acceptor,
-        state.settings.http,
-        state.metrics.clone(),
+        fleet.settings.http,
+        fleet.metrics.clone(),
         cancel.clone(),
     ));
     cancel.cancelled().await;

@@ -681,7 +681,7 @@ async fn offloaded_tokenization_computes_the_filters_keys() {
 /// for completions and chat (multi-turn, special tokens spelled in the text too).
 #[test]
 fn offload_fast_encoder_equals_hf_tokenizers() {
-    use kvroute_inventory::api::offload::{keys_for, Loaded, Offload};
+    use kvroute_inventory::offload::{keys_for, Loaded, Offload};
     let dir = qwen3_fixture();
     let tj = std::fs::read(dir.join("tokenizer.json")).unwrap();
     let config = std::fs::read(dir.join("tokenizer_config.json")).unwrap();

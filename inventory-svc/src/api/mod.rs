@@ -15,13 +15,12 @@
 //! Bodies are size-capped; malformed JSON is a 400 through [`error::ApiError`], never a panic.
 
 pub mod error;
-pub mod offload;
 pub mod openapi;
 pub mod route;
 pub mod tokenizers;
 
 use std::collections::HashMap;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use axum::body::Bytes;
@@ -38,9 +37,10 @@ use serde::Serialize;
 use serde_json::Value;
 use utoipa::ToSchema;
 
+use crate::fleet::{Fleet, Origin, RuleRuntime};
 use crate::index::EndpointId;
-use crate::rules::{parse_rule, RuleRejected, RuleSpec};
-use crate::state::{lock, AppState, RuleRuntime};
+use crate::offload::TokenizerCache;
+use crate::rules::{parse_rule, RuleRejected};
 use error::{parse_json, ApiError, ErrorBody};
 
 /// Cap on management bodies (a rule with 64 endpoints is a few KiB).
@@ -50,8 +50,38 @@ pub const MAX_ROUTE_BODY: usize = 2 * 1024 * 1024;
 /// Largest inventory page.
 pub const MAX_PAGE: usize = 10_000;
 
+/// What the handlers share: the fleet, the bearer tokens, the offload tokenizers, readiness.
+pub struct ApiState {
+    pub fleet: Arc<Fleet>,
+    /// Bearer token for management writes; `None` disables writes.
+    pub auth_token: Option<String>,
+    /// Bearer token `POST /v1/route` requires (`--route-token-file`); `None` leaves it open.
+    pub route_token: Option<String>,
+    /// Tokenizers loaded for offloaded tokenization.
+    pub tokenizers: TokenizerCache,
+    /// Set once the listener is bound; cleared when draining.
+    pub ready: AtomicBool,
+}
+
+impl ApiState {
+    /// Handlers over `fleet`, not yet ready.
+    pub fn new(
+        fleet: Arc<Fleet>,
+        auth_token: Option<String>,
+        route_token: Option<String>,
+    ) -> ApiState {
+        ApiState {
+            fleet,
+            auth_token,
+            route_token,
+            tokenizers: TokenizerCache::default(),
+            ready: AtomicBool::new(false),
+        }
+    }
+}
+
 /// Builds the router.
-pub fn router(state: Arc<AppState>) -> Router {
+pub fn router(state: Arc<ApiState>) -> Router {
     let writes = Router::new()
         .route("/netlox/v1/config/loadbalancer", post(add_rule))
         .route(
@@ -93,7 +123,7 @@ pub fn router(state: Arc<AppState>) -> Router {
 }
 
 async fn require_bearer(
-    State(state): State<Arc<AppState>>,
+    State(state): State<Arc<ApiState>>,
     headers: HeaderMap,
     req: Request,
     next: Next,
@@ -106,7 +136,7 @@ async fn require_bearer(
 
 /// `POST /v1/route` with `--route-token-file`: the same bearer check; open without it.
 async fn require_route_token(
-    State(state): State<Arc<AppState>>,
+    State(state): State<Arc<ApiState>>,
     headers: HeaderMap,
     req: Request,
     next: Next,
@@ -135,82 +165,17 @@ fn constant_eq(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
-/// Stores and starts a validated rule, replacing one with the same id, and tells the other
-/// replicas (config file at start, management API).
-pub fn install_and_share(
-    state: &Arc<AppState>,
-    spec: RuleSpec,
-) -> Result<Arc<RuleRuntime>, ApiError> {
-    install_shared(state, spec).map(|(rt, _)| rt)
-}
-
-/// [`install_and_share`], also saying whether the rule was already installed unchanged (then
-/// nothing is restarted, replaced or shared).
-fn install_shared(
-    state: &Arc<AppState>,
-    spec: RuleSpec,
-) -> Result<(Arc<RuleRuntime>, bool), ApiError> {
-    if let Some(rt) = state.unchanged(&spec) {
-        return Ok((rt, true));
-    }
-    let (rt, replaced) = install(state, spec)?;
-    if let Some(r) = state.replica.get() {
-        r.rule_put(state, &rt, replaced.as_deref());
-    }
-    Ok((rt, false))
-}
-
-/// Stores and starts a validated rule locally (a rule another replica shared); an identical
-/// installed rule is left as it is.
-pub fn install_rule(state: &Arc<AppState>, spec: RuleSpec) -> Result<Arc<RuleRuntime>, ApiError> {
-    if let Some(rt) = state.unchanged(&spec) {
-        return Ok(rt);
-    }
-    install(state, spec).map(|(rt, _)| rt)
-}
-
-fn install(
-    state: &Arc<AppState>,
-    spec: RuleSpec,
-) -> Result<(Arc<RuleRuntime>, Option<Arc<RuleRuntime>>), ApiError> {
-    let (rt, replaced) = state.insert(spec).map_err(|e| {
-        ApiError::InvalidRule(
-            e.0.into_iter()
-                .map(|f| crate::rules::FieldProblem {
-                    field: f.field,
-                    value: f.value,
-                    allowed: f.allowed,
-                })
-                .collect(),
-        )
-    })?;
-    crate::ingest::spawn_rule(state, &rt);
-    crate::health::spawn_rule(state, &rt);
-    tracing::info!(rule = %rt.spec.name(), id = rt.id, engine = %rt.spec.engine, replaced = replaced.is_some(), "rule installed");
-    Ok((rt, replaced))
-}
-
-/// Removes a rule by name (`VIP:port/protocol`), stops its tasks and drops its metric series.
-pub fn uninstall_rule(state: &AppState, name: &str) -> Option<Arc<RuleRuntime>> {
-    let rt = state.remove(name)?;
-    let m = &state.metrics;
-    for i in 0..rt.eps.len() {
-        let ep = i.to_string();
-        let _ = m.inventory_blocks.remove_label_values(&[name, &ep]);
-        let _ = m.endpoint_healthy.remove_label_values(&[name, &ep]);
-        let _ = m.endpoint_scraped_load.remove_label_values(&[name, &ep]);
-        let _ = m.endpoint_capacity_blocks.remove_label_values(&[name, &ep]);
-        let _ = m.endpoint_homed_blocks.remove_label_values(&[name, &ep]);
-        let _ = m.snapshot_age.remove_label_values(&[name, &ep]);
-        let _ = m.snapshot_bytes.remove_label_values(&[name, &ep]);
-        let _ = m.lease_owned.remove_label_values(&[name, &ep]);
-        for rank in 0..rt.spec.dp_ranks.max(1) {
-            let _ = m
-                .subscriber_connected
-                .remove_label_values(&[name, &ep, &rank.to_string()]);
-        }
-    }
-    Some(rt)
+/// Maps the rule errors of an install (an update kvroute-core refuses) to their 400.
+pub fn invalid(e: kvroute_core::rule::RuleErrors) -> ApiError {
+    ApiError::InvalidRule(
+        e.0.into_iter()
+            .map(|f| crate::rules::FieldProblem {
+                field: f.field,
+                value: f.value,
+                allowed: f.allowed,
+            })
+            .collect(),
+    )
 }
 
 /// Maps a rejected rule to its 400.
@@ -256,17 +221,17 @@ pub struct RuleDeleted {
     security(("management_token" = [])),
 )]
 async fn add_rule(
-    State(state): State<Arc<AppState>>,
+    State(state): State<Arc<ApiState>>,
     body: Bytes,
 ) -> Result<Json<RuleAdded>, ApiError> {
     let raw: Value = parse_json(&body)?;
-    let spec = parse_rule(&raw, &state.settings).map_err(rejected)?;
-    let (rt, unchanged) = install_shared(&state, spec)?;
+    let spec = parse_rule(&raw, &state.fleet.settings).map_err(rejected)?;
+    let done = state.fleet.install(spec, Origin::Local).map_err(invalid)?;
     Ok(Json(RuleAdded {
         result: "Success".into(),
-        id: rt.id,
-        name: rt.spec.name(),
-        unchanged,
+        id: done.rule.id,
+        name: done.rule.spec.name(),
+        unchanged: done.unchanged,
     }))
 }
 
@@ -289,7 +254,7 @@ async fn add_rule(
     security(("management_token" = [])),
 )]
 async fn delete_rule(
-    State(state): State<Arc<AppState>>,
+    State(state): State<Arc<ApiState>>,
     Path((ip, port, proto)): Path<(String, u16, String)>,
 ) -> Result<Json<RuleDeleted>, ApiError> {
     let ip: std::net::IpAddr = ip.parse().map_err(|_| {
@@ -298,16 +263,11 @@ async fn delete_rule(
         ))
     })?;
     let name = format!("{}/{proto}", std::net::SocketAddr::new(ip, port));
-    match uninstall_rule(&state, &name) {
-        Some(rt) => {
-            if let Some(r) = state.replica.get() {
-                r.rule_del(&state, &rt);
-            }
-            Ok(Json(RuleDeleted {
-                result: "Success".into(),
-                id: rt.id,
-            }))
-        }
+    match state.fleet.uninstall(&name, Origin::Local) {
+        Some(rt) => Ok(Json(RuleDeleted {
+            result: "Success".into(),
+            id: rt.id,
+        })),
         None => Err(ApiError::NotFound(format!("no rule {name}"))),
     }
 }
@@ -386,9 +346,14 @@ fn contract_json(r: &RuleRuntime) -> RuleContract {
     summary = "Hash contract of every installed rule",
     responses((status = 200, description = "Contracts", body = RuleContracts)),
 )]
-async fn list_contracts(State(state): State<Arc<AppState>>) -> Json<RuleContracts> {
+async fn list_contracts(State(state): State<Arc<ApiState>>) -> Json<RuleContracts> {
     Json(RuleContracts {
-        rules: state.rules().iter().map(|r| contract_json(r)).collect(),
+        rules: state
+            .fleet
+            .rules()
+            .iter()
+            .map(|r| contract_json(r))
+            .collect(),
     })
 }
 
@@ -404,10 +369,11 @@ async fn list_contracts(State(state): State<Arc<AppState>>) -> Json<RuleContract
     ),
 )]
 async fn contract(
-    State(state): State<Arc<AppState>>,
+    State(state): State<Arc<ApiState>>,
     Path(id): Path<String>,
 ) -> Result<Json<RuleContract>, ApiError> {
     let r = state
+        .fleet
         .find(&id)
         .ok_or_else(|| ApiError::NotFound(format!("unknown rule {id:?}")))?;
     Ok(Json(contract_json(&r)))
@@ -420,8 +386,9 @@ async fn contract(
     summary = "Every installed rule",
     responses((status = 200, description = "Rules", body = RuleList)),
 )]
-async fn list_rules(State(state): State<Arc<AppState>>) -> Json<RuleList> {
+async fn list_rules(State(state): State<Arc<ApiState>>) -> Json<RuleList> {
     let lb_attr = state
+        .fleet
         .rules()
         .iter()
         .map(|r| {
@@ -482,7 +449,7 @@ pub struct InventoryPage {
     ),
 )]
 async fn inventory(
-    State(state): State<Arc<AppState>>,
+    State(state): State<Arc<ApiState>>,
     Query(q): Query<HashMap<String, String>>,
 ) -> Result<Json<InventoryPage>, ApiError> {
     let sid = q
@@ -516,16 +483,17 @@ async fn inventory(
     };
     let limit = num("limit", 1000)?.clamp(1, MAX_PAGE);
     let r = state
+        .fleet
         .find(sid)
         .ok_or_else(|| ApiError::NotFound(format!("unknown service_id {sid:?}")))?;
-    if ep >= r.eps.len() {
+    if ep >= r.eps().len() {
         return Err(ApiError::NotFound(format!(
             "ep_idx {ep} out of range: the rule has {} endpoints",
-            r.eps.len()
+            r.eps().len()
         )));
     }
-    let total = r.index.block_count(EndpointId(ep as u8));
-    let page = r.index.blocks(EndpointId(ep as u8), offset, limit);
+    let total = r.block_count(EndpointId(ep as u8));
+    let page = r.blocks(EndpointId(ep as u8), offset, limit);
     let mut found: Vec<(usize, u64)> = page.blocks.iter().map(|(i, k)| (*i, k.0)).collect();
     found.sort_unstable_by_key(|(_, k)| *k);
     let blocks = found
@@ -581,7 +549,7 @@ pub struct EndpointHealth {
     pub owned: bool,
     pub blocks: u64,
     /// The hash parity self-check's verdict when the engine's keys do not match the contract.
-    pub parity: Option<crate::ingest::parity::ParityReport>,
+    pub parity: Option<crate::fleet::ParityReport>,
 }
 
 /// Replication state in `GET /healthz`.
@@ -600,9 +568,10 @@ pub struct ReplicationHealth {
     summary = "Liveness with per rule and per endpoint detail",
     responses((status = 200, description = "Alive (see `status`)", body = Health)),
 )]
-async fn healthz(State(state): State<Arc<AppState>>) -> Json<Health> {
+async fn healthz(State(state): State<Arc<ApiState>>) -> Json<Health> {
     let mut degraded = false;
-    let rules = state
+    let fleet = &state.fleet;
+    let rules = fleet
         .rules()
         .iter()
         .map(|r| {
@@ -610,39 +579,36 @@ async fn healthz(State(state): State<Arc<AppState>>) -> Json<Health> {
                 .spec
                 .endpoints
                 .iter()
+                .zip(r.eps())
                 .enumerate()
-                .map(|(i, e)| {
-                    let parity = lock(&r.eps[i].parity).clone();
+                .map(|(i, (e, rt))| {
+                    let parity = rt.parity();
                     degraded |= parity.is_some();
                     EndpointHealth {
                         idx: i,
                         endpoint: e.addr(),
-                        healthy: r.eps[i].healthy.load(Ordering::Relaxed),
-                        connected: r.eps[i]
-                            .connected
-                            .iter()
-                            .map(|c| c.load(Ordering::Relaxed))
-                            .collect(),
+                        healthy: rt.healthy(),
+                        connected: rt.connected(),
                         // Replicated: only the owner subscribes, and reports connection and parity.
-                        owned: r.eps[i].owned.load(Ordering::Relaxed),
-                        blocks: r.index.block_count(EndpointId(i as u8)),
+                        owned: rt.owned(),
+                        blocks: r.block_count(EndpointId(i as u8)),
                         parity,
                     }
                 })
                 .collect();
-            degraded |= r.tokenizer_problem.is_some();
+            degraded |= r.tokenizer_problem().is_some();
             RuleHealth {
                 id: r.id,
                 name: r.spec.name(),
                 engine: r.spec.engine.as_str().into(),
-                tokenizer: r.tokenizer_problem.clone(),
+                tokenizer: r.tokenizer_problem().map(str::to_owned),
                 endpoints,
             }
         })
         .collect();
-    let replication = state.replica.get().map(|r| ReplicationHealth {
-        replica: r.id.clone(),
-        redis_connected: state.metrics.redis_connected.get() == 1,
+    let replication = fleet.replica_id().map(|id| ReplicationHealth {
+        replica: id.to_owned(),
+        redis_connected: fleet.metrics.redis_connected.get() == 1,
     });
     Json(Health {
         status: if degraded { "degraded" } else { "ok" }.into(),
@@ -661,8 +627,8 @@ async fn healthz(State(state): State<Arc<AppState>>) -> Json<Health> {
         (status = 503, description = "Starting or shutting down", content_type = "text/plain", body = String),
     ),
 )]
-async fn readyz(State(state): State<Arc<AppState>>) -> Response {
-    if state.ready.load(Ordering::Relaxed) && !state.cancel.is_cancelled() {
+async fn readyz(State(state): State<Arc<ApiState>>) -> Response {
+    if state.ready.load(Ordering::Relaxed) && !state.fleet.cancel.is_cancelled() {
         (StatusCode::OK, "ready\n").into_response()
     } else {
         (StatusCode::SERVICE_UNAVAILABLE, "not ready\n").into_response()
@@ -676,14 +642,15 @@ async fn readyz(State(state): State<Arc<AppState>>) -> Response {
     summary = "Prometheus metrics",
     responses((status = 200, description = "Prometheus text exposition 0.0.4", content_type = "text/plain", body = String)),
 )]
-async fn metrics(State(state): State<Arc<AppState>>) -> Response {
+async fn metrics(State(state): State<Arc<ApiState>>) -> Response {
     // Placement gauges follow every decision: computed when scraped rather than per request.
-    for rt in state.rules() {
-        rt.publish_placement_gauges(&state.metrics, state.settings.capacity_blocks);
+    let fleet = &state.fleet;
+    for rt in fleet.rules() {
+        rt.publish_placement_gauges(&fleet.metrics, fleet.settings.capacity_blocks);
     }
     (
         [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
-        state.metrics.render(),
+        fleet.metrics.render(),
     )
         .into_response()
 }

@@ -23,9 +23,8 @@
 //! no speculative credit, placement memory or heat, in-flight count, sequence counters, metrics or
 //! replication message (`kvroutectl explain`).
 
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use axum::body::Bytes;
 use axum::extract::State;
@@ -34,9 +33,8 @@ use kvroute_core::hash::BlockKey;
 use serde::{Deserialize, Serialize};
 
 use super::error::{parse_json, ApiError};
-use crate::index::EndpointId;
-use crate::score::{decide, EpView, HashRing, Reason, ScoreInput, Tier, Update};
-use crate::state::AppState;
+use super::ApiState;
+use crate::fleet::{Fleet, Question, RouteError, Routed};
 
 /// A block key on the wire: unsigned, or signed as SGLang publishes it.
 #[derive(Clone, Copy, Debug, Deserialize, Serialize, PartialEq, Eq)]
@@ -127,9 +125,6 @@ pub struct RouteResponse {
     pub explain: Option<Explain>,
 }
 
-/// Most keys one request may carry (a 1 MiB body holds fewer anyway).
-const MAX_KEYS: usize = 1 << 16;
-
 /// Handler for `POST /v1/route`.
 #[utoipa::path(
     post,
@@ -149,7 +144,7 @@ const MAX_KEYS: usize = 1 << 16;
     security((), ("route_token" = [])),
 )]
 pub async fn route(
-    State(state): State<Arc<AppState>>,
+    State(state): State<Arc<ApiState>>,
     body: Bytes,
 ) -> Result<Json<RouteResponse>, ApiError> {
     let start = Instant::now();
@@ -157,9 +152,10 @@ pub async fn route(
     if req.keys.is_empty() && (req.prompt.is_some() || req.messages.is_some()) {
         offload(&state, &mut req).await;
     }
-    let res = answer(&state, &req, Instant::now());
+    let res = answer(&state.fleet, &req, Instant::now());
     if !req.explain {
         state
+            .fleet
             .metrics
             .route_latency
             .observe(start.elapsed().as_secs_f64());
@@ -169,19 +165,20 @@ pub async fn route(
 
 /// Fills `req.keys` and `req.token_count` from its prompt or messages; on failure leaves them
 /// empty (the decision falls back with `miss_no_keys`) and logs why.
-async fn offload(state: &Arc<AppState>, req: &mut RouteRequest) {
-    let Some(rule) = state.find(&req.rule) else {
+async fn offload(state: &Arc<ApiState>, req: &mut RouteRequest) {
+    let fleet = &state.fleet;
+    let Some(rule) = fleet.find(&req.rule) else {
         return;
     };
     let (Some(contract), Some(slug), Some(dir)) = (
         rule.spec.contract(),
         rule.spec.slug.clone(),
-        state.tokenizer_dir.clone(),
+        fleet.tokenizer_dir().map(|d| d.to_path_buf()),
     ) else {
         tracing::debug!(rule = %rule.spec.name(), "offloaded tokenization needs kvModel, a KV contract and --tokenizer-dir");
         return;
     };
-    let o = super::offload::Offload {
+    let o = crate::offload::Offload {
         model: req.model.clone().or_else(|| rule.spec.model.clone()),
         prompt: req.prompt.take(),
         messages: req.messages.take(),
@@ -189,13 +186,13 @@ async fn offload(state: &Arc<AppState>, req: &mut RouteRequest) {
     let st = state.clone();
     let res = tokio::task::spawn_blocking(move || {
         let loaded = st.tokenizers.get(&dir, &slug)?;
-        super::offload::keys_for(&loaded, &contract, &o, st.settings.max_prefix_tokens)
+        crate::offload::keys_for(&loaded, &contract, &o, st.fleet.settings.max_prefix_tokens)
     })
     .await;
     match res {
         Ok(Ok(k)) => {
             if let (Some(t), false) = (k.truncated, req.explain) {
-                state
+                fleet
                     .metrics
                     .offload_truncated
                     .with_label_values(&[t.as_str()])
@@ -215,157 +212,55 @@ async fn offload(state: &Arc<AppState>, req: &mut RouteRequest) {
 
 /// Decides one request against the current state (also used by tests and benches); with
 /// `req.explain` nothing is committed.
-pub fn answer(
-    state: &AppState,
-    req: &RouteRequest,
-    now: Instant,
-) -> Result<RouteResponse, ApiError> {
-    let rule = state
+pub fn answer(fleet: &Fleet, req: &RouteRequest, now: Instant) -> Result<RouteResponse, ApiError> {
+    let rule = fleet
         .find(&req.rule)
         .ok_or_else(|| ApiError::NotFound(format!("unknown rule {:?}", req.rule)))?;
-    if req.keys.len() > MAX_KEYS {
-        return Err(ApiError::BadRequest(format!(
-            "keys: {} given, at most {MAX_KEYS}",
-            req.keys.len()
-        )));
-    }
     let keys: Vec<BlockKey> = req.keys.iter().map(|k| k.key()).collect();
-    let mut matched = Vec::new();
-    rule.index.match_prefix(&keys, now, &mut matched);
-    let s = &state.settings;
-    let fresh = if s.scrape_interval.is_zero() {
-        Duration::ZERO
-    } else {
-        s.scrape_interval * 3
-    };
-    let eps: Vec<EpView> = rule
-        .spec
-        .endpoints
-        .iter()
-        .enumerate()
-        .map(|(i, e)| EpView {
-            weight: e.weight,
-            role: e.role,
-            healthy: rule.eps[i].healthy.load(Ordering::Relaxed),
-            load: rule.eps[i].load(now, s.inflight_window, fresh),
-            blocks: rule.index.block_count(EndpointId(i as u8)),
-            matched: matched.get(i).copied().unwrap_or(0),
-            capacity: rule.capacity(i, s.capacity_blocks),
-            homed: rule.memory.homed(i),
-        })
-        .collect();
-    let affinity = req.affinity_key.as_deref().map(|a| {
-        match (state.settings.affinity_scope_model, &req.model) {
-            (true, Some(m)) => HashRing::key_hash(&format!("{a}\u{0}{m}")),
-            _ => HashRing::key_hash(a),
-        }
-    });
-    // Explain peeks: the same recall without counting it toward the family's heat.
-    let recall = match req.explain {
-        true => rule.memory.peek(&keys, now),
-        false => rule.memory.recall(&keys, now),
-    };
-    let d = decide(&ScoreInput {
-        exact_mode: rule.spec.exact_mode,
-        kv_enabled: rule.spec.kv_enabled(),
-        sel: rule.spec.sel,
-        eps: &eps,
-        n_keys: keys.len(),
+    let q = Question {
+        keys: &keys,
         token_count: req.token_count,
-        affinity,
-        ring: &rule.ring,
-        hit_seq: rule.hit_seq.load(Ordering::Relaxed),
-        rr_seq: rule.rr_seq.load(Ordering::Relaxed),
+        affinity_key: req.affinity_key.as_deref(),
+        model: req.model.as_deref(),
+        explain: req.explain,
+    };
+    let Routed {
+        decision: d,
+        ep,
+        views,
         recall,
-        settings: s,
-    });
-    if req.explain {
-        let ep = d.ep.ok_or_else(|| ApiError::NoEndpoint(rule.spec.name()))?;
-        let endpoints = eps
+    } = fleet.route(&rule, &q, now).map_err(|e| match e {
+        RouteError::TooManyKeys(n) => ApiError::BadRequest(format!(
+            "keys: {n} given, at most {}",
+            crate::fleet::MAX_KEYS
+        )),
+        RouteError::NoEndpoint => ApiError::NoEndpoint(rule.spec.name()),
+    })?;
+    let addr = |i: usize| rule.spec.endpoints[i].addr();
+    let explain = req.explain.then(|| Explain {
+        keys: u32::try_from(keys.len()).unwrap_or(u32::MAX),
+        token_count: req.token_count,
+        endpoints: views
             .iter()
             .enumerate()
             .map(|(i, e)| ExplainEndpoint {
                 idx: i,
-                endpoint: rule.spec.endpoints[i].addr(),
+                endpoint: addr(i),
                 healthy: e.healthy,
                 matched_blocks: e.matched,
                 blocks: e.blocks,
                 load: e.load,
             })
-            .collect();
-        return Ok(RouteResponse {
-            rule_id: rule.id,
-            endpoint: rule.spec.endpoints[ep].addr(),
-            matched_blocks: d.matched,
-            tier: d.tier.as_str().to_owned(),
-            reason: d.reason.as_str().to_owned(),
-            decode_endpoint: d.decode.map(|i| rule.spec.endpoints[i].addr()),
-            explain: Some(Explain {
-                keys: u32::try_from(keys.len()).unwrap_or(u32::MAX),
-                token_count: req.token_count,
-                endpoints,
-                recall: recall.map(|r| (r.ep, r.depth)),
-            }),
-        });
-    }
-    let m = &state.metrics;
-    m.route_decisions
-        .with_label_values(&[d.tier.as_str(), d.reason.as_str()])
-        .inc();
-    match d.reason {
-        crate::score::Reason::Spill => m.tier15_spills.inc(),
-        crate::score::Reason::ColdSeed => m.tier15_cold_seeds.inc(),
-        crate::score::Reason::Remembered => m.tier15_remembered.inc(),
-        _ => {}
-    }
-    if d.placed {
-        m.tier15_placements.inc();
-    }
-    if d.counted_hit {
-        rule.hit_seq.fetch_add(1, Ordering::Relaxed);
-    }
-    if d.tier == Tier::Fallback {
-        rule.rr_seq.fetch_add(1, Ordering::Relaxed);
-    }
-    let ep = d.ep.ok_or_else(|| ApiError::NoEndpoint(rule.spec.name()))?;
-    rule.eps[ep].record_decision(now);
-    if let Some(dec) = d.decode {
-        rule.eps[dec].record_decision(now);
-    }
-    // Speculation covers the blind spot before the engine reports the blocks it is about to
-    // compute: the keys past what the chosen endpoint already holds. Re-crediting held keys would
-    // only hide their eviction for the TTL (and cost a table insert per key on every follow-up).
-    let unheld = keys.get(d.matched as usize..).unwrap_or(&[]);
-    if rule.spec.kv_enabled() && !unheld.is_empty() && !s.spec_ttl.is_zero() {
-        rule.index
-            .speculate(EndpointId(ep as u8), unheld, now, s.spec_ttl);
-    }
-    // A miss makes the chosen endpoint the family's home; a hit refreshes it; a spill or cold
-    // seed is a detour and must not be remembered, or a hot family would end up homed everywhere.
-    let how = match d.reason {
-        Reason::MissNoOverlap => Some(Update::Place),
-        Reason::Hit | Reason::Remembered => Some(Update::Keep),
-        _ => None,
-    };
-    if let (Some(how), true) = (how, rule.spec.kv_enabled()) {
-        rule.memory.record(&keys, ep, how, now);
-    }
-    if let Some(r) = state.replica.get() {
-        // The other replicas credit the same endpoint (speculation, memory, in-flight load).
-        let shared = if rule.spec.kv_enabled() {
-            &keys[..]
-        } else {
-            &[]
-        };
-        r.decision(state, &rule, ep, how, shared);
-    }
+            .collect(),
+        recall: recall.map(|r| (r.ep, r.depth)),
+    });
     Ok(RouteResponse {
         rule_id: rule.id,
-        endpoint: rule.spec.endpoints[ep].addr(),
+        endpoint: addr(ep),
         matched_blocks: d.matched,
         tier: d.tier.as_str().to_owned(),
         reason: d.reason.as_str().to_owned(),
-        decode_endpoint: d.decode.map(|i| rule.spec.endpoints[i].addr()),
-        explain: None,
+        decode_endpoint: d.decode.map(addr),
+        explain,
     })
 }

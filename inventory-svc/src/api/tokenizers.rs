@@ -11,7 +11,7 @@ use axum::http::header;
 use axum::response::{IntoResponse, Response};
 
 use super::error::ApiError;
-use crate::state::AppState;
+use super::ApiState;
 
 /// Files a filter may fetch per tokenizer.
 const FILES: &[&str] = &["tokenizer.json", "tokenizer_config.json"];
@@ -24,8 +24,8 @@ fn valid_segment(s: &str) -> bool {
             .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'))
 }
 
-async fn serve(state: &AppState, slug: &str, file: &str) -> Result<Response, ApiError> {
-    let dir = state.tokenizer_dir.as_ref().ok_or_else(|| {
+async fn serve(state: &ApiState, slug: &str, file: &str) -> Result<Response, ApiError> {
+    let dir = state.fleet.tokenizer_dir().ok_or_else(|| {
         ApiError::NotFound("no tokenizer directory configured (--tokenizer-dir)".into())
     })?;
     if !valid_segment(slug) || !FILES.contains(&file) {
@@ -57,7 +57,7 @@ async fn serve(state: &AppState, slug: &str, file: &str) -> Result<Response, Api
     ),
 )]
 pub async fn tokenizer_json(
-    State(state): State<Arc<AppState>>,
+    State(state): State<Arc<ApiState>>,
     Path(slug): Path<String>,
 ) -> Result<Response, ApiError> {
     serve(&state, &slug, "tokenizer.json").await
@@ -79,7 +79,7 @@ pub async fn tokenizer_json(
     ),
 )]
 pub async fn tokenizer_file(
-    State(state): State<Arc<AppState>>,
+    State(state): State<Arc<ApiState>>,
     Path((slug, file)): Path<(String, String)>,
 ) -> Result<Response, ApiError> {
     serve(&state, &slug, &file).await

@@ -17,7 +17,8 @@ use kvroute_core::hash::{
 };
 
 use super::decode::{EventBatch, KvEvent, Medium, Stored};
-use super::parity::{diagnose, ParityReport};
+use super::parity::diagnose;
+use crate::fleet::ParityReport;
 use crate::index::{IndexOp, KeyMap};
 use crate::metrics::Metrics;
 use crate::rules::KeyMode;

@@ -20,9 +20,8 @@ use std::time::Duration;
 
 use kvroute_core::hash::Engine;
 
+use crate::fleet::{EpRuntime, Fleet, RuleRuntime};
 use crate::index::{EndpointId, IndexOp, Rank};
-use crate::rules::{EpRole, ExactMode};
-use crate::state::{AppState, RuleRuntime};
 
 /// What one sequence number means relative to the last one seen from the same publisher.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -136,182 +135,152 @@ pub fn next_backoff(cur: Duration) -> Duration {
     (cur * 2).min(Duration::from_secs(5))
 }
 
-/// Applies operations this replica ingested to a rule's index, refreshes the endpoint's gauge and
-/// hands them to replication (when configured) for the other replicas.
-pub fn apply_ops(state: &AppState, rule: &Arc<RuleRuntime>, ep: usize, rank: u8, ops: &[IndexOp]) {
-    if ops.is_empty() {
-        return;
-    }
-    apply_local(state, rule, ep, rank, ops);
-    if let Some(r) = state.replica.get() {
-        r.ops(state, rule, ep, rank, ops);
-    }
+/// Why a feed cleared its endpoint's inventory (the `cause` label of `kvroute_clears_total`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ClearCause {
+    /// The publisher restarted (sequence back to 0, or lower after a reconnect).
+    Restart,
+    /// A run of in-order sequences below the last one ([`SeqVerdict::Rewind`]).
+    Rewind,
+    /// Messages were lost and could not be replayed.
+    Gap,
+    /// The subscriber task failed: its sync state is lost.
+    Reconnect,
+    /// A replica took the endpoint over and cannot continue re-derived keys.
+    Takeover,
 }
 
-/// Applies operations to a rule's index and refreshes the endpoint's gauge (no replication: used
-/// for what the replication log itself delivers).
-pub fn apply_local(state: &AppState, rule: &RuleRuntime, ep: usize, rank: u8, ops: &[IndexOp]) {
-    if ops.is_empty() {
-        return;
-    }
-    let held = rule.index.block_count(EndpointId(ep as u8));
-    let cap = key_cap(state, rule, ep);
-    if held >= cap && ops.iter().any(|o| matches!(o, IndexOp::Store(_))) {
-        // At the cap: stores are refused (counted) until evictions or a clear make room, so one
-        // endpoint's index is bounded by the cap plus one message whatever a publisher sends.
-        let mut refused = 0u64;
-        let kept: Vec<IndexOp> = ops
-            .iter()
-            .filter(|o| match o {
-                IndexOp::Store(k) => {
-                    refused += k.len() as u64;
-                    false
-                }
-                _ => true,
-            })
-            .cloned()
-            .collect();
-        state
-            .metrics
-            .key_cap_refusals
-            .with_label_values(&[rule.spec.engine.as_str()])
-            .inc_by(refused);
-        tracing::debug!(rule = %rule.spec.name(), ep, held, cap, refused, "endpoint key cap reached");
-        rule.index.apply(EndpointId(ep as u8), Rank(rank), &kept);
-    } else {
-        rule.index.apply(EndpointId(ep as u8), Rank(rank), ops);
-    }
-    if rule.cancel.is_cancelled() {
-        return;
-    }
-    let n = rule.index.block_count(EndpointId(ep as u8));
-    state
-        .metrics
-        .inventory_blocks
-        .with_label_values(&[&rule.spec.name(), &ep.to_string()])
-        .set(n as i64);
-}
-
-/// Blocks endpoint `ep` may hold: `KVROUTE_MAX_KEYS_PER_ENDPOINT`, else 4 x its capacity (the
-/// rule's `kvCapacityBlocks` or the scraped num_gpu_blocks; at least 65536), else
-/// [`crate::settings::DEFAULT_MAX_KEYS_PER_ENDPOINT`].
-pub fn key_cap(state: &AppState, rule: &RuleRuntime, ep: usize) -> u64 {
-    if state.settings.max_keys_per_endpoint > 0 {
-        return state.settings.max_keys_per_endpoint;
-    }
-    let capacity = rule
-        .spec
-        .endpoints
-        .get(ep)
-        .and_then(|e| e.capacity_blocks)
-        .map(u64::from)
-        .or_else(|| {
-            rule.eps
-                .get(ep)
-                .map(|e| e.capacity.load(std::sync::atomic::Ordering::Relaxed))
-        })
-        .filter(|c| *c > 0);
-    match capacity {
-        Some(c) => c.saturating_mul(4).max(65_536),
-        None => crate::settings::DEFAULT_MAX_KEYS_PER_ENDPOINT,
-    }
-}
-
-/// Sets the connected flag and gauge of one publisher.
-pub fn set_connected(state: &AppState, rule: &RuleRuntime, ep: usize, rank: u8, up: bool) {
-    if let Some(c) = rule
-        .eps
-        .get(ep)
-        .and_then(|e| e.connected.get(rank as usize))
-    {
-        c.store(up, std::sync::atomic::Ordering::Relaxed);
-    }
-    if rule.cancel.is_cancelled() {
-        // The rule is gone (or replaced): do not bring its series back after they were dropped.
-        return;
-    }
-    state
-        .metrics
-        .subscriber_connected
-        .with_label_values(&[&rule.spec.name(), &ep.to_string(), &rank.to_string()])
-        .set(i64::from(up));
-}
-
-/// Endpoints whose events feed the index: prefill endpoints in mode 1, all others otherwise.
-pub fn kv_endpoints(rule: &RuleRuntime) -> Vec<usize> {
-    rule.spec
-        .endpoints
-        .iter()
-        .enumerate()
-        .filter(|(_, e)| {
-            rule.spec.exact_mode != ExactMode::PrefillDecode || e.role == EpRole::Prefill
-        })
-        .map(|(i, _)| i)
-        .collect()
-}
-
-/// Starts every ingestion task of a rule (none for llama.cpp or kvExactMode 0): directly when
-/// standalone, under an ownership lease per endpoint when replicated.
-pub fn spawn_rule(state: &Arc<AppState>, rule: &Arc<RuleRuntime>) {
-    if !rule.spec.kv_enabled() {
-        return;
-    }
-    for ep in kv_endpoints(rule) {
-        for rank in 0..rule.spec.dp_ranks.max(1) {
-            set_connected(state, rule, ep, rank, false);
-        }
-        match state.replica.get() {
-            Some(r) => r.spawn_lease(state, rule, ep),
-            None => {
-                rule.eps[ep]
-                    .owned
-                    .store(true, std::sync::atomic::Ordering::Relaxed);
-                spawn_endpoint(state, rule, ep, &rule.cancel);
-            }
+impl ClearCause {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ClearCause::Restart => "restart",
+            ClearCause::Rewind => "rewind",
+            ClearCause::Gap => "gap",
+            ClearCause::Reconnect => "reconnect",
+            ClearCause::Takeover => "takeover",
         }
     }
-    for ep in 0..rule.eps.len() {
-        // A replaced rule may have kept its predecessor's inventory.
-        let n = rule.index.block_count(EndpointId(ep as u8));
-        state
-            .metrics
-            .inventory_blocks
-            .with_label_values(&[&rule.spec.name(), &ep.to_string()])
-            .set(n as i64);
+
+    /// The clear a sequence verdict calls for, if any.
+    pub fn of(v: SeqVerdict) -> Option<ClearCause> {
+        match v {
+            SeqVerdict::Restart => Some(ClearCause::Restart),
+            SeqVerdict::Rewind => Some(ClearCause::Rewind),
+            SeqVerdict::Gap { .. } => Some(ClearCause::Gap),
+            SeqVerdict::First | SeqVerdict::InOrder | SeqVerdict::Duplicate => None,
+        }
     }
+}
+
+/// One event feed, the publisher of one `(endpoint, rank)`: what every ingest step works with.
+#[derive(Clone)]
+pub struct Feed {
+    pub fleet: Arc<Fleet>,
+    pub rule: Arc<RuleRuntime>,
+    pub ep: EndpointId,
+    pub rank: Rank,
+}
+
+impl Feed {
+    /// The endpoint's live state.
+    pub fn endpoint(&self) -> Option<&EpRuntime> {
+        self.rule.ep(self.ep)
+    }
+
+    /// The engine this feed speaks for.
+    pub fn engine(&self) -> Engine {
+        self.rule.spec.engine
+    }
+
+    /// The endpoint's IP as it goes into a `tcp://` URL (IPv6 bracketed).
+    pub fn host(&self) -> String {
+        match self
+            .rule
+            .spec
+            .endpoints
+            .get(usize::from(self.ep.0))
+            .map(|e| e.ip)
+        {
+            Some(std::net::IpAddr::V6(v)) => format!("[{v}]"),
+            Some(ip) => ip.to_string(),
+            None => String::new(),
+        }
+    }
+
+    /// Applies what the publisher sent (through the fleet: key cap, gauge, replication).
+    pub fn apply(&self, ops: &[IndexOp]) {
+        self.fleet.apply_ops(&self.rule, self.ep, self.rank, ops);
+    }
+
+    /// Clears this rank's inventory and counts why.
+    pub fn clear(&self, cause: ClearCause) {
+        self.fleet
+            .metrics
+            .clears
+            .with_label_values(&[self.engine().as_str(), cause.as_str()])
+            .inc();
+        self.apply(&[IndexOp::Clear]);
+    }
+
+    /// Sets the connected flag and gauge of this publisher.
+    pub fn set_connected(&self, up: bool) {
+        self.fleet.set_connected(&self.rule, self.ep, self.rank, up);
+    }
+
+    /// Records the sequence of the message about to be applied.
+    pub fn note_seq(&self, seq: u64) {
+        if let Some(e) = self.endpoint() {
+            e.note_seq(self.rank, seq);
+        }
+    }
+
+    /// The last sequence applied (a replica taking the endpoint over resumes from it).
+    pub fn last_seq(&self) -> Option<u64> {
+        self.endpoint().and_then(|e| e.last_seq(self.rank))
+    }
+
+    /// A keyer for this feed's rule.
+    pub fn keyer(&self) -> keyer::Keyer {
+        let s = &self.rule.spec;
+        keyer::Keyer::new(
+            s.engine,
+            s.key_mode,
+            s.block_size,
+            s.contract(),
+            self.fleet.metrics.clone(),
+        )
+    }
+}
+
+/// Starts every ingestion task of a rule (none for llama.cpp or kvExactMode 0), each endpoint
+/// while this replica owns it (always, standalone).
+pub fn spawn_rule(fleet: &Arc<Fleet>, rule: &Arc<RuleRuntime>) {
+    let (f, r) = (fleet.clone(), rule.clone());
+    fleet.run_feeds(rule, move |ep, cancel| spawn_endpoint(&f, &r, ep, cancel));
 }
 
 /// Starts the ingestion tasks of one endpoint (every rank), stopped by `cancel`. Sequence
 /// tracking resumes from the endpoint's last applied sequences (replicated takeover).
-pub fn spawn_endpoint(
-    state: &Arc<AppState>,
+fn spawn_endpoint(
+    fleet: &Arc<Fleet>,
     rule: &Arc<RuleRuntime>,
-    ep: usize,
+    ep: EndpointId,
     cancel: &tokio_util::sync::CancellationToken,
 ) {
+    let feed = |rank| Feed {
+        fleet: fleet.clone(),
+        rule: rule.clone(),
+        ep,
+        rank,
+    };
     match rule.spec.engine {
         Engine::Vllm | Engine::Sglang => {
             for rank in 0..rule.spec.dp_ranks {
-                let resume = rule.eps[ep].last_seq(rank);
-                tokio::spawn(zmq::run(
-                    state.clone(),
-                    rule.clone(),
-                    ep,
-                    rank,
-                    cancel.clone(),
-                    resume,
-                ));
+                tokio::spawn(zmq::run(feed(Rank(rank)), cancel.clone()));
             }
         }
         Engine::Trtllm => {
-            let resume = rule.eps[ep].last_seq(0);
-            tokio::spawn(trtllm::run(
-                state.clone(),
-                rule.clone(),
-                ep,
-                cancel.clone(),
-                resume,
-            ));
+            tokio::spawn(trtllm::run(feed(Rank(0)), cancel.clone()));
         }
         Engine::Llamacpp => {}
     }

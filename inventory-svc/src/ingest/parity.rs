@@ -5,21 +5,11 @@
 //! metric. Candidates tried: the engine's algorithms, the seeds "0" and "vllm-none-hash" (plus the
 //! configured one and unset), and the block sizes found in the event.
 
+use super::decode::Stored;
+use crate::fleet::ParityReport;
 use kvroute_core::hash::{
     BlockSize, Engine, ExtraKeys, HashAlgo, HashContract, DEFAULT_NONE_HASH_SEED,
 };
-use serde::Serialize;
-
-use super::decode::Stored;
-
-/// What the self-check concluded.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, utoipa::ToSchema)]
-pub struct ParityReport {
-    pub message: String,
-    pub suggested_algo: Option<String>,
-    pub suggested_seed: Option<String>,
-    pub suggested_block_size: Option<u32>,
-}
 
 /// Searches the plausible contracts for one that reproduces the event's first key.
 pub fn diagnose(engine: Engine, c: &HashContract, s: &Stored) -> ParityReport {

@@ -5,15 +5,12 @@
 //! or below the last after a failed poll, or 0, means a restart (cleared); a run of ids below the last
 //! one means the last was out of range (cleared, then followed).
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use serde_json::Value;
 
-use super::keyer::Keyer;
-use super::{apply_ops, next_backoff, set_connected, SeqTracker, SeqVerdict};
-use crate::index::IndexOp;
-use crate::state::{AppState, RuleRuntime};
+use super::{next_backoff, ClearCause, Feed, SeqTracker};
+use crate::metrics::Metrics;
 
 /// Largest drain body read: a drain of 100 ms holds a few hundred events of a few KiB; past this the
 /// drain is refused (counted as a decode error) instead of buffered.
@@ -22,15 +19,11 @@ pub const MAX_DRAIN_BODY: usize = 32 << 20;
 /// Reads a drain body of at most [`MAX_DRAIN_BODY`] bytes and parses it.
 async fn read_bounded(
     mut r: reqwest::Response,
-    state: &AppState,
+    metrics: &Metrics,
     cancel: &tokio_util::sync::CancellationToken,
 ) -> Result<Value, String> {
     let too_big = || {
-        state
-            .metrics
-            .decode_errors
-            .with_label_values(&["trtllm"])
-            .inc();
+        metrics.decode_errors.with_label_values(&["trtllm"]).inc();
         format!("drain body over {MAX_DRAIN_BODY} bytes")
     };
     if r.content_length()
@@ -53,25 +46,22 @@ async fn read_bounded(
     serde_json::from_slice(&body).map_err(|e| format!("drain body: {e}"))
 }
 
-/// Polls one TensorRT-LLM endpoint until `cancel` (the rule's token, or the endpoint's lease);
-/// `resume` is the last event id already applied (replicated takeover).
-pub async fn run(
-    state: Arc<AppState>,
-    rule: Arc<RuleRuntime>,
-    ep: usize,
-    cancel: tokio_util::sync::CancellationToken,
-    resume: Option<u64>,
-) {
-    let url = format!("http://{}/kv_cache_events", rule.spec.endpoints[ep].addr());
+/// Polls one TensorRT-LLM endpoint until `cancel` (the rule's token, or the endpoint's lease),
+/// resuming after the last event id already applied (replicated takeover).
+pub async fn run(feed: Feed, cancel: tokio_util::sync::CancellationToken) {
+    let (state, rule) = (&feed.fleet, &feed.rule);
+    let Some(addr) = rule
+        .spec
+        .endpoints
+        .get(usize::from(feed.ep.0))
+        .map(|e| e.addr())
+    else {
+        return;
+    };
+    let url = format!("http://{addr}/kv_cache_events");
     let interval = Duration::from_millis(u64::from(rule.spec.drain_interval_ms));
-    let mut keyer = Keyer::new(
-        rule.spec.engine,
-        rule.spec.key_mode,
-        rule.spec.block_size,
-        rule.spec.contract(),
-        state.metrics.clone(),
-    );
-    let mut seq = SeqTracker::resume(resume);
+    let mut keyer = feed.keyer();
+    let mut seq = SeqTracker::resume(feed.last_seq());
     let mut backoff = interval;
     let engine = rule.spec.engine.as_str();
     loop {
@@ -80,13 +70,13 @@ pub async fn run(
             r = state.http.post(&url).header("content-type", "application/json").body("{}").send() => r,
         };
         let events = match res {
-            Ok(r) if r.status().is_success() => read_bounded(r, &state, &cancel).await,
+            Ok(r) if r.status().is_success() => read_bounded(r, &state.metrics, &cancel).await,
             Ok(r) => Err(format!("status {}", r.status())),
             Err(e) => Err(e.to_string()),
         };
         let wait = match events {
             Ok(Value::Array(events)) => {
-                set_connected(&state, &rule, ep, 0, true);
+                feed.set_connected(true);
                 backoff = interval;
                 if let Some(first) = events
                     .first()
@@ -98,38 +88,18 @@ pub async fn run(
                         .and_then(|e| e.get("event_id"))
                         .and_then(Value::as_u64)
                         .unwrap_or(first);
-                    let verdict = seq.observe_span(first, last);
-                    match verdict {
-                        SeqVerdict::Restart | SeqVerdict::Rewind => {
-                            let cause = if verdict == SeqVerdict::Restart {
-                                "restart"
-                            } else {
-                                "rewind"
-                            };
-                            state
-                                .metrics
-                                .clears
-                                .with_label_values(&[engine, cause])
-                                .inc();
-                            keyer.reset();
-                            apply_ops(&state, &rule, ep, 0, &[IndexOp::Clear]);
-                        }
-                        SeqVerdict::Gap { .. } => {
+                    // No replay exists: a gap clears like a restart or a rewind.
+                    if let Some(cause) = ClearCause::of(seq.observe_span(first, last)) {
+                        if cause == ClearCause::Gap {
                             state.metrics.seq_gaps.with_label_values(&[engine]).inc();
-                            state
-                                .metrics
-                                .clears
-                                .with_label_values(&[engine, "gap"])
-                                .inc();
-                            keyer.reset();
-                            apply_ops(&state, &rule, ep, 0, &[IndexOp::Clear]);
                         }
-                        _ => {}
+                        keyer.reset();
+                        feed.clear(cause);
                     }
-                    rule.eps[ep].note_seq(0, last);
+                    feed.note_seq(last);
                 }
                 let ops = keyer.trtllm_ops(&events);
-                apply_ops(&state, &rule, ep, 0, &ops);
+                feed.apply(&ops);
                 interval
             }
             Ok(_) => {
@@ -141,9 +111,9 @@ pub async fn run(
                 interval
             }
             Err(e) => {
-                set_connected(&state, &rule, ep, 0, false);
+                feed.set_connected(false);
                 seq.reconnected();
-                tracing::debug!(rule = %rule.spec.name(), ep, "drain failed: {e}");
+                tracing::debug!(rule = %rule.spec.name(), ep = feed.ep.0, "drain failed: {e}");
                 backoff = next_backoff(backoff);
                 backoff
             }
@@ -153,5 +123,5 @@ pub async fn run(
             _ = tokio::time::sleep(wait) => {}
         }
     }
-    set_connected(&state, &rule, ep, 0, false);
+    feed.set_connected(false);
 }

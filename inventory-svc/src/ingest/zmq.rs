@@ -13,7 +13,6 @@
 //! `KVROUTE_ZMQ_IDLE_RECONNECT_MS` of silence; the next session reconnects (waiting for the
 //! engine to come back), and a restarted engine is then recognised by its sequence.
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -24,9 +23,7 @@ use zeromq::{DealerSocket, Socket, SocketRecv, SocketSend, SubSocket, ZmqMessage
 
 use super::decode::{decode_batch, parse_seq, split_frames, BytesKey};
 use super::keyer::Keyer;
-use super::{apply_ops, next_backoff, set_connected, SeqTracker, SeqVerdict};
-use crate::index::IndexOp;
-use crate::state::{lock, AppState, RuleRuntime};
+use super::{next_backoff, ClearCause, Feed, SeqTracker, SeqVerdict};
 
 /// How a session ended.
 enum End {
@@ -42,39 +39,19 @@ struct Pub {
     seq: SeqTracker,
 }
 
-fn ip_str(rule: &RuleRuntime, ep: usize) -> String {
-    match rule.spec.endpoints[ep].ip {
-        std::net::IpAddr::V4(v) => v.to_string(),
-        std::net::IpAddr::V6(v) => format!("[{v}]"),
-    }
-}
-
 /// Runs the subscriber of one `(endpoint, rank)` until `cancel` (the rule's token, or the
-/// endpoint's lease). `resume` is the last sequence already applied (replicated takeover).
-pub async fn run(
-    state: Arc<AppState>,
-    rule: Arc<RuleRuntime>,
-    ep: usize,
-    rank: u8,
-    cancel: CancellationToken,
-    resume: Option<u64>,
-) {
+/// endpoint's lease), resuming after the last sequence already applied (replicated takeover).
+pub async fn run(feed: Feed, cancel: CancellationToken) {
     let mut backoff = Duration::from_millis(100);
-    let mut first = new_pub(&state, &rule);
-    first.seq = SeqTracker::resume(resume);
+    let mut first = new_pub(&feed);
+    first.seq = SeqTracker::resume(feed.last_seq());
     let mut p = Some(first);
+    let (name, ep, rank) = (feed.rule.spec.name(), feed.ep.0, feed.rank.0);
     while !cancel.is_cancelled() {
-        let pubs = p.take().unwrap_or_else(|| new_pub(&state, &rule));
-        let h = tokio::spawn(session(
-            state.clone(),
-            rule.clone(),
-            ep,
-            rank,
-            pubs,
-            cancel.clone(),
-        ));
+        let pubs = p.take().unwrap_or_else(|| new_pub(&feed));
+        let h = tokio::spawn(session(feed.clone(), pubs, cancel.clone()));
         let res = h.await;
-        set_connected(&state, &rule, ep, rank, false);
+        feed.set_connected(false);
         match res {
             Ok((pubs, End::Cancelled)) => {
                 p = Some(pubs);
@@ -84,26 +61,21 @@ pub async fn run(
                 backoff = Duration::from_millis(100);
             }
             Ok((mut pubs, End::Idle)) => {
-                tracing::debug!(rule = %rule.spec.name(), ep, rank, "subscriber idle: reconnecting");
+                tracing::debug!(rule = %name, ep, rank, "subscriber idle: reconnecting");
                 pubs.seq.reconnected();
                 p = Some(pubs);
                 backoff = Duration::from_millis(100);
                 continue;
             }
             Ok((mut pubs, End::Failed(e))) => {
-                tracing::warn!(rule = %rule.spec.name(), ep, rank, "subscriber session ended: {e}");
+                tracing::warn!(rule = %name, ep, rank, "subscriber session ended: {e}");
                 pubs.seq.reconnected();
                 p = Some(pubs);
             }
             Err(join) => {
                 // A panic inside the ZMQ library: sync state is lost, so start from empty.
-                tracing::error!(rule = %rule.spec.name(), ep, rank, "subscriber task failed: {join}");
-                state
-                    .metrics
-                    .clears
-                    .with_label_values(&[rule.spec.engine.as_str(), "reconnect"])
-                    .inc();
-                apply_ops(&state, &rule, ep, rank, &[IndexOp::Clear]);
+                tracing::error!(rule = %name, ep, rank, "subscriber task failed: {join}");
+                feed.clear(ClearCause::Reconnect);
             }
         }
         tokio::select! {
@@ -112,18 +84,12 @@ pub async fn run(
         }
         backoff = next_backoff(backoff);
     }
-    set_connected(&state, &rule, ep, rank, false);
+    feed.set_connected(false);
 }
 
-fn new_pub(state: &AppState, rule: &RuleRuntime) -> Pub {
+fn new_pub(feed: &Feed) -> Pub {
     Pub {
-        keyer: Keyer::new(
-            rule.spec.engine,
-            rule.spec.key_mode,
-            rule.spec.block_size,
-            rule.spec.contract(),
-            state.metrics.clone(),
-        ),
+        keyer: feed.keyer(),
         seq: SeqTracker::default(),
     }
 }
@@ -137,16 +103,9 @@ fn bytes_key(engine: Engine) -> BytesKey {
 }
 
 /// One connection; returns the publisher state and how the session ended.
-async fn session(
-    state: Arc<AppState>,
-    rule: Arc<RuleRuntime>,
-    ep: usize,
-    rank: u8,
-    mut p: Pub,
-    cancel: CancellationToken,
-) -> (Pub, End) {
-    let port = u32::from(rule.spec.zmq_port) + u32::from(rank);
-    let addr = format!("tcp://{}:{port}", ip_str(&rule, ep));
+async fn session(feed: Feed, mut p: Pub, cancel: CancellationToken) -> (Pub, End) {
+    let port = u32::from(feed.rule.spec.zmq_port) + u32::from(feed.rank.0);
+    let addr = format!("tcp://{}:{port}", feed.host());
     let mut sock = SubSocket::new();
     tokio::select! {
         _ = cancel.cancelled() => return (p, End::Cancelled),
@@ -155,9 +114,9 @@ async fn session(
     if let Err(e) = sock.subscribe("").await {
         return (p, End::Failed(format!("subscribe {addr}: {e}")));
     }
-    set_connected(&state, &rule, ep, rank, true);
-    tracing::debug!(rule = %rule.spec.name(), ep, rank, %addr, "subscribed");
-    let idle = state.settings.zmq_idle_reconnect;
+    feed.set_connected(true);
+    tracing::debug!(rule = %feed.rule.spec.name(), ep = feed.ep.0, rank = feed.rank.0, %addr, "subscribed");
+    let idle = feed.fleet.settings.zmq_idle_reconnect;
     loop {
         let silence = async {
             if idle.is_zero() {
@@ -170,88 +129,57 @@ async fn session(
             biased;
             _ = cancel.cancelled() => return (p, End::Cancelled),
             msg = sock.recv() => match msg {
-                Ok(m) => handle(&state, &rule, ep, rank, &mut p, m).await,
+                Ok(m) => handle(&feed, &mut p, m).await,
                 Err(e) => return (p, End::Failed(format!("recv {addr}: {e}"))),
             },
             _ = silence => {
-                set_connected(&state, &rule, ep, rank, false);
+                feed.set_connected(false);
                 return (p, End::Idle);
             }
         }
     }
 }
 
-async fn handle(
-    state: &AppState,
-    rule: &Arc<RuleRuntime>,
-    ep: usize,
-    rank: u8,
-    p: &mut Pub,
-    msg: ZmqMessage,
-) {
-    let engine = rule.spec.engine;
+async fn handle(feed: &Feed, p: &mut Pub, msg: ZmqMessage) {
+    let engine = feed.engine();
+    let m = &feed.fleet.metrics;
+    let (ep, rank) = (feed.ep.0, feed.rank.0);
     let frames: Vec<Bytes> = msg.into_vec();
     let refs: Vec<&[u8]> = frames.iter().map(|b| b.as_ref()).collect();
     let Ok((_topic, seq, payload)) = split_frames(&refs) else {
-        state
-            .metrics
-            .decode_errors
-            .with_label_values(&[engine.as_str()])
-            .inc();
+        m.decode_errors.with_label_values(&[engine.as_str()]).inc();
         return;
     };
     match p.seq.observe(seq) {
         SeqVerdict::First | SeqVerdict::InOrder => {}
         SeqVerdict::Duplicate => return,
         v @ (SeqVerdict::Restart | SeqVerdict::Rewind) => {
-            let cause = if v == SeqVerdict::Restart {
-                "restart"
-            } else {
-                "rewind"
-            };
-            tracing::info!(rule = %rule.spec.name(), ep, rank, seq, cause, "publisher restarted or rewound: clearing the endpoint inventory");
-            state
-                .metrics
-                .clears
-                .with_label_values(&[engine.as_str(), cause])
-                .inc();
+            let cause = ClearCause::of(v).unwrap_or(ClearCause::Restart);
+            tracing::info!(rule = %feed.rule.spec.name(), ep, rank, seq, cause = cause.as_str(), "publisher restarted or rewound: clearing the endpoint inventory");
             p.keyer.reset();
-            apply_ops(state, rule, ep, rank, &[IndexOp::Clear]);
+            feed.clear(cause);
         }
         SeqVerdict::Gap { from } => {
-            state
-                .metrics
-                .seq_gaps
-                .with_label_values(&[engine.as_str()])
-                .inc();
-            let replayed = match rule.spec.replay_port {
+            m.seq_gaps.with_label_values(&[engine.as_str()]).inc();
+            let replayed = match feed.rule.spec.replay_port {
                 Some(rp) => {
-                    let raddr = format!(
-                        "tcp://{}:{}",
-                        ip_str(rule, ep),
-                        u32::from(rp) + u32::from(rank)
-                    );
-                    match replay(&raddr, from, seq, state.settings.replay_timeout).await {
+                    let raddr =
+                        format!("tcp://{}:{}", feed.host(), u32::from(rp) + u32::from(rank));
+                    match replay(&raddr, from, seq, feed.fleet.settings.replay_timeout).await {
                         Ok(batches) => {
-                            state
-                                .metrics
-                                .replays
-                                .with_label_values(&[engine.as_str(), "ok"])
-                                .inc();
-                            tracing::info!(rule = %rule.spec.name(), ep, rank, from, to = seq, n = batches.len(), "gap replayed");
+                            m.replays.with_label_values(&[engine.as_str(), "ok"]).inc();
+                            tracing::info!(rule = %feed.rule.spec.name(), ep, rank, from, to = seq, n = batches.len(), "gap replayed");
                             for (bseq, b) in batches {
-                                rule.eps[ep].note_seq(rank, bseq);
-                                apply_payload(state, rule, ep, rank, p, &b);
+                                feed.note_seq(bseq);
+                                apply_payload(feed, p, &b);
                             }
                             true
                         }
                         Err(e) => {
-                            state
-                                .metrics
-                                .replays
+                            m.replays
                                 .with_label_values(&[engine.as_str(), "failed"])
                                 .inc();
-                            tracing::warn!(rule = %rule.spec.name(), ep, rank, "replay failed: {e}");
+                            tracing::warn!(rule = %feed.rule.spec.name(), ep, rank, "replay failed: {e}");
                             false
                         }
                     }
@@ -259,54 +187,38 @@ async fn handle(
                 None => false,
             };
             if !replayed {
-                tracing::warn!(rule = %rule.spec.name(), ep, rank, from, to = seq, "sequence gap: clearing the endpoint inventory");
-                state
-                    .metrics
-                    .clears
-                    .with_label_values(&[engine.as_str(), "gap"])
-                    .inc();
+                tracing::warn!(rule = %feed.rule.spec.name(), ep, rank, from, to = seq, "sequence gap: clearing the endpoint inventory");
                 p.keyer.reset();
-                apply_ops(state, rule, ep, rank, &[IndexOp::Clear]);
+                feed.clear(ClearCause::Gap);
             }
         }
     }
-    rule.eps[ep].note_seq(rank, seq);
-    apply_payload(state, rule, ep, rank, p, payload);
+    feed.note_seq(seq);
+    apply_payload(feed, p, payload);
 }
 
-fn apply_payload(
-    state: &AppState,
-    rule: &Arc<RuleRuntime>,
-    ep: usize,
-    rank: u8,
-    p: &mut Pub,
-    payload: &[u8],
-) {
-    let engine = rule.spec.engine;
+fn apply_payload(feed: &Feed, p: &mut Pub, payload: &[u8]) {
+    let engine = feed.engine();
+    let m = &feed.fleet.metrics;
     match decode_batch(payload, bytes_key(engine)) {
         Ok(batch) => {
             for why in &batch.skips {
-                state
-                    .metrics
-                    .malformed_events
+                m.malformed_events
                     .with_label_values(&[engine.as_str(), why.as_str()])
                     .inc();
             }
             let ops = p.keyer.batch_ops(&batch);
-            apply_ops(state, rule, ep, rank, &ops);
-            if let Some(r) = &p.keyer.parity {
-                *lock(&rule.eps[ep].parity) = Some(r.clone());
-            } else if p.keyer.parity_ok > 0 {
-                *lock(&rule.eps[ep].parity) = None;
+            feed.apply(&ops);
+            if let (Some(e), true) = (
+                feed.endpoint(),
+                p.keyer.parity.is_some() || p.keyer.parity_ok > 0,
+            ) {
+                e.set_parity(p.keyer.parity.clone());
             }
         }
         Err(e) => {
-            state
-                .metrics
-                .decode_errors
-                .with_label_values(&[engine.as_str()])
-                .inc();
-            tracing::debug!(rule = %rule.spec.name(), ep, rank, "undecodable payload: {e}");
+            m.decode_errors.with_label_values(&[engine.as_str()]).inc();
+            tracing::debug!(rule = %feed.rule.spec.name(), ep = feed.ep.0, rank = feed.rank.0, "undecodable payload: {e}");
         }
     }
 }

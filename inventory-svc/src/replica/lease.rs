@@ -8,7 +8,6 @@
 //! (tokens key mode, TensorRT-LLM) need the engine-key map the previous owner held, so those
 //! endpoints are cleared and rebuilt instead.
 
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -16,10 +15,9 @@ use kvroute_core::hash::Engine;
 use tokio_util::sync::CancellationToken;
 
 use super::Replica;
-use crate::index::IndexOp;
-use crate::ingest::{apply_ops, set_connected, spawn_endpoint};
+use crate::fleet::{Fleet, RuleRuntime, StartFeeds};
+use crate::index::{EndpointId, IndexOp};
 use crate::rules::KeyMode;
-use crate::state::{AppState, RuleRuntime};
 
 /// KEYS[1] lease, ARGV[1] replica id, ARGV[2] ms: 1 if we hold it afterwards, else 0.
 const ACQUIRE_OR_RENEW: &str = r"
@@ -40,16 +38,21 @@ if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) 
 return 0
 ";
 
-/// Runs until the rule is cancelled (deleted, replaced, or the service drains).
+/// Runs until the rule is cancelled (deleted, replaced, or the service drains); `start` starts
+/// the endpoint's feeds while the lease is held.
 pub(super) async fn run(
     rep: Arc<Replica>,
-    state: Arc<AppState>,
+    state: Arc<Fleet>,
     rule: Arc<RuleRuntime>,
-    ep: usize,
+    ep: EndpointId,
+    start: StartFeeds,
 ) {
-    let key = rep.lease_key(&rule, ep);
+    let Some(endpoint) = rule.ep(ep) else {
+        return;
+    };
+    let key = rep.lease_key(&rule, usize::from(ep.0));
     let name = rule.spec.name();
-    let ep_label = ep.to_string();
+    let ep_label = ep.0.to_string();
     let owned_gauge = state
         .metrics
         .lease_owned
@@ -69,9 +72,9 @@ pub(super) async fn run(
             .await;
         match (held, ingest.is_some()) {
             (Ok(1), false) => {
-                let token = rule.cancel.child_token();
+                let token = rule.child_token();
                 take_over(&state, &rule, ep);
-                spawn_endpoint(&state, &rule, ep, &token);
+                start(&token);
                 ingest = Some(token);
                 owned_gauge.set(1);
                 state
@@ -79,16 +82,16 @@ pub(super) async fn run(
                     .lease_changes
                     .with_label_values(&["acquired"])
                     .inc();
-                tracing::info!(rule = %name, ep, replica = %rep.id, "endpoint lease acquired: ingesting");
+                tracing::info!(rule = %name, ep = ep.0, replica = %rep.id, "endpoint lease acquired: ingesting");
             }
             (Ok(1), true) => {}
             (Ok(_), true) => {
                 if let Some(t) = ingest.take() {
                     t.cancel();
                 }
-                rule.eps[ep].owned.store(false, Ordering::Relaxed);
-                for rank in 0..rule.spec.dp_ranks.max(1) {
-                    set_connected(&state, &rule, ep, rank, false);
+                endpoint.set_owned(false);
+                for rank in rule.ranks() {
+                    state.set_connected(&rule, ep, rank, false);
                 }
                 owned_gauge.set(0);
                 state
@@ -96,7 +99,7 @@ pub(super) async fn run(
                     .lease_changes
                     .with_label_values(&["lost"])
                     .inc();
-                tracing::warn!(rule = %name, ep, replica = %rep.id, "endpoint lease held by another replica: ingestion stopped here");
+                tracing::warn!(rule = %name, ep = ep.0, replica = %rep.id, "endpoint lease held by another replica: ingestion stopped here");
             }
             (Ok(_), false) => {}
             (Err(e), owned) => {
@@ -105,16 +108,16 @@ pub(super) async fn run(
                     .redis_errors
                     .with_label_values(&["lease"])
                     .inc();
-                tracing::debug!(rule = %name, ep, owned, "lease renewal failed: {e}");
+                tracing::debug!(rule = %name, ep = ep.0, owned, "lease renewal failed: {e}");
             }
         }
         tokio::select! {
-            _ = rule.cancel.cancelled() => break,
+            _ = rule.stopped() => break,
             _ = tokio::time::sleep(period) => {}
         }
     }
     if ingest.is_some() {
-        rule.eps[ep].owned.store(false, Ordering::Relaxed);
+        endpoint.set_owned(false);
         // Hand over at once on a graceful stop instead of after the lease expires.
         let release = redis::Script::new(RELEASE);
         let r = tokio::time::timeout(
@@ -134,24 +137,23 @@ pub(super) async fn run(
         }
     }
     // The series stays: a replacing rule's loop owns it now, and a deleted rule's series are
-    // dropped by `api::uninstall_rule`.
+    // dropped by `Fleet::uninstall`.
 }
 
 /// Marks the endpoint owned, schedules its snapshot, and clears what cannot be continued.
-fn take_over(state: &AppState, rule: &Arc<RuleRuntime>, ep: usize) {
-    let e = &rule.eps[ep];
-    e.owned.store(true, Ordering::Relaxed);
-    e.dirty.store(true, Ordering::Relaxed);
+fn take_over(state: &Fleet, rule: &Arc<RuleRuntime>, ep: EndpointId) {
+    let Some(e) = rule.ep(ep) else { return };
+    e.set_owned(true);
+    e.mark_dirty();
     let rederived = rule.spec.key_mode == KeyMode::Tokens || rule.spec.engine == Engine::Trtllm;
-    let has_blocks = rule.index.block_count(crate::index::EndpointId(ep as u8)) > 0;
-    if rederived && has_blocks {
+    if rederived && rule.block_count(ep) > 0 {
         state
             .metrics
             .clears
             .with_label_values(&[rule.spec.engine.as_str(), "takeover"])
             .inc();
-        for rank in 0..rule.spec.dp_ranks.max(1) {
-            apply_ops(state, rule, ep, rank, &[IndexOp::Clear]);
+        for rank in rule.ranks() {
+            state.apply_ops(rule, ep, rank, &[IndexOp::Clear]);
         }
     }
 }

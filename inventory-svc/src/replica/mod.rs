@@ -22,8 +22,7 @@ mod tailer;
 mod writer;
 
 use std::collections::HashMap;
-use std::sync::atomic::Ordering;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
 use anyhow::Context;
@@ -32,10 +31,12 @@ use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::IntoConnectionInfo;
 use tokio::sync::mpsc;
 
-use crate::index::IndexOp;
+use crate::fleet::{Fleet, Origin, Replication, RuleRuntime, StartFeeds};
+use crate::index::{EndpointId, IndexOp, Rank};
+use crate::metrics::Metrics;
 use crate::score::Update;
 use crate::settings::RedisSettings;
-use crate::state::{lock, AppState, RuleRuntime};
+use crate::sync::lock;
 use codec::{Entry, StreamId};
 
 /// Entries waiting for the writer; past this an endpoint is marked dirty instead (its next
@@ -74,12 +75,18 @@ pub struct Replica {
     known_rules: Mutex<HashMap<String, u64>>,
     /// Log key -> position the tailer has applied up to.
     tailed: Mutex<HashMap<String, StreamId>>,
+    metrics: Arc<Metrics>,
+    /// `KVROUTE_SPEC_TTL_MS`: how long a replicated decision's speculative credit lasts.
+    spec_ttl: Duration,
+    /// This replica's own handle, for the lease tasks it spawns.
+    me: Weak<Replica>,
 }
 
 impl Replica {
     /// Connects (lazily: a Redis that is down at start is retried) and starts the writer. Call
-    /// before installing rules so their endpoints start under leases; then [`Self::start_tailer`].
-    pub fn start(state: &Arc<AppState>, cfg: RedisSettings) -> anyhow::Result<Arc<Replica>> {
+    /// before installing rules and hand it to [`Fleet::set_replication`], so their endpoints
+    /// start under leases; then [`Self::start_tailer`].
+    pub fn start(fleet: &Arc<Fleet>, cfg: RedisSettings) -> anyhow::Result<Arc<Replica>> {
         if cfg.url.starts_with("rediss://") {
             // redis-rs' rustls connector uses the process-wide provider; ours is ring.
             let _ = tokio_rustls::rustls::crypto::ring::default_provider().install_default();
@@ -111,7 +118,7 @@ impl Replica {
         let id = cfg.replica_id.clone().unwrap_or_else(default_id);
         let origin = format!("{id}#{:08x}", nonce());
         let (tx, rx) = mpsc::channel(OUTBOX);
-        let rep = Arc::new(Replica {
+        let rep = Arc::new_cyclic(|me| Replica {
             id,
             origin,
             cfg,
@@ -120,16 +127,19 @@ impl Replica {
             tx,
             known_rules: Mutex::new(HashMap::new()),
             tailed: Mutex::new(HashMap::new()),
+            metrics: fleet.metrics.clone(),
+            spec_ttl: fleet.settings.spec_ttl,
+            me: me.clone(),
         });
         tracing::info!(replica = %rep.id, url = %redact(&rep.cfg.url), prefix = %rep.cfg.prefix, "replication through Redis");
-        tokio::spawn(writer::run(rep.clone(), state.clone(), rx));
+        tokio::spawn(writer::run(rep.clone(), fleet.clone(), rx));
         Ok(rep)
     }
 
     /// Starts tailing the logs. Call after the rules file is installed, so a rule this replica
     /// was configured with is not first installed from Redis and then replaced.
-    pub fn start_tailer(self: &Arc<Self>, state: &Arc<AppState>) {
-        tokio::spawn(tailer::run(self.clone(), state.clone()));
+    pub fn start_tailer(self: &Arc<Self>, fleet: &Arc<Fleet>) {
+        tokio::spawn(tailer::run(self.clone(), fleet.clone()));
     }
 
     /// `PREFIX:{RULE#GEN}`: every key of one rule generation shares the hash tag.
@@ -170,46 +180,67 @@ impl Replica {
     /// Keys of a rule generation (log, snapshots, leases).
     fn rule_keys(&self, rule: &RuleRuntime) -> Vec<String> {
         let mut v = vec![self.log_key(rule)];
-        for ep in 0..rule.eps.len() {
+        for ep in 0..rule.eps().len() {
             v.push(self.snap_key(rule, ep));
             v.push(self.lease_key(rule, ep));
         }
         v
     }
 
-    fn send(&self, state: &AppState, rule: Option<(&RuleRuntime, usize)>, out: Out) {
+    fn send(&self, rule: Option<(&RuleRuntime, EndpointId)>, out: Out) {
         if self.tx.try_send(out).is_err() {
-            state
-                .metrics
+            self.metrics
                 .repl_entries
                 .with_label_values(&["dropped"])
                 .inc();
-            if let Some((rule, ep)) = rule {
-                if let Some(e) = rule.eps.get(ep) {
-                    e.dirty.store(true, Ordering::Relaxed);
-                }
+            if let Some(e) = rule.and_then(|(rule, ep)| rule.ep(ep)) {
+                e.mark_dirty();
             }
         }
     }
 
-    /// Replicates what this replica (the owner) applied for `(ep, rank)`.
-    pub fn ops(
-        &self,
-        state: &AppState,
-        rule: &Arc<RuleRuntime>,
-        ep: usize,
-        rank: u8,
-        ops: &[IndexOp],
-    ) {
-        let seq = rule.eps.get(ep).and_then(|e| e.last_seq(rank));
+    /// Where the tailer stands in `log_key` (entries up to it are applied here).
+    fn tailed_to(&self, log_key: &str) -> Option<StreamId> {
+        lock(&self.tailed).get(log_key).copied()
+    }
+}
+
+impl Replication for Replica {
+    /// Stores a rule installed through this replica (API or config file) and tells the others;
+    /// the keys of the generation it replaced are dropped.
+    fn rule_installed(&self, rule: &RuleRuntime, replaced: Option<&RuleRuntime>, origin: Origin) {
+        let name = rule.spec.name();
+        lock(&self.known_rules).insert(name.clone(), rule.generation);
+        if origin == Origin::Peer {
+            return;
+        }
+        let garbage = replaced
+            .filter(|old| old.generation != rule.generation)
+            .map(|old| self.rule_keys(old))
+            .unwrap_or_default();
+        let raw = rule.spec.raw_json().to_string();
+        self.send(None, Out::RulePut { name, raw, garbage });
+    }
+
+    fn rule_removed(&self, rule: &RuleRuntime, origin: Origin) {
+        let name = rule.spec.name();
+        lock(&self.known_rules).remove(&name);
+        if origin == Origin::Peer {
+            return;
+        }
+        let garbage = self.rule_keys(rule);
+        self.send(None, Out::RuleDel { name, garbage });
+    }
+
+    fn ops(&self, rule: &Arc<RuleRuntime>, ep: EndpointId, rank: Rank, ops: &[IndexOp]) {
+        let seq = rule.ep(ep).and_then(|e| e.last_seq(rank));
         let entry = Entry::Ops {
-            ep: ep as u8,
-            rank,
+            ep: ep.0,
+            rank: rank.0,
             seq,
             ops: ops.to_vec(),
         };
         self.send(
-            state,
             Some((rule, ep)),
             Out::Entry {
                 rule: rule.clone(),
@@ -218,23 +249,20 @@ impl Replica {
         );
     }
 
-    /// Replicates a routing decision (speculative credit, placement memory, in-flight load).
-    pub fn decision(
+    fn decision(
         &self,
-        state: &AppState,
         rule: &Arc<RuleRuntime>,
-        ep: usize,
+        ep: EndpointId,
         update: Option<Update>,
         keys: &[BlockKey],
     ) {
         let entry = Entry::Decision {
-            ep: ep as u8,
+            ep: ep.0,
             update,
-            ttl_ms: u32::try_from(state.settings.spec_ttl.as_millis()).unwrap_or(u32::MAX),
+            ttl_ms: u32::try_from(self.spec_ttl.as_millis()).unwrap_or(u32::MAX),
             keys: keys.to_vec(),
         };
         self.send(
-            state,
             None,
             Out::Entry {
                 rule: rule.clone(),
@@ -243,40 +271,15 @@ impl Replica {
         );
     }
 
-    /// A rule installed through this replica (API or config file): store it and tell the others.
-    /// `replaced` is the runtime it replaced, whose replication keys are dropped.
-    pub fn rule_put(&self, state: &AppState, rule: &RuleRuntime, replaced: Option<&RuleRuntime>) {
-        let name = rule.spec.name();
-        lock(&self.known_rules).insert(name.clone(), rule.generation);
-        let garbage = replaced
-            .filter(|old| old.generation != rule.generation)
-            .map(|old| self.rule_keys(old))
-            .unwrap_or_default();
-        let raw = rule.spec.raw_json().to_string();
-        self.send(state, None, Out::RulePut { name, raw, garbage });
+    /// Runs the endpoint's ownership loop: its feeds run while this replica holds the lease.
+    fn own(&self, fleet: &Arc<Fleet>, rule: &Arc<RuleRuntime>, ep: EndpointId, start: StartFeeds) {
+        if let Some(me) = self.me.upgrade() {
+            tokio::spawn(lease::run(me, fleet.clone(), rule.clone(), ep, start));
+        }
     }
 
-    /// A rule deleted through this replica.
-    pub fn rule_del(&self, state: &AppState, rule: &RuleRuntime) {
-        let name = rule.spec.name();
-        lock(&self.known_rules).remove(&name);
-        let garbage = self.rule_keys(rule);
-        self.send(state, None, Out::RuleDel { name, garbage });
-    }
-
-    /// Runs the ownership loop of one endpoint (it starts ingestion while this replica holds the lease).
-    pub fn spawn_lease(
-        self: &Arc<Self>,
-        state: &Arc<AppState>,
-        rule: &Arc<RuleRuntime>,
-        ep: usize,
-    ) {
-        tokio::spawn(lease::run(self.clone(), state.clone(), rule.clone(), ep));
-    }
-
-    /// Where the tailer stands in `log_key` (entries up to it are applied here).
-    fn tailed_to(&self, log_key: &str) -> Option<StreamId> {
-        lock(&self.tailed).get(log_key).copied()
+    fn replica_id(&self) -> Option<&str> {
+        Some(&self.id)
     }
 }
 

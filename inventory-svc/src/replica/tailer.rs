@@ -7,7 +7,6 @@
 //! rule (snapshots + tail) once Redis answers again, and the outage is reported as the gap.
 
 use std::collections::HashMap;
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -17,9 +16,8 @@ use redis::Value;
 
 use super::codec::{decode_batch, Entry, Snapshot, StreamId};
 use super::{lock, now_ms, Replica};
-use crate::index::{EndpointId, IndexOp};
-use crate::ingest::{apply_local, kv_endpoints};
-use crate::state::{AppState, RuleRuntime};
+use crate::fleet::{Fleet, Origin, RuleRuntime};
+use crate::index::{EndpointId, IndexOp, Rank};
 
 /// Entries read per call and how long one read blocks.
 const COUNT: usize = 1000;
@@ -32,7 +30,7 @@ struct Tail {
     skip: Vec<StreamId>,
 }
 
-pub(super) async fn run(rep: Arc<Replica>, state: Arc<AppState>) {
+pub(super) async fn run(rep: Arc<Replica>, state: Arc<Fleet>) {
     // Its own connection: a blocking XREAD would stall the writer's pipeline.
     let Ok(mut conn) = super::manager(&rep.client, Duration::from_millis(BLOCK_MS + 2000)) else {
         tracing::error!("replication tailer: cannot create a Redis connection");
@@ -94,7 +92,7 @@ pub(super) async fn run(rep: Arc<Replica>, state: Arc<AppState>) {
 /// Installs the stored rules this replica does not hold yet; returns where to tail the rule log.
 async fn bootstrap_rules(
     rep: &Replica,
-    state: &Arc<AppState>,
+    state: &Arc<Fleet>,
     conn: &mut redis::aio::ConnectionManager,
 ) -> redis::RedisResult<StreamId> {
     // Position first, then the set: a change in between is seen twice, which is harmless.
@@ -114,7 +112,7 @@ async fn bootstrap_rules(
 }
 
 /// Applies a rule stored by another replica (unless this replica already holds that generation).
-fn put_rule(rep: &Replica, state: &Arc<AppState>, name: &str, raw: &str) {
+fn put_rule(rep: &Replica, state: &Arc<Fleet>, name: &str, raw: &str) {
     let Ok(v) = serde_json::from_str::<serde_json::Value>(raw) else {
         tracing::warn!(rule = name, "replicated rule is not JSON: ignored");
         return;
@@ -125,9 +123,9 @@ fn put_rule(rep: &Replica, state: &Arc<AppState>, name: &str, raw: &str) {
             if lock(&rep.known_rules).get(name) == Some(&gen) {
                 return;
             }
-            match crate::api::install_rule(state, spec) {
-                Ok(rt) => {
-                    lock(&rep.known_rules).insert(name.to_owned(), rt.generation);
+            match state.install(spec, Origin::Peer) {
+                Ok(done) => {
+                    lock(&rep.known_rules).insert(name.to_owned(), done.rule.generation);
                     tracing::info!(rule = name, "rule replicated from another replica");
                 }
                 Err(e) => tracing::warn!(rule = name, "replicated rule rejected here: {e:?}"),
@@ -140,7 +138,7 @@ fn put_rule(rep: &Replica, state: &Arc<AppState>, name: &str, raw: &str) {
 /// Starts tailing new rules (bootstrapping them from snapshots) and forgets deleted ones.
 async fn sync_tails(
     rep: &Replica,
-    state: &AppState,
+    state: &Fleet,
     conn: &mut redis::aio::ConnectionManager,
     tails: &mut HashMap<String, Tail>,
 ) -> redis::RedisResult<()> {
@@ -160,10 +158,11 @@ async fn sync_tails(
             continue;
         }
         let head = last_id(conn, &key).await?;
-        let mut skip = vec![head; rule.eps.len()];
+        let mut skip = vec![head; rule.eps().len()];
         let mut pos = head;
-        for ep in kv_endpoints(&rule) {
-            let at = if rule.eps[ep].owned.load(Ordering::Relaxed) {
+        for ep in rule.kv_endpoints() {
+            let owned = rule.ep(ep).is_some_and(|e| e.owned());
+            let at = if owned {
                 // Ours: live and newer than anything logged so far; only new entries apply.
                 head
             } else {
@@ -171,7 +170,7 @@ async fn sync_tails(
                     .await?
                     .unwrap_or_default()
             };
-            skip[ep] = at;
+            skip[usize::from(ep.0)] = at;
             pos = pos.min(at);
         }
         lock(&rep.tailed).insert(key.clone(), pos);
@@ -203,54 +202,52 @@ async fn last_id(
 /// (`None` if there is none: the endpoint keeps what it has).
 async fn load_snapshot(
     rep: &Replica,
-    state: &AppState,
+    state: &Fleet,
     conn: &mut redis::aio::ConnectionManager,
     rule: &RuleRuntime,
-    ep: usize,
+    ep: EndpointId,
     cause: &str,
 ) -> redis::RedisResult<Option<StreamId>> {
+    let Some(e) = rule.ep(ep) else {
+        return Ok(None);
+    };
     let bytes: Option<Vec<u8>> = redis::cmd("GET")
-        .arg(rep.snap_key(rule, ep))
+        .arg(rep.snap_key(rule, usize::from(ep.0)))
         .query_async(conn)
         .await?;
     let Some(bytes) = bytes else { return Ok(None) };
     let snap = match Snapshot::decode(&bytes) {
         Ok(s) => s,
         Err(e) => {
-            tracing::warn!(rule = %rule.spec.name(), ep, "undecodable snapshot ignored: {e}");
+            tracing::warn!(rule = %rule.spec.name(), ep = ep.0, "undecodable snapshot ignored: {e}");
             return Ok(None);
         }
     };
-    let e = &rule.eps[ep];
     // Apply the difference, not clear-and-store: queries keep a whole view, and the write lock
     // is held for what changed (usually little) instead of the endpoint's whole inventory.
-    let mut have: HashMap<u8, Vec<BlockKey>> = rule
-        .index
-        .export(EndpointId(ep as u8))
-        .into_iter()
-        .map(|(r, k)| (r.0, k))
-        .collect();
+    let mut have: HashMap<u8, Vec<BlockKey>> =
+        rule.export(ep).into_iter().map(|(r, k)| (r.0, k)).collect();
     for r in snap.ranks {
+        let rank = Rank(r.rank);
         if let Some(seq) = r.seq {
-            e.note_seq(r.rank, seq);
+            e.note_seq(rank, seq);
         }
         let old = have.remove(&r.rank).unwrap_or_default();
         let (gone, new) = diff(old, r.keys);
-        apply_local(
-            state,
+        state.apply_replicated(
             rule,
             ep,
-            r.rank,
+            rank,
             &[IndexOp::Remove(gone), IndexOp::Store(new)],
         );
     }
     for (rank, old) in have {
-        apply_local(state, rule, ep, rank, &[IndexOp::Remove(old)]);
+        state.apply_replicated(rule, ep, Rank(rank), &[IndexOp::Remove(old)]);
     }
     let m = &state.metrics;
     m.snapshot_loads.with_label_values(&[cause]).inc();
     m.snapshot_age
-        .with_label_values(&[&rule.spec.name(), &ep.to_string()])
+        .with_label_values(&[&rule.spec.name(), &ep.0.to_string()])
         .set(now_ms().saturating_sub(snap.taken_ms) as f64 / 1000.0);
     Ok(StreamId::parse(&snap.upto))
 }
@@ -288,7 +285,7 @@ fn diff(mut old: Vec<BlockKey>, mut new: Vec<BlockKey>) -> (Vec<BlockKey>, Vec<B
 /// One blocking read over every tailed log and the rule log; applies what arrives.
 async fn read_once(
     rep: &Replica,
-    state: &Arc<AppState>,
+    state: &Arc<Fleet>,
     conn: &mut redis::aio::ConnectionManager,
     tails: &mut HashMap<String, Tail>,
     rules_pos: &mut Option<StreamId>,
@@ -345,7 +342,7 @@ async fn read_once(
                 .observe(now.saturating_sub(id.ms) as f64 / 1000.0);
             for entry in entries {
                 let ep = entry.ep() as usize;
-                if ep >= t.rule.eps.len() || id <= t.skip[ep] {
+                if ep >= t.rule.eps().len() || id <= t.skip[ep] {
                     continue;
                 }
                 m.repl_entries.with_label_values(&["applied"]).inc();
@@ -360,7 +357,7 @@ async fn read_once(
 
 async fn apply_entry(
     rep: &Replica,
-    state: &AppState,
+    state: &Fleet,
     conn: &mut redis::aio::ConnectionManager,
     t: &mut Tail,
     id: StreamId,
@@ -369,11 +366,11 @@ async fn apply_entry(
     let rule = &t.rule;
     match entry {
         Entry::Ops { ep, rank, seq, ops } => {
-            let ep = ep as usize;
-            if let Some(s) = seq {
-                rule.eps[ep].note_seq(rank, s);
+            let (ep, rank) = (EndpointId(ep), Rank(rank));
+            if let (Some(s), Some(e)) = (seq, rule.ep(ep)) {
+                e.note_seq(rank, s);
             }
-            apply_local(state, rule, ep, rank, &ops);
+            state.apply_replicated(rule, ep, rank, &ops);
         }
         Entry::Decision {
             ep,
@@ -381,37 +378,24 @@ async fn apply_entry(
             ttl_ms,
             keys,
         } => {
-            let now = Instant::now();
-            let ep = ep as usize;
             // Credit only what is left of the decision's time to live.
             let age = now_ms().saturating_sub(id.ms);
             let left = u64::from(ttl_ms).saturating_sub(age);
-            if left > 0 && !keys.is_empty() {
-                // As the deciding replica does: only the keys past what the endpoint holds.
-                let mut held = Vec::new();
-                rule.index.match_prefix(&keys, now, &mut held);
-                let from = held.get(ep).map_or(0, |&n| n as usize);
-                if let Some(unheld) = keys.get(from..).filter(|k| !k.is_empty()) {
-                    rule.index.speculate(
-                        EndpointId(ep as u8),
-                        unheld,
-                        now,
-                        Duration::from_millis(left),
-                    );
-                }
-            }
-            if let Some(u) = update {
-                rule.memory.record(&keys, ep, u, now);
-            }
-            if age < state.settings.inflight_window.as_millis() as u64 {
-                rule.eps[ep].record_decision(now);
-            }
+            state.apply_peer_decision(
+                rule,
+                EndpointId(ep),
+                update,
+                &keys,
+                Duration::from_millis(age),
+                Duration::from_millis(left),
+            );
         }
         Entry::Snapshot { ep, resync } => {
-            let ep = ep as usize;
-            if resync && !rule.eps[ep].owned.load(Ordering::Relaxed) {
+            let ep = EndpointId(ep);
+            let owned = rule.ep(ep).is_some_and(|e| e.owned());
+            if resync && !owned {
                 if let Some(at) = load_snapshot(rep, state, conn, rule, ep, "marker").await? {
-                    t.skip[ep] = at.max(id);
+                    t.skip[usize::from(ep.0)] = at.max(id);
                 }
             }
         }
@@ -419,7 +403,7 @@ async fn apply_entry(
     Ok(())
 }
 
-fn apply_rule_entry(rep: &Replica, state: &Arc<AppState>, e: &redis::streams::StreamId) {
+fn apply_rule_entry(rep: &Replica, state: &Arc<Fleet>, e: &redis::streams::StreamId) {
     let origin: Option<String> = e.get("o");
     if origin.as_deref() == Some(rep.origin.as_str()) {
         return;
@@ -435,7 +419,7 @@ fn apply_rule_entry(rep: &Replica, state: &Arc<AppState>, e: &redis::streams::St
         }
         "del" => {
             lock(&rep.known_rules).remove(&name);
-            if crate::api::uninstall_rule(state, &name).is_some() {
+            if state.uninstall(&name, Origin::Peer).is_some() {
                 tracing::info!(rule = %name, "rule deletion replicated from another replica");
             }
         }

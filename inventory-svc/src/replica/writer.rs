@@ -10,7 +10,6 @@
 //! rules re-stored (an empty, restarted Redis is rebuilt from the replicas' memory).
 
 use std::collections::HashMap;
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -18,9 +17,8 @@ use tokio::sync::mpsc;
 
 use super::codec::{encode_batch, Entry, RankSnap, Snapshot, StreamId};
 use super::{now_ms, Out, Replica};
+use crate::fleet::{Fleet, RuleRuntime};
 use crate::index::EndpointId;
-use crate::ingest::kv_endpoints;
-use crate::state::{lock, AppState, RuleRuntime};
 
 /// Entries written per pipeline round trip.
 const BATCH: usize = 512;
@@ -30,14 +28,14 @@ const COALESCE: Duration = Duration::from_millis(1);
 
 struct Writer {
     rep: Arc<Replica>,
-    state: Arc<AppState>,
+    state: Arc<Fleet>,
     conn: redis::aio::ConnectionManager,
     /// (log key, ep) -> id of the last entry this replica appended for the endpoint.
     appended: HashMap<(String, u8), StreamId>,
     down_since: Option<Instant>,
 }
 
-pub(super) async fn run(rep: Arc<Replica>, state: Arc<AppState>, mut rx: mpsc::Receiver<Out>) {
+pub(super) async fn run(rep: Arc<Replica>, state: Arc<Fleet>, mut rx: mpsc::Receiver<Out>) {
     let mut w = Writer {
         conn: rep.conn.clone(),
         rep,
@@ -241,9 +239,9 @@ impl Writer {
             tracing::info!(replica = %self.rep.id, gap_ms = gap.as_millis() as u64, "Redis back: rewriting owned snapshots and rules");
             self.restore_rules().await;
             for rule in self.state.rules() {
-                for e in &rule.eps {
-                    if e.owned.load(Ordering::Relaxed) {
-                        e.dirty.store(true, Ordering::Relaxed);
+                for e in rule.eps() {
+                    if e.owned() {
+                        e.mark_dirty();
                     }
                 }
             }
@@ -279,22 +277,20 @@ impl Writer {
             if !rule.spec.kv_enabled() {
                 continue;
             }
-            for ep in kv_endpoints(&rule) {
-                let e = &rule.eps[ep];
-                if !e.owned.load(Ordering::Relaxed) {
+            for ep in rule.kv_endpoints() {
+                let Some(e) = rule.ep(ep) else { continue };
+                if !e.owned() {
                     continue;
                 }
-                let last = *lock(&e.snapshot_at);
-                let due =
-                    e.dirty.load(Ordering::Relaxed) || last.is_none_or(|t| t.elapsed() >= interval);
+                let due = e.is_dirty() || e.snapshot_at().is_none_or(|t| t.elapsed() >= interval);
                 if due && self.down_since.is_none() {
                     self.snapshot(&rule, ep).await;
                 }
-                if let Some(t) = *lock(&e.snapshot_at) {
+                if let Some(t) = e.snapshot_at() {
                     self.state
                         .metrics
                         .snapshot_age
-                        .with_label_values(&[&rule.spec.name(), &ep.to_string()])
+                        .with_label_values(&[&rule.spec.name(), &ep.0.to_string()])
                         .set(t.elapsed().as_secs_f64());
                 }
             }
@@ -302,28 +298,27 @@ impl Writer {
     }
 
     /// Writes endpoint `ep`'s snapshot and its marker atomically.
-    async fn snapshot(&mut self, rule: &Arc<RuleRuntime>, ep: usize) {
-        let e = &rule.eps[ep];
+    async fn snapshot(&mut self, rule: &Arc<RuleRuntime>, ep: EndpointId) {
+        let Some(e) = rule.ep(ep) else { return };
         // Clear before exporting: a change racing with the export marks it dirty again.
-        let resync = e.dirty.swap(false, Ordering::Relaxed);
+        let resync = e.take_dirty();
         let log = self.rep.log_key(rule);
-        let mine = self.appended.get(&(log.clone(), ep as u8)).copied();
+        let mine = self.appended.get(&(log.clone(), ep.0)).copied();
         let tailed = self.rep.tailed_to(&log);
         let upto = mine.max(tailed).unwrap_or_default();
         let mut ranks: Vec<RankSnap> = rule
-            .index
-            .export(EndpointId(ep as u8))
+            .export(ep)
             .into_iter()
             .map(|(r, keys)| RankSnap {
                 rank: r.0,
-                seq: e.last_seq(r.0),
+                seq: e.last_seq(r),
                 keys,
             })
             .collect();
-        for rank in 0..rule.spec.dp_ranks.max(1) {
-            if !ranks.iter().any(|r| r.rank == rank) {
+        for rank in rule.ranks() {
+            if !ranks.iter().any(|r| r.rank == rank.0) {
                 ranks.push(RankSnap {
-                    rank,
+                    rank: rank.0,
                     seq: e.last_seq(rank),
                     keys: Vec::new(),
                 });
@@ -339,35 +334,29 @@ impl Writer {
         let mut pipe = redis::pipe();
         pipe.atomic();
         pipe.cmd("SET")
-            .arg(self.rep.snap_key(rule, ep))
+            .arg(self.rep.snap_key(rule, usize::from(ep.0)))
             .arg(bytes)
             .ignore();
         xadd(&mut pipe, &log, self.maxlen())
             .arg("o")
             .arg(&self.rep.origin)
             .arg("d")
-            .arg(
-                Entry::Snapshot {
-                    ep: ep as u8,
-                    resync,
-                }
-                .encode(),
-            );
+            .arg(Entry::Snapshot { ep: ep.0, resync }.encode());
         let m = &self.state.metrics;
         match pipe.query_async::<Vec<String>>(&mut self.conn).await {
             Ok(ids) => {
                 if let Some(id) = ids.first().and_then(|i| StreamId::parse(i)) {
-                    self.appended.insert((log, ep as u8), id);
+                    self.appended.insert((log, ep.0), id);
                 }
-                *lock(&e.snapshot_at) = Some(Instant::now());
-                let labels = [rule.spec.name(), ep.to_string()];
+                e.snapshot_written(Instant::now());
+                let labels = [rule.spec.name(), ep.0.to_string()];
                 m.snapshot_bytes
                     .with_label_values(&[&labels[0], &labels[1]])
                     .set(size as i64);
                 m.snapshots_written.inc();
             }
             Err(err) => {
-                e.dirty.store(true, Ordering::Relaxed);
+                e.mark_dirty();
                 m.redis_errors.with_label_values(&["snapshot"]).inc();
                 self.went_down(&err);
             }
@@ -387,8 +376,8 @@ fn xadd<'a>(pipe: &'a mut redis::Pipeline, key: &str, maxlen: u64) -> &'a mut re
 
 fn mark_dirty(touched: &[(Arc<RuleRuntime>, u8)]) {
     for (rule, ep) in touched {
-        if let Some(e) = rule.eps.get(*ep as usize) {
-            e.dirty.store(true, Ordering::Relaxed);
+        if let Some(e) = rule.ep(EndpointId(*ep)) {
+            e.mark_dirty();
         }
     }
 }

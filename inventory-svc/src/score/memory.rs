@@ -36,7 +36,7 @@ use std::time::{Duration, Instant};
 
 use kvroute_core::hash::BlockKey;
 
-use crate::state::lock;
+use crate::sync::lock;
 
 /// Shallowest block index remembered (4 blocks).
 const FIRST_LEVEL: usize = 3;

@@ -31,7 +31,7 @@ use kvroute_core::segments::{CacheLimits, SegmentEncoder};
 use kvroute_core::tokenize::{TokenizeError, Tokenizer};
 use serde_json::{json, Value};
 
-use crate::state::lock;
+use crate::sync::lock;
 
 /// A staged tokenizer and its chat template (absent when the config has none).
 pub struct Loaded {

@@ -1,0 +1,216 @@
+//! Routing one request: observe the rule's endpoints, score (the pure policy in
+//! [`crate::score`]), and commit the decision's side effects in one step.
+//!
+//! Committing (skipped when the question only asks to explain) is where every effect of a
+//! decision happens, in this order: the decision counters and metrics, the in-flight estimate of
+//! the chosen (and decode) endpoint, speculative credit for the keys past what the endpoint
+//! holds, the placement memory, and the replication message that makes the other replicas do
+//! the same.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvroute_core::hash::BlockKey;
+
+use super::rule::RuleRuntime;
+use super::Fleet;
+use crate::index::EndpointId;
+use crate::score::{decide, Decision, EpView, HashRing, Reason, Recall, ScoreInput, Tier, Update};
+
+/// Most keys one request may carry (a 2 MiB body holds fewer anyway).
+pub const MAX_KEYS: usize = 1 << 16;
+
+/// One routing question, after parsing (and offloaded tokenization).
+pub struct Question<'a> {
+    /// Block keys in prompt order.
+    pub keys: &'a [BlockKey],
+    /// Prompt length in tokens.
+    pub token_count: u32,
+    /// Tenant identity or client IP, for sticky fallback.
+    pub affinity_key: Option<&'a str>,
+    pub model: Option<&'a str>,
+    /// Decide without committing anything.
+    pub explain: bool,
+}
+
+/// Why a question has no answer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RouteError {
+    /// More keys than [`MAX_KEYS`].
+    TooManyKeys(usize),
+    /// No endpoint of the rule is healthy and eligible.
+    NoEndpoint,
+}
+
+/// A decision and what it was made from.
+pub struct Routed {
+    pub decision: Decision,
+    /// The chosen endpoint (the decision's `ep`, present when routed).
+    pub ep: usize,
+    /// Every endpoint as the scorer saw it.
+    pub views: Vec<EpView>,
+    /// The placement memory's answer.
+    pub recall: Option<Recall>,
+}
+
+impl Fleet {
+    /// Decides `q` for `rule` at `now`, and (unless `q.explain`) commits the decision.
+    pub fn route(
+        &self,
+        rule: &Arc<RuleRuntime>,
+        q: &Question<'_>,
+        now: Instant,
+    ) -> Result<Routed, RouteError> {
+        if q.keys.len() > MAX_KEYS {
+            return Err(RouteError::TooManyKeys(q.keys.len()));
+        }
+        let views = self.observe(rule, q.keys, now);
+        // Explain peeks: the same recall without counting it toward the family's heat.
+        let recall = match q.explain {
+            true => rule.memory.peek(q.keys, now),
+            false => rule.memory.recall(q.keys, now),
+        };
+        let s = &self.settings;
+        let affinity = q
+            .affinity_key
+            .map(|a| match (s.affinity_scope_model, q.model) {
+                (true, Some(m)) => HashRing::key_hash(&format!("{a}\u{0}{m}")),
+                _ => HashRing::key_hash(a),
+            });
+        let decision = decide(&ScoreInput {
+            exact_mode: rule.spec.exact_mode,
+            kv_enabled: rule.spec.kv_enabled(),
+            sel: rule.spec.sel,
+            eps: &views,
+            n_keys: q.keys.len(),
+            token_count: q.token_count,
+            affinity,
+            ring: &rule.ring,
+            hit_seq: rule.hit_seq.load(Ordering::Relaxed),
+            rr_seq: rule.rr_seq.load(Ordering::Relaxed),
+            recall,
+            settings: s,
+        });
+        if !q.explain {
+            self.commit(rule, &decision, q.keys, now);
+        }
+        let ep = decision.ep.ok_or(RouteError::NoEndpoint)?;
+        Ok(Routed {
+            decision,
+            ep,
+            views,
+            recall,
+        })
+    }
+
+    /// Every endpoint of `rule` as the scorer sees it for `keys` at `now`.
+    fn observe(&self, rule: &RuleRuntime, keys: &[BlockKey], now: Instant) -> Vec<EpView> {
+        let matched = rule.match_prefix(keys, now);
+        let s = &self.settings;
+        let fresh = if s.scrape_interval.is_zero() {
+            Duration::ZERO
+        } else {
+            s.scrape_interval * 3
+        };
+        rule.spec
+            .endpoints
+            .iter()
+            .zip(rule.eps())
+            .enumerate()
+            .map(|(i, (e, rt))| EpView {
+                weight: e.weight,
+                role: e.role,
+                healthy: rt.healthy(),
+                load: rt.load(now, s.inflight_window, fresh),
+                blocks: rule.block_count(EndpointId(i as u8)),
+                matched: matched.get(i).copied().unwrap_or(0),
+                capacity: rule.capacity(i, s.capacity_blocks),
+                homed: rule.memory.homed(i),
+            })
+            .collect()
+    }
+
+    /// Every side effect of a decision (see the module docs).
+    fn commit(&self, rule: &Arc<RuleRuntime>, d: &Decision, keys: &[BlockKey], now: Instant) {
+        let m = &self.metrics;
+        m.route_decisions
+            .with_label_values(&[d.tier.as_str(), d.reason.as_str()])
+            .inc();
+        match d.reason {
+            Reason::Spill => m.tier15_spills.inc(),
+            Reason::ColdSeed => m.tier15_cold_seeds.inc(),
+            Reason::Remembered => m.tier15_remembered.inc(),
+            _ => {}
+        }
+        if d.placed {
+            m.tier15_placements.inc();
+        }
+        if d.counted_hit {
+            rule.hit_seq.fetch_add(1, Ordering::Relaxed);
+        }
+        if d.tier == Tier::Fallback {
+            rule.rr_seq.fetch_add(1, Ordering::Relaxed);
+        }
+        let Some(ep) = d.ep else { return };
+        rule.eps()[ep].record_decision(now);
+        if let Some(dec) = d.decode {
+            rule.eps()[dec].record_decision(now);
+        }
+        let kv = rule.spec.kv_enabled();
+        // Speculation covers the blind spot before the engine reports the blocks it is about to
+        // compute: the keys past what the chosen endpoint already holds. Re-crediting held keys
+        // would only hide their eviction for the TTL (and cost a table insert per key on every
+        // follow-up).
+        let unheld = keys.get(d.matched as usize..).unwrap_or(&[]);
+        let ttl = self.settings.spec_ttl;
+        if kv && !unheld.is_empty() && !ttl.is_zero() {
+            rule.index.speculate(EndpointId(ep as u8), unheld, now, ttl);
+        }
+        // A miss makes the chosen endpoint the family's home; a hit refreshes it; a spill or
+        // cold seed is a detour and must not be remembered, or a hot family would end up homed
+        // everywhere.
+        let how = match d.reason {
+            Reason::MissNoOverlap => Some(Update::Place),
+            Reason::Hit | Reason::Remembered => Some(Update::Keep),
+            _ => None,
+        };
+        if let (Some(how), true) = (how, kv) {
+            rule.memory.record(keys, ep, how, now);
+        }
+        // The other replicas credit the same endpoint (speculation, memory, in-flight load).
+        let shared = if kv { keys } else { &[] };
+        self.replication()
+            .decision(rule, EndpointId(ep as u8), how, shared);
+    }
+
+    /// Applies a decision another replica made `age` ago: speculative credit for what is left
+    /// of its time to live (`ttl_left`), the placement memory, and the in-flight estimate while
+    /// the decision is inside the in-flight window.
+    pub fn apply_peer_decision(
+        &self,
+        rule: &RuleRuntime,
+        ep: EndpointId,
+        update: Option<Update>,
+        keys: &[BlockKey],
+        age: Duration,
+        ttl_left: Duration,
+    ) {
+        let Some(e) = rule.ep(ep) else { return };
+        let now = Instant::now();
+        if !ttl_left.is_zero() && !keys.is_empty() {
+            // As the deciding replica does: only the keys past what the endpoint holds.
+            let held = rule.match_prefix(keys, now);
+            let from = held.get(usize::from(ep.0)).map_or(0, |&n| n as usize);
+            if let Some(unheld) = keys.get(from..).filter(|k| !k.is_empty()) {
+                rule.index.speculate(ep, unheld, now, ttl_left);
+            }
+        }
+        if let Some(u) = update {
+            rule.memory.record(keys, usize::from(ep.0), u, now);
+        }
+        if age < self.settings.inflight_window {
+            e.record_decision(now);
+        }
+    }
+}

@@ -1,0 +1,222 @@
+//! One installed rule and everything live about it: its validated spec, block index, endpoints,
+//! hash ring, placement memory and decision counters.
+//!
+//! The spec never changes once installed (a changed rule is a new [`RuleRuntime`]). What does
+//! change (the index, endpoint state, memory, counters) is private to the fleet layer: the
+//! HTTP, ingest and replication edges read it through the methods here and change it through
+//! [`super::Fleet`], which keeps the index bounded, the gauges current and the other replicas told.
+
+use std::sync::atomic::AtomicU64;
+use std::sync::Arc;
+use std::time::Instant;
+
+use kvroute_core::hash::BlockKey;
+use tokio_util::sync::{CancellationToken, WaitForCancellationFuture};
+
+use super::endpoint::EpRuntime;
+use crate::index::{BlockIndex, BlockPage, EndpointId, IndexOp, MemIndex, Rank};
+use crate::metrics::Metrics;
+use crate::rules::{EpRole, ExactMode, RuleSpec};
+use crate::score::{HashRing, PlacementMemory};
+
+/// A rule and everything live about it.
+pub struct RuleRuntime {
+    pub id: u32,
+    pub spec: RuleSpec,
+    pub created: Instant,
+    /// Hash of the rule's canonical JSON: replicas agree on it, and a changed rule gets new
+    /// replication keys (its old inventory does not apply to the new endpoint list).
+    pub generation: u64,
+    pub(super) index: Arc<dyn BlockIndex>,
+    eps: Vec<EpRuntime>,
+    pub(super) ring: HashRing,
+    /// Where each prefix family was sent, remembered past eviction.
+    pub(super) memory: PlacementMemory,
+    pub(super) hit_seq: AtomicU64,
+    pub(super) rr_seq: AtomicU64,
+    cancel: CancellationToken,
+    /// Why the rule's tokenizer cannot be served (reported in /healthz), if so.
+    tokenizer_problem: Option<String>,
+}
+
+/// What a new rule's runtime is built from besides its spec.
+pub(super) struct Parts {
+    pub id: u32,
+    pub memory: PlacementMemory,
+    pub cancel: CancellationToken,
+    pub tokenizer_problem: Option<String>,
+}
+
+impl RuleRuntime {
+    /// A rule's runtime; `old` is the rule it replaces, whose inventory it keeps when the new
+    /// rule keys blocks the same way ([`same_keys`]).
+    pub(super) fn new(spec: RuleSpec, parts: Parts, old: Option<&RuleRuntime>) -> RuleRuntime {
+        let addrs: Vec<String> = spec.endpoints.iter().map(|e| e.addr()).collect();
+        let eps: Vec<EpRuntime> = spec
+            .endpoints
+            .iter()
+            .map(|_| EpRuntime::new(spec.dp_ranks as usize))
+            .collect();
+        let index = match old.filter(|o| same_keys(&o.spec, &spec)) {
+            Some(o) => keep_inventory(o, &spec, &eps),
+            None => Arc::new(MemIndex::new()) as Arc<dyn BlockIndex>,
+        };
+        RuleRuntime {
+            id: parts.id,
+            eps,
+            index,
+            ring: HashRing::new(&addrs),
+            memory: parts.memory,
+            created: Instant::now(),
+            generation: spec.generation(),
+            hit_seq: AtomicU64::new(0),
+            rr_seq: AtomicU64::new(0),
+            cancel: parts.cancel,
+            tokenizer_problem: parts.tokenizer_problem,
+            spec,
+        }
+    }
+
+    /// Every endpoint's live state, in the rule's endpoint order.
+    pub fn eps(&self) -> &[EpRuntime] {
+        &self.eps
+    }
+
+    /// The rule's data-parallel ranks (at least one).
+    pub fn ranks(&self) -> impl Iterator<Item = Rank> {
+        (0..self.spec.dp_ranks.max(1)).map(Rank)
+    }
+
+    /// Endpoint ids of the rule, in order.
+    pub fn endpoint_ids(&self) -> impl Iterator<Item = EndpointId> {
+        (0..self.eps.len()).map(|i| EndpointId(i as u8))
+    }
+
+    /// Endpoints whose events feed the index: prefill endpoints in mode 1, all others otherwise.
+    pub fn kv_endpoints(&self) -> Vec<EndpointId> {
+        self.spec
+            .endpoints
+            .iter()
+            .enumerate()
+            .filter(|(_, e)| {
+                self.spec.exact_mode != ExactMode::PrefillDecode || e.role == EpRole::Prefill
+            })
+            .map(|(i, _)| EndpointId(i as u8))
+            .collect()
+    }
+
+    /// Endpoint `ep`'s live state (`None` past the rule's endpoints).
+    pub fn ep(&self, ep: EndpointId) -> Option<&EpRuntime> {
+        self.eps.get(usize::from(ep.0))
+    }
+
+    /// Blocks endpoint `ep` holds.
+    pub fn block_count(&self, ep: EndpointId) -> u64 {
+        self.index.block_count(ep)
+    }
+
+    /// One page of endpoint `ep`'s stored blocks from table position `cursor`.
+    pub fn blocks(&self, ep: EndpointId, cursor: usize, limit: usize) -> BlockPage {
+        self.index.blocks(ep, cursor, limit)
+    }
+
+    /// Endpoint `ep`'s blocks per rank (snapshots).
+    pub fn export(&self, ep: EndpointId) -> Vec<(Rank, Vec<BlockKey>)> {
+        self.index.export(ep)
+    }
+
+    /// Per endpoint, how many leading `keys` it holds (speculative credit included).
+    pub fn match_prefix(&self, keys: &[BlockKey], now: Instant) -> Vec<u32> {
+        let mut out = Vec::new();
+        self.index.match_prefix(keys, now, &mut out);
+        out
+    }
+
+    /// Why the rule's tokenizer cannot be served, if so.
+    pub fn tokenizer_problem(&self) -> Option<&str> {
+        self.tokenizer_problem.as_deref()
+    }
+
+    /// A token cancelled with the rule (deleted, replaced, or the service draining).
+    pub fn child_token(&self) -> CancellationToken {
+        self.cancel.child_token()
+    }
+
+    /// Resolves when the rule stops.
+    pub fn stopped(&self) -> WaitForCancellationFuture<'_> {
+        self.cancel.cancelled()
+    }
+
+    /// Whether the rule has stopped.
+    pub fn is_stopped(&self) -> bool {
+        self.cancel.is_cancelled()
+    }
+
+    pub(super) fn stop(&self) {
+        self.cancel.cancel();
+    }
+
+    /// Endpoint `i`'s KV cache capacity in blocks as placement sees it: the rule's
+    /// `kvCapacityBlocks`, else the engine's scraped `num_gpu_blocks`, else `default`
+    /// (`KVROUTE_PLACEMENT_CAPACITY_BLOCKS`); 0 = unknown.
+    pub fn capacity(&self, i: usize, default: u64) -> u64 {
+        if let Some(c) = self.spec.endpoints.get(i).and_then(|e| e.capacity_blocks) {
+            return u64::from(c);
+        }
+        match self.eps.get(i).map(EpRuntime::capacity) {
+            Some(0) | None => default,
+            Some(c) => c,
+        }
+    }
+
+    /// Refreshes the per-endpoint placement gauges (capacity and homed blocks).
+    pub fn publish_placement_gauges(&self, m: &Metrics, default_capacity: u64) {
+        let name = self.spec.name();
+        for i in 0..self.eps.len() {
+            let ep = i.to_string();
+            m.endpoint_capacity_blocks
+                .with_label_values(&[&name, &ep])
+                .set(i64::try_from(self.capacity(i, default_capacity)).unwrap_or(i64::MAX));
+            m.endpoint_homed_blocks
+                .with_label_values(&[&name, &ep])
+                .set(i64::try_from(self.memory.homed(i)).unwrap_or(i64::MAX));
+        }
+    }
+}
+
+/// True when a replacing rule keys blocks exactly as the old one (same engine, contract, block
+/// size, key mode and ranks): what the old rule's index holds is still valid for it.
+fn same_keys(old: &RuleSpec, new: &RuleSpec) -> bool {
+    old.kv_enabled()
+        && new.kv_enabled()
+        && old.engine == new.engine
+        && old.contract() == new.contract()
+        && old.algo == new.algo
+        && old.block_size == new.block_size
+        && old.key_mode == new.key_mode
+        && old.dp_ranks == new.dp_ranks
+        && old.exact_mode == new.exact_mode
+}
+
+/// Carries the old rule's index over to its replacement: endpoints at the same position with the
+/// same address keep their blocks, sequence positions, health and capacity (their new subscribers
+/// resume like after a reconnect: a gap replays or clears, a restart clears); any other position
+/// is cleared.
+fn keep_inventory(old: &RuleRuntime, new: &RuleSpec, eps: &[EpRuntime]) -> Arc<dyn BlockIndex> {
+    let index = old.index.clone();
+    let n = old.spec.endpoints.len().max(new.endpoints.len());
+    for i in 0..n {
+        let same = match (old.spec.endpoints.get(i), new.endpoints.get(i)) {
+            (Some(a), Some(b)) => a.addr() == b.addr(),
+            _ => false,
+        };
+        if let (true, Some(o), Some(e)) = (same, old.eps.get(i), eps.get(i)) {
+            e.inherit(o);
+        } else {
+            for r in old.ranks() {
+                index.apply(EndpointId(i as u8), r, &[IndexOp::Clear]);
+            }
+        }
+    }
+    index
+}
