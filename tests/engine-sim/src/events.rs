@@ -342,32 +342,13 @@ mod tests {
 
     #[test]
     fn ints_take_their_smallest_form() {
+        const VALUES: [i64; 9] = [0, 127, 128, 65_536, -1, -33, -129, -40_000, -3_000_000_000];
         let mut o = Vec::new();
-        for v in [
-            0i64,
-            127,
-            128,
-            65_536,
-            -1,
-            -33,
-            -129,
-            -40_000,
-            -3_000_000_000,
-        ] {
+        for v in VALUES {
             int(&mut o, v);
         }
         let mut expected = Vec::new();
-        for v in [
-            0i64,
-            127,
-            128,
-            65_536,
-            -1,
-            -33,
-            -129,
-            -40_000,
-            -3_000_000_000,
-        ] {
+        for v in VALUES {
             if v >= 0 {
                 rmp::encode::write_uint(&mut expected, v as u64).unwrap();
             } else {
