@@ -1,5 +1,6 @@
-# Shell helpers shared by the scripts that start processes (stack.sh, bench_gateways.sh).
-# Source it after defining `die MESSAGE` (prints and exits).
+# Shell helpers shared by the scripts: waiting for processes (stack.sh, bench_gateways.sh) and
+# installing Debian packages (setup.sh, build-images.sh). Source it after defining `die MESSAGE`
+# (prints and exits).
 
 # wait_http URL NAME LOG: polls until URL answers 2xx, at most 60 s, or dies with the log's tail.
 wait_http() {
@@ -28,4 +29,30 @@ wait_envoy_healthy() {
         fi
         sleep 0.2
     done
+}
+
+# apt_missing PKG...: prints those of the Debian packages PKG that are not installed, one a line.
+apt_missing() {
+    local pkg
+    for pkg in "$@"; do
+        if [[ "$(dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null || true)" != *"install ok installed"* ]]; then
+            echo "$pkg"
+        fi
+    done
+}
+
+# apt_install WHAT ARG...: apt-get install ARG... (packages and options) as root or through sudo,
+# dying with WHAT; the apt log goes to $SCRATCH/apt.log.
+apt_install() {
+    local what="$1"
+    shift
+    local sudo=""
+    if [[ "$(id -u)" != 0 ]]; then
+        command -v sudo >/dev/null 2>&1 || die "$what: need root or sudo to apt-get install $*"
+        sudo="sudo"
+    fi
+    $sudo apt-get update -qq >"$SCRATCH/apt.log" 2>&1 ||
+        die "$what: apt-get update failed (log: $(tail -n 1 "$SCRATCH/apt.log"))"
+    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "$@" >>"$SCRATCH/apt.log" 2>&1 ||
+        die "$what: apt-get install $* failed (log: $(tail -n 1 "$SCRATCH/apt.log"))"
 }
