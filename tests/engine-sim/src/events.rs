@@ -116,12 +116,7 @@ fn encode_event(out: &mut Vec<u8>, opts: &WireOptions, e: &KvEvent) {
                 }
                 Layout::Sglang => map_len(out, n),
             }
-            kv_str(out, "type", "BlockStored");
-            str_(out, "block_hashes");
-            array_len(out, keys.len());
-            for k in keys {
-                key(out, opts.layout, *k);
-            }
+            type_and_hashes(out, opts.layout, "BlockStored", keys);
             str_(out, "parent_block_hash");
             match parent {
                 Some(p) => key(out, opts.layout, *p),
@@ -165,12 +160,7 @@ fn encode_event(out: &mut Vec<u8>, opts: &WireOptions, e: &KvEvent) {
         }
         KvEvent::Removed { keys } => {
             map_len(out, if opts.layout == Layout::Vllm { 4 } else { 3 });
-            kv_str(out, "type", "BlockRemoved");
-            str_(out, "block_hashes");
-            array_len(out, keys.len());
-            for k in keys {
-                key(out, opts.layout, *k);
-            }
+            type_and_hashes(out, opts.layout, "BlockRemoved", keys);
             str_(out, "medium");
             opt_str(out, opts.medium.as_deref());
             if opts.layout == Layout::Vllm {
@@ -238,6 +228,16 @@ pub fn trtllm_created(
         m.insert("attention_dp_rank".to_string(), json!(r));
     }
     env
+}
+
+/// `"type": name, "block_hashes": [keys]`: how both block events begin.
+fn type_and_hashes(out: &mut Vec<u8>, layout: Layout, name: &str, keys: &[BlockKey]) {
+    kv_str(out, "type", name);
+    str_(out, "block_hashes");
+    array_len(out, keys.len());
+    for k in keys {
+        key(out, layout, *k);
+    }
 }
 
 fn key(out: &mut Vec<u8>, layout: Layout, k: BlockKey) {
