@@ -15,6 +15,6 @@ cargo bench -p kvroute-core --bench hash -- --warm-up-time 1 --measurement-time 
 node scripts/wasm-bench.mjs "$KVROUTE_WASM" >"$KVROUTE_CACHE/bench-hash-wasm.json"
 # A sha256_cbor block input for Qwen-sized ids is ~85 bytes: parent (34) + array head + 16 ints + null.
 openssl speed -seconds 3 -evp sha256 -bytes 85 2>/dev/null | tail -1 >"$KVROUTE_CACHE/bench-hash-openssl.txt"
-python3 scripts/bench_hash_report.py "$REPO/target/criterion" "$KVROUTE_CACHE/bench-hash-wasm.json" \
+python3 scripts/report.py hash "$REPO/target/criterion" "$KVROUTE_CACHE/bench-hash-wasm.json" \
     "$KVROUTE_CACHE/bench-hash-openssl.txt" >docs/bench-hash.md
 cat docs/bench-hash.md

@@ -78,7 +78,7 @@ export KVROUTE_INVENTORY_BIN="$INVENTORY_BIN"
 mkdir -p "$OUT"
 
 bench() { "$BIN/kvroute-bench" --inventory-bin "$INVENTORY_BIN" "$@"; }
-report() { python3 "$REPO/scripts/bench_report.py" "$@"; }
+report() { python3 "$REPO/scripts/report.py" "$@"; }
 plot() { "$BIN/kvroute-plot" "$@"; }
 DOCS="$REPO/docs"
 START=$SECONDS

@@ -32,7 +32,7 @@ CA_BUNDLE=/etc/ssl/certs/ca-certificates.crt
 WASM_LAYER_TYPE=application/vnd.module.wasm.content.layer.v1+wasm
 WASM_CONFIG_TYPE=application/vnd.module.wasm.config.v1+json
 
-fail() {
+die() {
     echo "build-images.sh: $*" >&2
     exit 1
 }
@@ -43,7 +43,7 @@ note() {
 
 cd "$REPO"
 VERSION="$(sed -n 's/^version = "\(.*\)"$/\1/p' Cargo.toml | head -n 1)"
-[[ -n "$VERSION" ]] || fail "no workspace version in Cargo.toml"
+[[ -n "$VERSION" ]] || die "no workspace version in Cargo.toml"
 REVISION="$(git rev-parse HEAD 2>/dev/null || echo unknown)"
 # Timestamps come from the commit, so rebuilding the same commit gives the same config JSON.
 CREATED="$(TZ=UTC git log -1 --format=%cd --date=format-local:%Y-%m-%dT%H:%M:%SZ 2>/dev/null ||
@@ -51,30 +51,18 @@ CREATED="$(TZ=UTC git log -1 --format=%cd --date=format-local:%Y-%m-%dT%H:%M:%SZ
 
 SCRATCH="$(mktemp -d "${TMPDIR:-/tmp}/kvroute-images.XXXXXX")"
 trap 'rm -rf "$SCRATCH"' EXIT
+# shellcheck source=scripts/lib.sh
+source "$REPO/scripts/lib.sh"
 
 # --- 1. tools ---------------------------------------------------------------------------------
-missing=()
-for pkg in "${APT_PACKAGES[@]}"; do
-    if [[ "$(dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null || true)" != *"install ok installed"* ]]; then
-        missing+=("$pkg")
-    fi
-done
+mapfile -t missing < <(apt_missing "${APT_PACKAGES[@]}")
 if ((${#missing[@]} > 0)); then
     note "installing from apt: ${missing[*]}"
-    sudo=""
-    if [[ "$(id -u)" != 0 ]]; then
-        command -v sudo >/dev/null 2>&1 || fail "tools: need root or sudo to apt-get install ${missing[*]}"
-        sudo="sudo"
-    fi
-    $sudo apt-get update -qq >"$SCRATCH/apt.log" 2>&1 ||
-        fail "tools: apt-get update failed (log: $(tail -n 1 "$SCRATCH/apt.log"))"
-    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" \
-        >>"$SCRATCH/apt.log" 2>&1 ||
-        fail "tools: apt-get install ${missing[*]} failed (log: $(tail -n 1 "$SCRATCH/apt.log"))"
+    apt_install "tools" --no-install-recommends "${missing[@]}"
 fi
-command -v umoci >/dev/null 2>&1 || fail "tools: umoci missing after installing it"
-command -v skopeo >/dev/null 2>&1 || fail "tools: skopeo missing after installing it"
-[[ -f "$CA_BUNDLE" ]] || fail "tools: $CA_BUNDLE missing (package ca-certificates)"
+command -v umoci >/dev/null 2>&1 || die "tools: umoci missing after installing it"
+command -v skopeo >/dev/null 2>&1 || die "tools: skopeo missing after installing it"
+[[ -f "$CA_BUNDLE" ]] || die "tools: $CA_BUNDLE missing (package ca-certificates)"
 # umoci unpacks as the calling user; without root it must map ownership (--rootless).
 ROOTLESS=()
 [[ "$(id -u)" == 0 ]] || ROOTLESS=(--rootless)
@@ -82,12 +70,12 @@ ROOTLESS=()
 # --- 2. what goes in --------------------------------------------------------------------------
 note "building the release binary (cargo build --release -p kvroute-inventory)"
 cargo build --release -q -p kvroute-inventory --bin kvroute-inventory ||
-    fail "cargo build --release -p kvroute-inventory failed"
+    die "cargo build --release -p kvroute-inventory failed"
 BIN="$REPO/target/release/kvroute-inventory"
-[[ -x "$BIN" ]] || fail "cargo succeeded but $BIN is missing"
-KVROUTE_CACHE="$KVROUTE_CACHE" ./scripts/build-wasm.sh || fail "scripts/build-wasm.sh failed"
+[[ -x "$BIN" ]] || die "cargo succeeded but $BIN is missing"
+KVROUTE_CACHE="$KVROUTE_CACHE" ./scripts/build-wasm.sh || die "scripts/build-wasm.sh failed"
 WASM="$KVROUTE_CACHE/wasm/kvroute_filter.wasm"
-[[ -f "$WASM" ]] || fail "scripts/build-wasm.sh succeeded but $WASM is missing"
+[[ -f "$WASM" ]] || die "scripts/build-wasm.sh succeeded but $WASM is missing"
 mkdir -p "$OUT"
 
 LABELS=(
@@ -111,10 +99,10 @@ new_bundle() {
 publish() {
     local name="$1" ref="$2"
     skopeo inspect --raw "oci:$SCRATCH/$name:$VERSION" >/dev/null ||
-        fail "$name: skopeo cannot read the layout it was just written to"
+        die "$name: skopeo cannot read the layout it was just written to"
     rm -f "$SCRATCH/$name.tar"
     skopeo copy -q "oci:$SCRATCH/$name:$VERSION" "oci-archive:$SCRATCH/$name.tar:$ref" ||
-        fail "$name: skopeo copy to an oci-archive failed"
+        die "$name: skopeo copy to an oci-archive failed"
     rm -rf "$OUT/$name.old"
     [[ ! -e "$OUT/$name" ]] || mv "$OUT/$name" "$OUT/$name.old"
     mv "$SCRATCH/$name" "$OUT/$name"
@@ -135,7 +123,7 @@ install -D -m 0755 "$BIN" "$ROOTFS$BIN_PATH"
 # reports, copied through their symlinks. glibc >= 2.34 carries the files/dns NSS modules in
 # libc.so.6, so name resolution needs only /etc/nsswitch.conf below.
 libs="$(ldd "$BIN" | awk '$2 == "=>" && $3 ~ /^\// {print $3} $1 ~ /^\// {print $1}')"
-[[ -n "$libs" ]] || fail "inventory: ldd $BIN lists no libraries (a static binary needs none: adjust this script)"
+[[ -n "$libs" ]] || die "inventory: ldd $BIN lists no libraries (a static binary needs none: adjust this script)"
 for lib in $libs; do
     install -D -m 0755 "$(readlink -f "$lib")" "$ROOTFS$lib"
 done

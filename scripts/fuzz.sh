@@ -144,60 +144,9 @@ EOF
     fi
 }
 
+# write_doc RESULTS: the results table in docs/fuzz.md (rows of targets not run this time kept).
 write_doc() {
-    local secs="$1" results="$2"
-    python3 - "$DOC" "$secs" "$results" "$*" <<'EOF'
-import datetime, os, platform, re, subprocess, sys
-doc, secs, results = sys.argv[1], sys.argv[2], sys.argv[3]
-lines = open(results).read().splitlines()
-rows, artifacts = {}, {}
-for ln in lines:
-    if ln.startswith("artifact "):
-        path = ln.split(" ", 1)[1]
-        artifacts.setdefault(path.split("/")[-2], []).append(path)
-    elif ln.strip():
-        f = ln.split()
-        rows[f[0]] = f[1:]
-cpu = "unknown cpu"
-try:
-    for l in open("/proc/cpuinfo"):
-        if l.startswith("model name"):
-            cpu = l.split(":", 1)[1].strip()
-            break
-except OSError:
-    pass
-date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-rustc = subprocess.run(["rustc", "--version"], capture_output=True, text=True).stdout.strip()
-machine = f"{cpu}, {os.cpu_count()} cores, {platform.system()} {platform.release()}, {rustc}"
-# Rows kept from earlier runs of other targets, so a one-target run updates only its own row.
-text = open(doc).read() if os.path.exists(doc) else ""
-begin, end = "<!-- fuzz.sh results begin -->", "<!-- fuzz.sh results end -->"
-old = {}
-if begin in text and end in text:
-    for l in text.split(begin, 1)[1].split(end, 1)[0].splitlines():
-        m = re.match(r"\| `(\w+)` \|", l)
-        if m:
-            old[m.group(1)] = l
-table = ["| target | seconds | execs | coverage (edges) | features | corpus | crashes | timeouts | ooms | date | machine |",
-         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"]
-order = ["zmq_events", "trtllm_drain", "replica_codec", "rule_json", "openai_body",
-         "filter_answer", "filter_config"]
-for name in order + sorted(set(rows) - set(order)):
-    if name in rows:
-        execs, cov, ft, corp, crash, tmo, oom, t, rc = rows[name]
-        table.append(f"| `{name}` | {t} | {execs} | {cov} | {ft} | {corp} | {crash} | {tmo} | {oom} | {date} | {machine} |")
-    elif name in old:
-        table.append(old[name])
-new_block = begin + "\n" + "\n".join(table) + "\n" + end
-if begin in text and end in text:
-    text = text.split(begin, 1)[0] + new_block + text.split(end, 1)[1]
-else:
-    text = text.rstrip() + "\n\n" + new_block + "\n"
-open(doc, "w").write(text)
-for name, paths in artifacts.items():
-    for p in paths:
-        print(f"fuzz.sh: {name}: new artifact {p}")
-EOF
+    python3 "$REPO/scripts/report.py" fuzz "$DOC" "$1"
 }
 
 case "${1:-}" in
@@ -230,7 +179,7 @@ case "${1:-}" in
     for name in "${run[@]}"; do
         long "$name" "$secs" | tee -a "$results"
     done
-    write_doc "$secs" "$results"
+    write_doc "$results"
     echo "fuzz.sh: wrote $DOC"
     ;;
 esac

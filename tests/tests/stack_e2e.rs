@@ -88,8 +88,9 @@ async fn start_sim(ip: &str, zmq_port: u16, dir: &TempDir) -> Result<Sim> {
     })
 }
 
-/// The shipped envoy.yaml with this test's addresses; health checks faster than production so
-/// the dead simulator is noticed within the test's deadline.
+/// The shipped envoy.yaml with this test's addresses, written by scripts/local_envoy.py as for
+/// `scripts/stack.sh`; health checks faster than production so the dead simulator is noticed
+/// within the test's deadline.
 fn envoy_config(
     gw_port: u16,
     admin_port: u16,
@@ -98,54 +99,43 @@ fn envoy_config(
     rule: &str,
     fast_health_checks: bool,
 ) -> Result<Value> {
-    let text = std::fs::read_to_string(harness::repo_root().join("envoy/envoy.yaml"))?;
-    let mut cfg: Value = serde_yaml::from_str(&text)?;
-    cfg["admin"]["address"]["socket_address"] =
-        json!({"address": "127.0.0.1", "port_value": admin_port});
-    let listener = &mut cfg["static_resources"]["listeners"][0];
-    listener["address"]["socket_address"] = json!({"address": "127.0.0.1", "port_value": gw_port});
-    let filters = listener["filter_chains"][0]["filters"][0]["typed_config"]["http_filters"]
-        .as_array_mut()
-        .context("http_filters")?;
-    let wasm = filters
-        .iter_mut()
-        .find(|f| f["name"] == "envoy.filters.http.wasm")
-        .context("the wasm filter in envoy.yaml")?;
-    let config = &mut wasm["typed_config"]["config"];
-    config["vm_config"]["code"]["local"]["filename"] = json!(harness::wasm_module()?);
-    let mut plugin: Value = serde_json::from_str(
-        config["configuration"]["value"]
-            .as_str()
-            .context("plugin config")?,
-    )?;
-    plugin["rule"] = json!(rule);
+    let dir = TempDir::new("envoy-config")?;
+    let out = dir.path().join("envoy.yaml");
+    let sims: Vec<String> = sims.iter().map(|s| s.addr.to_string()).collect();
+    let root = harness::repo_root();
     // The production 25 ms callout budget is for a dedicated gateway; this 2-core machine runs
     // Envoy, the service and three simulators at once.
-    plugin["timeout_ms"] = json!(500);
-    config["configuration"]["value"] = json!(plugin.to_string());
-    for cluster in cfg["static_resources"]["clusters"]
-        .as_array_mut()
-        .context("clusters")?
-    {
-        match cluster["name"].as_str() {
-            Some("engines") => {
-                let eps: Vec<Value> = sims
-                    .iter()
-                    .map(|s| json!({"endpoint": {"address": {"socket_address": {"address": s.addr.ip().to_string(), "port_value": s.addr.port()}}}}))
-                    .collect();
-                cluster["load_assignment"]["endpoints"] = json!([{"lb_endpoints": eps}]);
-                if fast_health_checks {
-                    cluster["health_checks"][0]["interval"] = json!("0.2s");
-                    cluster["health_checks"][0]["no_traffic_interval"] = json!("0.2s");
-                }
-            }
-            Some("kvroute_inventory") => {
-                cluster["type"] = json!("STATIC");
-                cluster["load_assignment"]["endpoints"] = json!([{"lb_endpoints": [{"endpoint": {"address": {"socket_address":
-                    {"address": "127.0.0.1", "port_value": inventory.port()}}}}]}]);
-            }
-            _ => {}
-        }
+    let mut cmd = Command::new("python3");
+    cmd.arg(root.join("scripts/local_envoy.py"))
+        .arg(root.join("envoy/envoy.yaml"))
+        .arg(&out)
+        .arg("--wasm")
+        .arg(harness::wasm_module()?)
+        .args(["--rule", rule, "--timeout-ms", "500"])
+        .arg("--sims")
+        .arg(sims.join(","));
+    let ports = [
+        ("--listen", gw_port),
+        ("--admin", admin_port),
+        ("--inventory", inventory.port()),
+    ];
+    for (flag, port) in ports {
+        cmd.arg(flag).arg(port.to_string());
+    }
+    let status = cmd.status().context("running scripts/local_envoy.py")?;
+    if !status.success() {
+        bail!("scripts/local_envoy.py failed: {status}");
+    }
+    let mut cfg: Value = serde_yaml::from_str(&std::fs::read_to_string(&out)?)?;
+    if fast_health_checks {
+        let engines = cfg["static_resources"]["clusters"]
+            .as_array_mut()
+            .context("clusters")?
+            .iter_mut()
+            .find(|c| c["name"] == "engines")
+            .context("cluster engines")?;
+        engines["health_checks"][0]["interval"] = json!("0.2s");
+        engines["health_checks"][0]["no_traffic_interval"] = json!("0.2s");
     }
     Ok(cfg)
 }

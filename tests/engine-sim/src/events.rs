@@ -116,12 +116,7 @@ fn encode_event(out: &mut Vec<u8>, opts: &WireOptions, e: &KvEvent) {
                 }
                 Layout::Sglang => map_len(out, n),
             }
-            kv_str(out, "type", "BlockStored");
-            str_(out, "block_hashes");
-            array_len(out, keys.len());
-            for k in keys {
-                key(out, opts.layout, *k);
-            }
+            type_and_hashes(out, opts.layout, "BlockStored", keys);
             str_(out, "parent_block_hash");
             match parent {
                 Some(p) => key(out, opts.layout, *p),
@@ -165,12 +160,7 @@ fn encode_event(out: &mut Vec<u8>, opts: &WireOptions, e: &KvEvent) {
         }
         KvEvent::Removed { keys } => {
             map_len(out, if opts.layout == Layout::Vllm { 4 } else { 3 });
-            kv_str(out, "type", "BlockRemoved");
-            str_(out, "block_hashes");
-            array_len(out, keys.len());
-            for k in keys {
-                key(out, opts.layout, *k);
-            }
+            type_and_hashes(out, opts.layout, "BlockRemoved", keys);
             str_(out, "medium");
             opt_str(out, opts.medium.as_deref());
             if opts.layout == Layout::Vllm {
@@ -240,6 +230,16 @@ pub fn trtllm_created(
     env
 }
 
+/// `"type": name, "block_hashes": [keys]`: how both block events begin.
+fn type_and_hashes(out: &mut Vec<u8>, layout: Layout, name: &str, keys: &[BlockKey]) {
+    kv_str(out, "type", name);
+    str_(out, "block_hashes");
+    array_len(out, keys.len());
+    for k in keys {
+        key(out, layout, *k);
+    }
+}
+
 fn key(out: &mut Vec<u8>, layout: Layout, k: BlockKey) {
     match layout {
         Layout::Sglang => int(out, k.as_i64()),
@@ -247,80 +247,26 @@ fn key(out: &mut Vec<u8>, layout: Layout, k: BlockKey) {
     }
 }
 
+// rmp's encoders write the smallest form, as msgspec does; writing into a Vec cannot fail.
+
 fn int(out: &mut Vec<u8>, v: i64) {
-    if v >= 0 {
-        uint(out, v as u64);
-    } else if v >= -32 {
-        out.push(v as i8 as u8);
-    } else if v >= i64::from(i8::MIN) {
-        out.push(0xd0);
-        out.push(v as i8 as u8);
-    } else if v >= i64::from(i16::MIN) {
-        out.push(0xd1);
-        out.extend_from_slice(&(v as i16).to_be_bytes());
-    } else if v >= i64::from(i32::MIN) {
-        out.push(0xd2);
-        out.extend_from_slice(&(v as i32).to_be_bytes());
-    } else {
-        out.push(0xd3);
-        out.extend_from_slice(&v.to_be_bytes());
-    }
+    let _ = rmp::encode::write_sint(out, v);
 }
 
 fn uint(out: &mut Vec<u8>, v: u64) {
-    if v < 128 {
-        out.push(v as u8);
-    } else if v <= u64::from(u8::MAX) {
-        out.push(0xcc);
-        out.push(v as u8);
-    } else if v <= u64::from(u16::MAX) {
-        out.push(0xcd);
-        out.extend_from_slice(&(v as u16).to_be_bytes());
-    } else if v <= u64::from(u32::MAX) {
-        out.push(0xce);
-        out.extend_from_slice(&(v as u32).to_be_bytes());
-    } else {
-        out.push(0xcf);
-        out.extend_from_slice(&v.to_be_bytes());
-    }
+    let _ = rmp::encode::write_uint(out, v);
 }
 
 fn array_len(out: &mut Vec<u8>, n: usize) {
-    if n < 16 {
-        out.push(0x90 | n as u8);
-    } else if n <= usize::from(u16::MAX) {
-        out.push(0xdc);
-        out.extend_from_slice(&(n as u16).to_be_bytes());
-    } else {
-        out.push(0xdd);
-        out.extend_from_slice(&(n as u32).to_be_bytes());
-    }
+    let _ = rmp::encode::write_array_len(out, n as u32);
 }
 
 fn map_len(out: &mut Vec<u8>, n: usize) {
-    if n < 16 {
-        out.push(0x80 | n as u8);
-    } else {
-        out.push(0xde);
-        out.extend_from_slice(&(n as u16).to_be_bytes());
-    }
+    let _ = rmp::encode::write_map_len(out, n as u32);
 }
 
 fn str_(out: &mut Vec<u8>, s: &str) {
-    let n = s.len();
-    if n < 32 {
-        out.push(0xa0 | n as u8);
-    } else if n <= usize::from(u8::MAX) {
-        out.push(0xd9);
-        out.push(n as u8);
-    } else if n <= usize::from(u16::MAX) {
-        out.push(0xda);
-        out.extend_from_slice(&(n as u16).to_be_bytes());
-    } else {
-        out.push(0xdb);
-        out.extend_from_slice(&(n as u32).to_be_bytes());
-    }
-    out.extend_from_slice(s.as_bytes());
+    let _ = rmp::encode::write_str(out, s);
 }
 
 fn opt_str(out: &mut Vec<u8>, s: Option<&str>) {
@@ -342,38 +288,21 @@ mod tests {
 
     #[test]
     fn ints_take_their_smallest_form() {
-        let mut o = Vec::new();
-        for v in [
-            0i64,
-            127,
-            128,
-            65_536,
-            -1,
-            -33,
-            -129,
-            -40_000,
-            -3_000_000_000,
+        // msgspec's forms: non-negative values unsigned, each in the fewest bytes.
+        for (v, hex) in [
+            (0i64, "00"),
+            (127i64, "7f"),
+            (128i64, "cc80"),
+            (65_536i64, "ce00010000"),
+            (-1i64, "ff"),
+            (-33i64, "d0df"),
+            (-129i64, "d1ff7f"),
+            (-40_000i64, "d2ffff63c0"),
+            (-3_000_000_000i64, "d3ffffffff4d2fa200"),
         ] {
+            let mut o = Vec::new();
             int(&mut o, v);
+            assert_eq!(hex::encode(&o), hex, "{v}");
         }
-        let mut expected = Vec::new();
-        for v in [
-            0i64,
-            127,
-            128,
-            65_536,
-            -1,
-            -33,
-            -129,
-            -40_000,
-            -3_000_000_000,
-        ] {
-            if v >= 0 {
-                rmp::encode::write_uint(&mut expected, v as u64).unwrap();
-            } else {
-                rmp::encode::write_sint(&mut expected, v).unwrap();
-            }
-        }
-        assert_eq!(o, expected);
     }
 }

@@ -34,6 +34,16 @@ pub struct Running {
     pub engine: Arc<Engine>,
 }
 
+/// Logs to stderr at `RUST_LOG`'s level (default `warn`): what both binaries start with.
+pub fn init_logging() {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+}
+
 /// Binds every socket, then serves until `cancel` fires. `on_ready` runs once everything is bound.
 pub async fn run(
     cfg: SimConfig,

@@ -14,6 +14,7 @@
 use std::fmt::Debug;
 
 use anyhow::{anyhow, bail};
+use plotters::coord::ranged1d::AsRangedCoord;
 use plotters::prelude::*;
 use serde_json::Value;
 
@@ -46,6 +47,50 @@ fn color(i: usize) -> RGBColor {
 
 fn err<E: Debug>(e: E) -> anyhow::Error {
     anyhow!("drawing the plot: {e:?}")
+}
+
+/// The chart every plot draws on: x and y axes of these ranges.
+type Chart<'a, 'b, X, Y> = ChartContext<
+    'a,
+    SVGBackend<'b>,
+    Cartesian2d<<X as AsRangedCoord>::CoordDescType, <Y as AsRangedCoord>::CoordDescType>,
+>;
+
+/// One plot as an SVG string: a white [`SIZE`] canvas, `title`, axes over `axes`; `draw` sets up
+/// the mesh and adds the series, then the legend goes at `legend`.
+fn svg<X: AsRangedCoord, Y: AsRangedCoord>(
+    title: &str,
+    axes: (X, Y),
+    legend: SeriesLabelPosition,
+    draw: impl FnOnce(&mut Chart<'_, '_, X, Y>) -> anyhow::Result<()>,
+) -> anyhow::Result<String> {
+    let mut svg = String::new();
+    {
+        let root = SVGBackend::with_string(&mut svg, SIZE).into_drawing_area();
+        root.fill(&WHITE).map_err(err)?;
+        let mut chart = ChartBuilder::on(&root)
+            .caption(title, ("sans-serif", 20))
+            .margin(12)
+            .x_label_area_size(40)
+            .y_label_area_size(60)
+            .build_cartesian_2d(axes.0, axes.1)
+            .map_err(err)?;
+        draw(&mut chart)?;
+        chart
+            .configure_series_labels()
+            .position(legend)
+            .background_style(WHITE.mix(0.8))
+            .border_style(BLACK)
+            .draw()
+            .map_err(err)?;
+        root.present().map_err(err)?;
+    }
+    Ok(svg)
+}
+
+/// The legend's marker for a series drawn in `c`.
+fn swatch(c: RGBColor) -> impl Fn((i32, i32)) -> Rectangle<(i32, i32)> {
+    move |(x, y)| Rectangle::new([(x, y - 5), (x + 10, y + 5)], c.filled())
 }
 
 fn summaries(doc: &Value) -> anyhow::Result<&Vec<Value>> {
@@ -143,71 +188,59 @@ pub fn ratio_svg(title: &str, workload: &str, series: &[RatioSeries]) -> anyhow:
     if strategies.is_empty() {
         bail!("no summaries of workload {workload:?} in the given files");
     }
-    let mut svg = String::new();
-    {
-        let root = SVGBackend::with_string(&mut svg, SIZE).into_drawing_area();
-        root.fill(&WHITE).map_err(err)?;
-        let n = strategies.len();
-        let mut chart = ChartBuilder::on(&root)
-            .caption(title, ("sans-serif", 20))
-            .margin(12)
-            .x_label_area_size(40)
-            .y_label_area_size(60)
-            .build_cartesian_2d(-0.5f64..(n as f64 - 0.5), 0f64..100f64)
-            .map_err(err)?;
-        let names = strategies.clone();
-        chart
-            .configure_mesh()
-            .disable_x_mesh()
-            .x_labels(n * 2 + 1)
-            .x_label_formatter(&|x| {
-                let r = x.round();
-                if (x - r).abs() < 1e-6 && r >= 0.0 && (r as usize) < names.len() {
-                    names[r as usize].clone()
-                } else {
-                    String::new()
-                }
-            })
-            .y_label_formatter(&|y| format!("{y:.0}"))
-            .y_desc("cached-token ratio, %")
-            .x_desc("strategy")
-            .draw()
-            .map_err(err)?;
-        let k = series.len().max(1) as f64;
-        let slot = 0.6 / k;
-        for (si, s) in series.iter().enumerate() {
-            let c = color(si);
-            let offset = -0.3 + slot * (si as f64 + 0.5);
-            let points: Vec<(f64, f64, f64, f64)> = stats[si]
-                .iter()
-                .enumerate()
-                .filter_map(|(i, v)| v.map(|(m, lo, hi)| (i as f64 + offset, m, lo, hi)))
-                .collect();
+    let n = strategies.len();
+    let x = -0.5f64..(n as f64 - 0.5);
+    svg(
+        title,
+        (x, 0f64..100f64),
+        SeriesLabelPosition::UpperRight,
+        |chart| {
+            let names = strategies.clone();
             chart
-                .draw_series(points.iter().map(|&(x, _, lo, hi)| {
-                    PathElement::new(vec![(x, lo), (x, hi)], c.stroke_width(SERIES_WIDTH))
-                }))
+                .configure_mesh()
+                .disable_x_mesh()
+                .x_labels(n * 2 + 1)
+                .x_label_formatter(&|x| {
+                    let r = x.round();
+                    if (x - r).abs() < 1e-6 && r >= 0.0 && (r as usize) < names.len() {
+                        names[r as usize].clone()
+                    } else {
+                        String::new()
+                    }
+                })
+                .y_label_formatter(&|y| format!("{y:.0}"))
+                .y_desc("cached-token ratio, %")
+                .x_desc("strategy")
+                .draw()
                 .map_err(err)?;
-            chart
-                .draw_series(
-                    points
-                        .iter()
-                        .map(|&(x, m, _, _)| Circle::new((x, m), 5, c.filled())),
-                )
-                .map_err(err)?
-                .label(s.name.clone())
-                .legend(move |(x, y)| Rectangle::new([(x, y - 5), (x + 10, y + 5)], c.filled()));
-        }
-        chart
-            .configure_series_labels()
-            .position(SeriesLabelPosition::UpperRight)
-            .background_style(WHITE.mix(0.8))
-            .border_style(BLACK)
-            .draw()
-            .map_err(err)?;
-        root.present().map_err(err)?;
-    }
-    Ok(svg)
+            let k = series.len().max(1) as f64;
+            let slot = 0.6 / k;
+            for (si, s) in series.iter().enumerate() {
+                let c = color(si);
+                let offset = -0.3 + slot * (si as f64 + 0.5);
+                let points: Vec<(f64, f64, f64, f64)> = stats[si]
+                    .iter()
+                    .enumerate()
+                    .filter_map(|(i, v)| v.map(|(m, lo, hi)| (i as f64 + offset, m, lo, hi)))
+                    .collect();
+                chart
+                    .draw_series(points.iter().map(|&(x, _, lo, hi)| {
+                        PathElement::new(vec![(x, lo), (x, hi)], c.stroke_width(SERIES_WIDTH))
+                    }))
+                    .map_err(err)?;
+                chart
+                    .draw_series(
+                        points
+                            .iter()
+                            .map(|&(x, m, _, _)| Circle::new((x, m), 5, c.filled())),
+                    )
+                    .map_err(err)?
+                    .label(s.name.clone())
+                    .legend(swatch(c));
+            }
+            Ok(())
+        },
+    )
 }
 
 /// Sorted TTFTs (ms) of the successful requests per (strategy, endpoints) of `workload` in a
@@ -256,17 +289,8 @@ pub fn ttft_cdf_svg(title: &str, workload: &str, records: &Value) -> anyhow::Res
         bail!("no successful requests of workload {workload:?} in the records");
     }
     let (lo, hi) = ((lo * 0.9).max(0.01), (hi * 1.1).max(lo * 2.0));
-    let mut svg = String::new();
-    {
-        let root = SVGBackend::with_string(&mut svg, SIZE).into_drawing_area();
-        root.fill(&WHITE).map_err(err)?;
-        let mut chart = ChartBuilder::on(&root)
-            .caption(title, ("sans-serif", 20))
-            .margin(12)
-            .x_label_area_size(40)
-            .y_label_area_size(60)
-            .build_cartesian_2d((lo..hi).log_scale(), 0f64..1f64)
-            .map_err(err)?;
+    let axes = ((lo..hi).log_scale(), 0f64..1f64);
+    svg(title, axes, SeriesLabelPosition::LowerRight, |chart| {
         chart
             .configure_mesh()
             .x_desc("TTFT, ms (log scale)")
@@ -287,18 +311,10 @@ pub fn ttft_cdf_svg(title: &str, workload: &str, records: &Value) -> anyhow::Res
                 .draw_series(LineSeries::new(pts, c.stroke_width(SERIES_WIDTH)))
                 .map_err(err)?
                 .label(name.clone())
-                .legend(move |(x, y)| Rectangle::new([(x, y - 5), (x + 10, y + 5)], c.filled()));
+                .legend(swatch(c));
         }
-        chart
-            .configure_series_labels()
-            .position(SeriesLabelPosition::LowerRight)
-            .background_style(WHITE.mix(0.8))
-            .border_style(BLACK)
-            .draw()
-            .map_err(err)?;
-        root.present().map_err(err)?;
-    }
-    Ok(svg)
+        Ok(())
+    })
 }
 
 /// Per strategy of `workload`: (endpoints, cached-token ratio %) sorted by endpoints.
@@ -337,45 +353,33 @@ pub fn scale_svg(title: &str, workload: &str, doc: &Value) -> anyhow::Result<Str
     if !lo.is_finite() {
         bail!("no summaries of workload {workload:?} in the given file");
     }
-    let mut svg = String::new();
-    {
-        let root = SVGBackend::with_string(&mut svg, SIZE).into_drawing_area();
-        root.fill(&WHITE).map_err(err)?;
-        let mut chart = ChartBuilder::on(&root)
-            .caption(title, ("sans-serif", 20))
-            .margin(12)
-            .x_label_area_size(40)
-            .y_label_area_size(60)
-            .build_cartesian_2d(0f64..(hi * 1.1).max(lo + 1.0), 0f64..100f64)
-            .map_err(err)?;
-        chart
-            .configure_mesh()
-            .disable_x_mesh()
-            .x_desc("endpoints")
-            .y_desc("cached-token ratio, %")
-            .y_label_formatter(&|y| format!("{y:.0}"))
-            .x_label_formatter(&|x| format!("{x:.0}"))
-            .draw()
-            .map_err(err)?;
-        for (si, (name, v)) in lines.iter().enumerate() {
-            let c = color(si);
+    let x = 0f64..(hi * 1.1).max(lo + 1.0);
+    svg(
+        title,
+        (x, 0f64..100f64),
+        SeriesLabelPosition::LowerLeft,
+        |chart| {
             chart
-                .draw_series(LineSeries::new(v.clone(), c.stroke_width(SERIES_WIDTH)))
-                .map_err(err)?
-                .label(name.clone())
-                .legend(move |(x, y)| Rectangle::new([(x, y - 5), (x + 10, y + 5)], c.filled()));
-            chart
-                .draw_series(v.iter().map(|&p| Circle::new(p, 4, c.filled())))
+                .configure_mesh()
+                .disable_x_mesh()
+                .x_desc("endpoints")
+                .y_desc("cached-token ratio, %")
+                .y_label_formatter(&|y| format!("{y:.0}"))
+                .x_label_formatter(&|x| format!("{x:.0}"))
+                .draw()
                 .map_err(err)?;
-        }
-        chart
-            .configure_series_labels()
-            .position(SeriesLabelPosition::LowerLeft)
-            .background_style(WHITE.mix(0.8))
-            .border_style(BLACK)
-            .draw()
-            .map_err(err)?;
-        root.present().map_err(err)?;
-    }
-    Ok(svg)
+            for (si, (name, v)) in lines.iter().enumerate() {
+                let c = color(si);
+                chart
+                    .draw_series(LineSeries::new(v.clone(), c.stroke_width(SERIES_WIDTH)))
+                    .map_err(err)?
+                    .label(name.clone())
+                    .legend(swatch(c));
+                chart
+                    .draw_series(v.iter().map(|&p| Circle::new(p, 4, c.filled())))
+                    .map_err(err)?;
+            }
+            Ok(())
+        },
+    )
 }

@@ -9,12 +9,7 @@ use tokio_util::sync::CancellationToken;
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
-        )
-        .with_writer(std::io::stderr)
-        .init();
+    kvroute_engine_sim::init_logging();
     let cfg = SimConfig::try_from(SimArgs::parse())?;
     let cancel = CancellationToken::new();
     let c = cancel.clone();

@@ -1,15 +1,22 @@
 #!/usr/bin/env python3
-"""Writes the docs/bench-*.md tables from kvroute-bench's JSON results (scripts/bench.sh).
+"""Writes the measured pages in docs/ (every markdown report the scripts produce).
 
-usage: bench_report.py PART RESULTS_DIR OUT.md     PART: small, placement, scale, gateways
+usage: report.py PART RESULTS_DIR OUT.md     PART: small, placement, scale, gateways (scripts/bench.sh)
+       report.py hash CRITERION_DIR WASM.json OPENSSL.txt    docs/bench-hash.md on stdout (scripts/bench-hash.sh)
+       report.py soak SAMPLES.tsv OUT.md      figures in SOAK_* variables (scripts/soak.sh)
+       report.py fuzz DOC.md RESULTS          one row per target run, other rows kept (scripts/fuzz.sh)
 
-Each part reads the files bench.sh wrote into RESULTS_DIR (<part>*.json, and the markdown
+Each bench part reads the files bench.sh wrote into RESULTS_DIR (<part>*.json, and the markdown
 table kvroute-bench printed, <part>*.md) and writes one page. `placement` also judges the constrained fleet's
 targets from the figures (met / not met, with the numbers).
 """
 
+import datetime
 import json
 import os
+import platform
+import re
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -87,6 +94,17 @@ def figures(out: Path, plots) -> str:
 
 def stamp():
     return time.strftime("%Y-%m-%d")
+
+
+def cpu_model(unknown):
+    """The CPU's model name from /proc/cpuinfo, or `unknown`."""
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return unknown
 
 
 def small(res: Path, out: Path):
@@ -338,12 +356,151 @@ def gateways(res: Path, out: Path):
     out.write_text(text)
 
 
+HASH_ALGOS = ["sha256_cbor", "xxhash_cbor", "sha256_sglang", "blockhash_trtllm", "tokens"]
+
+
+def hash_page(crit, wasm_json, openssl_txt):
+    """Criterion's estimates, the V8 timings and openssl's figure as docs/bench-hash.md, on stdout."""
+
+    def mean_ns(*parts):
+        with open(os.path.join(crit, *parts, "new", "estimates.json")) as f:
+            return json.load(f)["mean"]["point_estimate"]
+
+    def throughput(*parts):
+        with open(os.path.join(crit, *parts, "new", "benchmark.json")) as f:
+            t = json.load(f)["throughput"]
+        return next(iter(t.values()))
+
+    wasm = json.load(open(wasm_json))
+    cpu = cpu_model("unknown")
+    print("# Block-hash throughput\n")
+    print(f"Machine: {os.cpu_count()} cores, {cpu}, {platform.system()}. Block size 16; Qwen-range token ids.")
+    print("Native: criterion (`cargo bench -p kvroute-core --bench hash`). Wasm: the built filter module in V8")
+    print("(node, the engine Envoy's `envoy.wasm.runtime.v8` embeds), `scripts/wasm-bench.mjs`.")
+    print("Reproduce: `./scripts/bench-hash.sh`.\n")
+    print("| contract | native 1k tokens (keys/s) | native 32k tokens (keys/s) | wasm/V8 1k (keys/s) | wasm/V8 32k (keys/s) |")
+    print("|---|---|---|---|---|")
+    for a in HASH_ALGOS:
+        row = [a]
+        for n, label in [(1024, "1k"), (32768, "32k")]:
+            ns = mean_ns(f"keys_{label}_tokens", a)
+            row.append(f"{(n / 16) / (ns / 1e9):,.0f}")
+        for n in ["1024", "32768"]:
+            row.append(f"{wasm[a][n]:,}")
+        print("| " + " | ".join(row) + " |")
+
+    raw_ns = mean_ns("sha256_raw_32k_tokens", "sha256_cbor_input_bytes")
+    full_ns = mean_ns("sha256_cbor_32k_tokens_bytes", "sha256_cbor")
+    nbytes = throughput("sha256_cbor_32k_tokens_bytes", "sha256_cbor")
+    openssl = open(openssl_txt).read().split()
+    # openssl prints "sha256  NNNN.NNk" = thousands of bytes per second.
+    ossl_bps = float(openssl[-1].rstrip("k")) * 1000
+    ours_bps = nbytes / (full_ns / 1e9)
+    raw_bps = nbytes / (raw_ns / 1e9)
+    print("\n## sha256_cbor against openssl on the same bytes\n")
+    print("| what | MB/s | share of openssl |")
+    print("|---|---|---|")
+    print(f"| `openssl speed -evp sha256 -bytes 85` | {ossl_bps / 1e6:,.1f} | 100% |")
+    print(f"| SHA-256 alone over the CBOR block inputs (sha2 crate) | {raw_bps / 1e6:,.1f} | {raw_bps / ossl_bps:.0%} |")
+    print(f"| `sha256_cbor` end to end (encode + hash + key) | {ours_bps / 1e6:,.1f} | {ours_bps / ossl_bps:.0%} |")
+    print("\nTarget: `sha256_cbor` end to end at least 70% of openssl on the same bytes.")
+
+
+def soak_page(samples, out_path):
+    """docs/soak.md from the sampled RSS/descriptor table and the SOAK_* figures soak.sh exports."""
+    e = os.environ
+    rows = [[int(x) for x in l.rstrip("\n").split("\t")] for l in list(open(samples))[1:]]
+    cpu = cpu_model("unknown CPU")
+
+    def span(i):
+        return rows[0][i], rows[-1][i], max(r[i] for r in rows)
+
+    m = e["SOAK_MINUTES"]
+    out = ["# Soak: memory and descriptors under a mixed workload\n"]
+    out.append(f"Measured {datetime.date.today()} on {os.cpu_count()} cores ({cpu}) by `./scripts/soak.sh {m}`: "
+               "the stack of `scripts/stack.sh` (Envoy 1.40 with 2 workers, the filter, the inventory, 3 vLLM simulators) "
+               f"driven for {m} minutes by cycles of the multi-turn workload through the gateway (192 requests each) plus "
+               "a hostile mix (non-UTF-8 header values, a 1 MB one-word body, a non-JSON body, a client pin, a half-sent "
+               "request).\n")
+    out.append(f"Cycles: {e['SOAK_CYCLES']}, failed cycles: {e['SOAK_ERRORS']}; hostile requests: {e['SOAK_HOSTILE']}, "
+               f"unanswered within 10 s: {e['SOAK_UNANSWERED']}; filter requests: {e['SOAK_REQUESTS']}, pins honored / "
+               f"overridden: {e['SOAK_HONORED']} / {e['SOAK_OVERRIDDEN']}.\n")
+    out.append("| process | RSS start MiB | RSS end MiB | RSS peak MiB | fds start | fds end | fds peak |")
+    out.append("|---|---|---|---|---|---|---|")
+    for name, rss, fd in (("Envoy", 1, 2), ("kvroute-inventory", 3, 4)):
+        a, b, c = span(rss)
+        d, f, g = span(fd)
+        out.append(f"| {name} | {a / 1024:.1f} | {b / 1024:.1f} | {c / 1024:.1f} | {d} | {f} | {g} |")
+    out.append("\n## Samples\n")
+    out.append("| t s | Envoy RSS MiB | Envoy fds | inventory RSS MiB | inventory fds |")
+    out.append("|---|---|---|---|---|")
+    for r in rows:
+        out.append(f"| {r[0]} | {r[1] / 1024:.1f} | {r[2]} | {r[3] / 1024:.1f} | {r[4]} |")
+    open(out_path, "w").write("\n".join(out) + "\n")
+
+
+FUZZ_TARGETS = ["zmq_events", "trtllm_drain", "replica_codec", "rule_json", "openai_body",
+                "filter_answer", "filter_config"]
+
+
+def fuzz_page(doc, results):
+    """The results table in `doc` between fuzz.sh's markers: a row per target in `results` (fuzz.sh's
+    per-target lines and `artifact PATH` lines), rows of targets not run this time kept."""
+    lines = open(results).read().splitlines()
+    rows, artifacts = {}, {}
+    for ln in lines:
+        if ln.startswith("artifact "):
+            path = ln.split(" ", 1)[1]
+            artifacts.setdefault(path.split("/")[-2], []).append(path)
+        elif ln.strip():
+            f = ln.split()
+            rows[f[0]] = f[1:]
+    cpu = cpu_model("unknown cpu")
+    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    rustc = subprocess.run(["rustc", "--version"], capture_output=True, text=True).stdout.strip()
+    machine = f"{cpu}, {os.cpu_count()} cores, {platform.system()} {platform.release()}, {rustc}"
+    # Rows kept from earlier runs of other targets, so a one-target run updates only its own row.
+    text = open(doc).read() if os.path.exists(doc) else ""
+    begin, end = "<!-- fuzz.sh results begin -->", "<!-- fuzz.sh results end -->"
+    old = {}
+    if begin in text and end in text:
+        for l in text.split(begin, 1)[1].split(end, 1)[0].splitlines():
+            m = re.match(r"\| `(\w+)` \|", l)
+            if m:
+                old[m.group(1)] = l
+    table = ["| target | seconds | execs | coverage (edges) | features | corpus | crashes | timeouts | ooms | date | machine |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"]
+    for name in FUZZ_TARGETS + sorted(set(rows) - set(FUZZ_TARGETS)):
+        if name in rows:
+            execs, cov, ft, corp, crash, tmo, oom, t, rc = rows[name]
+            table.append(f"| `{name}` | {t} | {execs} | {cov} | {ft} | {corp} | {crash} | {tmo} | {oom} | {date} | {machine} |")
+        elif name in old:
+            table.append(old[name])
+    new_block = begin + "\n" + "\n".join(table) + "\n" + end
+    if begin in text and end in text:
+        text = text.split(begin, 1)[0] + new_block + text.split(end, 1)[1]
+    else:
+        text = text.rstrip() + "\n\n" + new_block + "\n"
+    open(doc, "w").write(text)
+    for name, paths in artifacts.items():
+        for p in paths:
+            print(f"fuzz.sh: {name}: new artifact {p}")
+
+
 def main():
-    if len(sys.argv) != 4:
+    part = sys.argv[1] if len(sys.argv) > 1 else ""
+    if part == "hash" and len(sys.argv) == 5:
+        hash_page(*sys.argv[2:5])
+    elif part == "soak" and len(sys.argv) == 4:
+        soak_page(*sys.argv[2:4])
+    elif part == "fuzz" and len(sys.argv) == 4:
+        fuzz_page(*sys.argv[2:4])
+    elif part in ("small", "placement", "scale", "gateways") and len(sys.argv) == 4:
+        res, out = Path(sys.argv[2]), Path(sys.argv[3])
+        {"small": small, "placement": placement, "scale": scale, "gateways": gateways}[part](res, out)
+        print(f"report.py: wrote {out}")
+    else:
         sys.exit(__doc__)
-    part, res, out = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
-    {"small": small, "placement": placement, "scale": scale, "gateways": gateways}[part](res, out)
-    print(f"bench_report.py: wrote {out}")
 
 
 if __name__ == "__main__":
