@@ -328,23 +328,15 @@ mod tests {
         }
     }
 
-    #[test]
-    fn vllm_map_layout_int_keys() {
-        let v = vectors("vllm-0.33.0.json");
-        let ev = &v["events"]["int_keys_default"];
-        let b = decode_batch(&hx(&ev["batch_payload_hex"]), BytesKey::Last8).unwrap();
-        assert_eq!(b.dp_rank, Some(0));
+    /// The reference batch of the vLLM vectors: two blocks stored, the first removed, all cleared.
+    fn assert_reference_batch(b: &EventBatch) -> &Stored {
         assert_eq!(b.events.len(), 3);
-        let s = stored(&b, 0);
+        let s = stored(b, 0);
         assert_eq!(
             s.block_hashes,
             vec![12687895063098490012, 1814341696565857452]
         );
-        assert_eq!(s.parent, None);
-        assert_eq!(s.token_ids, (0..32).collect::<Vec<u32>>());
         assert_eq!(s.block_size, Some(16));
-        assert_eq!(s.medium, Medium::Gpu);
-        assert!(!s.has_lora && !s.has_extra_keys);
         assert_eq!(
             b.events[1],
             KvEvent::Removed {
@@ -353,6 +345,20 @@ mod tests {
             }
         );
         assert_eq!(b.events[2], KvEvent::AllCleared);
+        s
+    }
+
+    #[test]
+    fn vllm_map_layout_int_keys() {
+        let v = vectors("vllm-0.33.0.json");
+        let ev = &v["events"]["int_keys_default"];
+        let b = decode_batch(&hx(&ev["batch_payload_hex"]), BytesKey::Last8).unwrap();
+        assert_eq!(b.dp_rank, Some(0));
+        let s = assert_reference_batch(&b);
+        assert_eq!(s.parent, None);
+        assert_eq!(s.token_ids, (0..32).collect::<Vec<u32>>());
+        assert_eq!(s.medium, Medium::Gpu);
+        assert!(!s.has_lora && !s.has_extra_keys);
     }
 
     #[test]
@@ -388,22 +394,8 @@ mod tests {
             BytesKey::Last8,
         )
         .unwrap();
-        assert_eq!(b.events.len(), 3);
-        let s = stored(&b, 0);
-        assert_eq!(
-            s.block_hashes,
-            vec![12687895063098490012, 1814341696565857452]
-        );
+        let s = assert_reference_batch(&b);
         assert_eq!(s.token_ids.len(), 32);
-        assert_eq!(s.block_size, Some(16));
-        assert_eq!(
-            b.events[1],
-            KvEvent::Removed {
-                block_hashes: vec![12687895063098490012],
-                medium: Medium::Gpu
-            }
-        );
-        assert_eq!(b.events[2], KvEvent::AllCleared);
     }
 
     #[test]

@@ -275,7 +275,11 @@ impl Keyer {
                         };
                         let level_gpu =
                             b.get("cache_level").and_then(Value::as_u64).unwrap_or(0) == 0;
-                        let (Some(eh), Some(pk)) = (engine_hash, parent_key) else {
+                        // No engine hash, an unknown parent, or a partial block (never routed
+                        // on): unkeyable, and it ends the chain in this event.
+                        let (Some(eh), Some(pk), true) =
+                            (engine_hash, parent_key, tokens.len() == bs)
+                        else {
                             self.metrics
                                 .unkeyed_blocks
                                 .with_label_values(&[self.engine.as_str()])
@@ -283,15 +287,6 @@ impl Keyer {
                             parent_key = None;
                             continue;
                         };
-                        if tokens.len() != bs {
-                            // Partial block: never routed on, and it ends the chain in this event.
-                            self.metrics
-                                .unkeyed_blocks
-                                .with_label_values(&[self.engine.as_str()])
-                                .inc();
-                            parent_key = None;
-                            continue;
-                        }
                         let key = match self.key_mode {
                             KeyMode::Engine => trtllm::block_key(
                                 pk,

@@ -63,6 +63,7 @@ pub(super) async fn run(
     let period = (rep.cfg.lease / 3).max(Duration::from_millis(50));
     let mut conn = rep.conn.clone();
     let mut ingest: Option<CancellationToken> = None;
+    let lease_event = |what: &str| state.metrics.lease_changes.with_label_values(&[what]).inc();
     loop {
         let held: Result<i64, _> = acquire
             .key(&key)
@@ -77,11 +78,7 @@ pub(super) async fn run(
                 start(&token);
                 ingest = Some(token);
                 owned_gauge.set(1);
-                state
-                    .metrics
-                    .lease_changes
-                    .with_label_values(&["acquired"])
-                    .inc();
+                lease_event("acquired");
                 tracing::info!(rule = %name, ep = ep.0, replica = %rep.id, "endpoint lease acquired: ingesting");
             }
             (Ok(1), true) => {}
@@ -94,11 +91,7 @@ pub(super) async fn run(
                     state.set_connected(&rule, ep, rank, false);
                 }
                 owned_gauge.set(0);
-                state
-                    .metrics
-                    .lease_changes
-                    .with_label_values(&["lost"])
-                    .inc();
+                lease_event("lost");
                 tracing::warn!(rule = %name, ep = ep.0, replica = %rep.id, "endpoint lease held by another replica: ingestion stopped here");
             }
             (Ok(_), false) => {}
@@ -129,11 +122,7 @@ pub(super) async fn run(
         )
         .await;
         if matches!(r, Ok(Ok(1))) {
-            state
-                .metrics
-                .lease_changes
-                .with_label_values(&["released"])
-                .inc();
+            lease_event("released");
         }
     }
     // The series stays: a replacing rule's loop owns it now, and a deleted rule's series are
