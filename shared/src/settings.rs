@@ -49,6 +49,48 @@ pub struct Setting {
 }
 
 impl Setting {
+    /// An [`Kind::Int`] setting.
+    pub const fn int(
+        name: &'static str,
+        (min, max): (u64, u64),
+        default: u64,
+        help: &'static str,
+    ) -> Setting {
+        Setting {
+            name,
+            kind: Kind::Int { min, max, default },
+            help,
+        }
+    }
+
+    /// A [`Kind::Word`] setting.
+    pub const fn word(
+        name: &'static str,
+        words: &'static [&'static str],
+        default: Option<&'static str>,
+        help: &'static str,
+    ) -> Setting {
+        Setting {
+            name,
+            kind: Kind::Word { words, default },
+            help,
+        }
+    }
+
+    /// A [`Kind::Text`] setting.
+    pub const fn text(
+        name: &'static str,
+        allowed: &'static str,
+        default: &'static str,
+        help: &'static str,
+    ) -> Setting {
+        Setting {
+            name,
+            kind: Kind::Text { allowed, default },
+            help,
+        }
+    }
+
     /// What is accepted, as error messages and docs show it (`0-4096`, `on, off (or unset)`).
     pub fn allowed(&self) -> String {
         match self.kind {
@@ -90,7 +132,7 @@ impl Setting {
 
     /// An [`Kind::Int`] value: decimal digits only (no sign, no spaces, so "+16" and " 16" are
     /// errors) within its range. The default when unset or rejected.
-    pub fn int(&self, raw: Option<&str>, errs: &mut Vec<FieldError>) -> u64 {
+    pub fn parse_int(&self, raw: Option<&str>, errs: &mut Vec<FieldError>) -> u64 {
         let (min, max, default) = match self.kind {
             Kind::Int { min, max, default } => (min, max, default),
             _ => (0, u64::MAX, 0),
@@ -108,7 +150,7 @@ impl Setting {
     }
 
     /// A [`Kind::Number`] value within its range; the default when unset or rejected.
-    pub fn number(&self, raw: Option<&str>, errs: &mut Vec<FieldError>) -> f64 {
+    pub fn parse_number(&self, raw: Option<&str>, errs: &mut Vec<FieldError>) -> f64 {
         let (min, max, default) = match self.kind {
             Kind::Number { min, max, default } => (min, max, default),
             _ => (f64::MIN, f64::MAX, 0.0),
@@ -125,7 +167,7 @@ impl Setting {
 
     /// A [`Kind::Word`] value: the entry of `values` at the position of the word given (or of the
     /// default word when unset); `None` when unset without a default, or rejected without one.
-    pub fn word<T: Copy>(
+    pub fn parse_word<T: Copy>(
         &self,
         raw: Option<&str>,
         values: &[T],
@@ -153,54 +195,41 @@ impl Setting {
 }
 
 /// `LLB_KV_MIN_MATCH_TOKENS`: minimum matched prefix before a KV match overrides the fallback.
-pub const MIN_MATCH_TOKENS: Setting = Setting {
-    name: "LLB_KV_MIN_MATCH_TOKENS",
-    kind: Kind::Int {
-        min: 0,
-        max: 4096,
-        default: 16,
-    },
-    help: "prompts with fewer tokens skip KV scoring (`miss_short_prompt`)",
-};
+pub const MIN_MATCH_TOKENS: Setting = Setting::int(
+    "LLB_KV_MIN_MATCH_TOKENS",
+    (0, 4096),
+    16,
+    "prompts with fewer tokens skip KV scoring (`miss_short_prompt`)",
+);
 /// `LLB_KV_NONE_HASH_SEED`: the engines' `PYTHONHASHSEED`, which seeds vLLM's NONE_HASH.
-pub const NONE_HASH_SEED: Setting = Setting {
-    name: "LLB_KV_NONE_HASH_SEED",
-    kind: Kind::Text {
-        allowed: "any string (empty is the empty seed)",
-        default: "unset",
-    },
-    help: "the engines' `PYTHONHASHSEED` (vLLM NONE_HASH seed); part of the `engine` key-mode contract",
-};
+pub const NONE_HASH_SEED: Setting = Setting::text(
+    "LLB_KV_NONE_HASH_SEED",
+    "any string (empty is the empty seed)",
+    "unset",
+    "the engines' `PYTHONHASHSEED` (vLLM NONE_HASH seed); part of the `engine` key-mode contract",
+);
 /// `LOXILB_KV_SPILL_RELIEF`: whether spilling load off a hot prefix holder is forced on or off.
-pub const SPILL_RELIEF: Setting = Setting {
-    name: "LOXILB_KV_SPILL_RELIEF",
-    kind: Kind::Word {
-        words: &["on", "off"],
-        default: None,
-    },
-    help: "a winner at its load cap spills to the under-cap endpoint with the most overlap; \
-           unset = on for kvExactMode 3, off for 1",
-};
+pub const SPILL_RELIEF: Setting = Setting::word(
+    "LOXILB_KV_SPILL_RELIEF",
+    &["on", "off"],
+    None,
+    "a winner at its load cap spills to the under-cap endpoint with the most overlap; \
+     unset = on for kvExactMode 3, off for 1",
+);
 /// `LOXILB_KV_COLDSTART_SEED_N`: every Nth hit seeds a cold endpoint.
-pub const COLDSTART_SEED_N: Setting = Setting {
-    name: "LOXILB_KV_COLDSTART_SEED_N",
-    kind: Kind::Int {
-        min: 0,
-        max: u32::MAX as u64,
-        default: 16,
-    },
-    help: "every Nth hit goes to the lowest-index cold endpoint; 0 disables",
-};
+pub const COLDSTART_SEED_N: Setting = Setting::int(
+    "LOXILB_KV_COLDSTART_SEED_N",
+    (0, u32::MAX as u64),
+    16,
+    "every Nth hit goes to the lowest-index cold endpoint; 0 disables",
+);
 /// `LOXILB_KV_COLDSTART_MIN_BLOCKS`: blocks an endpoint must hold before it counts as warm.
-pub const COLDSTART_MIN_BLOCKS: Setting = Setting {
-    name: "LOXILB_KV_COLDSTART_MIN_BLOCKS",
-    kind: Kind::Int {
-        min: 0,
-        max: u32::MAX as u64,
-        default: 16,
-    },
-    help: "an endpoint holding fewer blocks is cold; 0 disables seeding",
-};
+pub const COLDSTART_MIN_BLOCKS: Setting = Setting::int(
+    "LOXILB_KV_COLDSTART_MIN_BLOCKS",
+    (0, u32::MAX as u64),
+    16,
+    "an endpoint holding fewer blocks is cold; 0 disables seeding",
+);
 
 /// The seed variable's name (rule validation and the CLI name it in messages).
 pub const NONE_HASH_SEED_VAR: &str = NONE_HASH_SEED.name;
@@ -265,7 +294,7 @@ impl Default for Settings {
 
 /// An integer setting whose range fits `u32`.
 fn int_u32(s: &Setting, raw: Option<&str>, errs: &mut Vec<FieldError>) -> u32 {
-    u32::try_from(s.int(raw, errs)).unwrap_or(u32::MAX)
+    u32::try_from(s.parse_int(raw, errs)).unwrap_or(u32::MAX)
 }
 
 impl Settings {
@@ -289,7 +318,7 @@ impl Settings {
         );
         let none_hash_seed = lookup(NONE_HASH_SEED.name);
         let spill_relief = SPILL_RELIEF
-            .word(
+            .parse_word(
                 lookup(SPILL_RELIEF.name).as_deref(),
                 &[SpillRelief::On, SpillRelief::Off],
                 errs,
@@ -413,7 +442,7 @@ mod tests {
         assert_eq!(SPILL_RELIEF.default_text(), "unset");
         assert_eq!(COLDSTART_SEED_N.default_text(), "16");
         let mut errs = Vec::new();
-        assert_eq!(COLDSTART_SEED_N.int(Some(" 3"), &mut errs), 16);
+        assert_eq!(COLDSTART_SEED_N.parse_int(Some(" 3"), &mut errs), 16);
         assert_eq!(
             errs[0].to_string(),
             "LOXILB_KV_COLDSTART_SEED_N: got \" 3\", allowed: 0-4294967295"
