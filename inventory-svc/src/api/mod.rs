@@ -173,17 +173,7 @@ fn install(
     state: &Arc<AppState>,
     spec: RuleSpec,
 ) -> Result<(Arc<RuleRuntime>, Option<Arc<RuleRuntime>>), ApiError> {
-    let (rt, replaced) = state.insert(spec).map_err(|e| {
-        ApiError::InvalidRule(
-            e.0.into_iter()
-                .map(|f| crate::rules::FieldProblem {
-                    field: f.field,
-                    value: f.value,
-                    allowed: f.allowed,
-                })
-                .collect(),
-        )
-    })?;
+    let (rt, replaced) = state.insert(spec).map_err(|e| ApiError::InvalidRule(e.0))?;
     crate::ingest::spawn_rule(state, &rt);
     crate::health::spawn_rule(state, &rt);
     tracing::info!(rule = %rt.spec.name(), id = rt.id, engine = %rt.spec.engine, replaced = replaced.is_some(), "rule installed");
@@ -374,7 +364,7 @@ fn contract_json(r: &RuleRuntime) -> RuleContract {
         block_size: r.spec.block_size,
         key_mode: r.spec.key_mode.as_str().into(),
         model: r.spec.model.clone(),
-        kv_exact_mode: r.spec.exact_mode.as_u8(),
+        kv_exact_mode: r.spec.exact_mode.code(),
         kv_enabled: r.spec.kv_enabled(),
     }
 }

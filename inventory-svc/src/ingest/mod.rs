@@ -21,8 +21,8 @@ use std::time::Duration;
 use kvroute_core::hash::Engine;
 
 use crate::index::{EndpointId, IndexOp, Rank};
-use crate::rules::{EpRole, ExactMode};
 use crate::state::{AppState, RuleRuntime};
+use kvroute_core::rule::{EndpointRole, KvMode};
 
 /// What one sequence number means relative to the last one seen from the same publisher.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -244,7 +244,7 @@ pub fn kv_endpoints(rule: &RuleRuntime) -> Vec<usize> {
         .iter()
         .enumerate()
         .filter(|(_, e)| {
-            rule.spec.exact_mode != ExactMode::PrefillDecode || e.role == EpRole::Prefill
+            rule.spec.exact_mode != KvMode::PrefillDecode || e.role == Some(EndpointRole::Prefill)
         })
         .map(|(i, _)| i)
         .collect()
