@@ -2,11 +2,13 @@
 //!
 //! Parse, don't validate: [`RawConfig`] is what serde reads (unknown fields rejected), [`Config`]
 //! is the checked form the filter runs with. Every problem is reported at once, naming the field,
-//! the value and what is allowed. An empty object is valid: with no `rule` the filter only counts
+//! the value and what is allowed (kvroute-core's [`FieldError`], as rules and process settings
+//! report theirs). An empty object is valid: with no `rule` the filter only counts
 //! and passes requests through (the shape the smoke test and a first deployment use).
 
 use std::time::Duration;
 
+use kvroute_core::rule::FieldError;
 use serde::Deserialize;
 
 use crate::cache::Limits;
@@ -186,15 +188,6 @@ impl Default for Config {
     }
 }
 
-/// One configuration problem.
-#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
-#[error("{field}: got {value}, allowed {allowed}")]
-pub struct Problem {
-    pub field: &'static str,
-    pub value: String,
-    pub allowed: &'static str,
-}
-
 /// Why a configuration was refused.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum ConfigError {
@@ -206,7 +199,7 @@ pub enum ConfigError {
     )]
     Json(String),
     #[error("invalid plugin configuration: {}", .0.iter().map(ToString::to_string).collect::<Vec<_>>().join("; "))]
-    Invalid(Vec<Problem>),
+    Invalid(Vec<FieldError>),
 }
 
 fn header_name_ok(s: &str) -> bool {
@@ -243,11 +236,7 @@ impl TryFrom<RawConfig> for Config {
                 None => dflt,
                 Some(x) if (lo..=hi).contains(&x) => x,
                 Some(x) => {
-                    problems.push(Problem {
-                        field,
-                        value: x.to_string(),
-                        allowed,
-                    });
+                    problems.push(FieldError::new(field, x.to_string(), allowed));
                     dflt
                 }
             }
@@ -329,19 +318,15 @@ impl TryFrom<RawConfig> for Config {
         let mut text = |field: &'static str, v: Option<String>, dflt: &str, header: bool| match v {
             None => dflt.to_owned(),
             Some(s) if s.is_empty() => {
-                problems.push(Problem {
-                    field,
-                    value: "\"\"".into(),
-                    allowed: "a non-empty string",
-                });
+                problems.push(FieldError::new(field, "\"\"", "a non-empty string"));
                 dflt.to_owned()
             }
             Some(s) if header && !header_name_ok(&s) => {
-                problems.push(Problem {
+                problems.push(FieldError::new(
                     field,
-                    value: format!("{s:?}"),
-                    allowed: "a lowercase header name ([a-z0-9-]+)",
-                });
+                    format!("{s:?}"),
+                    "a lowercase header name ([a-z0-9-]+)",
+                ));
                 dflt.to_owned()
             }
             Some(s) => s,
@@ -361,11 +346,7 @@ impl TryFrom<RawConfig> for Config {
         let pin_header = text("pin_header", raw.pin_header, &d.pin_header, true);
         if let Some(r) = &raw.rule {
             if r.is_empty() {
-                problems.push(Problem {
-                    field: "rule",
-                    value: "\"\"".into(),
-                    allowed: "a rule id or VIP:port",
-                });
+                problems.push(FieldError::new("rule", "\"\"", "a rule id or VIP:port"));
             }
         }
         let route_token = match raw.route_token {
@@ -374,13 +355,12 @@ impl TryFrom<RawConfig> for Config {
                 Some(RouteToken(t))
             }
             Some(t) => {
-                problems.push(Problem {
-                    field: "route_token",
+                problems.push(FieldError::new(
+                    "route_token",
                     // Never echo a credential: its length is enough to find the mistake.
-                    value: format!("a string of {} bytes", t.len()),
-                    allowed:
-                        "a non-empty string of printable ASCII (no spaces or control characters)",
-                });
+                    format!("a string of {} bytes", t.len()),
+                    "a non-empty string of printable ASCII (no spaces or control characters)",
+                ));
                 None
             }
         };
@@ -464,7 +444,7 @@ mod tests {
                 .to_string();
             assert!(
                 err.contains(&format!(
-                    "max_prefix_tokens: got {bad}, allowed 1..=1048576"
+                    "max_prefix_tokens: got {bad}, allowed: 1..=1048576"
                 )),
                 "{err}"
             );
@@ -473,7 +453,7 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(
-            err.contains("key_cache_bytes: got 1099511627776, allowed 0..=1073741824"),
+            err.contains("key_cache_bytes: got 1099511627776, allowed: 0..=1073741824"),
             "{err}"
         );
     }
@@ -485,7 +465,7 @@ mod tests {
                 .unwrap_err()
                 .to_string();
         for part in [
-            "timeout_ms: got 0, allowed 1..=10000",
+            "timeout_ms: got 0, allowed: 1..=10000",
             "max_body_bytes: got 1",
             "pin_header: got \"X Pin\"",
             "rule",

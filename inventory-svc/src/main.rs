@@ -6,17 +6,8 @@ use std::path::PathBuf;
 
 use clap::{Parser, Subcommand};
 use kvroute_inventory::server::{serve, ServeOptions};
-use kvroute_inventory::settings::{Settings, ENV_VARS};
+use kvroute_inventory::settings::{env_help, Settings};
 use tokio_util::sync::CancellationToken;
-
-fn env_help() -> String {
-    let mut s = String::from("Tuning environment variables (read at start):\n");
-    for (k, v) in ENV_VARS {
-        s.push_str(&format!("  {k:<32} {v}\n"));
-    }
-    s.push_str("  RUST_LOG                         log filter (default info)\n");
-    s
-}
 
 #[derive(Parser)]
 #[command(

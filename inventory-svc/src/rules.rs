@@ -3,69 +3,27 @@
 //! Rules arrive in loxilb's JSON shape (`serviceArguments` + `endpoints`) on the management API or
 //! from a YAML/JSON file at start. Validation is kvroute-core's ([`kvroute_core::rule::Rule`]), the
 //! same code the filter uses, so a rule means one thing everywhere; [`RuleSpec`] adds the derived
-//! values the service uses on its hot paths (endpoint list, scorer enums, the service's drain
-//! interval).
+//! values the service uses on its hot paths (endpoint list, the service's drain interval). The
+//! rule's enums (`kvExactMode`, `sel`, `ep_role`) and its field errors are kvroute-core's own.
 
 use std::net::IpAddr;
 
 use kvroute_core::hash::{Engine, HashAlgo, HashContract};
 pub use kvroute_core::rule::KeyMode;
-use kvroute_core::rule::{EndpointRole, KvMode, RawRule, Rule, RuleParseError};
-use serde::Serialize;
+use kvroute_core::rule::{EndpointRole, FieldError, KvMode, RawRule, Rule, RuleParseError, Sel};
 use serde_json::Value;
 
 use crate::index::MAX_ENDPOINTS;
 use crate::settings::Settings;
 
-/// Endpoint role (`ep_role`): none, prefill, decode.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum EpRole {
-    Any,
-    Prefill,
-    Decode,
-}
-
-/// `kvExactMode`: which endpoint topology Tier 1.5 scores.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
-pub enum ExactMode {
-    /// 0: no KV scoring; the rule's `sel` only.
-    Off,
-    /// 1: prefill/decode disaggregation: KV picks a prefill endpoint, load picks decode.
-    PrefillDecode,
-    /// 3: one flat pool.
-    SingleRole,
-}
-
-impl ExactMode {
-    /// The wire number.
-    pub fn as_u8(self) -> u8 {
-        match self {
-            ExactMode::Off => 0,
-            ExactMode::PrefillDecode => 1,
-            ExactMode::SingleRole => 3,
-        }
-    }
-}
-
-/// The fallback algorithm on a KV miss, as the scorer applies it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
-pub enum Sel {
-    RoundRobin,
-    /// Consistent hash on the affinity key (`sel` 1 hash, 3 persist).
-    Hash,
-    /// Highest weight first.
-    Priority,
-    LeastLoaded,
-}
-
 /// One backend of a rule.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct EndpointSpec {
     pub ip: IpAddr,
     pub port: u16,
     pub weight: u32,
-    pub role: EpRole,
+    /// `ep_role`: always set under kvExactMode 1, never otherwise.
+    pub role: Option<EndpointRole>,
     /// The rule's `kvCapacityBlocks` (placement's capacity override), if set.
     pub capacity_blocks: Option<u32>,
 }
@@ -81,8 +39,10 @@ impl EndpointSpec {
 #[derive(Clone, Debug)]
 pub struct RuleSpec {
     pub rule: Rule,
+    /// `sel`: the fallback algorithm on a KV miss.
     pub sel: Sel,
-    pub exact_mode: ExactMode,
+    /// `kvExactMode`: which endpoint topology Tier 1.5 scores.
+    pub exact_mode: KvMode,
     pub engine: Engine,
     /// The algorithm of the keys the index holds (`tokens` in tokens key mode).
     pub algo: Option<HashAlgo>,
@@ -101,7 +61,6 @@ pub struct RuleSpec {
 impl RuleSpec {
     /// Derives the service view of a validated rule.
     pub fn from_rule(rule: Rule, settings: &Settings) -> RuleSpec {
-        use kvroute_core::rule::Sel as CoreSel;
         let kv = rule.kv();
         let endpoints = rule
             .endpoints()
@@ -110,26 +69,13 @@ impl RuleSpec {
                 ip: e.addr().ip(),
                 port: e.addr().port(),
                 weight: u32::from(e.weight()),
-                role: match e.role() {
-                    None => EpRole::Any,
-                    Some(EndpointRole::Prefill) => EpRole::Prefill,
-                    Some(EndpointRole::Decode) => EpRole::Decode,
-                },
+                role: e.role(),
                 capacity_blocks: e.capacity_blocks(),
             })
             .collect();
         RuleSpec {
-            sel: match rule.sel() {
-                CoreSel::RoundRobin => Sel::RoundRobin,
-                CoreSel::Hash | CoreSel::Persist => Sel::Hash,
-                CoreSel::Priority => Sel::Priority,
-                CoreSel::LeastConnections => Sel::LeastLoaded,
-            },
-            exact_mode: match rule.kv_mode() {
-                KvMode::Off => ExactMode::Off,
-                KvMode::PrefillDecode => ExactMode::PrefillDecode,
-                KvMode::SinglePool => ExactMode::SingleRole,
-            },
+            sel: rule.sel(),
+            exact_mode: rule.kv_mode(),
             engine: rule.engine(),
             algo: kv.map(|k| k.contract().algo),
             block_size: kv.map_or(16, |k| u32::from(k.block_size())),
@@ -162,7 +108,7 @@ impl RuleSpec {
 
     /// Whether Tier 1.5 (KV scoring) runs for this rule.
     pub fn kv_enabled(&self) -> bool {
-        self.exact_mode != ExactMode::Off && self.engine != Engine::Llamacpp
+        self.exact_mode.is_on() && self.engine != Engine::Llamacpp
     }
 
     /// The rule in loxilb's JSON shape with defaults explicit (`GET .../all`).
@@ -177,14 +123,6 @@ impl RuleSpec {
     }
 }
 
-/// One validation problem: the field, the value given, what is allowed.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, utoipa::ToSchema)]
-pub struct FieldProblem {
-    pub field: String,
-    pub value: String,
-    pub allowed: String,
-}
-
 /// Why a rule body was rejected.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum RuleRejected {
@@ -192,33 +130,21 @@ pub enum RuleRejected {
     #[error("malformed rule: {0}")]
     Malformed(String),
     /// Every bad field.
-    #[error("invalid rule: {}", .0.iter().map(|p| format!("{}: got {}, allowed: {}", p.field, p.value, p.allowed)).collect::<Vec<_>>().join("; "))]
-    Invalid(Vec<FieldProblem>),
+    #[error("invalid rule: {}", .0.iter().map(ToString::to_string).collect::<Vec<_>>().join("; "))]
+    Invalid(Vec<FieldError>),
 }
 
 /// Validates a rule in loxilb's JSON shape with kvroute-core, collecting every problem.
 pub fn parse_rule(raw: &Value, settings: &Settings) -> Result<RuleSpec, RuleRejected> {
     let r: RawRule =
         serde_json::from_value(raw.clone()).map_err(|e| RuleRejected::Malformed(e.to_string()))?;
-    let rule = Rule::from_raw(&r, &settings.core).map_err(|e| {
-        RuleRejected::Invalid(
-            e.0.into_iter()
-                .map(|f| FieldProblem {
-                    field: f.field,
-                    value: f.value,
-                    allowed: f.allowed,
-                })
-                .collect(),
-        )
-    })?;
+    let rule = Rule::from_raw(&r, &settings.core).map_err(|e| RuleRejected::Invalid(e.0))?;
     if rule.endpoints().len() > MAX_ENDPOINTS {
-        return Err(RuleRejected::Invalid(vec![FieldProblem {
-            field: "endpoints".into(),
-            value: format!("{} entries", rule.endpoints().len()),
-            allowed: format!(
-                "at most {MAX_ENDPOINTS} endpoints per rule (the index's holder bitset)"
-            ),
-        }]));
+        return Err(RuleRejected::Invalid(vec![FieldError::new(
+            "endpoints",
+            format!("{} entries", rule.endpoints().len()),
+            format!("at most {MAX_ENDPOINTS} endpoints per rule (the index's holder bitset)"),
+        )]));
     }
     Ok(RuleSpec::from_rule(rule, settings))
 }
@@ -227,16 +153,7 @@ pub fn parse_rule(raw: &Value, settings: &Settings) -> Result<RuleSpec, RuleReje
 pub fn from_core_error(e: RuleParseError) -> RuleRejected {
     match e {
         RuleParseError::Json(m) => RuleRejected::Malformed(m),
-        RuleParseError::Invalid(errs) => RuleRejected::Invalid(
-            errs.0
-                .into_iter()
-                .map(|f| FieldProblem {
-                    field: f.field,
-                    value: f.value,
-                    allowed: f.allowed,
-                })
-                .collect(),
-        ),
+        RuleParseError::Invalid(errs) => RuleRejected::Invalid(errs.0),
     }
 }
 

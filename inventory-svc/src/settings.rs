@@ -1,30 +1,31 @@
 //! Service-wide tuning read from the environment (the seed's variable names), validated once.
 //!
-//! The variables the filter shares (`LLB_KV_MIN_MATCH_TOKENS`, `LLB_KV_NONE_HASH_SEED`,
-//! `LOXILB_KV_SPILL_RELIEF`, `LOXILB_KV_COLDSTART_*`) are parsed by kvroute-core's
-//! [`kvroute_core::settings::Settings`]; the service-only knobs are parsed here. Every bad value is
-//! reported with the variable, the value and what is allowed; the service refuses to start rather
-//! than run with a silently different policy.
+//! Every variable is written once, as a [`Setting`] descriptor: its name, the values it takes,
+//! its default and its help. The variables the filter shares (`LLB_KV_*`, `LOXILB_KV_SPILL_RELIEF`,
+//! `LOXILB_KV_COLDSTART_*`) are kvroute-core's ([`kvroute_core::settings::VARS`], parsed by
+//! [`kvroute_core::settings::Settings`]); the service's own are [`SERVICE_VARS`] and
+//! [`REDIS_VARS`]. Parsing, [`Settings::default`], `serve --help` ([`env_help`]) and the settings
+//! tables of `docs/inventory.md` and `docs/replication.md` ([`docs_table`]) derive from them.
+//! Every bad value is reported with the variable, the value and what is allowed; the service
+//! refuses to start rather than run with a silently different policy.
+//!
+//! The service's own variables are read leniently: surrounding spaces are dropped and an empty
+//! value means unset. The shared ones are read as the filter reads them (see kvroute-core).
 
 use std::time::Duration;
 
-/// How Tier 1.5 blends overlap with load (`LOXILB_KV_LB_MODE`).
+use kvroute_core::rule::FieldError;
+use kvroute_core::settings::{Kind, Setting, SettingsErrors};
+
+/// How Tier 1.5 blends prefix overlap with endpoint load (`LOXILB_KV_LB_MODE`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum LbMode {
+pub enum LoadBlend {
     /// Pure highest-overlap argmax.
     Off,
     /// Capacity-weighted bounded load: highest overlap among endpoints under their cap.
     Hard,
     /// Overlap minus `load_penalty` x load.
     Soft,
-}
-
-/// Tri-state spill relief: unset means on for single-role rules, off for prefill/decode.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum SpillRelief {
-    Auto,
-    On,
-    Off,
 }
 
 /// How a new prefix family (no overlap anywhere) is placed (`KVROUTE_PLACEMENT`).
@@ -37,64 +38,323 @@ pub enum Placement {
     Sel,
 }
 
+pub const MEAN_LOAD_FACTOR: Setting = Setting::int(
+    "LOXILB_KV_MEAN_LOAD_FACTOR",
+    (100, 1000),
+    175,
+    "load cap in percent of the fair share: cap = ceil(factor/100 × total load × wᵢ / Σw)",
+);
+pub const LB_MODE: Setting = Setting::word(
+    "LOXILB_KV_LB_MODE",
+    &["off", "hard", "soft"],
+    Some("hard"),
+    "`off` (pure overlap argmax), `hard` (highest overlap under its load cap), `soft` (overlap − penalty × load)",
+);
+pub const LOAD_PENALTY: Setting = Setting {
+    name: "LOXILB_KV_LOAD_PENALTY",
+    kind: Kind::Number {
+        min: 0.0,
+        max: 1e6,
+        default: 1.0,
+    },
+    help: "soft mode only: blocks of overlap one in-flight request costs",
+};
+pub const SPEC_TTL_MS: Setting = Setting::int(
+    "KVROUTE_SPEC_TTL_MS",
+    (0, 600_000),
+    2000,
+    "speculative credit after a decision (the blind spot before BlockStored)",
+);
+pub const INFLIGHT_WINDOW_MS: Setting = Setting::int(
+    "KVROUTE_INFLIGHT_WINDOW_MS",
+    (1, 3_600_000),
+    5000,
+    "a decision counts as in flight this long (without scrapes)",
+);
+pub const SCRAPE_INTERVAL_MS: Setting = Setting::int(
+    "KVROUTE_SCRAPE_INTERVAL_MS",
+    (0, 3_600_000),
+    0,
+    "scrape each engine's `/metrics` this often, 0 disables (`vllm:num_requests_running`+`waiting`, \
+     `sglang:num_running_reqs`+`num_queue_reqs`, `vllm:cache_config_info`)",
+);
+pub const HEALTH_INTERVAL_MS: Setting = Setting::int(
+    "KVROUTE_HEALTH_INTERVAL_MS",
+    (0, 3_600_000),
+    500,
+    "active health check period per endpoint, 0 disables; an unhealthy endpoint is never chosen",
+);
+pub const HEALTH_PATH: Setting = Setting::text(
+    "KVROUTE_HEALTH_PATH",
+    "a path starting with /",
+    "/health",
+    "path probed on each endpoint's serving port",
+);
+pub const TRTLLM_DRAIN_MS: Setting = Setting::int(
+    "KVROUTE_TRTLLM_DRAIN_MS",
+    (10, 60_000),
+    100,
+    "TensorRT-LLM `/kv_cache_events` drain period",
+);
+pub const REPLAY_TIMEOUT_MS: Setting = Setting::int(
+    "KVROUTE_REPLAY_TIMEOUT_MS",
+    (10, 600_000),
+    2000,
+    "a replay not finished by then clears the endpoint instead",
+);
+pub const AFFINITY_SCOPE: Setting = Setting::word(
+    "KVROUTE_AFFINITY_SCOPE",
+    &["tenant", "tenant_model"],
+    Some("tenant"),
+    "what the sticky fallback hashes: the tenant, or the tenant and the model",
+);
+pub const PLACEMENT: Setting = Setting::word(
+    "KVROUTE_PLACEMENT",
+    &["footprint", "sel"],
+    Some("footprint"),
+    "how a new prefix family is placed: on the under-cap endpoint with the most free cache \
+     (`sel` round robin and least loaded rules), or always by the rule's `sel`",
+);
+pub const PLACEMENT_MEMORY_ENTRIES: Setting = Setting::int(
+    "KVROUTE_PLACEMENT_MEMORY_ENTRIES",
+    (0, 16_777_216),
+    65_536,
+    "placement memory entries per rule (least recently used go first), 0 disables the memory",
+);
+pub const PLACEMENT_MEMORY_TTL_MS: Setting = Setting::int(
+    "KVROUTE_PLACEMENT_MEMORY_TTL_MS",
+    (1, 86_400_000),
+    1_800_000,
+    "a remembered prefix family is forgotten this long after its last use",
+);
+pub const PLACEMENT_CAPACITY_BLOCKS: Setting = Setting::int(
+    "KVROUTE_PLACEMENT_CAPACITY_BLOCKS",
+    (0, 1 << 40),
+    0,
+    "cache blocks assumed for an endpoint whose `num_gpu_blocks` was not scraped and whose rule \
+     sets no `kvCapacityBlocks`, 0 = unknown",
+);
+pub const HTTP_HEADER_TIMEOUT_MS: Setting = Setting::int(
+    "KVROUTE_HTTP_HEADER_TIMEOUT_MS",
+    (100, 600_000),
+    10_000,
+    "a request's headers must be complete this long after its first byte, else the connection is closed",
+);
+pub const HTTP_IDLE_TIMEOUT_MS: Setting = Setting::int(
+    "KVROUTE_HTTP_IDLE_TIMEOUT_MS",
+    (100, 86_400_000),
+    120_000,
+    "a connection with no request in flight and no byte moving (or a TLS handshake) is closed after this long",
+);
+pub const MAX_CONNECTIONS: Setting = Setting::int(
+    "KVROUTE_MAX_CONNECTIONS",
+    (1, 1_000_000),
+    4096,
+    "open connections on the listener; past it new connections wait in the kernel backlog until \
+     one closes. Keep it below the process's descriptor limit (`ulimit -n`) minus the engines' sockets",
+);
+pub const MAX_KEYS_PER_ENDPOINT: Setting = Setting::int(
+    "KVROUTE_MAX_KEYS_PER_ENDPOINT",
+    (0, 1 << 40),
+    0,
+    "blocks one endpoint may hold in the index (34 B each); 0 = 4 × the endpoint's capacity when \
+     known (`kvCapacityBlocks` or the scraped `num_gpu_blocks`, at least 65536), else 16777216. \
+     Stores past it are refused and counted (`kvroute_index_key_cap_refusals_total`)",
+);
+pub const MAX_PREFIX_TOKENS: Setting = Setting::int(
+    "KVROUTE_MAX_PREFIX_TOKENS",
+    (1, kvroute_core::bpe::MAX_PREFIX_TOKENS_LIMIT as u64),
+    kvroute_core::bpe::MAX_PREFIX_TOKENS as u64,
+    "offloaded tokenization routes on at most this many prompt tokens, each exactly the engine's; \
+     a pre-token piece over 8 KiB is not merged and the keys stop before it (the filter's `max_prefix_tokens`)",
+);
+pub const ZMQ_IDLE_RECONNECT_MS: Setting = Setting::int(
+    "KVROUTE_ZMQ_IDLE_RECONNECT_MS",
+    (0, 3_600_000),
+    30_000,
+    "a subscriber silent this long reconnects, 0 disables; the `zeromq` crate neither reports nor \
+     repairs a dropped publisher, so silence is how an engine restart is noticed",
+);
+
+pub const REDIS_URL: Setting = Setting::text(
+    "KVROUTE_REDIS_URL",
+    "redis://host:port[/db] or rediss://host:port[/db]",
+    "unset (standalone)",
+    "share state across replicas through Redis; `rediss://` is TLS (rustls with the system roots)",
+);
+pub const REDIS_USERNAME: Setting = Setting::text(
+    "KVROUTE_REDIS_USERNAME",
+    "an ACL user name",
+    "from the URL",
+    "ACL user (overrides one in the URL)",
+);
+pub const REDIS_PASSWORD_FILE: Setting = Setting::text(
+    "KVROUTE_REDIS_PASSWORD_FILE",
+    "a file path",
+    "from the URL",
+    "file holding the password, read at start (trailing newline dropped; empty or unreadable refuses to start)",
+);
+pub const REDIS_PREFIX: Setting = Setting::text(
+    "KVROUTE_REDIS_PREFIX",
+    "letters, digits and - _ . :",
+    "kvroute",
+    "prefix of every key kvroute writes",
+);
+pub const LEASE_MS: Setting = Setting::int(
+    "KVROUTE_LEASE_MS",
+    (300, 600_000),
+    5000,
+    "endpoint ownership lease, renewed every third; a dead owner is replaced within it",
+);
+pub const SNAPSHOT_INTERVAL_MS: Setting = Setting::int(
+    "KVROUTE_SNAPSHOT_INTERVAL_MS",
+    (500, 86_400_000),
+    30_000,
+    "how often an owner snapshots each endpoint it owns",
+);
+pub const STREAM_MAXLEN: Setting = Setting::int(
+    "KVROUTE_STREAM_MAXLEN",
+    (1000, 100_000_000),
+    200_000,
+    "approximate entries kept per rule log (must cover a snapshot interval of traffic)",
+);
+pub const REPLICA_ID: Setting = Setting::text(
+    "KVROUTE_REPLICA_ID",
+    "any name",
+    "host-pid-random",
+    "this replica's name in lease values and logs",
+);
+
+/// The service's own tuning variables, in the order errors are reported (after the shared ones).
+pub const SERVICE_VARS: [Setting; 21] = [
+    MEAN_LOAD_FACTOR,
+    LB_MODE,
+    LOAD_PENALTY,
+    SPEC_TTL_MS,
+    INFLIGHT_WINDOW_MS,
+    SCRAPE_INTERVAL_MS,
+    HEALTH_INTERVAL_MS,
+    HEALTH_PATH,
+    TRTLLM_DRAIN_MS,
+    REPLAY_TIMEOUT_MS,
+    AFFINITY_SCOPE,
+    PLACEMENT,
+    PLACEMENT_MEMORY_ENTRIES,
+    PLACEMENT_MEMORY_TTL_MS,
+    PLACEMENT_CAPACITY_BLOCKS,
+    HTTP_HEADER_TIMEOUT_MS,
+    HTTP_IDLE_TIMEOUT_MS,
+    MAX_CONNECTIONS,
+    MAX_KEYS_PER_ENDPOINT,
+    MAX_PREFIX_TOKENS,
+    ZMQ_IDLE_RECONNECT_MS,
+];
+
+/// The replication variables (docs/replication.md); all but the URL need the URL.
+pub const REDIS_VARS: [Setting; 8] = [
+    REDIS_URL,
+    REDIS_USERNAME,
+    REDIS_PASSWORD_FILE,
+    REDIS_PREFIX,
+    LEASE_MS,
+    SNAPSHOT_INTERVAL_MS,
+    STREAM_MAXLEN,
+    REPLICA_ID,
+];
+
+/// Every variable the service reads: the shared ones, its own, then the replication ones.
+pub fn env_vars() -> impl Iterator<Item = &'static Setting> {
+    kvroute_core::settings::VARS
+        .iter()
+        .chain(SERVICE_VARS.iter())
+        .chain(REDIS_VARS.iter())
+}
+
+/// The tuning variables for `serve --help`, one per line with what is allowed and the default.
+pub fn env_help() -> String {
+    let mut s = String::from("Tuning environment variables (read at start):\n");
+    for v in env_vars() {
+        s.push_str(&format!(
+            "  {:<34} {} [{}; default {}]\n",
+            v.name,
+            v.help.replace('`', ""),
+            v.allowed(),
+            v.default_text()
+        ));
+    }
+    s.push_str(&format!("  {:<34} log filter [default info]\n", "RUST_LOG"));
+    s
+}
+
+/// The line before a generated settings table in the docs.
+pub const DOCS_BEGIN: &str =
+    "<!-- settings table: generated from inventory-svc/src/settings.rs (KVROUTE_WRITE_DOCS=1 cargo test -p kvroute-inventory --lib settings) -->";
+/// The line after it.
+pub const DOCS_END: &str = "<!-- end of settings table -->";
+
+/// A Markdown table of `vars` (the docs' settings tables are this, checked by a test).
+pub fn docs_table<'a>(vars: impl IntoIterator<Item = &'a Setting>) -> String {
+    let mut s = String::from("| variable | default | allowed | meaning |\n|---|---|---|---|\n");
+    for v in vars {
+        s.push_str(&format!(
+            "| `{}` | {} | {} | {} |\n",
+            v.name,
+            v.default_text(),
+            v.allowed(),
+            v.help
+        ));
+    }
+    s
+}
+
 /// Scoring and ingestion tuning.
 #[derive(Clone, Debug)]
 pub struct Settings {
-    /// The settings shared with the filter (rule validation needs them: the NONE_HASH seed).
+    /// The settings shared with the filter: `LLB_KV_MIN_MATCH_TOKENS`, the NONE_HASH seed (rule
+    /// validation needs it), `LOXILB_KV_SPILL_RELIEF`, `LOXILB_KV_COLDSTART_*`.
     pub core: kvroute_core::settings::Settings,
-    /// `KVROUTE_TRTLLM_DRAIN_MS`: TensorRT-LLM `/kv_cache_events` drain period.
+    /// [`TRTLLM_DRAIN_MS`].
     pub trtllm_drain_ms: u32,
-    /// `LLB_KV_MIN_MATCH_TOKENS`: shorter prompts skip KV scoring.
-    pub min_match_tokens: u32,
-    /// `LOXILB_KV_MEAN_LOAD_FACTOR` in percent (175 = cap at 1.75 x fair share).
+    /// [`MEAN_LOAD_FACTOR`], in percent (175 = cap at 1.75 x fair share).
     pub mean_load_factor: u32,
-    /// `LOXILB_KV_LB_MODE`: off, hard, soft.
-    pub lb_mode: LbMode,
-    /// `LOXILB_KV_LOAD_PENALTY`: blocks of overlap one in-flight request costs in soft mode.
+    /// [`LB_MODE`].
+    pub load_blend: LoadBlend,
+    /// [`LOAD_PENALTY`].
     pub load_penalty: f64,
-    /// `LOXILB_KV_SPILL_RELIEF`: on, off or unset.
-    pub spill_relief: SpillRelief,
-    /// `LOXILB_KV_COLDSTART_MIN_BLOCKS`: an endpoint below this is cold.
-    pub coldstart_min_blocks: u64,
-    /// `LOXILB_KV_COLDSTART_SEED_N`: every Nth hit seeds a cold endpoint; 0 disables.
-    pub coldstart_seed_n: u64,
-    /// `KVROUTE_SPEC_TTL_MS`: speculative credit after a decision (the blind spot).
+    /// [`SPEC_TTL_MS`].
     pub spec_ttl: Duration,
-    /// `KVROUTE_INFLIGHT_WINDOW_MS`: a decision counts as in flight this long absent a metrics scrape.
+    /// [`INFLIGHT_WINDOW_MS`].
     pub inflight_window: Duration,
-    /// `KVROUTE_HEALTH_INTERVAL_MS`: active health check period; 0 disables checks.
+    /// [`HEALTH_INTERVAL_MS`]; zero disables checks.
     pub health_interval: Duration,
-    /// `KVROUTE_HEALTH_PATH`: path probed on each endpoint's serving port.
+    /// [`HEALTH_PATH`].
     pub health_path: String,
-    /// `KVROUTE_SCRAPE_INTERVAL_MS`: engine metrics scrape period; 0 disables.
+    /// [`SCRAPE_INTERVAL_MS`]; zero disables.
     pub scrape_interval: Duration,
-    /// `KVROUTE_REPLAY_TIMEOUT_MS`: how long a replay may take before the endpoint is cleared instead.
+    /// [`REPLAY_TIMEOUT_MS`].
     pub replay_timeout: Duration,
-    /// `KVROUTE_ZMQ_IDLE_RECONNECT_MS`: a subscriber silent this long reconnects (0 disables).
+    /// [`ZMQ_IDLE_RECONNECT_MS`]; zero disables.
     /// The `zeromq` crate does not report or repair a dropped publisher, so silence is the only
     /// signal that an engine went away; an idle engine just gets a cheap reconnect.
     pub zmq_idle_reconnect: Duration,
-    /// `KVROUTE_AFFINITY_SCOPE`: `tenant` (default) or `tenant_model` (the model joins the sticky key).
+    /// [`AFFINITY_SCOPE`] is `tenant_model` (the model joins the sticky key).
     pub affinity_scope_model: bool,
-    /// `KVROUTE_PLACEMENT`: footprint (default) or sel.
+    /// [`PLACEMENT`].
     pub placement: Placement,
-    /// `KVROUTE_PLACEMENT_MEMORY_ENTRIES`: placement memory bound per rule; 0 disables the memory.
+    /// [`PLACEMENT_MEMORY_ENTRIES`]: placement memory bound per rule; 0 disables the memory.
     pub memory_entries: usize,
-    /// `KVROUTE_PLACEMENT_MEMORY_TTL_MS`: a remembered family is forgotten this long after last use.
+    /// [`PLACEMENT_MEMORY_TTL_MS`].
     pub memory_ttl: Duration,
-    /// `KVROUTE_PLACEMENT_CAPACITY_BLOCKS`: cache capacity assumed for an endpoint whose
-    /// `vllm:cache_config_info` num_gpu_blocks was not scraped; 0 = unknown.
+    /// [`PLACEMENT_CAPACITY_BLOCKS`]; 0 = unknown.
     pub capacity_blocks: u64,
-    /// `KVROUTE_MAX_PREFIX_TOKENS`: offloaded tokenization routes on at most this many prompt
-    /// tokens (the filter's `max_prefix_tokens`).
+    /// [`MAX_PREFIX_TOKENS`] (the filter's `max_prefix_tokens`).
     pub max_prefix_tokens: usize,
-    /// Shared state across replicas (`KVROUTE_REDIS_URL`); `None` runs standalone in memory.
+    /// Shared state across replicas ([`REDIS_URL`]); `None` runs standalone in memory.
     pub redis: Option<RedisSettings>,
-    /// Listener limits (`KVROUTE_HTTP_*`, `KVROUTE_MAX_CONNECTIONS`).
+    /// Listener limits.
     pub http: HttpLimits,
-    /// `KVROUTE_MAX_KEYS_PER_ENDPOINT`: blocks one endpoint may hold in the index; 0 = sized from
-    /// the endpoint's capacity (4 x `kvCapacityBlocks` or scraped num_gpu_blocks), else
-    /// [`DEFAULT_MAX_KEYS_PER_ENDPOINT`].
+    /// [`MAX_KEYS_PER_ENDPOINT`]: 0 = sized from the endpoint's capacity (4 x `kvCapacityBlocks`
+    /// or scraped num_gpu_blocks), else [`DEFAULT_MAX_KEYS_PER_ENDPOINT`].
     pub max_keys_per_endpoint: u64,
 }
 
@@ -107,433 +367,251 @@ pub const DEFAULT_MAX_KEYS_PER_ENDPOINT: u64 = 16 << 20;
 /// hold more than its share of file descriptors.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct HttpLimits {
-    /// `KVROUTE_HTTP_HEADER_TIMEOUT_MS`: from a request's first byte to its complete headers.
+    /// [`HTTP_HEADER_TIMEOUT_MS`]: from a request's first byte to its complete headers.
     pub header_timeout: Duration,
-    /// `KVROUTE_HTTP_IDLE_TIMEOUT_MS`: a connection with no request in flight and no bytes moving
+    /// [`HTTP_IDLE_TIMEOUT_MS`]: a connection with no request in flight and no bytes moving
     /// is closed after this long (also bounds a TLS handshake).
     pub idle_timeout: Duration,
-    /// `KVROUTE_MAX_CONNECTIONS`: open connections; past it new connections wait in the kernel
+    /// [`MAX_CONNECTIONS`]: open connections; past it new connections wait in the kernel
     /// backlog until one closes.
     pub max_connections: usize,
 }
 
 impl Default for HttpLimits {
     fn default() -> Self {
-        HttpLimits {
-            header_timeout: Duration::from_millis(10_000),
-            idle_timeout: Duration::from_millis(120_000),
-            max_connections: 4096,
-        }
+        Settings::default().http
     }
 }
 
 /// Where and how replicas share state (see docs/replication.md).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct RedisSettings {
-    /// `KVROUTE_REDIS_URL`: `redis://host:port[/db]` or `rediss://` (TLS).
+    /// [`REDIS_URL`].
     pub url: String,
-    /// `KVROUTE_REDIS_USERNAME`: ACL user (overrides one in the URL).
+    /// [`REDIS_USERNAME`] (overrides one in the URL).
     pub username: Option<String>,
-    /// `KVROUTE_REDIS_PASSWORD_FILE`: file holding the password (read at start; trailing newline dropped).
+    /// [`REDIS_PASSWORD_FILE`] (read at start; trailing newline dropped).
     pub password_file: Option<std::path::PathBuf>,
-    /// `KVROUTE_REDIS_PREFIX`: prefix of every key kvroute writes.
+    /// [`REDIS_PREFIX`].
     pub prefix: String,
-    /// `KVROUTE_LEASE_MS`: endpoint ownership lease; a dead owner is replaced within it.
+    /// [`LEASE_MS`].
     pub lease: Duration,
-    /// `KVROUTE_SNAPSHOT_INTERVAL_MS`: how often an owner snapshots each endpoint it owns.
+    /// [`SNAPSHOT_INTERVAL_MS`].
     pub snapshot_interval: Duration,
-    /// `KVROUTE_STREAM_MAXLEN`: approximate entries kept per rule log.
+    /// [`STREAM_MAXLEN`].
     pub stream_maxlen: u64,
-    /// `KVROUTE_REPLICA_ID`: this replica's name in leases and logs (default host-pid-random).
+    /// [`REPLICA_ID`] (default host-pid-random).
     pub replica_id: Option<String>,
 }
 
 impl RedisSettings {
     /// Defaults for `url`.
     pub fn new(url: &str) -> RedisSettings {
-        RedisSettings {
-            url: url.to_owned(),
-            username: None,
-            password_file: None,
-            prefix: "kvroute".into(),
-            lease: Duration::from_millis(5000),
-            snapshot_interval: Duration::from_millis(30_000),
-            stream_maxlen: 200_000,
-            replica_id: None,
-        }
+        Env::new(&unset).redis(url.to_owned())
     }
 }
 
 impl Default for Settings {
+    /// The all-unset environment: what production runs with no variable set.
     fn default() -> Self {
-        Settings {
-            core: kvroute_core::settings::Settings::default(),
-            trtllm_drain_ms: 100,
-            min_match_tokens: 0,
-            mean_load_factor: 175,
-            lb_mode: LbMode::Hard,
-            load_penalty: 1.0,
-            spill_relief: SpillRelief::Auto,
-            coldstart_min_blocks: 0,
-            coldstart_seed_n: 0,
-            spec_ttl: Duration::from_millis(2000),
-            inflight_window: Duration::from_millis(5000),
-            health_interval: Duration::from_millis(500),
-            health_path: "/health".into(),
-            scrape_interval: Duration::from_millis(0),
-            replay_timeout: Duration::from_millis(2000),
-            affinity_scope_model: false,
-            zmq_idle_reconnect: Duration::from_millis(30_000),
-            placement: Placement::Footprint,
-            memory_entries: 65_536,
-            memory_ttl: Duration::from_millis(1_800_000),
-            capacity_blocks: 0,
-            max_prefix_tokens: kvroute_core::bpe::MAX_PREFIX_TOKENS,
-            redis: None,
-            http: HttpLimits::default(),
-            max_keys_per_endpoint: 0,
-        }
+        Env::new(&unset).settings()
     }
 }
-
-/// Every environment problem found.
-#[derive(Debug, thiserror::Error)]
-#[error("invalid environment: {}", .0.join("; "))]
-pub struct SettingsError(pub Vec<String>);
-
-/// Names of every variable read, for `--help`.
-pub const ENV_VARS: &[(&str, &str)] = &[
-    (
-        "LLB_KV_MIN_MATCH_TOKENS",
-        "prompts with fewer tokens skip KV scoring",
-    ),
-    (
-        "LLB_KV_NONE_HASH_SEED",
-        "the engines' PYTHONHASHSEED (vLLM NONE_HASH seed); unset = engine default",
-    ),
-    (
-        "LOXILB_KV_MEAN_LOAD_FACTOR",
-        "load cap in percent of fair share, 100..=1000 (default 175)",
-    ),
-    ("LOXILB_KV_LB_MODE", "off | hard | soft (default hard)"),
-    (
-        "LOXILB_KV_LOAD_PENALTY",
-        "soft mode: overlap blocks one in-flight request costs (default 1.0)",
-    ),
-    (
-        "LOXILB_KV_SPILL_RELIEF",
-        "on | off; unset = on for kvExactMode 3, off for 1",
-    ),
-    (
-        "LOXILB_KV_COLDSTART_MIN_BLOCKS",
-        "an endpoint with fewer blocks is cold (default 0)",
-    ),
-    (
-        "LOXILB_KV_COLDSTART_SEED_N",
-        "every Nth hit seeds the lowest-index cold endpoint; 0 disables (default 0)",
-    ),
-    (
-        "KVROUTE_TRTLLM_DRAIN_MS",
-        "TensorRT-LLM /kv_cache_events drain period (default 100)",
-    ),
-    (
-        "KVROUTE_SPEC_TTL_MS",
-        "speculative credit after a decision (default 2000)",
-    ),
-    (
-        "KVROUTE_INFLIGHT_WINDOW_MS",
-        "a decision counts as in flight this long (default 5000)",
-    ),
-    (
-        "KVROUTE_HEALTH_INTERVAL_MS",
-        "active health check period per endpoint, 0 disables (default 500)",
-    ),
-    ("KVROUTE_HEALTH_PATH", "health check path (default /health)"),
-    (
-        "KVROUTE_SCRAPE_INTERVAL_MS",
-        "engine metrics scrape period, 0 disables (default 0)",
-    ),
-    (
-        "KVROUTE_REPLAY_TIMEOUT_MS",
-        "replay deadline before clearing instead (default 2000)",
-    ),
-    (
-        "KVROUTE_ZMQ_IDLE_RECONNECT_MS",
-        "a silent subscriber reconnects after this long, 0 disables (default 30000)",
-    ),
-    (
-        "KVROUTE_AFFINITY_SCOPE",
-        "tenant | tenant_model: what the sticky fallback hashes (default tenant)",
-    ),
-    (
-        "KVROUTE_PLACEMENT",
-        "footprint | sel: how a new prefix family is placed (default footprint)",
-    ),
-    (
-        "KVROUTE_PLACEMENT_MEMORY_ENTRIES",
-        "placement memory entries per rule, 0 disables (default 65536)",
-    ),
-    (
-        "KVROUTE_PLACEMENT_MEMORY_TTL_MS",
-        "a remembered prefix family is forgotten after this long unused (default 1800000)",
-    ),
-    (
-        "KVROUTE_PLACEMENT_CAPACITY_BLOCKS",
-        "cache blocks assumed per endpoint when num_gpu_blocks is not scraped, 0 = unknown (default 0)",
-    ),
-    (
-        "KVROUTE_HTTP_HEADER_TIMEOUT_MS",
-        "a request's headers must arrive within this long of its first byte, 100..=600000 (default 10000)",
-    ),
-    (
-        "KVROUTE_HTTP_IDLE_TIMEOUT_MS",
-        "a connection idle this long (no request, no bytes) is closed, 100..=86400000 (default 120000)",
-    ),
-    (
-        "KVROUTE_MAX_CONNECTIONS",
-        "open HTTP connections; more wait in the backlog, 1..=1000000 (default 4096)",
-    ),
-    (
-        "KVROUTE_MAX_KEYS_PER_ENDPOINT",
-        "blocks one endpoint may hold; 0 = 4 x its capacity if known, else 16777216 (default 0)",
-    ),
-    (
-        "KVROUTE_MAX_PREFIX_TOKENS",
-        "offloaded tokenization routes on at most this many prompt tokens, 1..=1048576 (default 16384)",
-    ),
-    (
-        "KVROUTE_REDIS_URL",
-        "redis:// or rediss:// URL: share state across replicas; unset = standalone in memory",
-    ),
-    ("KVROUTE_REDIS_USERNAME", "Redis ACL user"),
-    (
-        "KVROUTE_REDIS_PASSWORD_FILE",
-        "file holding the Redis password",
-    ),
-    (
-        "KVROUTE_REDIS_PREFIX",
-        "prefix of every Redis key (default kvroute)",
-    ),
-    (
-        "KVROUTE_LEASE_MS",
-        "endpoint ownership lease, 300..=600000 (default 5000)",
-    ),
-    (
-        "KVROUTE_SNAPSHOT_INTERVAL_MS",
-        "endpoint snapshot period, 500..=86400000 (default 30000)",
-    ),
-    (
-        "KVROUTE_STREAM_MAXLEN",
-        "approximate entries kept per rule log, 1000..=100000000 (default 200000)",
-    ),
-    (
-        "KVROUTE_REPLICA_ID",
-        "this replica's name in leases (default host-pid-random)",
-    ),
-];
 
 impl Settings {
     /// Reads the variables through `lookup` (tests pass a map; main passes `std::env::var`).
-    pub fn from_env(lookup: impl Fn(&str) -> Option<String>) -> Result<Settings, SettingsError> {
-        let mut s = Settings::default();
-        let mut errs = Vec::new();
-        match kvroute_core::settings::Settings::from_env(&lookup) {
-            Ok(core) => {
-                s.min_match_tokens = core.min_match_tokens();
-                s.coldstart_min_blocks = u64::from(core.coldstart_min_blocks());
-                s.coldstart_seed_n = u64::from(core.coldstart_seed_n());
-                s.spill_relief = match core.spill_relief() {
-                    kvroute_core::settings::SpillRelief::Unset => SpillRelief::Auto,
-                    kvroute_core::settings::SpillRelief::On => SpillRelief::On,
-                    kvroute_core::settings::SpillRelief::Off => SpillRelief::Off,
-                };
-                s.core = core;
-            }
-            Err(e) => errs.extend(e.0.iter().map(ToString::to_string)),
-        }
-        let mut num = |name: &str, lo: u64, hi: u64, into: &mut dyn FnMut(u64)| {
-            if let Some(v) = lookup(name).filter(|v| !v.is_empty()) {
-                match v.trim().parse::<u64>() {
-                    Ok(n) if (lo..=hi).contains(&n) => into(n),
-                    _ => errs.push(format!("{name}: got {v:?}, allowed integer {lo}..={hi}")),
-                }
-            }
-        };
-        num("LOXILB_KV_MEAN_LOAD_FACTOR", 100, 1000, &mut |n| {
-            s.mean_load_factor = n as u32
-        });
-        num("KVROUTE_TRTLLM_DRAIN_MS", 10, 60_000, &mut |n| {
-            s.trtllm_drain_ms = n as u32
-        });
-        num("KVROUTE_SPEC_TTL_MS", 0, 600_000, &mut |n| {
-            s.spec_ttl = Duration::from_millis(n)
-        });
-        num("KVROUTE_INFLIGHT_WINDOW_MS", 1, 3_600_000, &mut |n| {
-            s.inflight_window = Duration::from_millis(n)
-        });
-        num("KVROUTE_HEALTH_INTERVAL_MS", 0, 3_600_000, &mut |n| {
-            s.health_interval = Duration::from_millis(n)
-        });
-        num("KVROUTE_SCRAPE_INTERVAL_MS", 0, 3_600_000, &mut |n| {
-            s.scrape_interval = Duration::from_millis(n)
-        });
-        num("KVROUTE_ZMQ_IDLE_RECONNECT_MS", 0, 3_600_000, &mut |n| {
-            s.zmq_idle_reconnect = Duration::from_millis(n)
-        });
-        num("KVROUTE_REPLAY_TIMEOUT_MS", 10, 600_000, &mut |n| {
-            s.replay_timeout = Duration::from_millis(n)
-        });
-        num(
-            "KVROUTE_PLACEMENT_MEMORY_ENTRIES",
-            0,
-            16_777_216,
-            &mut |n| s.memory_entries = n as usize,
-        );
-        num("KVROUTE_PLACEMENT_MEMORY_TTL_MS", 1, 86_400_000, &mut |n| {
-            s.memory_ttl = Duration::from_millis(n)
-        });
-        num("KVROUTE_PLACEMENT_CAPACITY_BLOCKS", 0, 1 << 40, &mut |n| {
-            s.capacity_blocks = n
-        });
-        num("KVROUTE_HTTP_HEADER_TIMEOUT_MS", 100, 600_000, &mut |n| {
-            s.http.header_timeout = Duration::from_millis(n)
-        });
-        num("KVROUTE_HTTP_IDLE_TIMEOUT_MS", 100, 86_400_000, &mut |n| {
-            s.http.idle_timeout = Duration::from_millis(n)
-        });
-        num("KVROUTE_MAX_CONNECTIONS", 1, 1_000_000, &mut |n| {
-            s.http.max_connections = n as usize
-        });
-        num("KVROUTE_MAX_KEYS_PER_ENDPOINT", 0, 1 << 40, &mut |n| {
-            s.max_keys_per_endpoint = n
-        });
-        num(
-            "KVROUTE_MAX_PREFIX_TOKENS",
-            1,
-            kvroute_core::bpe::MAX_PREFIX_TOKENS_LIMIT as u64,
-            &mut |n| s.max_prefix_tokens = n as usize,
-        );
-        if let Some(v) = lookup("LOXILB_KV_LB_MODE").filter(|v| !v.is_empty()) {
-            match v.trim().to_ascii_lowercase().as_str() {
-                "off" | "0" => s.lb_mode = LbMode::Off,
-                "hard" | "1" | "on" => s.lb_mode = LbMode::Hard,
-                "soft" => s.lb_mode = LbMode::Soft,
-                _ => errs.push(format!(
-                    "LOXILB_KV_LB_MODE: got {v:?}, allowed off, hard, soft"
-                )),
-            }
-        }
-        if let Some(v) = lookup("LOXILB_KV_LOAD_PENALTY").filter(|v| !v.is_empty()) {
-            match v.trim().parse::<f64>() {
-                Ok(f) if f.is_finite() && (0.0..=1e6).contains(&f) => s.load_penalty = f,
-                _ => errs.push(format!(
-                    "LOXILB_KV_LOAD_PENALTY: got {v:?}, allowed a number 0..=1e6"
-                )),
-            }
-        }
-        match lookup("KVROUTE_PLACEMENT").as_deref() {
-            None | Some("") | Some("footprint") => {}
-            Some("sel") => s.placement = Placement::Sel,
-            Some(v) => errs.push(format!(
-                "KVROUTE_PLACEMENT: got {v:?}, allowed footprint, sel"
-            )),
-        }
-        match lookup("KVROUTE_AFFINITY_SCOPE").as_deref() {
-            None | Some("") | Some("tenant") => {}
-            Some("tenant_model") => s.affinity_scope_model = true,
-            Some(v) => errs.push(format!(
-                "KVROUTE_AFFINITY_SCOPE: got {v:?}, allowed tenant, tenant_model"
-            )),
-        }
-        if let Some(v) = lookup("KVROUTE_HEALTH_PATH").filter(|v| !v.is_empty()) {
-            if v.starts_with('/') {
-                s.health_path = v;
-            } else {
-                errs.push(format!(
-                    "KVROUTE_HEALTH_PATH: got {v:?}, allowed a path starting with /"
-                ));
-            }
-        }
-        s.redis = redis_from_env(&lookup, &mut errs);
-        if errs.is_empty() {
+    pub fn from_env(lookup: impl Fn(&str) -> Option<String>) -> Result<Settings, SettingsErrors> {
+        let mut env = Env::new(&lookup);
+        let s = env.settings();
+        if env.errs.is_empty() {
             Ok(s)
         } else {
-            Err(SettingsError(errs))
+            Err(SettingsErrors(env.errs))
         }
     }
 }
 
-/// The Redis variables; `None` without `KVROUTE_REDIS_URL` (any other Redis variable is then an error,
-/// so a half-configured replica does not silently run standalone).
-fn redis_from_env(
-    lookup: &impl Fn(&str) -> Option<String>,
-    errs: &mut Vec<String>,
-) -> Option<RedisSettings> {
-    let get = |k: &str| lookup(k).filter(|v| !v.trim().is_empty());
-    let Some(url) = get("KVROUTE_REDIS_URL") else {
-        for k in [
-            "KVROUTE_REDIS_USERNAME",
-            "KVROUTE_REDIS_PASSWORD_FILE",
-            "KVROUTE_REDIS_PREFIX",
-            "KVROUTE_LEASE_MS",
-            "KVROUTE_SNAPSHOT_INTERVAL_MS",
-            "KVROUTE_STREAM_MAXLEN",
-            "KVROUTE_REPLICA_ID",
-        ] {
-            if get(k).is_some() {
-                errs.push(format!(
-                    "{k}: set without KVROUTE_REDIS_URL, allowed only with KVROUTE_REDIS_URL"
-                ));
+/// The empty environment.
+fn unset(_: &str) -> Option<String> {
+    None
+}
+
+/// One reading of the environment: every variable, each rejected one recorded and left at its
+/// default (so the defaults and the parsed values come from the same code).
+struct Env<'a> {
+    lookup: &'a dyn Fn(&str) -> Option<String>,
+    errs: Vec<FieldError>,
+}
+
+impl<'a> Env<'a> {
+    fn new(lookup: &'a dyn Fn(&str) -> Option<String>) -> Self {
+        Env {
+            lookup,
+            errs: Vec::new(),
+        }
+    }
+
+    /// A service variable's value: trimmed, empty = unset.
+    fn get(&self, v: &Setting) -> Option<String> {
+        (self.lookup)(v.name)
+            .map(|s| s.trim().to_owned())
+            .filter(|s| !s.is_empty())
+    }
+
+    fn int(&mut self, v: &Setting) -> u64 {
+        let raw = self.get(v);
+        v.parse_int(raw.as_deref(), &mut self.errs)
+    }
+
+    fn ms(&mut self, v: &Setting) -> Duration {
+        Duration::from_millis(self.int(v))
+    }
+
+    /// A word variable: `values` in the order of its words (its default word is always one of
+    /// them, which a test checks, so the first value is never taken).
+    fn word<T: Copy, const N: usize>(
+        &mut self,
+        v: &Setting,
+        raw: Option<String>,
+        values: [T; N],
+    ) -> T {
+        v.parse_word(raw.as_deref(), &values, &mut self.errs)
+            .unwrap_or(values[0])
+    }
+
+    /// A text variable `check` accepts (its default text when unset or rejected).
+    fn text(&mut self, v: &Setting, check: impl Fn(&str) -> bool) -> String {
+        let default = match v.kind {
+            Kind::Text { default, .. } => default,
+            _ => "",
+        };
+        match self.get(v) {
+            Some(s) if check(&s) => s,
+            Some(s) => {
+                v.reject(&s, &mut self.errs);
+                default.to_owned()
             }
-        }
-        return None;
-    };
-    let url = url.trim().to_owned();
-    if !(url.starts_with("redis://") || url.starts_with("rediss://")) {
-        errs.push(format!(
-            "KVROUTE_REDIS_URL: got {url:?}, allowed redis://host:port[/db] or rediss://host:port[/db]"
-        ));
-    }
-    let mut r = RedisSettings::new(&url);
-    r.username = get("KVROUTE_REDIS_USERNAME");
-    r.password_file = get("KVROUTE_REDIS_PASSWORD_FILE").map(std::path::PathBuf::from);
-    r.replica_id = get("KVROUTE_REPLICA_ID");
-    if let Some(p) = get("KVROUTE_REDIS_PREFIX") {
-        if p.chars()
-            .all(|c| c.is_ascii_alphanumeric() || "-_.:".contains(c))
-        {
-            r.prefix = p;
-        } else {
-            errs.push(format!(
-                "KVROUTE_REDIS_PREFIX: got {p:?}, allowed letters, digits and - _ . :"
-            ));
+            None => default.to_owned(),
         }
     }
-    let mut ms = |name: &str, lo: u64, hi: u64| -> Option<u64> {
-        let v = get(name)?;
-        match v.trim().parse::<u64>() {
-            Ok(n) if (lo..=hi).contains(&n) => Some(n),
-            _ => {
-                errs.push(format!("{name}: got {v:?}, allowed integer {lo}..={hi}"));
-                None
+
+    fn settings(&mut self) -> Settings {
+        let core = match kvroute_core::settings::Settings::from_env(self.lookup) {
+            Ok(core) => core,
+            Err(e) => {
+                self.errs.extend(e.0);
+                kvroute_core::settings::Settings::default()
             }
+        };
+        let mean_load_factor = self.int(&MEAN_LOAD_FACTOR);
+        // Spellings the seed accepted besides the documented words.
+        let blend = self
+            .get(&LB_MODE)
+            .map(|v| match v.to_ascii_lowercase().as_str() {
+                "0" => "off".to_owned(),
+                "1" | "on" => "hard".to_owned(),
+                other => other.to_owned(),
+            });
+        let load_blend = self.word(
+            &LB_MODE,
+            blend,
+            [LoadBlend::Off, LoadBlend::Hard, LoadBlend::Soft],
+        );
+        let raw = self.get(&LOAD_PENALTY);
+        let load_penalty = LOAD_PENALTY.parse_number(raw.as_deref(), &mut self.errs);
+        let spec_ttl = self.ms(&SPEC_TTL_MS);
+        let inflight_window = self.ms(&INFLIGHT_WINDOW_MS);
+        let scrape_interval = self.ms(&SCRAPE_INTERVAL_MS);
+        let health_interval = self.ms(&HEALTH_INTERVAL_MS);
+        let health_path = self.text(&HEALTH_PATH, |p| p.starts_with('/'));
+        let trtllm_drain_ms = u32::try_from(self.int(&TRTLLM_DRAIN_MS)).unwrap_or(u32::MAX);
+        let replay_timeout = self.ms(&REPLAY_TIMEOUT_MS);
+        let affinity_scope_model =
+            self.word(&AFFINITY_SCOPE, self.get(&AFFINITY_SCOPE), [false, true]);
+        let placement = self.word(
+            &PLACEMENT,
+            self.get(&PLACEMENT),
+            [Placement::Footprint, Placement::Sel],
+        );
+        let memory_entries = self.int(&PLACEMENT_MEMORY_ENTRIES);
+        let memory_ttl = self.ms(&PLACEMENT_MEMORY_TTL_MS);
+        let capacity_blocks = self.int(&PLACEMENT_CAPACITY_BLOCKS);
+        let http = HttpLimits {
+            header_timeout: self.ms(&HTTP_HEADER_TIMEOUT_MS),
+            idle_timeout: self.ms(&HTTP_IDLE_TIMEOUT_MS),
+            max_connections: usize::try_from(self.int(&MAX_CONNECTIONS)).unwrap_or(usize::MAX),
+        };
+        let max_keys_per_endpoint = self.int(&MAX_KEYS_PER_ENDPOINT);
+        let max_prefix_tokens = self.int(&MAX_PREFIX_TOKENS);
+        let zmq_idle_reconnect = self.ms(&ZMQ_IDLE_RECONNECT_MS);
+        let redis = self.redis_from_env();
+        Settings {
+            core,
+            trtllm_drain_ms,
+            mean_load_factor: u32::try_from(mean_load_factor).unwrap_or(u32::MAX),
+            load_blend,
+            load_penalty,
+            spec_ttl,
+            inflight_window,
+            health_interval,
+            health_path,
+            scrape_interval,
+            replay_timeout,
+            zmq_idle_reconnect,
+            affinity_scope_model,
+            placement,
+            memory_entries: usize::try_from(memory_entries).unwrap_or(usize::MAX),
+            memory_ttl,
+            capacity_blocks,
+            max_prefix_tokens: usize::try_from(max_prefix_tokens).unwrap_or(usize::MAX),
+            redis,
+            http,
+            max_keys_per_endpoint,
         }
-    };
-    if let Some(n) = ms("KVROUTE_LEASE_MS", 300, 600_000) {
-        r.lease = Duration::from_millis(n);
     }
-    if let Some(n) = ms("KVROUTE_SNAPSHOT_INTERVAL_MS", 500, 86_400_000) {
-        r.snapshot_interval = Duration::from_millis(n);
+
+    /// The Redis variables; `None` without `KVROUTE_REDIS_URL` (any other Redis variable is then
+    /// an error, so a half-configured replica does not silently run standalone).
+    fn redis_from_env(&mut self) -> Option<RedisSettings> {
+        let Some(url) = self.get(&REDIS_URL) else {
+            for v in &REDIS_VARS[1..] {
+                if let Some(value) = self.get(v) {
+                    self.errs.push(FieldError::new(
+                        v.name,
+                        kvroute_core::rule::quoted(&value),
+                        format!("only with {} set", REDIS_URL.name),
+                    ));
+                }
+            }
+            return None;
+        };
+        if !(url.starts_with("redis://") || url.starts_with("rediss://")) {
+            REDIS_URL.reject(&url, &mut self.errs);
+        }
+        Some(self.redis(url))
     }
-    if let Some(n) = ms("KVROUTE_STREAM_MAXLEN", 1000, 100_000_000) {
-        r.stream_maxlen = n;
+
+    /// The replication settings of `url` from the other Redis variables.
+    fn redis(&mut self, url: String) -> RedisSettings {
+        RedisSettings {
+            url,
+            username: self.get(&REDIS_USERNAME),
+            password_file: self.get(&REDIS_PASSWORD_FILE).map(std::path::PathBuf::from),
+            prefix: self.text(&REDIS_PREFIX, |p| {
+                p.chars()
+                    .all(|c| c.is_ascii_alphanumeric() || "-_.:".contains(c))
+            }),
+            lease: self.ms(&LEASE_MS),
+            snapshot_interval: self.ms(&SNAPSHOT_INTERVAL_MS),
+            stream_maxlen: self.int(&STREAM_MAXLEN),
+            replica_id: self.get(&REPLICA_ID),
+        }
     }
-    Some(r)
 }
 
 #[cfg(test)]
 mod tests {
-    #![allow(clippy::unwrap_used)]
+    #![allow(clippy::unwrap_used, clippy::panic)]
     use super::*;
 
     #[test]
@@ -547,8 +625,8 @@ mod tests {
         let e = Settings::from_env(|k| (k == "KVROUTE_MAX_PREFIX_TOKENS").then(|| "0".into()))
             .unwrap_err();
         assert_eq!(
-            e.0,
-            ["KVROUTE_MAX_PREFIX_TOKENS: got \"0\", allowed integer 1..=1048576"]
+            e.0.iter().map(ToString::to_string).collect::<Vec<_>>(),
+            ["KVROUTE_MAX_PREFIX_TOKENS: got \"0\", allowed: 1-1048576"]
         );
         let e = Settings::from_env(|k| match k {
             "LOXILB_KV_MEAN_LOAD_FACTOR" => Some("5".into()),
@@ -558,8 +636,130 @@ mod tests {
         })
         .unwrap_err();
         assert_eq!(e.0.len(), 3, "{e}");
-        assert!(e.0[0].contains("LOXILB_KV_SPILL_RELIEF"));
-        assert!(e.0[1].contains("LOXILB_KV_MEAN_LOAD_FACTOR"));
+        assert_eq!(e.0[0].field, "LOXILB_KV_SPILL_RELIEF");
+        assert_eq!(e.0[1].field, "LOXILB_KV_MEAN_LOAD_FACTOR");
+        assert_eq!(
+            e.0[2].to_string(),
+            "LOXILB_KV_LB_MODE: got \"x\", allowed: off, hard, soft"
+        );
+    }
+
+    #[test]
+    fn default_is_the_unset_environment() {
+        let (d, e) = (Settings::default(), Settings::from_env(|_| None).unwrap());
+        assert_eq!(format!("{d:?}"), format!("{e:?}"));
+        // The shared defaults are production's, not zero (cold-start seeding is on).
+        assert_eq!(
+            (
+                d.core.min_match_tokens(),
+                d.core.coldstart_seed_n(),
+                d.core.coldstart_min_blocks()
+            ),
+            (16, 16, 16)
+        );
+        assert_eq!(d.http, HttpLimits::default());
+        assert_eq!(
+            RedisSettings::new("redis://r:1").lease,
+            Duration::from_millis(5000)
+        );
+    }
+
+    #[test]
+    fn lenient_service_values() {
+        let s = Settings::from_env(|k| match k {
+            "LOXILB_KV_LB_MODE" => Some(" ON ".into()),
+            "KVROUTE_SPEC_TTL_MS" => Some(" 700 ".into()),
+            "KVROUTE_PLACEMENT" => Some("".into()),
+            "KVROUTE_AFFINITY_SCOPE" => Some("tenant_model".into()),
+            "LOXILB_KV_LOAD_PENALTY" => Some("2.5".into()),
+            _ => None,
+        })
+        .unwrap();
+        assert_eq!(s.load_blend, LoadBlend::Hard);
+        assert_eq!(s.spec_ttl, Duration::from_millis(700));
+        assert_eq!(s.placement, Placement::Footprint);
+        assert!(s.affinity_scope_model);
+        assert_eq!(s.load_penalty, 2.5);
+        for (v, want) in [
+            ("0", LoadBlend::Off),
+            ("1", LoadBlend::Hard),
+            ("Soft", LoadBlend::Soft),
+        ] {
+            let s = Settings::from_env(|k| (k == "LOXILB_KV_LB_MODE").then(|| v.into())).unwrap();
+            assert_eq!(s.load_blend, want, "{v}");
+        }
+        let e = Settings::from_env(|k| (k == "KVROUTE_HEALTH_PATH").then(|| "health".into()))
+            .unwrap_err();
+        assert_eq!(
+            e.0[0].to_string(),
+            "KVROUTE_HEALTH_PATH: got \"health\", allowed: a path starting with /"
+        );
+    }
+
+    #[test]
+    fn descriptors_are_coherent() {
+        let names: Vec<&str> = env_vars().map(|v| v.name).collect();
+        let mut unique = names.clone();
+        unique.sort_unstable();
+        unique.dedup();
+        assert_eq!(unique.len(), names.len(), "a variable is listed twice");
+        for v in env_vars() {
+            if let Kind::Word {
+                words,
+                default: Some(d),
+            } = v.kind
+            {
+                assert!(
+                    words.contains(&d),
+                    "{}: default {d} is not one of {words:?}",
+                    v.name
+                );
+            }
+            assert!(!v.help.is_empty(), "{}", v.name);
+        }
+        assert!(MAX_KEYS_PER_ENDPOINT
+            .help
+            .contains(&DEFAULT_MAX_KEYS_PER_ENDPOINT.to_string()));
+        // The drift this table replaced: the help said the cold-start variables default to 0.
+        let help = env_help();
+        assert!(help.contains("LOXILB_KV_COLDSTART_SEED_N"), "{help}");
+        for line in help.lines().filter(|l| l.contains("COLDSTART")) {
+            assert!(line.ends_with("default 16]"), "{line}");
+        }
+    }
+
+    /// The settings tables of the docs are generated from the descriptors; regenerate with
+    /// `KVROUTE_WRITE_DOCS=1 cargo test -p kvroute-inventory --lib settings::tests::docs_tables`.
+    #[test]
+    fn docs_tables_match_the_descriptors() {
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs");
+        let tuning = docs_table(
+            kvroute_core::settings::VARS
+                .iter()
+                .chain(SERVICE_VARS.iter()),
+        );
+        let redis = docs_table(REDIS_VARS.iter());
+        for (file, table) in [("inventory.md", tuning), ("replication.md", redis)] {
+            let path = root.join(file);
+            let text = std::fs::read_to_string(&path).unwrap();
+            let (begin, end) = (DOCS_BEGIN, DOCS_END);
+            let a = text.find(begin).map(|i| i + begin.len() + 1);
+            let b = text.find(end);
+            let (Some(a), Some(b)) = (a, b) else {
+                panic!("{file} lacks the {begin} ... {end} markers");
+            };
+            if std::env::var_os("KVROUTE_WRITE_DOCS").is_some() {
+                let new = format!("{}{table}{}", &text[..a], &text[b..]);
+                std::fs::write(&path, new).unwrap();
+                continue;
+            }
+            assert_eq!(
+                &text[a..b],
+                table,
+                "docs/{file}'s settings table differs from inventory-svc/src/settings.rs; \
+                 regenerate with KVROUTE_WRITE_DOCS=1 cargo test -p kvroute-inventory --lib settings"
+            );
+        }
     }
 
     #[test]
@@ -583,16 +783,18 @@ mod tests {
         })
         .unwrap_err();
         assert_eq!(e.0.len(), 3, "{e}");
-        assert!(e
-            .0
+        let msgs: Vec<String> = e.0.iter().map(ToString::to_string).collect();
+        assert!(msgs
             .iter()
-            .any(|m| m.starts_with("KVROUTE_REDIS_URL: got \"http://x\", allowed redis://")));
-        assert!(e
-            .0
+            .any(|m| m.starts_with("KVROUTE_REDIS_URL: got \"http://x\", allowed: redis://")));
+        assert!(msgs
             .iter()
-            .any(|m| m.starts_with("KVROUTE_LEASE_MS: got \"5\", allowed integer 300..=600000")));
+            .any(|m| m.starts_with("KVROUTE_LEASE_MS: got \"5\", allowed: 300-600000")));
         let e =
             Settings::from_env(|k| (k == "KVROUTE_LEASE_MS").then(|| "1000".into())).unwrap_err();
-        assert!(e.0[0].contains("without KVROUTE_REDIS_URL"), "{e}");
+        assert_eq!(
+            e.0[0].to_string(),
+            "KVROUTE_LEASE_MS: got \"1000\", allowed: only with KVROUTE_REDIS_URL set"
+        );
     }
 }

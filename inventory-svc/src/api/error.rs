@@ -6,7 +6,7 @@ use axum::Json;
 use serde::Serialize;
 use utoipa::ToSchema;
 
-use crate::rules::FieldProblem;
+use kvroute_core::rule::FieldError;
 
 /// The body of every error answer.
 #[derive(Debug, Serialize, ToSchema)]
@@ -15,7 +15,7 @@ pub struct ErrorBody {
     pub error: String,
     /// Every rejected field of an invalid rule (only on `invalid rule`).
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub problems: Option<Vec<FieldProblem>>,
+    pub problems: Option<Vec<FieldError>>,
 }
 
 /// Errors the HTTP API answers with.
@@ -24,7 +24,7 @@ pub enum ApiError {
     #[error("malformed JSON body: {0}")]
     BadJson(String),
     #[error("invalid rule")]
-    InvalidRule(Vec<FieldProblem>),
+    InvalidRule(Vec<FieldError>),
     #[error("bad request: {0}")]
     BadRequest(String),
     #[error("missing or wrong bearer token")]

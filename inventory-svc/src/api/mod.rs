@@ -167,15 +167,7 @@ fn constant_eq(a: &[u8], b: &[u8]) -> bool {
 
 /// Maps the rule errors of an install (an update kvroute-core refuses) to their 400.
 pub fn invalid(e: kvroute_core::rule::RuleErrors) -> ApiError {
-    ApiError::InvalidRule(
-        e.0.into_iter()
-            .map(|f| crate::rules::FieldProblem {
-                field: f.field,
-                value: f.value,
-                allowed: f.allowed,
-            })
-            .collect(),
-    )
+    ApiError::InvalidRule(e.0)
 }
 
 /// Maps a rejected rule to its 400.
@@ -334,7 +326,7 @@ fn contract_json(r: &RuleRuntime) -> RuleContract {
         block_size: r.spec.block_size,
         key_mode: r.spec.key_mode.as_str().into(),
         model: r.spec.model.clone(),
-        kv_exact_mode: r.spec.exact_mode.as_u8(),
+        kv_exact_mode: r.spec.exact_mode.code(),
         kv_enabled: r.spec.kv_enabled(),
     }
 }

@@ -16,8 +16,9 @@ use tokio_util::sync::{CancellationToken, WaitForCancellationFuture};
 use super::endpoint::EpRuntime;
 use crate::index::{BlockIndex, BlockPage, EndpointId, IndexOp, MemIndex, Rank};
 use crate::metrics::Metrics;
-use crate::rules::{EpRole, ExactMode, RuleSpec};
+use crate::rules::RuleSpec;
 use crate::score::{HashRing, PlacementMemory};
+use kvroute_core::rule::{EndpointRole, KvMode};
 
 /// A rule and everything live about it.
 pub struct RuleRuntime {
@@ -99,7 +100,8 @@ impl RuleRuntime {
             .iter()
             .enumerate()
             .filter(|(_, e)| {
-                self.spec.exact_mode != ExactMode::PrefillDecode || e.role == EpRole::Prefill
+                self.spec.exact_mode != KvMode::PrefillDecode
+                    || e.role == Some(EndpointRole::Prefill)
             })
             .map(|(i, _)| EndpointId(i as u8))
             .collect()

@@ -4,6 +4,12 @@
 //! the API layer gathers the snapshot (index match, loads, health) and records the outcome. This
 //! keeps every branch (hit, spill, cold seed, each miss reason, prefill/decode) unit-testable.
 //!
+//! [`decide`] runs named steps, each a function with its own table test: eligible endpoints
+//! (`Pool`), the KV gate (`kv_gate`), spill relief (`spill_relief_on`), overlap and load as
+//! scored with the placement memory and hot families (`Scored`), footprint placement of a new
+//! family (`place`), the load blend (`blend`), the spill (`spill`), cold seeding (`cold_seed`)
+//! and the sticky fallback on a miss (`sel_fallback`).
+//!
 //! Policy (the seed's Tier 1.5):
 //! * prompts shorter than `LLB_KV_MIN_MATCH_TOKENS`, rules in warm-up and rules without KV events
 //!   skip KV scoring and fall back to the rule's `sel`;
@@ -41,8 +47,8 @@ pub use capacity::parse_num_gpu_blocks;
 pub use memory::{PlacementMemory, Recall, Update};
 pub use ring::HashRing;
 
-use crate::rules::{EpRole, ExactMode, Sel};
-use crate::settings::{LbMode, Placement, Settings, SpillRelief};
+use crate::settings::{LoadBlend, Placement, Settings};
+use kvroute_core::rule::{EndpointRole, KvMode, Sel};
 
 /// A hot family spills at its fair share only once its endpoint has at least this many requests
 /// in flight: fewer run in one engine batch without queueing, and spilling them would copy the
@@ -127,7 +133,7 @@ impl Reason {
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct EpView {
     pub weight: u32,
-    pub role: EpRole,
+    pub role: Option<EndpointRole>,
     pub healthy: bool,
     /// In-flight estimate.
     pub load: u64,
@@ -143,7 +149,7 @@ pub struct EpView {
 
 /// Everything one decision depends on.
 pub struct ScoreInput<'a> {
-    pub exact_mode: ExactMode,
+    pub exact_mode: KvMode,
     pub kv_enabled: bool,
     pub sel: Sel,
     pub eps: &'a [EpView],
@@ -177,14 +183,6 @@ pub struct Decision {
     pub placed: bool,
 }
 
-fn eligible(e: &EpView, mode: ExactMode) -> bool {
-    e.healthy
-        && match mode {
-            ExactMode::PrefillDecode => e.role == EpRole::Prefill,
-            _ => e.role != EpRole::Decode || mode == ExactMode::Off,
-        }
-}
-
 /// The per-endpoint cap: `max(1, ceil(mlf * total * w / (100 * sum_w)))`.
 pub fn cap_for(total_load: u64, weight: u32, sum_w: u64, mlf: u32) -> u64 {
     let num = u128::from(mlf) * u128::from(total_load) * u128::from(weight);
@@ -192,69 +190,31 @@ pub fn cap_for(total_load: u64, weight: u32, sum_w: u64, mlf: u32) -> u64 {
     (num.div_ceil(den) as u64).max(1)
 }
 
-/// Decides one request.
+/// Decides one request: the steps below, in order.
 pub fn decide(inp: &ScoreInput<'_>) -> Decision {
-    let mode = inp.exact_mode;
-    let cands: Vec<usize> = (0..inp.eps.len())
-        .filter(|&i| eligible(&inp.eps[i], mode))
-        .collect();
-    let decode = if mode == ExactMode::PrefillDecode {
-        least_loaded(inp.eps, |e| e.healthy && e.role == EpRole::Decode)
-    } else {
-        None
-    };
+    let pool = Pool::of(inp);
     let fallback = |reason: Reason| Decision {
-        ep: fallback_pick(inp, &cands),
+        ep: sel_fallback(inp, &pool.cands),
         matched: 0,
         tier: Tier::Fallback,
         reason,
-        decode,
+        decode: pool.decode,
         counted_hit: false,
         placed: false,
     };
-    if !inp.kv_enabled {
-        return fallback(Reason::KvOff);
+    if let Some(reason) = kv_gate(inp) {
+        return fallback(reason);
     }
-    if inp.token_count < inp.settings.min_match_tokens {
-        return fallback(Reason::MissShortPrompt);
-    }
-    if inp.n_keys == 0 {
-        return fallback(Reason::MissNoKeys);
-    }
-    let home = inp.recall.map(|r| r.ep);
-    let total_load: u64 = cands.iter().map(|&i| inp.eps[i].load).sum();
-    let sum_w: u64 = cands.iter().map(|&i| u64::from(inp.eps[i].weight)).sum();
-    let relief = match inp.settings.spill_relief {
-        SpillRelief::On => true,
-        SpillRelief::Off => false,
-        SpillRelief::Auto => mode == ExactMode::SingleRole,
-    };
-    // A hot family: more of the rule's recent requests arrive at this prefix than the home's
-    // share of the fleet serves. One engine cannot carry it without queueing, so (with spill
-    // relief on) it is replicated: its copies are chosen by load, not by home, and it spills
-    // at the home's fair share instead of at the mean load cap.
-    // "More" means twice the home's share, or 60% of all requests when that is lower: families
-    // that merely split the traffic evenly (3 over 3 endpoints) must stay one copy each, and
-    // noise around an even split must not copy them.
-    let hot = relief
-        && inp.recall.is_some_and(|r| {
-            let share = 2000 * u64::from(inp.eps[r.ep].weight) / sum_w.max(1);
-            cands.contains(&r.ep) && u64::from(r.heat_permille) > share.min(HOT_MAX_SHARE_PERMILLE)
-        });
-    // Overlap as scored: the exact match, or the remembered depth on the family's home.
-    let overlap = |i: usize| match inp.recall {
-        Some(r) if r.ep == i => inp.eps[i].matched.max(r.depth),
-        _ => inp.eps[i].matched,
-    };
-    let positive: Vec<usize> = cands.iter().copied().filter(|&i| overlap(i) > 0).collect();
-    let mlf = inp.settings.mean_load_factor;
-    // The cap counts the request being routed: with it, the fleet carries `total_load + 1`, and an
-    // endpoint is over its cap when taking this request too would exceed it. Without the +1 a
-    // lone conversation (one request recently sent to its home, the rest of the fleet idle) would
-    // spill every follow-up turn away from the cache that holds it.
-    let over = |i: usize| inp.eps[i].load >= cap_for(total_load + 1, inp.eps[i].weight, sum_w, mlf);
+    let relief = spill_relief_on(inp);
+    let scored = Scored::of(inp, &pool, relief);
+    let positive: Vec<usize> = pool
+        .cands
+        .iter()
+        .copied()
+        .filter(|&i| scored.overlap[i] > 0)
+        .collect();
     if positive.is_empty() {
-        return match place(inp, &cands, &over) {
+        return match place(inp, &pool, &scored) {
             Some(ep) => Decision {
                 ep: Some(ep),
                 placed: true,
@@ -263,97 +223,28 @@ pub fn decide(inp: &ScoreInput<'_>) -> Decision {
             None => fallback(Reason::MissNoOverlap),
         };
     }
-    // Best overlap, ties to the family's home (so equal copies do not split a family; a hot
-    // family's copies share its load instead), then lower load, then lower index.
-    let better = |a: usize, b: usize| {
-        let (ea, eb) = (&inp.eps[a], &inp.eps[b]);
-        (
-            overlap(a),
-            !hot && home == Some(a),
-            std::cmp::Reverse(ea.load),
-            std::cmp::Reverse(a),
-        ) > (
-            overlap(b),
-            !hot && home == Some(b),
-            std::cmp::Reverse(eb.load),
-            std::cmp::Reverse(b),
-        )
-    };
-    let best_of = |set: &mut dyn Iterator<Item = usize>| {
-        set.fold(None, |acc: Option<usize>, i| match acc {
-            Some(a) if !better(i, a) => Some(a),
-            _ => Some(i),
-        })
-    };
-    let argmax = best_of(&mut positive.iter().copied());
-    let mut chosen = match inp.settings.lb_mode {
-        LbMode::Off => argmax,
-        LbMode::Hard => best_of(&mut positive.iter().copied().filter(|&i| !over(i))).or(argmax),
-        LbMode::Soft => {
-            let p = inp.settings.load_penalty;
-            positive
-                .iter()
-                .copied()
-                .fold(None, |acc: Option<(usize, f64)>, i| {
-                    let s = f64::from(overlap(i)) - p * inp.eps[i].load as f64;
-                    match acc {
-                        Some((_, bs)) if bs >= s => acc,
-                        _ => Some((i, s)),
-                    }
-                })
-                .map(|(i, _)| i)
-        }
-    };
-    // A hot family spills once its endpoint carries its fair share (mean load factor 100%) and at
-    // least an engine batch: past that the engine queues while another has room.
-    let over_fair = |i: usize| {
-        inp.eps[i].load
-            >= cap_for(total_load + 1, inp.eps[i].weight, sum_w, 100).max(HOT_MIN_INFLIGHT)
-    };
-    let full = |i: usize| over(i) || (hot && over_fair(i));
+    let argmax = scored.best(positive.iter().copied());
+    let mut chosen = blend(inp, &scored, &positive, argmax);
     if relief {
-        if let Some(c) = chosen {
-            if full(c) {
-                // The under-cap endpoint already holding most of the request (so a hot family
-                // spills onto one copy rather than onto every endpoint), ties least loaded.
-                if let Some(t) = cands
-                    .iter()
-                    .copied()
-                    .filter(|&i| i != c && !full(i))
-                    .min_by_key(|&i| (std::cmp::Reverse(overlap(i)), inp.eps[i].load, i))
-                {
-                    chosen = Some(t);
-                }
-            }
-        }
+        chosen = chosen.map(|c| spill(&pool, &scored, c));
     }
     let Some(c) = chosen else {
         return fallback(Reason::MissNoOverlap);
     };
-    // Cold-start seeding takes every Nth hit.
-    let s = inp.settings;
-    if s.coldstart_seed_n > 0
-        && s.coldstart_min_blocks > 0
-        && (inp.hit_seq + 1) % s.coldstart_seed_n == 0
-    {
-        if let Some(&cold) = cands
-            .iter()
-            .find(|&&i| inp.eps[i].blocks < s.coldstart_min_blocks)
-        {
-            return Decision {
-                ep: Some(cold),
-                matched: inp.eps[cold].matched,
-                tier: Tier::Tier15,
-                reason: Reason::ColdSeed,
-                decode,
-                counted_hit: true,
-                placed: false,
-            };
-        }
+    if let Some(cold) = cold_seed(inp, &pool) {
+        return Decision {
+            ep: Some(cold),
+            matched: inp.eps[cold].matched,
+            tier: Tier::Tier15,
+            reason: Reason::ColdSeed,
+            decode: pool.decode,
+            counted_hit: true,
+            placed: false,
+        };
     }
     let reason = if Some(c) != argmax {
         Reason::Spill
-    } else if overlap(c) > inp.eps[c].matched {
+    } else if scored.overlap[c] > inp.eps[c].matched {
         Reason::Remembered
     } else {
         Reason::Hit
@@ -363,22 +254,240 @@ pub fn decide(inp: &ScoreInput<'_>) -> Decision {
         matched: inp.eps[c].matched,
         tier: Tier::Tier15,
         reason,
-        decode,
+        decode: pool.decode,
         counted_hit: true,
         placed: false,
     }
 }
 
-/// Footprint-aware placement of a new prefix family: among under-cap candidates, the one with the
-/// most free cache (capacity minus homed blocks), ties by lower load then lower index. Only for
-/// `sel` round robin and least loaded (hash and priority express an operator's intent), and only
+/// Step 1, eligible endpoints: the candidates Tier 1.5 and `sel` choose from (healthy; prefill
+/// only under kvExactMode 1; decode never, except with KV off), the decode endpoint of a
+/// prefill/decode rule (least loaded healthy decode), and the candidates' total load and weight.
+struct Pool {
+    cands: Vec<usize>,
+    decode: Option<usize>,
+    total_load: u64,
+    sum_w: u64,
+}
+
+impl Pool {
+    fn of(inp: &ScoreInput<'_>) -> Pool {
+        let mode = inp.exact_mode;
+        let cands: Vec<usize> = (0..inp.eps.len())
+            .filter(|&i| eligible(&inp.eps[i], mode))
+            .collect();
+        let decode = if mode == KvMode::PrefillDecode {
+            least_loaded(inp.eps, |e| {
+                e.healthy && e.role == Some(EndpointRole::Decode)
+            })
+        } else {
+            None
+        };
+        let total_load = cands.iter().map(|&i| inp.eps[i].load).sum();
+        let sum_w = cands.iter().map(|&i| u64::from(inp.eps[i].weight)).sum();
+        Pool {
+            cands,
+            decode,
+            total_load,
+            sum_w,
+        }
+    }
+}
+
+fn eligible(e: &EpView, mode: KvMode) -> bool {
+    e.healthy
+        && match mode {
+            KvMode::PrefillDecode => e.role == Some(EndpointRole::Prefill),
+            _ => e.role != Some(EndpointRole::Decode) || mode == KvMode::Off,
+        }
+}
+
+/// Step 2, the KV gate: why KV scoring does not run for this request (the rule has no KV, the
+/// prompt is shorter than `LLB_KV_MIN_MATCH_TOKENS`, or it has no full block), if it does not.
+fn kv_gate(inp: &ScoreInput<'_>) -> Option<Reason> {
+    if !inp.kv_enabled {
+        Some(Reason::KvOff)
+    } else if inp.token_count < inp.settings.core.min_match_tokens() {
+        Some(Reason::MissShortPrompt)
+    } else if inp.n_keys == 0 {
+        Some(Reason::MissNoKeys)
+    } else {
+        None
+    }
+}
+
+/// Step 3, spill relief: `LOXILB_KV_SPILL_RELIEF`, unset meaning on for one pool (kvExactMode 3)
+/// and off for prefill/decode.
+fn spill_relief_on(inp: &ScoreInput<'_>) -> bool {
+    inp.settings
+        .core
+        .spill_relief()
+        .applies(inp.exact_mode == KvMode::SinglePool)
+}
+
+/// Step 4, overlap and load as scored: each endpoint's overlap (its exact match, or on the
+/// family's remembered home the remembered depth when longer: the placement memory), whether
+/// the family is hot, and which endpoints are over their load cap (or, for a hot family, over
+/// its fair share).
+struct Scored<'a> {
+    eps: &'a [EpView],
+    overlap: Vec<u32>,
+    /// The family's remembered home; it takes ties unless the family is hot.
+    home: Option<usize>,
+    hot: bool,
+    /// At or over the mean load cap, counting the request being routed.
+    over: Vec<bool>,
+    /// Over the cap, or (hot family) at its fair share and at least an engine batch.
+    full: Vec<bool>,
+}
+
+impl<'a> Scored<'a> {
+    fn of(inp: &ScoreInput<'a>, pool: &Pool, relief: bool) -> Scored<'a> {
+        let eps = inp.eps;
+        let overlap = (0..eps.len())
+            .map(|i| match inp.recall {
+                Some(r) if r.ep == i => eps[i].matched.max(r.depth),
+                _ => eps[i].matched,
+            })
+            .collect();
+        let hot = relief && is_hot(inp.recall, eps, pool);
+        // The cap counts the request being routed: with it, the fleet carries `total_load + 1`,
+        // and an endpoint is over its cap when taking this request too would exceed it. Without
+        // the +1 a lone conversation (one request recently sent to its home, the rest of the
+        // fleet idle) would spill every follow-up turn away from the cache that holds it.
+        let total = pool.total_load + 1;
+        let mlf = inp.settings.mean_load_factor;
+        let over: Vec<bool> = eps
+            .iter()
+            .map(|e| e.load >= cap_for(total, e.weight, pool.sum_w, mlf))
+            .collect();
+        // A hot family spills once its endpoint carries its fair share (mean load factor 100%)
+        // and at least an engine batch: past that the engine queues while another has room.
+        let full = eps
+            .iter()
+            .zip(&over)
+            .map(|(e, &over)| {
+                over || (hot
+                    && e.load >= cap_for(total, e.weight, pool.sum_w, 100).max(HOT_MIN_INFLIGHT))
+            })
+            .collect();
+        Scored {
+            eps,
+            overlap,
+            home: inp.recall.map(|r| r.ep),
+            hot,
+            over,
+            full,
+        }
+    }
+
+    /// Best overlap, ties to the family's home (so equal copies do not split a family; a hot
+    /// family's copies share its load instead), then lower load, then lower index.
+    fn rank(&self, i: usize) -> (u32, bool, std::cmp::Reverse<u64>, std::cmp::Reverse<usize>) {
+        (
+            self.overlap[i],
+            !self.hot && self.home == Some(i),
+            std::cmp::Reverse(self.eps[i].load),
+            std::cmp::Reverse(i),
+        )
+    }
+
+    /// The best of `set` by [`Scored::rank`] (the first of equals).
+    fn best(&self, set: impl Iterator<Item = usize>) -> Option<usize> {
+        set.fold(None, |acc, i| match acc {
+            Some(a) if self.rank(i) <= self.rank(a) => Some(a),
+            _ => Some(i),
+        })
+    }
+}
+
+/// A hot family: more of the rule's recent requests arrive at this prefix than the home's
+/// share of the fleet serves. One engine cannot carry it without queueing, so (with spill
+/// relief on) it is replicated: its copies are chosen by load, not by home, and it spills at
+/// the home's fair share instead of at the mean load cap. "More" means twice the home's share,
+/// or 60% of all requests when that is lower: families that merely split the traffic evenly
+/// (3 over 3 endpoints) must stay one copy each, and noise around an even split must not copy
+/// them.
+fn is_hot(recall: Option<Recall>, eps: &[EpView], pool: &Pool) -> bool {
+    recall.is_some_and(|r| {
+        let share = 2000 * u64::from(eps[r.ep].weight) / pool.sum_w.max(1);
+        pool.cands.contains(&r.ep) && u64::from(r.heat_permille) > share.min(HOT_MAX_SHARE_PERMILLE)
+    })
+}
+
+/// Step 5, the load blend (`LOXILB_KV_LB_MODE`) among endpoints with overlap: the best overlap
+/// (`off`), the best under its cap, else the best (`hard`), or overlap minus penalty x load
+/// (`soft`, the first of equal scores).
+fn blend(
+    inp: &ScoreInput<'_>,
+    scored: &Scored<'_>,
+    positive: &[usize],
+    argmax: Option<usize>,
+) -> Option<usize> {
+    match inp.settings.load_blend {
+        LoadBlend::Off => argmax,
+        LoadBlend::Hard => scored
+            .best(positive.iter().copied().filter(|&i| !scored.over[i]))
+            .or(argmax),
+        LoadBlend::Soft => {
+            let p = inp.settings.load_penalty;
+            positive
+                .iter()
+                .copied()
+                .fold(None, |acc: Option<(usize, f64)>, i| {
+                    let s = f64::from(scored.overlap[i]) - p * inp.eps[i].load as f64;
+                    match acc {
+                        Some((_, bs)) if bs >= s => acc,
+                        _ => Some((i, s)),
+                    }
+                })
+                .map(|(i, _)| i)
+        }
+    }
+}
+
+/// Step 6, spill relief (when on): a chosen endpoint that is full moves to the candidate that is
+/// not, holding most of the request (so a hot family spills onto one copy rather than onto
+/// every endpoint), ties least loaded then lower index; it stays when every candidate is full.
+fn spill(pool: &Pool, scored: &Scored<'_>, chosen: usize) -> usize {
+    if !scored.full[chosen] {
+        return chosen;
+    }
+    pool.cands
+        .iter()
+        .copied()
+        .filter(|&i| i != chosen && !scored.full[i])
+        .min_by_key(|&i| (std::cmp::Reverse(scored.overlap[i]), scored.eps[i].load, i))
+        .unwrap_or(chosen)
+}
+
+/// Step 7, cold seeding: every `LOXILB_KV_COLDSTART_SEED_N`th hit goes to the lowest-index
+/// candidate holding fewer than `LOXILB_KV_COLDSTART_MIN_BLOCKS` blocks, so a new replica gets
+/// warm (either at 0 disables it).
+fn cold_seed(inp: &ScoreInput<'_>, pool: &Pool) -> Option<usize> {
+    let n = u64::from(inp.settings.core.coldstart_seed_n());
+    let min_blocks = u64::from(inp.settings.core.coldstart_min_blocks());
+    if n == 0 || min_blocks == 0 || (inp.hit_seq + 1) % n != 0 {
+        return None;
+    }
+    pool.cands
+        .iter()
+        .copied()
+        .find(|&i| inp.eps[i].blocks < min_blocks)
+}
+
+/// Footprint-aware placement of a new prefix family (no overlap anywhere): among under-cap
+/// candidates, the one with the most free cache (capacity minus homed blocks), ties by lower
+/// load then lower index; the least loaded when every candidate is at its cap. Only for `sel`
+/// round robin and least connections (hash and priority express an operator's intent), and only
 /// when placement is on. Capacity unknown everywhere compares homed blocks alone.
-fn place(inp: &ScoreInput<'_>, cands: &[usize], over: &dyn Fn(usize) -> bool) -> Option<usize> {
+fn place(inp: &ScoreInput<'_>, pool: &Pool, scored: &Scored<'_>) -> Option<usize> {
     if inp.settings.placement != Placement::Footprint
-        || !matches!(inp.sel, Sel::RoundRobin | Sel::LeastLoaded)
+        || !matches!(inp.sel, Sel::RoundRobin | Sel::LeastConnections)
     {
         return None;
     }
+    let cands = &pool.cands;
     // An endpoint of unknown capacity is assumed as large as the largest known one.
     let known = cands
         .iter()
@@ -390,16 +499,17 @@ fn place(inp: &ScoreInput<'_>, cands: &[usize], over: &dyn Fn(usize) -> bool) ->
         let cap = if e.capacity == 0 { known } else { e.capacity };
         cap as i128 - e.homed as i128
     };
-    let pick = |it: &mut dyn Iterator<Item = usize>| {
-        it.max_by_key(|&i| {
+    cands
+        .iter()
+        .copied()
+        .filter(|&i| !scored.over[i])
+        .max_by_key(|&i| {
             (
                 free(i),
                 std::cmp::Reverse(inp.eps[i].load),
                 std::cmp::Reverse(i),
             )
         })
-    };
-    pick(&mut cands.iter().copied().filter(|&i| !over(i)))
         .or_else(|| least_loaded_of(inp.eps, cands.iter().copied()))
 }
 
@@ -411,36 +521,51 @@ fn least_loaded_of(eps: &[EpView], it: impl Iterator<Item = usize>) -> Option<us
     it.min_by_key(|&i| (eps[i].load, i))
 }
 
-fn fallback_pick(inp: &ScoreInput<'_>, cands: &[usize]) -> Option<usize> {
+/// The sticky fallback, the rule's `sel` over the candidates: round robin on the rule's
+/// decision counter; consistent hash (`sel` 1 hash and 3 persist) on the affinity key, round
+/// robin without one; priority (highest weight, then lower index); least connections (least
+/// loaded, then lower index). `None` without candidates.
+fn sel_fallback(inp: &ScoreInput<'_>, cands: &[usize]) -> Option<usize> {
     if cands.is_empty() {
         return None;
     }
-    match inp.sel {
-        Sel::RoundRobin => cands
+    let round_robin = || {
+        cands
             .get((inp.rr_seq % cands.len() as u64) as usize)
-            .copied(),
-        Sel::Hash => match inp.affinity {
+            .copied()
+    };
+    match inp.sel {
+        Sel::RoundRobin => round_robin(),
+        Sel::Hash | Sel::Persist => match inp.affinity {
             Some(h) => inp.ring.lookup(h, |i| cands.contains(&i)),
-            None => cands
-                .get((inp.rr_seq % cands.len() as u64) as usize)
-                .copied(),
+            None => round_robin(),
         },
         Sel::Priority => cands
             .iter()
             .copied()
             .max_by_key(|&i| (inp.eps[i].weight, std::cmp::Reverse(i))),
-        Sel::LeastLoaded => least_loaded_of(inp.eps, cands.iter().copied()),
+        Sel::LeastConnections => least_loaded_of(inp.eps, cands.iter().copied()),
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use kvroute_core::settings::{Settings as Shared, SpillRelief};
+
+    /// Production defaults with the shared settings `f` changes (what a test is about).
+    fn shared(f: impl FnOnce(Shared) -> Shared) -> Settings {
+        let s = Settings::default();
+        Settings {
+            core: f(s.core.clone()),
+            ..s
+        }
+    }
 
     fn ep(matched: u32, load: u64) -> EpView {
         EpView {
             weight: 1,
-            role: EpRole::Any,
+            role: None,
             healthy: true,
             load,
             blocks: 100,
@@ -450,7 +575,7 @@ mod tests {
         }
     }
 
-    fn run(eps: &[EpView], s: &Settings, mode: ExactMode, hit_seq: u64) -> Decision {
+    fn run(eps: &[EpView], s: &Settings, mode: KvMode, hit_seq: u64) -> Decision {
         let ring = HashRing::new(
             &(0..eps.len())
                 .map(|i| format!("10.0.0.{i}:80"))
@@ -482,25 +607,17 @@ mod tests {
     #[test]
     fn highest_overlap_under_cap_wins() {
         let s = Settings::default();
-        let d = run(
-            &[ep(10, 0), ep(3, 0), ep(7, 0)],
-            &s,
-            ExactMode::SingleRole,
-            0,
-        );
+        let d = run(&[ep(10, 0), ep(3, 0), ep(7, 0)], &s, KvMode::SinglePool, 0);
         assert_eq!((d.ep, d.reason, d.matched), (Some(0), Reason::Hit, 10));
     }
 
     #[test]
     fn over_cap_spills_to_next_best() {
-        let s = Settings {
-            spill_relief: SpillRelief::Off,
-            ..Settings::default()
-        };
+        let s = shared(|c| c.with_spill_relief(SpillRelief::Off));
         let d = run(
             &[ep(10, 1000), ep(3, 0), ep(7, 0)],
             &s,
-            ExactMode::SingleRole,
+            KvMode::SinglePool,
             0,
         );
         assert_eq!((d.ep, d.reason), (Some(2), Reason::Spill));
@@ -513,16 +630,16 @@ mod tests {
         let d = run(
             &[ep(10, 100), ep(0, 0), ep(0, 5)],
             &s,
-            ExactMode::SingleRole,
+            KvMode::SinglePool,
             0,
         );
         assert_eq!((d.ep, d.reason), (Some(1), Reason::Spill));
         // Auto is off for prefill/decode.
         let mut eps = [ep(10, 100), ep(0, 0), ep(0, 0)];
-        eps[0].role = EpRole::Prefill;
-        eps[1].role = EpRole::Prefill;
-        eps[2].role = EpRole::Decode;
-        let d = run(&eps, &s, ExactMode::PrefillDecode, 0);
+        eps[0].role = Some(EndpointRole::Prefill);
+        eps[1].role = Some(EndpointRole::Prefill);
+        eps[2].role = Some(EndpointRole::Decode);
+        let d = run(&eps, &s, KvMode::PrefillDecode, 0);
         assert_eq!((d.ep, d.reason, d.decode), (Some(0), Reason::Hit, Some(2)));
     }
 
@@ -531,38 +648,31 @@ mod tests {
         let s = Settings::default();
         let mut eps = [ep(10, 0), ep(5, 0)];
         eps[0].healthy = false;
-        let d = run(&eps, &s, ExactMode::SingleRole, 0);
+        let d = run(&eps, &s, KvMode::SinglePool, 0);
         assert_eq!(d.ep, Some(1));
         eps[1].healthy = false;
-        assert_eq!(run(&eps, &s, ExactMode::SingleRole, 0).ep, None);
+        assert_eq!(run(&eps, &s, KvMode::SinglePool, 0).ep, None);
     }
 
     #[test]
     fn cold_seed_every_nth_hit() {
-        let s = Settings {
-            coldstart_min_blocks: 10,
-            coldstart_seed_n: 3,
-            ..Settings::default()
-        };
+        let s = shared(|c| c.with_coldstart(3, 10));
         let mut eps = [ep(10, 0), ep(0, 0)];
         eps[1].blocks = 0;
-        assert_eq!(run(&eps, &s, ExactMode::SingleRole, 0).reason, Reason::Hit);
-        let d = run(&eps, &s, ExactMode::SingleRole, 2);
+        assert_eq!(run(&eps, &s, KvMode::SinglePool, 0).reason, Reason::Hit);
+        let d = run(&eps, &s, KvMode::SinglePool, 2);
         assert_eq!((d.ep, d.reason), (Some(1), Reason::ColdSeed));
     }
 
     #[test]
     fn misses_fall_back() {
-        let s = Settings {
-            min_match_tokens: 1000,
-            ..Settings::default()
-        };
+        let s = shared(|c| c.with_min_match_tokens(1000));
         assert_eq!(
-            run(&[ep(10, 0)], &s, ExactMode::SingleRole, 0).reason,
+            run(&[ep(10, 0)], &s, KvMode::SinglePool, 0).reason,
             Reason::MissShortPrompt
         );
         let s = Settings::default();
-        let d = run(&[ep(0, 0), ep(0, 0)], &s, ExactMode::SingleRole, 0);
+        let d = run(&[ep(0, 0), ep(0, 0)], &s, KvMode::SinglePool, 0);
         assert_eq!(
             (d.tier, d.reason, d.ep),
             (Tier::Fallback, Reason::MissNoOverlap, Some(0))
@@ -573,18 +683,18 @@ mod tests {
     fn prefill_decode_scores_prefill_only() {
         let s = Settings::default();
         let mut eps = [ep(0, 0), ep(10, 5), ep(3, 2), ep(0, 1)];
-        eps[0].role = EpRole::Prefill;
-        eps[1].role = EpRole::Decode;
-        eps[2].role = EpRole::Prefill;
-        eps[3].role = EpRole::Decode;
-        let d = run(&eps, &s, ExactMode::PrefillDecode, 0);
+        eps[0].role = Some(EndpointRole::Prefill);
+        eps[1].role = Some(EndpointRole::Decode);
+        eps[2].role = Some(EndpointRole::Prefill);
+        eps[3].role = Some(EndpointRole::Decode);
+        let d = run(&eps, &s, KvMode::PrefillDecode, 0);
         assert_eq!((d.ep, d.decode, d.reason), (Some(2), Some(3), Reason::Hit));
     }
 
     fn run_recall(eps: &[EpView], s: &Settings, recall: Option<Recall>) -> Decision {
         let ring = HashRing::new(&["a:1".to_owned(), "b:1".to_owned(), "c:1".to_owned()]);
         decide(&ScoreInput {
-            exact_mode: ExactMode::SingleRole,
+            exact_mode: KvMode::SinglePool,
             kv_enabled: true,
             sel: Sel::RoundRobin,
             eps,
@@ -673,10 +783,7 @@ mod tests {
         let d = run_recall(&[ep(37, 4), ep(0, 1), ep(0, 1)], &s, recall(360));
         assert_eq!((d.ep, d.reason), (Some(0), Reason::Hit));
         // Spill relief off: no replication.
-        let off = Settings {
-            spill_relief: SpillRelief::Off,
-            ..Settings::default()
-        };
+        let off = shared(|c| c.with_spill_relief(SpillRelief::Off));
         let d = run_recall(&eps, &off, recall(800));
         assert_eq!((d.ep, d.reason), (Some(0), Reason::Hit));
     }
@@ -718,7 +825,7 @@ mod tests {
         let s = Settings::default();
         let mk = |eps: &[EpView], h: u64| {
             decide(&ScoreInput {
-                exact_mode: ExactMode::SingleRole,
+                exact_mode: KvMode::SinglePool,
                 kv_enabled: true,
                 sel: Sel::Hash,
                 eps,
@@ -739,5 +846,405 @@ mod tests {
         eps[f].healthy = false;
         let second = mk(&eps, HashRing::key_hash("tenant-a"));
         assert!(second.is_some() && second != first);
+    }
+
+    // ---- one table per step ----
+
+    /// A single-pool request over `eps` with 10 keys and 160 tokens (each table changes what it
+    /// is about).
+    fn input<'a>(eps: &'a [EpView], ring: &'a HashRing, s: &'a Settings) -> ScoreInput<'a> {
+        ScoreInput {
+            exact_mode: KvMode::SinglePool,
+            kv_enabled: true,
+            sel: Sel::RoundRobin,
+            eps,
+            n_keys: 10,
+            token_count: 160,
+            affinity: None,
+            ring,
+            hit_seq: 0,
+            rr_seq: 0,
+            recall: None,
+            settings: s,
+        }
+    }
+
+    fn ring(n: usize) -> HashRing {
+        HashRing::new(&(0..n).map(|i| format!("10.0.0.{i}:80")).collect::<Vec<_>>())
+    }
+
+    fn roled(role: Option<EndpointRole>, healthy: bool, load: u64) -> EpView {
+        EpView {
+            role,
+            healthy,
+            ..ep(0, load)
+        }
+    }
+
+    #[test]
+    fn step_eligible_endpoints() {
+        use EndpointRole::{Decode, Prefill};
+        let s = Settings::default();
+        let r = ring(4);
+        // (mode, endpoints) -> (candidates, decode endpoint, total load of the candidates)
+        type Row = (KvMode, Vec<EpView>, Vec<usize>, Option<usize>, u64);
+        let table: [Row; 5] = [
+            (
+                KvMode::SinglePool,
+                vec![
+                    roled(None, true, 1),
+                    roled(None, false, 2),
+                    roled(None, true, 3),
+                ],
+                vec![0, 2],
+                None,
+                4,
+            ),
+            (
+                KvMode::PrefillDecode,
+                vec![
+                    roled(Some(Prefill), true, 1),
+                    roled(Some(Decode), true, 5),
+                    roled(Some(Prefill), false, 2),
+                    roled(Some(Decode), true, 4),
+                ],
+                vec![0],
+                Some(3),
+                1,
+            ),
+            (
+                KvMode::PrefillDecode,
+                vec![roled(Some(Prefill), true, 0), roled(Some(Decode), false, 0)],
+                vec![0],
+                None,
+                0,
+            ),
+            // A decode endpoint is never a candidate of a KV pool, but is under plain load balancing.
+            (
+                KvMode::SinglePool,
+                vec![roled(Some(Decode), true, 1), roled(None, true, 1)],
+                vec![1],
+                None,
+                1,
+            ),
+            (
+                KvMode::Off,
+                vec![roled(Some(Decode), true, 1), roled(None, true, 1)],
+                vec![0, 1],
+                None,
+                2,
+            ),
+        ];
+        for (mode, eps, cands, decode, total) in table {
+            let inp = ScoreInput {
+                exact_mode: mode,
+                ..input(&eps, &r, &s)
+            };
+            let p = Pool::of(&inp);
+            assert_eq!(
+                (p.cands, p.decode, p.total_load),
+                (cands, decode, total),
+                "{mode:?} {eps:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn step_kv_gate() {
+        let s = Settings::default();
+        let short = shared(|c| c.with_min_match_tokens(1000));
+        let (eps, r) = ([ep(1, 0)], ring(1));
+        // (kv enabled, tokens, keys, settings) -> reason to skip KV scoring
+        let table = [
+            (true, 160, 10, &s, None),
+            (false, 160, 10, &s, Some(Reason::KvOff)),
+            (true, 15, 10, &s, Some(Reason::MissShortPrompt)),
+            (true, 16, 10, &s, None),
+            (true, 160, 10, &short, Some(Reason::MissShortPrompt)),
+            (true, 160, 0, &s, Some(Reason::MissNoKeys)),
+            (false, 0, 0, &s, Some(Reason::KvOff)),
+        ];
+        for (kv_enabled, token_count, n_keys, settings, want) in table {
+            let inp = ScoreInput {
+                kv_enabled,
+                token_count,
+                n_keys,
+                ..input(&eps, &r, settings)
+            };
+            assert_eq!(kv_gate(&inp), want, "{kv_enabled} {token_count} {n_keys}");
+        }
+    }
+
+    #[test]
+    fn step_spill_relief() {
+        let (eps, r) = ([ep(1, 0)], ring(1));
+        let table = [
+            (SpillRelief::Unset, KvMode::SinglePool, true),
+            (SpillRelief::Unset, KvMode::PrefillDecode, false),
+            (SpillRelief::On, KvMode::PrefillDecode, true),
+            (SpillRelief::Off, KvMode::SinglePool, false),
+        ];
+        for (relief, mode, want) in table {
+            let s = shared(|c| c.with_spill_relief(relief));
+            let inp = ScoreInput {
+                exact_mode: mode,
+                ..input(&eps, &r, &s)
+            };
+            assert_eq!(spill_relief_on(&inp), want, "{relief:?} {mode:?}");
+        }
+    }
+
+    #[test]
+    fn step_overlap_memory_and_caps() {
+        let s = Settings::default();
+        let r = ring(3);
+        let home = |depth, heat_permille| {
+            Some(Recall {
+                ep: 0,
+                depth,
+                heat_permille,
+            })
+        };
+        // (endpoints, recall, relief) -> (overlap, hot, over the cap, full)
+        let table = [
+            // No memory: the exact match. Caps of 1.75 x (7+1)/3 = 5: ep0 at 5 is over.
+            (
+                vec![ep(4, 5), ep(2, 1), ep(0, 1)],
+                None,
+                true,
+                (
+                    vec![4, 2, 0],
+                    false,
+                    vec![true, false, false],
+                    vec![true, false, false],
+                ),
+            ),
+            // The home counts the remembered depth when longer, never shorter.
+            (
+                vec![ep(4, 0), ep(2, 0), ep(0, 0)],
+                home(32, 0),
+                true,
+                (vec![32, 2, 0], false, vec![false; 3], vec![false; 3]),
+            ),
+            (
+                vec![ep(40, 0), ep(2, 0), ep(0, 0)],
+                home(32, 0),
+                true,
+                (vec![40, 2, 0], false, vec![false; 3], vec![false; 3]),
+            ),
+            // Hot (80% of the requests on a third of the weight): full at its fair share and
+            // an engine batch (4 of 7+1 over 3: fair share 3, batch 4).
+            (
+                vec![ep(4, 4), ep(0, 2), ep(0, 1)],
+                home(32, 800),
+                true,
+                (
+                    vec![32, 0, 0],
+                    true,
+                    vec![false; 3],
+                    vec![true, false, false],
+                ),
+            ),
+            // Not hot without spill relief, nor at 60% (not more than the 60% bound).
+            (
+                vec![ep(4, 4), ep(0, 2), ep(0, 1)],
+                home(32, 800),
+                false,
+                (vec![32, 0, 0], false, vec![false; 3], vec![false; 3]),
+            ),
+            (
+                vec![ep(4, 4), ep(0, 2), ep(0, 1)],
+                home(32, 600),
+                true,
+                (vec![32, 0, 0], false, vec![false; 3], vec![false; 3]),
+            ),
+        ];
+        for (eps, recall, relief, (overlap, hot, over, full)) in table {
+            let inp = ScoreInput {
+                recall,
+                ..input(&eps, &r, &s)
+            };
+            let pool = Pool::of(&inp);
+            let sc = Scored::of(&inp, &pool, relief);
+            assert_eq!(
+                (sc.overlap, sc.hot, sc.over, sc.full),
+                (overlap, hot, over, full),
+                "{eps:?} {recall:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn step_load_blend() {
+        let r = ring(3);
+        let with = |load_blend, load_penalty| Settings {
+            load_blend,
+            load_penalty,
+            ..Settings::default()
+        };
+        // ep0: most overlap but over its cap (1.75 x (9+1)/3 = 6); ep1 under it; ep2 no overlap.
+        let eps = [ep(10, 8), ep(6, 1), ep(0, 0)];
+        let table = [
+            (with(LoadBlend::Off, 1.0), Some(0)),
+            (with(LoadBlend::Hard, 1.0), Some(1)),
+            // soft: 10 - 8p against 6 - p
+            (with(LoadBlend::Soft, 1.0), Some(1)),
+            (with(LoadBlend::Soft, 0.5), Some(0)),
+            (with(LoadBlend::Soft, 0.0), Some(0)),
+        ];
+        for (s, want) in table {
+            let inp = input(&eps, &r, &s);
+            let pool = Pool::of(&inp);
+            let sc = Scored::of(&inp, &pool, false);
+            let positive = [0, 1];
+            let argmax = sc.best(positive.iter().copied());
+            assert_eq!(argmax, Some(0));
+            assert_eq!(
+                blend(&inp, &sc, &positive, argmax),
+                want,
+                "{:?}",
+                s.load_blend
+            );
+        }
+        // hard with every endpoint holding overlap over its cap keeps the best overlap (caps
+        // 1.75 x 7 x 1/12 = 2 next to an idle endpoint of weight 10)
+        let s = with(LoadBlend::Hard, 1.0);
+        let mut busy = [ep(10, 3), ep(6, 3), ep(0, 0)];
+        busy[2].weight = 10;
+        let inp = input(&busy, &r, &s);
+        let pool = Pool::of(&inp);
+        let sc = Scored::of(&inp, &pool, false);
+        assert_eq!(sc.over, [true, true, false]);
+        assert_eq!(blend(&inp, &sc, &[0, 1], Some(0)), Some(0));
+    }
+
+    #[test]
+    fn step_spill() {
+        let s = Settings::default();
+        let r = ring(3);
+        // (endpoints, chosen) -> where it goes (caps: 1.75 x (total+1)/3)
+        let table = [
+            // under its cap: stays
+            (vec![ep(10, 1), ep(5, 0), ep(0, 0)], 0, 0),
+            // over: the under-cap endpoint with the most overlap
+            (vec![ep(10, 9), ep(5, 1), ep(7, 2)], 0, 2),
+            // equal overlap: the less loaded, then the lower index
+            (vec![ep(10, 9), ep(0, 2), ep(0, 1)], 0, 2),
+            (vec![ep(10, 9), ep(0, 1), ep(0, 1)], 0, 1),
+        ];
+        for (eps, chosen, want) in table {
+            let inp = input(&eps, &r, &s);
+            let pool = Pool::of(&inp);
+            let sc = Scored::of(&inp, &pool, true);
+            assert_eq!(spill(&pool, &sc, chosen), want, "{eps:?}");
+        }
+    }
+
+    #[test]
+    fn step_cold_seed() {
+        let r = ring(3);
+        let mut eps = [ep(10, 0), ep(0, 0), ep(0, 0)];
+        eps[1].blocks = 15;
+        eps[2].blocks = 0;
+        // (seed every n, cold below, hit_seq) -> the seeded endpoint
+        let table = [
+            // production defaults: every 16th hit, below 16 blocks
+            (16, 16, 14, None),
+            (16, 16, 15, Some(1)),
+            (16, 16, 31, Some(1)),
+            (16, 10, 15, Some(2)),
+            (16, 0, 15, None),
+            (0, 16, 15, None),
+            (3, 200, 2, Some(0)),
+        ];
+        for (n, min_blocks, hit_seq, want) in table {
+            let s = shared(|c| c.with_coldstart(n, min_blocks));
+            let inp = ScoreInput {
+                hit_seq,
+                ..input(&eps, &r, &s)
+            };
+            assert_eq!(
+                cold_seed(&inp, &Pool::of(&inp)),
+                want,
+                "{n} {min_blocks} {hit_seq}"
+            );
+        }
+    }
+
+    #[test]
+    fn step_place() {
+        let r = ring(3);
+        let s = Settings::default();
+        let by_sel = Settings {
+            placement: Placement::Sel,
+            ..Settings::default()
+        };
+        let mut eps = [ep(0, 0), ep(0, 0), ep(0, 0)];
+        for (e, (cap, homed)) in eps.iter_mut().zip([(100, 90), (100, 20), (200, 150)]) {
+            e.capacity = cap;
+            e.homed = homed;
+        }
+        // (sel, settings) -> placed endpoint (the most free is ep1)
+        let table = [
+            (Sel::RoundRobin, &s, Some(1)),
+            (Sel::LeastConnections, &s, Some(1)),
+            (Sel::Hash, &s, None),
+            (Sel::Persist, &s, None),
+            (Sel::Priority, &s, None),
+            (Sel::RoundRobin, &by_sel, None),
+        ];
+        for (sel, settings, want) in table {
+            let inp = ScoreInput {
+                sel,
+                ..input(&eps, &r, settings)
+            };
+            let pool = Pool::of(&inp);
+            let sc = Scored::of(&inp, &pool, true);
+            assert_eq!(place(&inp, &pool, &sc), want, "{sel:?}");
+        }
+        // The most free endpoint at its load cap (1.75 x 6/3 = 4) is passed over.
+        eps[1].load = 5;
+        let inp = input(&eps, &r, &s);
+        let pool = Pool::of(&inp);
+        let sc = Scored::of(&inp, &pool, true);
+        assert_eq!(sc.over, [false, true, false]);
+        assert_eq!(place(&inp, &pool, &sc), Some(2));
+    }
+
+    #[test]
+    fn step_sel_fallback() {
+        let r = ring(3);
+        let s = Settings::default();
+        let mut eps = [ep(0, 3), ep(0, 1), ep(0, 1)];
+        eps[0].weight = 2;
+        eps[2].weight = 2;
+        let key = HashRing::key_hash("tenant-a");
+        let sticky = r.lookup(key, |_| true);
+        // (sel, rr_seq, affinity, candidates) -> endpoint
+        let table = [
+            (Sel::RoundRobin, 0, None, vec![0, 1, 2], Some(0)),
+            (Sel::RoundRobin, 4, None, vec![0, 1, 2], Some(1)),
+            (Sel::RoundRobin, 4, None, vec![0, 2], Some(0)),
+            (Sel::Hash, 4, None, vec![0, 1, 2], Some(1)),
+            (Sel::Hash, 4, Some(key), vec![0, 1, 2], sticky),
+            (Sel::Persist, 0, Some(key), vec![0, 1, 2], sticky),
+            (Sel::Priority, 0, None, vec![0, 1, 2], Some(0)),
+            (Sel::Priority, 0, None, vec![1, 2], Some(2)),
+            (Sel::LeastConnections, 0, None, vec![0, 1, 2], Some(1)),
+            (Sel::LeastConnections, 0, None, vec![], None),
+        ];
+        for (sel, rr_seq, affinity, cands, want) in table {
+            let inp = ScoreInput {
+                sel,
+                rr_seq,
+                affinity,
+                ..input(&eps, &r, &s)
+            };
+            assert_eq!(
+                sel_fallback(&inp, &cands),
+                want,
+                "{sel:?} {rr_seq} {cands:?}"
+            );
+        }
     }
 }

@@ -1,13 +1,17 @@
-//! Validation errors of rules (and, through [`FieldError`], of process settings): one [`FieldError`] per bad field,
-//! all of them collected so a caller fixes a configuration in one round trip.
+//! Validation errors of rules, process settings and the filter's plugin configuration: one
+//! [`FieldError`] per bad field, all of them collected so a caller fixes a configuration in one
+//! round trip.
 
 use std::fmt;
 
 /// One rejected field: its name, the value as received, and what would have been accepted.
 ///
 /// `field` is the JSON name (`kvBlockSize`, `endpoints[1].targetPort`) or the environment variable;
-/// `value` is rendered as JSON (`16`, `"xxhash_cbor"`) or [`MISSING`].
-#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+/// `value` is rendered as JSON (`16`, `"xxhash_cbor"`) or [`MISSING`]. It is also what the
+/// inventory's API answers for every rejected field (`problems` of an `invalid rule` body) and
+/// what the filter reports for its plugin configuration.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, thiserror::Error)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[error("{field}: got {value}, allowed: {allowed}")]
 pub struct FieldError {
     pub field: String,
@@ -34,7 +38,7 @@ impl FieldError {
 }
 
 /// Renders a received string the way error messages show it: JSON-quoted and escaped.
-pub(crate) fn quoted(s: &str) -> String {
+pub fn quoted(s: &str) -> String {
     serde_json::Value::String(s.to_owned()).to_string()
 }
 

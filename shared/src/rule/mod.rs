@@ -37,10 +37,10 @@ use crate::hash::{BlockSize, Engine, HashAlgo, HashContract};
 use crate::settings::Settings;
 use crate::slug::ModelSlug;
 
-pub use error::{FieldError, RuleErrors, RuleParseError, MISSING};
+pub use error::{quoted, FieldError, RuleErrors, RuleParseError, MISSING};
 pub use raw::{RawAllowedSource, RawEndpoint, RawRule, RawSecondaryIp, RawServiceArguments};
 
-pub(crate) use error::{quoted, write_list, Collector};
+pub(crate) use error::{write_list, Collector};
 
 /// `kvBlockSize` when omitted (vLLM's default `--block-size`).
 pub const DEFAULT_KV_BLOCK_SIZE: u32 = 16;
