@@ -27,7 +27,8 @@ use crate::host::{Body, Callout, Headers, Host, Level};
 use crate::plugin::VmState;
 use crate::stats::{FailReason, Stat};
 use crate::usage::{self, Tail};
-use crate::wire::{RouteAnswer, RouteRequest};
+use crate::wire::{RouteAnswer, RouteRequest, Tier};
+use kvroute_core::wire::WireKey;
 
 /// Upstream header naming the KV-chosen prefill endpoint in P/D mode (llm-d routing sidecar).
 pub const PREFILLER_HEADER: &str = "x-prefiller-host-port";
@@ -220,9 +221,9 @@ impl RequestFilter {
             return self.fail_open(host, FailReason::NoContract, "no rule");
         };
         let mut route = RouteRequest {
-            rule,
-            model: request.model.as_deref(),
-            affinity_key: request.user.as_deref(),
+            rule: rule.to_owned(),
+            model: request.model.clone(),
+            affinity_key: request.user.clone(),
             ..Default::default()
         };
         let offload = vm.config.tokenize == TokenizeMode::Service;
@@ -231,7 +232,7 @@ impl RequestFilter {
             (None, _) => None,
             (Some(_), RequestBody::Completion(Prompt::TokenIds(ids))) => Some(ids.clone()),
             (Some(_), RequestBody::Completion(Prompt::Text(t))) if offload => {
-                route.prompt = Some(t.as_str());
+                route.prompt = Some(t.clone());
                 None
             }
             (Some(_), RequestBody::Chat(_)) if offload => None,
@@ -278,7 +279,7 @@ impl RequestFilter {
                     .and_then(|mut v| v.get_mut("messages").map(serde_json::Value::take)),
                 _ => None,
             };
-        route.messages = messages_holder.as_ref();
+        route.messages = messages_holder;
         if let (Some(ids), Some(hash)) = (&tokens, &contract.hash) {
             let extra = ExtraKeys {
                 cache_salt: request.cache_salt.clone(),
@@ -300,7 +301,7 @@ impl RequestFilter {
                 }
                 Err(e) => return self.fail_open(host, FailReason::Hash, &e.to_string()),
             };
-            route.keys = keys;
+            route.keys = keys.into_iter().map(WireKey::from).collect();
             route.token_count = u32::try_from(ids.len()).unwrap_or(u32::MAX);
         }
         let json = match serde_json::to_vec(&route) {
@@ -420,10 +421,10 @@ impl RequestFilter {
         );
         vm.stats.inc(
             host,
-            match a.tier.as_str() {
-                "tier15" => Stat::DecisionTier15,
-                "fallback" => Stat::DecisionFallback,
-                _ => Stat::DecisionOther,
+            match a.known_tier() {
+                Some(Tier::Tier15) => Stat::DecisionTier15,
+                Some(Tier::Fallback) => Stat::DecisionFallback,
+                None => Stat::DecisionOther,
             },
         );
         self.finish(host, pinned);
