@@ -14,6 +14,7 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 use kvroute_core::hash::{BlockSize, HashAlgo, HashContract};
 use kvroute_core::rule::{RawEndpoint, RawRule, RawServiceArguments, Rule};
 use kvroute_core::settings::{Settings, NONE_HASH_SEED_VAR};
+use kvroute_core::wire::{RouteRequest, RuleContract, WireKey};
 use serde_json::{json, Value};
 
 #[derive(Parser)]
@@ -931,18 +932,18 @@ async fn explain(api: &Api, out: Output, a: &ExplainArgs) -> Res<()> {
             None,
         )
         .await?;
-    let algo = c.get("algo").and_then(Value::as_str);
-    let block = c.get("block_size").and_then(Value::as_u64);
-    let (keys, token_count) = match (algo, block) {
-        (Some(algo), Some(block)) => {
+    let c: RuleContract =
+        serde_json::from_value(c).map_err(|e| Fail::Refused(format!("contract: {e}")))?;
+    let model = a.model.clone().or_else(|| c.model.clone());
+    let (keys, token_count) = match &c.algo {
+        Some(algo) => {
             let algo = HashAlgo::parse(algo)
                 .ok_or_else(|| Fail::Refused(format!("contract: unknown algo {algo:?}")))?;
-            let block = u32::try_from(block)
-                .ok()
-                .and_then(BlockSize::new)
-                .ok_or_else(|| Fail::Refused(format!("contract: bad block_size {block}")))?;
+            let block = BlockSize::new(c.block_size).ok_or_else(|| {
+                Fail::Refused(format!("contract: bad block_size {}", c.block_size))
+            })?;
             let mut contract = HashContract::new(algo, block);
-            if let Some(seed) = c.get("seed").and_then(Value::as_str) {
+            if let Some(seed) = &c.seed {
                 contract = contract.with_seed(seed);
             }
             let dir = &a.tokenizer;
@@ -956,10 +957,7 @@ async fn explain(api: &Api, out: Output, a: &ExplainArgs) -> Res<()> {
             let loaded = kvroute_inventory::offload::Loaded::new(&tj, cfg.as_deref(), true)
                 .map_err(|e| Fail::Usage(format!("--tokenizer: {}: {e}", dir.display())))?;
             let o = kvroute_inventory::offload::Offload {
-                model: a
-                    .model
-                    .clone()
-                    .or_else(|| c.get("model").and_then(Value::as_str).map(str::to_owned)),
+                model: model.clone(),
                 prompt: a.prompt.clone(),
                 messages: messages.clone(),
             };
@@ -972,26 +970,19 @@ async fn explain(api: &Api, out: Output, a: &ExplainArgs) -> Res<()> {
             )
         }
         // No KV contract (kvExactMode 0): no keys, the decision is plain load balancing.
-        _ => (Vec::new(), 0),
+        None => (Vec::new(), 0),
     };
-    let mut body = json!({
-        "rule": a.rule,
-        "keys": keys,
-        "token_count": token_count,
-        "explain": true,
-    });
-    if let Value::Object(m) = &mut body {
-        if let Some(md) = a
-            .model
-            .clone()
-            .or_else(|| c.get("model").and_then(Value::as_str).map(str::to_owned))
-        {
-            m.insert("model".into(), json!(md));
-        }
-        if let Some(k) = &a.affinity_key {
-            m.insert("affinity_key".into(), json!(k));
-        }
-    }
+    let question = RouteRequest {
+        rule: a.rule.clone(),
+        model,
+        keys: keys.iter().map(|&k| WireKey::Unsigned(k)).collect(),
+        token_count,
+        affinity_key: a.affinity_key.clone(),
+        explain: true,
+        ..Default::default()
+    };
+    let body = serde_json::to_value(&question)
+        .map_err(|e| Fail::Usage(format!("explain: the question: {e}")))?;
     // A service started with --route-token-file wants its bearer on /v1/route too.
     let token = api.token()?;
     let mut v = api

@@ -7,16 +7,19 @@
 //!
 //! Layout: this file and [`host`] are the only code that touches `proxy_wasm`. They adapt the
 //! SDK's root/HTTP contexts onto [`plugin::Plugin`] (per VM: configuration, contract and tokenizer
-//! loading) and [`request::RequestFilter`] (per request: a state enum driving pause/resume), which
-//! see only the [`host::Host`] trait and are unit-tested natively. [`config`] parses the plugin
-//! configuration, [`tokens`] tokenizes with a segment cache, [`wire`] holds the inventory
-//! contracts, [`usage`] reads response usage, [`stats`] names the Envoy stats. [`testkeys`] exports
-//! `kvroute_test_keys` for the wasm test host.
+//! loading) and [`request::RequestFilter`] (per request: a state enum carrying each state's data
+//! drives pause/resume, and one wrapper applies the fail-open policy to every step), which see
+//! only the [`host::Host`] trait and are unit-tested natively. [`question`] builds the route
+//! question from a body, [`config`] parses the plugin configuration, [`tokens`] tokenizes with a
+//! segment cache, [`wire`] reads the inventory contracts ([`kvroute_core::wire`]), [`usage`] reads
+//! response usage, [`stats`] names the Envoy stats. [`testkeys`] exports `kvroute_test_keys` for
+//! the wasm test host.
 
 pub mod cache;
 pub mod config;
 pub mod host;
 pub mod plugin;
+pub mod question;
 pub mod request;
 pub mod stats;
 pub mod testkeys;

@@ -7,27 +7,31 @@
 //!                             │                            │
 //!                             └──any failure──────────────┴──────────────────► Forwarded (unpinned, counted)
 //! ```
+//! Each state carries what it needs (the endpoint and start time while reading, the callout's
+//! token while waiting, the pin to check and the usage reader once forwarded), nothing more.
 //! With `pin_mode: filter_state` (Istio WasmPlugin) the headers are released at once and the body
 //! is held instead; the decision goes out as filter state (see [`crate::config::PinMode`]).
 //! (Envoy does not expose the body at the headers callback, not even with a buffer filter ahead:
 //! measured, so the body callbacks are the only way to read it.)
 //!
-//! Every step goes through [`RequestFilter::fail_open`] on failure: the request continues (or is
-//! resumed if the callout holds it) without a pin and the reason is counted. Client-supplied
-//! routing headers are removed before anything else, and the body is never modified.
+//! A complete body becomes a question ([`crate::question::build`]), which is sent as the route
+//! callout; its answer, in the paused continuation, pins the request. Every step that can fail
+//! returns [`Unpinned`] and runs inside one wrapper, [`RequestFilter::guarded`], which applies the
+//! failure policy: the reason is counted, the request goes on without a pin, and a request the
+//! callout holds is resumed. Client-supplied routing headers are removed before anything else,
+//! and the body is never modified.
 
 use std::rc::Rc;
 
 use base64::Engine as _;
-use kvroute_core::hash::{BlockKey, ExtraKeys};
-use kvroute_core::prompt::{Endpoint, Prompt, Request, RequestBody};
+use kvroute_core::prompt::Endpoint;
 
-use crate::config::{PinMode, TokenizeMode};
+use crate::config::PinMode;
 use crate::host::{Body, Callout, Headers, Host, Level};
 use crate::plugin::VmState;
 use crate::stats::{FailReason, Stat};
 use crate::usage::{self, Tail};
-use crate::wire::{RouteAnswer, RouteRequest};
+use crate::wire::{RouteAnswer, RouteRequest, Tier};
 
 /// Upstream header naming the KV-chosen prefill endpoint in P/D mode (llm-d routing sidecar).
 pub const PREFILLER_HEADER: &str = "x-prefiller-host-port";
@@ -45,19 +49,66 @@ pub enum Step {
     Pause,
 }
 
-/// Where one request is in the filter.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// Where one request is in the filter, with the data that state needs.
+#[derive(Debug)]
 pub enum RequestState {
     /// Nothing seen yet.
     Start,
     /// Not a request the filter routes: released at the headers.
     Passthrough,
-    /// Held at the headers while the body is buffered.
-    ReadingBody,
+    /// A routed request, held while its body is buffered.
+    ReadingBody {
+        endpoint: Endpoint,
+        /// When the headers arrived (0 if the clock was unavailable).
+        started_ns: u64,
+    },
     /// Held while the route callout with this token is in flight.
-    AwaitingRoute { token: u32 },
+    AwaitingRoute {
+        token: u32,
+        started_ns: u64,
+        /// When the callout was sent.
+        dispatched_ns: u64,
+    },
     /// Released upstream after a decision (pinned) or a failure (unpinned).
-    Forwarded { pinned: bool },
+    Forwarded {
+        pinned: bool,
+        /// The `ip:port` pinned to, until it is checked against the upstream Envoy chose.
+        check_pin: Option<String>,
+        /// Reads the response's `usage` (routed requests only).
+        usage: Option<UsageReader>,
+    },
+}
+
+/// The response of a routed request, read for its `usage`.
+#[derive(Clone, Debug, Default)]
+pub struct UsageReader {
+    sse: bool,
+    tail: Tail,
+}
+
+/// Why a step releases the request without a pin: the counted reason, and a detail for the log.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Unpinned {
+    pub reason: FailReason,
+    pub detail: String,
+}
+
+impl Unpinned {
+    pub fn new(reason: FailReason, detail: impl Into<String>) -> Self {
+        Unpinned {
+            reason,
+            detail: detail.into(),
+        }
+    }
+}
+
+/// How a step's outcome reaches Envoy.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Via {
+    /// As the callback's return value.
+    Return,
+    /// The paused continuation (the callout's answer): a request released there is resumed.
+    Resume,
 }
 
 /// State of one HTTP request.
@@ -65,16 +116,6 @@ pub enum RequestState {
 pub struct RequestFilter {
     vm: Rc<VmState>,
     state: RequestState,
-    endpoint: Option<Endpoint>,
-    started_ns: u64,
-    /// When the route callout was sent (0 before).
-    dispatched_ns: u64,
-    /// The `ip:port` this request was pinned to, checked against the upstream Envoy chose.
-    pinned_to: Option<String>,
-    /// Parse `usage` from the response (routed paths only).
-    track_usage: bool,
-    sse: bool,
-    tail: Tail,
 }
 
 fn duration_ns(d: std::time::Duration) -> u64 {
@@ -96,19 +137,12 @@ impl RequestFilter {
         RequestFilter {
             vm,
             state: RequestState::Start,
-            endpoint: None,
-            started_ns: 0,
-            dispatched_ns: 0,
-            pinned_to: None,
-            track_usage: false,
-            sse: false,
-            tail: Tail::default(),
         }
     }
 
     /// Current state.
-    pub fn state(&self) -> RequestState {
-        self.state
+    pub fn state(&self) -> &RequestState {
+        &self.state
     }
 
     /// Headers a client may not set: the pin and what the filter itself writes upstream.
@@ -123,8 +157,68 @@ impl RequestFilter {
 
     /// Request headers arrived: strip routing headers, decide whether to read the body.
     pub fn on_request_headers(&mut self, host: &dyn Host, end_of_stream: bool) -> Step {
-        if self.state != RequestState::Start {
-            return Step::Continue;
+        self.guarded(host, Via::Return, |r, host| r.headers(host, end_of_stream))
+    }
+
+    /// A request body chunk arrived (`body_size` is everything buffered so far).
+    pub fn on_request_body(
+        &mut self,
+        host: &dyn Host,
+        body_size: usize,
+        end_of_stream: bool,
+    ) -> Step {
+        self.guarded(host, Via::Return, |r, host| {
+            r.body(host, body_size, end_of_stream)
+        })
+    }
+
+    /// The route callout answered (`status` is its `:status`). Resumes the request in every case.
+    pub fn on_route_response(
+        &mut self,
+        host: &dyn Host,
+        token: u32,
+        status: Option<&str>,
+        body: &[u8],
+    ) {
+        self.guarded(host, Via::Resume, |r, host| {
+            r.answered(host, token, status, body)
+        });
+    }
+
+    /// The failure policy, around every step that can fail: an [`Unpinned`] is counted, logged
+    /// at debug and the request released without a pin; in the paused continuation a released
+    /// request is resumed (pinned or not).
+    fn guarded(
+        &mut self,
+        host: &dyn Host,
+        via: Via,
+        step: impl FnOnce(&mut Self, &dyn Host) -> Result<Step, Unpinned>,
+    ) -> Step {
+        let step = match step(self, host) {
+            Ok(step) => step,
+            Err(u) => {
+                self.vm.stats.inc(host, Stat::FailOpen(u.reason));
+                host.log(
+                    Level::Debug,
+                    &format!(
+                        "kvroute-filter: unpinned ({}): {}",
+                        u.reason.as_str(),
+                        u.detail
+                    ),
+                );
+                self.finish(host, false, None);
+                Step::Continue
+            }
+        };
+        if via == Via::Resume && step == Step::Continue {
+            host.resume_request();
+        }
+        step
+    }
+
+    fn headers(&mut self, host: &dyn Host, end_of_stream: bool) -> Result<Step, Unpinned> {
+        if !matches!(self.state, RequestState::Start) {
+            return Ok(Step::Continue);
         }
         let stats = &self.vm.stats;
         stats.inc(host, Stat::Requests);
@@ -137,7 +231,7 @@ impl RequestFilter {
         }
         self.state = RequestState::Passthrough;
         if self.vm.config.rule.is_none() {
-            return Step::Continue;
+            return Ok(Step::Continue);
         }
         let method = host.header(Headers::Request, ":method");
         let endpoint = host
@@ -145,168 +239,85 @@ impl RequestFilter {
             .as_deref()
             .and_then(routed_endpoint);
         let (Some("POST"), Some(endpoint)) = (method.as_deref(), endpoint) else {
-            return Step::Continue;
+            return Ok(Step::Continue);
         };
         if let Some(ct) = host.header_bytes(Headers::Request, "content-type") {
             let Ok(ct) = String::from_utf8(ct) else {
-                return self.fail_open(host, FailReason::BadHeader, "content-type is not UTF-8");
+                return Err(Unpinned::new(
+                    FailReason::BadHeader,
+                    "content-type is not UTF-8",
+                ));
             };
             if !ct.to_ascii_lowercase().contains("json") {
-                return Step::Continue;
+                return Ok(Step::Continue);
             }
         }
-        self.endpoint = Some(endpoint);
-        self.track_usage = true;
-        self.started_ns = host.now_nanos();
+        self.state = RequestState::ReadingBody {
+            endpoint,
+            started_ns: host.now_nanos(),
+        };
+        let stats = &self.vm.stats;
         stats.inc(host, Stat::Considered);
         if end_of_stream {
-            return self.fail_open(host, FailReason::BadRequest, "no body");
+            return Err(Unpinned::new(FailReason::BadRequest, "no body"));
         }
         let declared = host
             .header(Headers::Request, "content-length")
             .and_then(|v| v.trim().parse::<usize>().ok());
         if declared.is_some_and(|n| n > self.vm.config.max_body_bytes) {
-            return self.fail_open(
-                host,
+            return Err(Unpinned::new(
                 FailReason::BodyTooLarge,
                 "content-length over max_body_bytes",
-            );
+            ));
         }
-        self.state = RequestState::ReadingBody;
-        match self.vm.config.pin_mode {
+        Ok(match self.vm.config.pin_mode {
             PinMode::Header => Step::Pause,
             // The headers go on to the buffer filter, which holds them from the router.
             PinMode::FilterState => Step::Continue,
-        }
+        })
     }
 
-    /// A request body chunk arrived (`body_size` is everything buffered so far).
-    pub fn on_request_body(
+    fn body(
         &mut self,
         host: &dyn Host,
         body_size: usize,
         end_of_stream: bool,
-    ) -> Step {
-        if self.state != RequestState::ReadingBody {
-            return Step::Continue;
-        }
+    ) -> Result<Step, Unpinned> {
+        let RequestState::ReadingBody {
+            endpoint,
+            started_ns,
+        } = self.state
+        else {
+            return Ok(Step::Continue);
+        };
         if body_size > self.vm.config.max_body_bytes {
-            return self.fail_open(host, FailReason::BodyTooLarge, "body over max_body_bytes");
+            return Err(Unpinned::new(
+                FailReason::BodyTooLarge,
+                "body over max_body_bytes",
+            ));
         }
         if !end_of_stream {
-            return Step::Pause;
+            return Ok(Step::Pause);
         }
-        let Some(body) = host.body(Body::Request, body_size) else {
-            return self.fail_open(host, FailReason::BadRequest, "body unavailable");
-        };
-        self.ask(host, &body)
+        let body = host
+            .body(Body::Request, body_size)
+            .ok_or_else(|| Unpinned::new(FailReason::BadRequest, "body unavailable"))?;
+        let prepare_ns = host.now_nanos();
+        let question = crate::question::build(&self.vm, host, endpoint, &body)?;
+        self.send(host, &question, started_ns, prepare_ns)
     }
 
-    /// Builds the route question for a complete body and sends it.
-    fn ask(&mut self, host: &dyn Host, body: &[u8]) -> Step {
+    /// Sends the question as the route callout and holds the request until it answers.
+    fn send(
+        &mut self,
+        host: &dyn Host,
+        question: &RouteRequest,
+        started_ns: u64,
+        prepare_ns: u64,
+    ) -> Result<Step, Unpinned> {
         let vm = self.vm.clone();
-        let prepare_ns = host.now_nanos();
-        let Some(endpoint) = self.endpoint else {
-            return self.fail_open(host, FailReason::BadRequest, "no endpoint");
-        };
-        let request = match Request::from_json_for(body, endpoint) {
-            Ok(r) => r,
-            Err(e) => return self.fail_open(host, FailReason::BadRequest, &e.to_string()),
-        };
-        let Some(contract) = vm.contract.borrow().clone() else {
-            return self.fail_open(host, FailReason::NoContract, "rule contract not loaded");
-        };
-        let Some(rule) = vm.config.rule.as_deref() else {
-            return self.fail_open(host, FailReason::NoContract, "no rule");
-        };
-        let mut route = RouteRequest {
-            rule,
-            model: request.model.as_deref(),
-            affinity_key: request.user.as_deref(),
-            ..Default::default()
-        };
-        let offload = vm.config.tokenize == TokenizeMode::Service;
-        let tokens: Option<Vec<u32>> = match (&contract.hash, &request.body) {
-            // KV off for the rule: the service applies its fallback.
-            (None, _) => None,
-            (Some(_), RequestBody::Completion(Prompt::TokenIds(ids))) => Some(ids.clone()),
-            (Some(_), RequestBody::Completion(Prompt::Text(t))) if offload => {
-                route.prompt = Some(t.as_str());
-                None
-            }
-            (Some(_), RequestBody::Chat(_)) if offload => None,
-            (Some(_), _) => {
-                let encoder = vm.encoder.borrow().clone();
-                match encoder {
-                    None => {
-                        vm.stats.inc(host, Stat::NoTokenizer);
-                        None
-                    }
-                    Some(enc) => {
-                        let t0 = host.now_nanos();
-                        crate::tokens::set_clock(i64::try_from(t0 / 1_000_000_000).unwrap_or(0));
-                        let res = enc.tokens(&request);
-                        vm.stats.record(
-                            host,
-                            Stat::TokenizeUs,
-                            host.now_nanos().saturating_sub(t0) / 1000,
-                        );
-                        match res {
-                            Ok((ids, seg)) => {
-                                vm.stats.add(host, Stat::SegmentHits, seg.hits);
-                                vm.stats.add(host, Stat::SegmentMisses, seg.misses);
-                                vm.stats.add(host, Stat::PieceHits, seg.piece_hits);
-                                vm.stats.add(host, Stat::PieceMisses, seg.piece_misses);
-                                if let Some(t) = seg.truncated {
-                                    vm.stats.inc(host, Stat::truncated(t));
-                                }
-                                Some(ids)
-                            }
-                            Err(e) => {
-                                return self.fail_open(host, FailReason::Tokenize, &e.to_string())
-                            }
-                        }
-                    }
-                }
-            }
-        };
-        // Offloaded chat: the messages travel as the client sent them (re-read from the body).
-        let messages_holder: Option<serde_json::Value> =
-            match (&request.body, offload && contract.hash.is_some()) {
-                (RequestBody::Chat(_), true) => serde_json::from_slice::<serde_json::Value>(body)
-                    .ok()
-                    .and_then(|mut v| v.get_mut("messages").map(serde_json::Value::take)),
-                _ => None,
-            };
-        route.messages = messages_holder.as_ref();
-        if let (Some(ids), Some(hash)) = (&tokens, &contract.hash) {
-            let extra = ExtraKeys {
-                cache_salt: request.cache_salt.clone(),
-                ..ExtraKeys::default()
-            };
-            // Keys of a prefix seen before come from the cache (exactly the hasher's keys).
-            let t0 = host.now_nanos();
-            let keys = vm.keys.borrow_mut().keys(hash, &extra, ids);
-            vm.stats.record(
-                host,
-                Stat::KeysUs,
-                host.now_nanos().saturating_sub(t0) / 1000,
-            );
-            let keys: Vec<BlockKey> = match keys {
-                Ok((keys, stats)) => {
-                    vm.stats.add(host, Stat::KeyCacheHits, stats.hits);
-                    vm.stats.add(host, Stat::KeyCacheMisses, stats.misses);
-                    keys
-                }
-                Err(e) => return self.fail_open(host, FailReason::Hash, &e.to_string()),
-            };
-            route.keys = keys;
-            route.token_count = u32::try_from(ids.len()).unwrap_or(u32::MAX);
-        }
-        let json = match serde_json::to_vec(&route) {
-            Ok(j) => j,
-            Err(e) => return self.fail_open(host, FailReason::BadRequest, &e.to_string()),
-        };
+        let json = serde_json::to_vec(question)
+            .map_err(|e| Unpinned::new(FailReason::BadRequest, e.to_string()))?;
         let c = &vm.config;
         let call = Callout {
             cluster: &c.inventory_cluster,
@@ -317,33 +328,44 @@ impl RequestFilter {
             timeout: c.timeout,
             bearer: c.route_token.as_ref().map(|t| t.as_str()),
         };
-        match host.dispatch(&call) {
-            Some(token) => {
-                self.dispatched_ns = host.now_nanos();
-                vm.stats.record(
-                    host,
-                    Stat::PrepareUs,
-                    self.dispatched_ns.saturating_sub(prepare_ns) / 1000,
-                );
-                self.state = RequestState::AwaitingRoute { token };
-                Step::Pause
-            }
-            None => self.fail_open(host, FailReason::Dispatch, "dispatch_http_call refused"),
-        }
+        let token = host
+            .dispatch(&call)
+            .ok_or_else(|| Unpinned::new(FailReason::Dispatch, "dispatch_http_call refused"))?;
+        let dispatched_ns = host.now_nanos();
+        vm.stats.record(
+            host,
+            Stat::PrepareUs,
+            dispatched_ns.saturating_sub(prepare_ns) / 1000,
+        );
+        self.state = RequestState::AwaitingRoute {
+            token,
+            started_ns,
+            dispatched_ns,
+        };
+        Ok(Step::Pause)
     }
 
-    /// The route callout answered (`status` is its `:status`). Resumes the request in every case.
-    pub fn on_route_response(
+    /// The paused continuation: the answer to callout `token` pins the request. `Pause` when the
+    /// answer is not this request's (nothing to resume).
+    fn answered(
         &mut self,
         host: &dyn Host,
         token: u32,
         status: Option<&str>,
         body: &[u8],
-    ) {
-        if self.state != (RequestState::AwaitingRoute { token }) {
-            return;
+    ) -> Result<Step, Unpinned> {
+        let RequestState::AwaitingRoute {
+            token: awaited,
+            dispatched_ns,
+            ..
+        } = self.state
+        else {
+            return Ok(Step::Pause);
+        };
+        if awaited != token {
+            return Ok(Step::Pause);
         }
-        let elapsed_ns = host.now_nanos().saturating_sub(self.dispatched_ns);
+        let elapsed_ns = host.now_nanos().saturating_sub(dispatched_ns);
         self.vm
             .stats
             .record(host, Stat::CalloutUs, elapsed_ns / 1000);
@@ -361,26 +383,22 @@ impl RequestFilter {
             None => Err(FailReason::Unavailable),
             Some(_) => Err(FailReason::Status),
         };
-        match answer {
-            Ok(a) => {
-                self.pin(host, &a);
-                host.resume_request();
-            }
-            Err(reason) => {
-                self.fail_open(
-                    host,
-                    reason,
-                    &format!(
-                        "route answer status {} after {} us",
-                        status.unwrap_or("none"),
-                        elapsed_ns / 1000
-                    ),
-                );
-                host.resume_request();
-            }
-        }
+        let answer = answer.map_err(|reason| {
+            Unpinned::new(
+                reason,
+                format!(
+                    "route answer status {} after {} us",
+                    status.unwrap_or("none"),
+                    elapsed_ns / 1000
+                ),
+            )
+        })?;
+        self.pin(host, &answer);
+        Ok(Step::Continue)
     }
 
+    /// Applies an answer: the pin (and, in P/D mode, the prefiller) and the observability
+    /// headers or properties.
     fn pin(&mut self, host: &dyn Host, a: &RouteAnswer) {
         let vm = self.vm.clone();
         let target = a.decode_endpoint.unwrap_or(a.endpoint).to_string();
@@ -407,9 +425,6 @@ impl RequestFilter {
                 pinned
             }
         };
-        if pinned {
-            self.pinned_to = Some(target);
-        }
         vm.stats.inc(
             host,
             if pinned {
@@ -420,50 +435,56 @@ impl RequestFilter {
         );
         vm.stats.inc(
             host,
-            match a.tier.as_str() {
-                "tier15" => Stat::DecisionTier15,
-                "fallback" => Stat::DecisionFallback,
-                _ => Stat::DecisionOther,
+            match a.known_tier() {
+                Some(Tier::Tier15) => Stat::DecisionTier15,
+                Some(Tier::Fallback) => Stat::DecisionFallback,
+                None => Stat::DecisionOther,
             },
         );
-        self.finish(host, pinned);
+        self.finish(host, pinned, pinned.then_some(target));
     }
 
-    fn finish(&mut self, host: &dyn Host, pinned: bool) {
-        self.state = RequestState::Forwarded { pinned };
-        if self.started_ns > 0 {
+    /// Releases the request upstream: a routed request's filter time is recorded and its
+    /// response read for usage.
+    fn finish(&mut self, host: &dyn Host, pinned: bool, check_pin: Option<String>) {
+        let started_ns = match self.state {
+            RequestState::ReadingBody { started_ns, .. }
+            | RequestState::AwaitingRoute { started_ns, .. } => Some(started_ns),
+            _ => None,
+        };
+        if let Some(t0) = started_ns.filter(|&t| t > 0) {
             self.vm.stats.record(
                 host,
                 Stat::FilterUs,
-                host.now_nanos().saturating_sub(self.started_ns) / 1000,
+                host.now_nanos().saturating_sub(t0) / 1000,
             );
         }
-    }
-
-    /// The failure policy, applied by every step: count, log at debug, release unpinned.
-    /// (A request held by the callout is resumed by the caller.)
-    fn fail_open(&mut self, host: &dyn Host, reason: FailReason, detail: &str) -> Step {
-        self.vm.stats.inc(host, Stat::FailOpen(reason));
-        host.log(
-            Level::Debug,
-            &format!("kvroute-filter: unpinned ({}): {detail}", reason.as_str()),
-        );
-        self.finish(host, false);
-        Step::Continue
+        self.state = RequestState::Forwarded {
+            pinned,
+            check_pin,
+            usage: started_ns.map(|_| UsageReader::default()),
+        };
     }
 
     /// Response headers: drop the stateful-session echo (it names a backend), note SSE, and
     /// count whether Envoy sent a pinned request where it was pinned (a silent fallback would
     /// otherwise look like a cache that evicts).
     pub fn on_response_headers(&mut self, host: &dyn Host) -> Step {
-        let pin = self.vm.config.pin_header.clone();
-        if host.header_bytes(Headers::Response, &pin).is_some() {
-            host.set_header(Headers::Response, &pin, None);
+        let vm = self.vm.clone();
+        let pin = &vm.config.pin_header;
+        if host.header_bytes(Headers::Response, pin).is_some() {
+            host.set_header(Headers::Response, pin, None);
         }
-        if let Some(target) = self.pinned_to.take() {
+        let RequestState::Forwarded {
+            check_pin, usage, ..
+        } = &mut self.state
+        else {
+            return Step::Continue;
+        };
+        if let Some(target) = check_pin.take() {
             if let Some(upstream) = host.property(&["upstream", "address"]) {
                 let honored = upstream == target.as_bytes();
-                self.vm.stats.inc(
+                vm.stats.inc(
                     host,
                     if honored {
                         Stat::PinHonored
@@ -482,8 +503,8 @@ impl RequestFilter {
                 }
             }
         }
-        if self.track_usage {
-            self.sse = host
+        if let Some(reader) = usage {
+            reader.sse = host
                 .header(Headers::Response, "content-type")
                 .is_some_and(|ct| ct.to_ascii_lowercase().contains("text/event-stream"));
         }
@@ -497,23 +518,25 @@ impl RequestFilter {
         body_size: usize,
         end_of_stream: bool,
     ) -> Step {
-        if !self.track_usage {
+        let RequestState::Forwarded { usage, .. } = &mut self.state else {
             return Step::Continue;
-        }
+        };
+        let Some(reader) = usage else {
+            return Step::Continue;
+        };
         if body_size > 0 {
             if let Some(chunk) = host.body(Body::Response, body_size) {
-                self.tail.push(&chunk);
+                reader.tail.push(&chunk);
             }
         }
         if end_of_stream {
-            self.track_usage = false;
-            if let Some(u) = usage::parse(self.tail.bytes(), self.sse) {
+            if let Some(u) = usage::parse(reader.tail.bytes(), reader.sse) {
                 let s = &self.vm.stats;
                 s.inc(host, Stat::UsageParsed);
                 s.add(host, Stat::CacheHitTokens, u.hit_tokens);
                 s.add(host, Stat::CacheMissTokens, u.miss_tokens);
             }
-            self.tail = Tail::default();
+            *usage = None;
         }
         Step::Continue
     }
@@ -522,10 +545,14 @@ impl RequestFilter {
     pub fn on_done(&mut self, host: &dyn Host) {
         if matches!(
             self.state,
-            RequestState::ReadingBody | RequestState::AwaitingRoute { .. }
+            RequestState::ReadingBody { .. } | RequestState::AwaitingRoute { .. }
         ) {
             self.vm.stats.inc(host, Stat::FailOpen(FailReason::Aborted));
-            self.state = RequestState::Forwarded { pinned: false };
+            self.state = RequestState::Forwarded {
+                pinned: false,
+                check_pin: None,
+                usage: None,
+            };
         }
     }
 }
@@ -538,7 +565,8 @@ mod tests {
     use crate::plugin::{Plugin, REQUESTS_TOTAL};
     use crate::tokens::tests::{tiny_tokenizer_json, TINY_CONFIG};
     use crate::tokens::PromptEncoder;
-    use kvroute_core::hash::{BlockSize, HashAlgo, HashContract};
+    use kvroute_core::hash::{BlockSize, ExtraKeys, HashAlgo, HashContract};
+    use kvroute_core::prompt::Request;
     use serde_json::{json, Value};
 
     const CONTRACT: &[u8] = br#"{"rule_id":1,"engine":"vllm","algo":"sha256_cbor","seed":"0","block_size":2,"key_mode":"engine","model":"Org/M","kv_enabled":true}"#;
@@ -589,6 +617,14 @@ mod tests {
 
     const CFG: &str = r#"{"rule":"10.0.0.1:8080"}"#;
 
+    /// `Some(pinned)` once the request is forwarded.
+    fn pinned(r: &RequestFilter) -> Option<bool> {
+        match r.state() {
+            RequestState::Forwarded { pinned, .. } => Some(*pinned),
+            _ => None,
+        }
+    }
+
     #[test]
     fn pins_the_chosen_endpoint_with_base64_and_observability_headers() {
         let host = FakeHost::default();
@@ -603,12 +639,12 @@ mod tests {
         assert_eq!(host.calls.borrow()[0].timeout_ms, 25);
         host.answer(200, HIT);
         let token = match r.state() {
-            RequestState::AwaitingRoute { token } => token,
+            RequestState::AwaitingRoute { token, .. } => *token,
             s => panic!("{s:?}"),
         };
         r.on_route_response(&host, token, Some("200"), HIT);
         assert_eq!(host.resumed.get(), 1);
-        assert_eq!(r.state(), RequestState::Forwarded { pinned: true });
+        assert_eq!(pinned(&r), Some(true));
         assert_eq!(
             host.req_header("x-kvroute-pin").as_deref(),
             Some("MTI3LjAuMC4xOjgwMDE=")
@@ -737,7 +773,7 @@ mod tests {
             assert_eq!(host.resumed.get(), 0);
             r.on_route_response(&host, 1, status, body);
             assert_eq!(host.resumed.get(), 1, "{stat}");
-            assert_eq!(r.state(), RequestState::Forwarded { pinned: false });
+            assert_eq!(pinned(&r), Some(false));
             assert_eq!(host.req_header("x-kvroute-pin"), None);
             assert_eq!(
                 host.counter(&format!("kvroute_filter_fail_open_{stat}_total")),
@@ -757,7 +793,7 @@ mod tests {
         host.no_answer();
         r.on_route_response(&host, 1, None, b"");
         assert_eq!(host.resumed.get(), 1);
-        assert_eq!(r.state(), RequestState::Forwarded { pinned: false });
+        assert_eq!(pinned(&r), Some(false));
         assert_eq!(
             host.counter("kvroute_filter_fail_open_timeout_total"),
             Some(1)
@@ -793,7 +829,7 @@ mod tests {
         );
         assert_eq!(r.on_request_body(&host, body.len(), true), Step::Pause);
         r.on_route_response(&host, 1, Some("200"), HIT);
-        assert_eq!(r.state(), RequestState::Forwarded { pinned: true });
+        assert_eq!(pinned(&r), Some(true));
         assert_eq!(host.req_header(TIER_HEADER).as_deref(), Some("tier15"));
     }
 
@@ -807,7 +843,7 @@ mod tests {
             .insert("content-type".into(), b"application/json\xff".to_vec());
         let mut r = p.new_request();
         assert_eq!(r.on_request_headers(&host, false), Step::Continue);
-        assert_eq!(r.state(), RequestState::Forwarded { pinned: false });
+        assert_eq!(pinned(&r), Some(false));
         assert!(host.calls.borrow().is_empty());
         assert_eq!(
             host.counter("kvroute_filter_fail_open_bad_header_total"),
@@ -860,7 +896,7 @@ mod tests {
         }
         let mut r = p.new_request();
         assert_eq!(r.on_request_headers(&host, true), Step::Continue);
-        assert_eq!(r.state(), RequestState::Passthrough);
+        assert!(matches!(r.state(), RequestState::Passthrough));
         assert_eq!(host.req_header("x-kvroute-pin"), None);
         assert_eq!(host.req_header(PREFILLER_HEADER), None);
         assert_eq!(
@@ -906,7 +942,7 @@ mod tests {
             let mut r = p.new_request();
             assert_eq!(r.on_request_headers(&host, false), Step::Pause);
             assert_eq!(r.on_request_body(&host, body.len(), true), Step::Continue);
-            assert_eq!(r.state(), RequestState::Forwarded { pinned: false });
+            assert_eq!(pinned(&r), Some(false));
         }
         assert_eq!(
             host.counter("kvroute_filter_fail_open_bad_request_total"),

@@ -6,6 +6,7 @@
 //!   turned into the token ids the engine would see.
 //! * [`slug`] — model name to tokenizer directory name.
 //! * [`rule`] — the load-balancer rule model and its validation.
+//! * [`wire`] — the service's JSON contracts with the filter: rule contract, route question and answer.
 //!
 //! No tokio and no I/O: the crate compiles for `wasm32-unknown-unknown` and native alike.
 
@@ -18,3 +19,4 @@ pub mod segments;
 pub mod settings;
 pub mod slug;
 pub mod tokenize;
+pub mod wire;

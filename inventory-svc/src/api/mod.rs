@@ -264,33 +264,7 @@ async fn delete_rule(
     }
 }
 
-/// A rule's hash contract: what the filter needs to compute the rule's block keys.
-#[derive(Debug, Serialize, ToSchema)]
-pub struct RuleContract {
-    pub rule_id: u32,
-    /// `VIP:port/protocol`.
-    pub name: String,
-    /// `VIP:port`.
-    pub vip: String,
-    /// `vllm`, `sglang`, ...
-    pub engine: String,
-    /// Block hash algorithm; null when KV routing is off.
-    pub algo: Option<String>,
-    /// vLLM PYTHONHASHSEED; null when unset.
-    pub seed: Option<String>,
-    pub block_size: u32,
-    /// `engine` or `tokens`.
-    pub key_mode: String,
-    pub model: Option<String>,
-    pub kv_exact_mode: u8,
-    pub kv_enabled: bool,
-}
-
-/// `GET /v1/rules` answer.
-#[derive(Debug, Serialize, ToSchema)]
-pub struct RuleContracts {
-    pub rules: Vec<RuleContract>,
-}
+pub use kvroute_core::wire::{RuleContract, RuleContracts};
 
 /// One installed rule as `GET /netlox/v1/config/loadbalancer/all` lists it: the rule in its
 /// canonical loxilb shape (the `RawRule` fields), its id and its contract.

@@ -6,9 +6,7 @@
 
 use axum::http::header;
 use axum::response::{IntoResponse, Response};
-use utoipa::openapi::schema::{ObjectBuilder, Schema, Type};
 use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
-use utoipa::openapi::RefOr;
 use utoipa::{Modify, OpenApi};
 
 /// The document's root: every route of [`super::router`] and the body types they reference.
@@ -75,23 +73,6 @@ impl Modify for SecuritySchemes {
         );
     }
 }
-
-/// A block key is one JSON integer from -2^63 to 2^64 - 1 (unsigned, or signed as SGLang publishes
-/// it); the derive would make the two overlapping forms a `oneOf` that a non-negative key fails.
-impl utoipa::PartialSchema for super::route::WireKey {
-    fn schema() -> RefOr<Schema> {
-        ObjectBuilder::new()
-            .schema_type(Type::Integer)
-            .minimum(Some(i64::MIN))
-            .maximum(Some(u64::MAX))
-            .description(Some(
-                "A block key: unsigned 64-bit, or signed 64-bit as SGLang publishes it.",
-            ))
-            .into()
-    }
-}
-
-impl utoipa::ToSchema for super::route::WireKey {}
 
 /// The document as pretty JSON with a trailing newline (the checked-in file's exact bytes).
 pub fn document_json() -> Result<String, serde_json::Error> {

@@ -1,4 +1,5 @@
-//! `POST /v1/route`: the filter's routing question, and the JSON contract it is asked in.
+//! `POST /v1/route`: the filter's routing question, and the JSON contract it is asked in (the
+//! types are [`kvroute_core::wire`]'s, shared with the filter).
 //!
 //! Request (`RouteRequest`):
 //! ```json
@@ -30,100 +31,12 @@ use axum::body::Bytes;
 use axum::extract::State;
 use axum::Json;
 use kvroute_core::hash::BlockKey;
-use serde::{Deserialize, Serialize};
 
 use super::error::{parse_json, ApiError};
 use super::ApiState;
 use crate::fleet::{Fleet, Question, RouteError, Routed};
 
-/// A block key on the wire: unsigned, or signed as SGLang publishes it.
-#[derive(Clone, Copy, Debug, Deserialize, Serialize, PartialEq, Eq)]
-#[serde(untagged)]
-pub enum WireKey {
-    Unsigned(u64),
-    Signed(i64),
-}
-
-impl WireKey {
-    fn key(self) -> BlockKey {
-        match self {
-            WireKey::Unsigned(u) => BlockKey(u),
-            WireKey::Signed(s) => BlockKey::from_i64(s),
-        }
-    }
-}
-
-/// The filter's question.
-#[derive(Clone, Debug, Deserialize, Serialize, Default, utoipa::ToSchema)]
-#[serde(deny_unknown_fields)]
-pub struct RouteRequest {
-    /// Rule id (`"3"`) or `VIP:port`.
-    pub rule: String,
-    #[serde(default)]
-    pub model: Option<String>,
-    /// Block keys in prompt order.
-    #[serde(default)]
-    pub keys: Vec<WireKey>,
-    /// Prompt length in tokens (for `LLB_KV_MIN_MATCH_TOKENS`).
-    #[serde(default)]
-    pub token_count: u32,
-    /// Tenant identity (API key hash) or client IP, for sticky fallback.
-    #[serde(default)]
-    pub affinity_key: Option<String>,
-    /// Raw prompt when the filter offloads tokenization.
-    #[serde(default)]
-    pub prompt: Option<String>,
-    /// Chat messages when the filter offloads tokenization.
-    #[serde(default)]
-    pub messages: Option<serde_json::Value>,
-    /// Decide without committing anything, and say why (see the module docs).
-    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
-    pub explain: bool,
-}
-
-/// Why a decision went where it did (`"explain": true` only).
-#[derive(Clone, Debug, Deserialize, Serialize, PartialEq, Eq, utoipa::ToSchema)]
-pub struct Explain {
-    /// Keys the request carried (after offloaded tokenization).
-    pub keys: u32,
-    pub token_count: u32,
-    pub endpoints: Vec<ExplainEndpoint>,
-    /// The placement memory's home for this prefix family: endpoint index and depth in blocks.
-    #[schema(value_type = Option<Vec<u64>>, min_items = 2, max_items = 2)]
-    pub recall: Option<(usize, u32)>,
-}
-
-/// One endpoint as the scorer saw it.
-#[derive(Clone, Debug, Deserialize, Serialize, PartialEq, Eq, utoipa::ToSchema)]
-pub struct ExplainEndpoint {
-    pub idx: usize,
-    pub endpoint: String,
-    pub healthy: bool,
-    /// Leading request blocks this endpoint holds (speculative credit included).
-    pub matched_blocks: u32,
-    /// Blocks the endpoint really holds.
-    pub blocks: u64,
-    /// In-flight estimate.
-    pub load: u64,
-}
-
-/// The answer.
-#[derive(Clone, Debug, Deserialize, Serialize, PartialEq, Eq, utoipa::ToSchema)]
-pub struct RouteResponse {
-    pub rule_id: u32,
-    /// `ip:port` to pin the upstream to.
-    pub endpoint: String,
-    pub matched_blocks: u32,
-    /// `tier15` or `fallback`.
-    pub tier: String,
-    /// `hit`, `remembered`, `spill`, `cold_seed`, `miss_no_overlap`, `miss_short_prompt`, `miss_no_keys`, `miss_warmup`, `kv_off`.
-    pub reason: String,
-    /// kvExactMode 1: the decode endpoint.
-    pub decode_endpoint: Option<String>,
-    /// Present only when the request set `"explain": true`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub explain: Option<Explain>,
-}
+pub use kvroute_core::wire::{Explain, ExplainEndpoint, RouteRequest, RouteResponse, WireKey};
 
 /// Handler for `POST /v1/route`.
 #[utoipa::path(
@@ -258,8 +171,8 @@ pub fn answer(fleet: &Fleet, req: &RouteRequest, now: Instant) -> Result<RouteRe
         rule_id: rule.id,
         endpoint: addr(ep),
         matched_blocks: d.matched,
-        tier: d.tier.as_str().to_owned(),
-        reason: d.reason.as_str().to_owned(),
+        tier: d.tier,
+        reason: d.reason,
         decode_endpoint: d.decode.map(addr),
         explain,
     })

@@ -60,74 +60,7 @@ pub const HOT_MIN_INFLIGHT: u64 = 4;
 /// A family with more than this share of the rule's recent requests is hot whatever the fleet size.
 pub const HOT_MAX_SHARE_PERMILLE: u64 = 600;
 
-/// Which tier made the decision.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Tier {
-    /// KV-overlap scoring.
-    Tier15,
-    /// The rule's `sel` algorithm.
-    Fallback,
-}
-
-impl Tier {
-    /// Metric label and API value.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Tier::Tier15 => "tier15",
-            Tier::Fallback => "fallback",
-        }
-    }
-}
-
-/// Why this endpoint.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Reason {
-    /// Highest overlap under its cap.
-    Hit,
-    /// Moved off the best-overlap endpoint by load.
-    Spill,
-    /// A hit sent to a cold endpoint to seed it.
-    ColdSeed,
-    /// No endpoint holds the first block.
-    MissNoOverlap,
-    /// Prompt shorter than LLB_KV_MIN_MATCH_TOKENS.
-    MissShortPrompt,
-    /// Fewer tokens than one block: no keys.
-    MissNoKeys,
-    /// The rule has no KV scoring (kvExactMode 0 or an engine without events).
-    KvOff,
-    /// Sent to the family's remembered home, which the exact inventory no longer (or only
-    /// partly) shows holding it.
-    Remembered,
-}
-
-impl Reason {
-    /// Metric label and API value.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Reason::Hit => "hit",
-            Reason::Spill => "spill",
-            Reason::ColdSeed => "cold_seed",
-            Reason::MissNoOverlap => "miss_no_overlap",
-            Reason::MissShortPrompt => "miss_short_prompt",
-            Reason::MissNoKeys => "miss_no_keys",
-            Reason::KvOff => "kv_off",
-            Reason::Remembered => "remembered",
-        }
-    }
-
-    /// Every reason, for pre-registering metric series.
-    pub const ALL: [Reason; 8] = [
-        Reason::Hit,
-        Reason::Spill,
-        Reason::ColdSeed,
-        Reason::MissNoOverlap,
-        Reason::MissShortPrompt,
-        Reason::MissNoKeys,
-        Reason::KvOff,
-        Reason::Remembered,
-    ];
-}
+pub use kvroute_core::wire::{Reason, Tier};
 
 /// One endpoint as the scorer sees it.
 #[derive(Clone, Copy, Debug, PartialEq)]

@@ -1,0 +1,211 @@
+//! The route question for one complete request body: body → prompt → token ids → block keys →
+//! [`RouteRequest`]. No callout and no request state: [`crate::request`] sends the question and
+//! applies the answer. The only effects are the VM's caches and the timing and cache stats.
+//!
+//! Which way the prompt travels depends on the rule and the configuration:
+//!
+//! | rule | `tokenize` | prompt | question carries |
+//! |---|---|---|---|
+//! | KV off (no hash contract) | any | any | no keys (the service applies its fallback) |
+//! | KV on | any | token ids | their keys |
+//! | KV on | `service` | text or chat | the text or the client's `messages` |
+//! | KV on | `filter` | text or chat | the keys of its tokens (none without a tokenizer) |
+
+use kvroute_core::hash::{BlockKey, ExtraKeys, HashContract};
+use kvroute_core::prompt::{Endpoint, Prompt, Request, RequestBody};
+use kvroute_core::wire::WireKey;
+
+use crate::config::TokenizeMode;
+use crate::host::Host;
+use crate::plugin::VmState;
+use crate::request::Unpinned;
+use crate::stats::{FailReason, Stat};
+use crate::wire::RouteRequest;
+
+/// Builds the question for `body`, a complete request to `endpoint`.
+pub fn build(
+    vm: &VmState,
+    host: &dyn Host,
+    endpoint: Endpoint,
+    body: &[u8],
+) -> Result<RouteRequest, Unpinned> {
+    let mut request = Request::from_json_for(body, endpoint)
+        .map_err(|e| Unpinned::new(FailReason::BadRequest, e.to_string()))?;
+    let hash = vm
+        .contract
+        .borrow()
+        .as_ref()
+        .map(|c| c.hash.clone())
+        .ok_or_else(|| Unpinned::new(FailReason::NoContract, "rule contract not loaded"))?;
+    let rule = vm
+        .config
+        .rule
+        .clone()
+        .ok_or_else(|| Unpinned::new(FailReason::NoContract, "no rule"))?;
+    let mut route = RouteRequest {
+        rule,
+        model: request.model.clone(),
+        affinity_key: request.user.clone(),
+        ..Default::default()
+    };
+    // KV off for the rule: the service applies its fallback.
+    let Some(hash) = hash else {
+        return Ok(route);
+    };
+    let offload = vm.config.tokenize == TokenizeMode::Service;
+    let tokens = match &mut request.body {
+        RequestBody::Completion(Prompt::TokenIds(ids)) => Some(std::mem::take(ids)),
+        RequestBody::Completion(Prompt::Text(t)) if offload => {
+            route.prompt = Some(std::mem::take(t));
+            None
+        }
+        // Offloaded chat: the messages travel as the client sent them (re-read from the body).
+        RequestBody::Chat(_) if offload => {
+            route.messages = serde_json::from_slice::<serde_json::Value>(body)
+                .ok()
+                .and_then(|mut v| v.get_mut("messages").map(serde_json::Value::take));
+            None
+        }
+        _ => tokenize(vm, host, &request)?,
+    };
+    if let Some(ids) = tokens {
+        route.keys = keys(vm, host, &hash, &request, &ids)?
+            .into_iter()
+            .map(WireKey::from)
+            .collect();
+        route.token_count = u32::try_from(ids.len()).unwrap_or(u32::MAX);
+    }
+    Ok(route)
+}
+
+/// The prompt's token ids with the VM's encoder; `None` (counted) while no tokenizer is loaded.
+fn tokenize(
+    vm: &VmState,
+    host: &dyn Host,
+    request: &Request,
+) -> Result<Option<Vec<u32>>, Unpinned> {
+    let encoder = vm.encoder.borrow().clone();
+    let Some(enc) = encoder else {
+        vm.stats.inc(host, Stat::NoTokenizer);
+        return Ok(None);
+    };
+    let res = timed(vm, host, Stat::TokenizeUs, |t0| {
+        crate::tokens::set_clock(i64::try_from(t0 / 1_000_000_000).unwrap_or(0));
+        enc.tokens(request)
+    });
+    let (ids, seg) = res.map_err(|e| Unpinned::new(FailReason::Tokenize, e.to_string()))?;
+    vm.stats.add(host, Stat::SegmentHits, seg.hits);
+    vm.stats.add(host, Stat::SegmentMisses, seg.misses);
+    vm.stats.add(host, Stat::PieceHits, seg.piece_hits);
+    vm.stats.add(host, Stat::PieceMisses, seg.piece_misses);
+    if let Some(t) = seg.truncated {
+        vm.stats.inc(host, Stat::truncated(t));
+    }
+    Ok(Some(ids))
+}
+
+/// The block keys of `ids`; a prefix seen before comes from the key cache (exactly the hasher's
+/// keys).
+fn keys(
+    vm: &VmState,
+    host: &dyn Host,
+    hash: &HashContract,
+    request: &Request,
+    ids: &[u32],
+) -> Result<Vec<BlockKey>, Unpinned> {
+    let extra = ExtraKeys {
+        cache_salt: request.cache_salt.clone(),
+        ..ExtraKeys::default()
+    };
+    let keys = timed(vm, host, Stat::KeysUs, |_| {
+        vm.keys.borrow_mut().keys(hash, &extra, ids)
+    });
+    let (keys, stats) = keys.map_err(|e| Unpinned::new(FailReason::Hash, e.to_string()))?;
+    vm.stats.add(host, Stat::KeyCacheHits, stats.hits);
+    vm.stats.add(host, Stat::KeyCacheMisses, stats.misses);
+    Ok(keys)
+}
+
+/// Runs `f` (given the start time), recording how long it took in microseconds as `stat`.
+fn timed<T>(vm: &VmState, host: &dyn Host, stat: Stat, f: impl FnOnce(u64) -> T) -> T {
+    let t0 = host.now_nanos();
+    let out = f(t0);
+    vm.stats
+        .record(host, stat, host.now_nanos().saturating_sub(t0) / 1000);
+    out
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+mod tests {
+    use super::*;
+    use crate::host::testing::FakeHost;
+    use crate::plugin::Plugin;
+
+    const KV_ON: &[u8] = br#"{"rule_id":1,"engine":"vllm","algo":"sha256_cbor","seed":"0","block_size":2,"key_mode":"engine","kv_enabled":true}"#;
+
+    /// A plugin with `contract` loaded and no tokenizer.
+    fn loaded(host: &FakeHost, config: &str, contract: &[u8]) -> Plugin {
+        let mut p = Plugin::new();
+        p.configure(host, config.as_bytes());
+        p.on_tick(host);
+        p.on_call_response(host, 1, Some("200"), contract);
+        host.calls.borrow_mut().clear();
+        p
+    }
+
+    /// Building a question sends nothing: it only reads the body and the VM's contract.
+    #[test]
+    fn questions_carry_keys_text_or_nothing_and_send_nothing() {
+        let host = FakeHost::default();
+        let p = loaded(&host, r#"{"rule":"1"}"#, KV_ON);
+        let body = br#"{"model":"m","prompt":[1,2,3,4,5],"user":"t"}"#;
+        let q = build(p.vm(), &host, Endpoint::Completions, body).unwrap();
+        assert_eq!(
+            (
+                q.rule.as_str(),
+                q.model.as_deref(),
+                q.affinity_key.as_deref()
+            ),
+            ("1", Some("m"), Some("t"))
+        );
+        assert_eq!((q.keys.len(), q.token_count), (2, 5));
+        assert!(host.calls.borrow().is_empty());
+
+        let off = loaded(
+            &host,
+            r#"{"rule":"1"}"#,
+            br#"{"rule_id":1,"engine":"llamacpp","block_size":2,"kv_enabled":false}"#,
+        );
+        let q = build(off.vm(), &host, Endpoint::Completions, body).unwrap();
+        assert_eq!((q.keys.len(), q.token_count), (0, 0));
+
+        let offload = loaded(&host, r#"{"rule":"1","tokenize":"service"}"#, KV_ON);
+        let q = build(
+            offload.vm(),
+            &host,
+            Endpoint::Completions,
+            br#"{"prompt":"hi"}"#,
+        )
+        .unwrap();
+        assert_eq!((q.prompt.as_deref(), q.keys.len()), (Some("hi"), 0));
+        assert!(host.calls.borrow().is_empty());
+    }
+
+    #[test]
+    fn failures_name_their_reason() {
+        let host = FakeHost::default();
+        let p = loaded(&host, r#"{"rule":"1"}"#, KV_ON);
+        let bad = build(p.vm(), &host, Endpoint::Completions, b"{not json").unwrap_err();
+        assert_eq!(bad.reason, FailReason::BadRequest);
+        let mut cold = Plugin::new();
+        cold.configure(&host, br#"{"rule":"1"}"#);
+        let none = build(
+            cold.vm(),
+            &host,
+            Endpoint::Completions,
+            br#"{"prompt":[1]}"#,
+        );
+        assert_eq!(none.unwrap_err().reason, FailReason::NoContract);
+    }
+}
