@@ -348,10 +348,10 @@ async fn routing_tiers_and_exact_metrics() {
     assert_eq!(svc.post("/v1/route", "[", None).await.0, 400);
 
     let m = svc.metrics().await;
-    // Five decisions plus the unknown-rule 404 (bodies that fail to parse are not timed).
     assert_metrics(
         &m,
         r#"
+        # Five decisions plus the unknown-rule 404 (bodies that fail to parse are not timed).
         kvroute_route_decisions_total{reason="hit",tier="tier15"} 1
         kvroute_route_decisions_total{reason="miss_no_overlap",tier="fallback"} 2
         kvroute_route_decisions_total{reason="miss_short_prompt",tier="fallback"} 1

@@ -208,10 +208,8 @@ async fn gap_without_replay_clears_and_restart_clears() {
     // Gap: one batch lost, no replay endpoint -> the endpoint's inventory is cleared and rebuilt.
     p.seq += 1;
     p.send(&batch(vec![stored(&[0x99], &[], false)])).await;
-    svc.wait_for("clear after gap", 10, || async {
-        svc.inventory(RULE, 0).await == vec![0x99]
-    })
-    .await;
+    svc.wait_inventory("clear after gap", (RULE, 0), &[0x99])
+        .await;
     let m = svc.metrics().await;
     assert_metrics(
         &m,
@@ -224,10 +222,8 @@ async fn gap_without_replay_clears_and_restart_clears() {
     // Restart: the sequence is back at 0 -> clear, then ingest.
     p.send_seq(0, &batch(vec![stored(&[0x55], &[], false)]))
         .await;
-    svc.wait_for("clear after restart", 10, || async {
-        svc.inventory(RULE, 0).await == vec![0x55]
-    })
-    .await;
+    svc.wait_inventory("clear after restart", (RULE, 0), &[0x55])
+        .await;
     let m = svc.metrics().await;
     assert_metrics(
         &m,
@@ -248,10 +244,8 @@ async fn out_of_range_sequence_does_not_stall_the_endpoint() {
     // One frame with an out-of-range sequence (a gap: cleared), then the publisher goes on in order.
     p.send_seq(1 << 62, &batch(vec![stored(&[0x11], &[], false)]))
         .await;
-    svc.wait_for("the jump is applied", 10, || async {
-        svc.inventory(RULE, 0).await == vec![0x11]
-    })
-    .await;
+    svc.wait_inventory("the jump is applied", (RULE, 0), &[0x11])
+        .await;
     for k in 0..5u64 {
         p.send(&batch(vec![stored(&[0x100 + k], &[], false)])).await;
     }
@@ -446,10 +440,7 @@ async fn trtllm_drain_is_rehashed_from_tokens() {
     })
     .await;
     queue.lock().unwrap().push(json!({"event_id": 2, "data": {"type": "removed", "block_hashes": [502]}, "window_size": 16}));
-    svc.wait_for("removal mapped", 10, || async {
-        svc.inventory(RULE, 0).await == vec![k0]
-    })
-    .await;
+    svc.wait_inventory("removal mapped", (RULE, 0), &[k0]).await;
     let m = svc.metrics().await;
     assert_metrics(
         &m,

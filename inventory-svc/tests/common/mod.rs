@@ -204,6 +204,12 @@ impl Service {
         .await;
     }
 
+    /// Waits (at most 10 s) until the inventory of endpoint `ep` of `rule` is exactly `want`.
+    pub async fn wait_inventory(&self, what: &str, (rule, ep): (&str, usize), want: &[u64]) {
+        self.wait_for(what, 10, async || self.inventory(rule, ep).await == want)
+            .await;
+    }
+
     pub fn stderr(&self) -> String {
         std::fs::read_to_string(self.dir.join("stderr.log")).unwrap_or_default()
     }
@@ -262,10 +268,12 @@ pub fn assert_metric(text: &str, series: &str, want: f64) {
     assert_eq!(metric(text, series), Some(want), "{series}\n{text}");
 }
 
-/// Asserts every line of `want` ("series value", blank lines skipped) with [`assert_metric`].
+/// Asserts every line of `want` ("series value"; blank lines and `#` comments skipped) with
+/// [`assert_metric`].
 #[track_caller]
 pub fn assert_metrics(text: &str, want: &str) {
-    for line in want.lines().map(str::trim).filter(|l| !l.is_empty()) {
+    let lines = want.lines().map(str::trim);
+    for line in lines.filter(|l| !l.is_empty() && !l.starts_with('#')) {
         let (series, value) = line.rsplit_once(' ').unwrap();
         assert_metric(text, series, value.parse().unwrap());
     }
