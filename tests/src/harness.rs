@@ -18,6 +18,9 @@ use axum::extract::{DefaultBodyLimit, State};
 use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
 use axum::Router;
+use kvroute_core::chat::ChatTemplate;
+use kvroute_core::prompt::{PromptTokens, Request};
+use kvroute_core::tokenize::Tokenizer;
 use kvroute_test_support::{Poll, Probe};
 
 /// Hint appended to every "not installed" error.
@@ -115,6 +118,19 @@ fn newest_mtime(dir: &Path, depth: usize) -> Option<SystemTime> {
     newest
 }
 
+/// The prompt token ids vLLM/TensorRT-LLM would compute for an OpenAI request `body` (HF
+/// tokenizers with the fixture's chat template: the reference the filter is checked against).
+pub fn prompt_tokens(body: &[u8]) -> Result<Vec<u32>> {
+    let dir = tokenizer_dir()?;
+    let tok = Tokenizer::from_bytes(&std::fs::read(dir.join("tokenizer.json"))?)?;
+    let tpl = ChatTemplate::new(&std::fs::read(dir.join("tokenizer_config.json"))?)?;
+    Ok(PromptTokens::from_request(
+        &Request::from_json(body)?,
+        &tok,
+        Some(&tpl),
+    )?)
+}
+
 /// The Qwen3 tokenizer fixture directory: `$KVROUTE_TOKENIZER_DIR` or `<cache>/fixtures/qwen3`.
 pub fn tokenizer_dir() -> Result<PathBuf> {
     located(
@@ -183,6 +199,11 @@ pub async fn wait_for_http(
         true => ready,
         false => ready.with_context(|| format!("log tail:\n{tail}")),
     }
+}
+
+/// Sends `req` and returns its body as text, whatever the status.
+pub async fn body_text(req: reqwest::RequestBuilder) -> Result<String> {
+    Ok(req.send().await?.text().await?)
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -311,6 +332,14 @@ pub struct Received {
     pub path: String,
     pub headers: Vec<(String, String)>,
     pub body: Bytes,
+}
+
+/// The value of header `name` of a received request, if it was sent.
+pub fn header<'a>(r: &'a Received, name: &str) -> Option<&'a str> {
+    r.headers
+        .iter()
+        .find(|(k, _)| k == name)
+        .map(|(_, v)| v.as_str())
 }
 
 #[derive(Clone)]
