@@ -3,11 +3,11 @@
 //! `kvroutectl`, or at `KVROUTE_INVENTORY_BIN`).
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
+use kvroute_test_support::{free_port, http, ready_line, TempDir};
 use serde_json::{json, Value};
 
 const TOKEN: &str = "ctl-test-token";
@@ -30,32 +30,37 @@ fn inventory_bin() -> PathBuf {
     p
 }
 
-/// The Qwen3 tokenizer fixture (`source .cache/env.sh`), if present.
-fn tokenizer_dir() -> Option<PathBuf> {
+/// The Qwen3 tokenizer fixture (`source .cache/env.sh`), if present; says the test is skipped
+/// otherwise.
+fn tokenizer_dir() -> Option<String> {
     let d = std::env::var_os("KVROUTE_TOKENIZER_DIR")
         .map(PathBuf::from)
         .unwrap_or_else(|| {
             PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.cache/fixtures/qwen3")
         });
-    d.join("tokenizer.json").is_file().then_some(d)
+    if !d.join("tokenizer.json").is_file() {
+        eprintln!("skipped: no Qwen3 tokenizer fixture (source .cache/env.sh)");
+        return None;
+    }
+    Some(d.display().to_string())
 }
 
 /// A running `kvroute-inventory serve`, stopped on drop.
 struct Service {
     child: Child,
     base: String,
-    dir: PathBuf,
+    dir: TempDir,
 }
 
 impl Service {
     fn start(tag: &str) -> Service {
-        let dir = std::env::temp_dir().join(format!("kvroutectl-{tag}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        std::fs::write(dir.join("token"), format!("{TOKEN}\n")).unwrap();
+        let dir = TempDir::new(&format!("ctl-{tag}")).unwrap();
+        let token = dir.path().join("token");
+        std::fs::write(&token, format!("{TOKEN}\n")).unwrap();
+        let stderr = dir.path().join("stderr.log");
         let mut child = Command::new(inventory_bin())
             .args(["serve", "--listen", "127.0.0.1:0", "--auth-token-file"])
-            .arg(dir.join("token"))
+            .arg(&token)
             .env_remove("KVROUTE_TOKENIZER_DIR")
             .env_remove("KVROUTE_CONFIG")
             .env("KVROUTE_HEALTH_INTERVAL_MS", "0")
@@ -63,28 +68,14 @@ impl Service {
             // Speculative credit outlives the slowest step of the explain test (a debug build).
             .env("KVROUTE_SPEC_TTL_MS", "120000")
             .stdout(Stdio::piped())
-            .stderr(Stdio::from(
-                std::fs::File::create(dir.join("stderr.log")).unwrap(),
-            ))
+            .stderr(Stdio::from(std::fs::File::create(&stderr).unwrap()))
             .spawn()
             .expect("spawn kvroute-inventory");
-        let stdout = child.stdout.take().unwrap();
-        let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-                if let Some(a) = line.strip_prefix("kvroute-inventory listening on ") {
-                    let _ = tx.send(a.to_owned());
-                }
-            }
+        let listening = "kvroute-inventory listening on ";
+        let addr = ready_line(&mut child, listening, Duration::from_secs(20)).unwrap_or_else(|e| {
+            let log = std::fs::read_to_string(&stderr).unwrap_or_default();
+            panic!("service did not start: {e}\n{log}")
         });
-        let Ok(addr) = rx.recv_timeout(Duration::from_secs(20)) else {
-            let _ = child.kill();
-            let _ = child.wait();
-            panic!(
-                "service did not start: {}",
-                std::fs::read_to_string(dir.join("stderr.log")).unwrap_or_default()
-            );
-        };
         Service {
             child,
             base: format!("http://{addr}"),
@@ -93,7 +84,7 @@ impl Service {
     }
 
     fn token_file(&self) -> String {
-        self.dir.join("token").display().to_string()
+        self.dir.path().join("token").display().to_string()
     }
 
     /// Runs `kvroutectl` against this service: (exit code, stdout, stderr).
@@ -101,32 +92,37 @@ impl Service {
         run_ctl(&self.base, args)
     }
 
-    fn http(&self, method: &str, path: &str, body: Option<Value>) -> (u16, String) {
+    /// `kvroutectl explain` of [`PROMPT`] for `rule`, then `extra` arguments.
+    fn explain(&self, rule: &str, tok: &str, extra: &[&str]) -> (i32, String, String) {
+        let args = [
+            "explain",
+            "--rule",
+            rule,
+            "--prompt",
+            PROMPT,
+            "--tokenizer",
+            tok,
+        ];
+        self.ctl(&[&args[..], extra].concat())
+    }
+
+    /// `GET path`, or `POST path` with `body` as JSON: (status, body).
+    fn http(&self, path: &str, body: Option<Value>) -> (u16, String) {
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
             .unwrap();
-        rt.block_on(async {
-            let c = reqwest::Client::builder()
-                .timeout(Duration::from_secs(10))
-                .build()
-                .unwrap();
-            let url = format!("{}{path}", self.base);
-            let mut r = match method {
-                "POST" => c.post(url),
-                _ => c.get(url),
-            };
-            if let Some(b) = body {
-                r = r.json(&b);
-            }
-            let r = r.send().await.unwrap();
-            (r.status().as_u16(), r.text().await.unwrap())
-        })
+        let url = format!("{}{path}", self.base);
+        let req = match body {
+            Some(b) => reqwest::Client::new().post(url).json(&b),
+            None => reqwest::Client::new().get(url),
+        };
+        rt.block_on(http::answer(req)).unwrap()
     }
 
     /// The decision counters and placement gauges (everything a decision commits shows here).
     fn decision_metrics(&self) -> Vec<String> {
-        let (s, m) = self.http("GET", "/metrics", None);
+        let (s, m) = self.http("/metrics", None);
         assert_eq!(s, 200);
         m.lines()
             .filter(|l| !l.starts_with('#') && !l.starts_with("kvroute_http_"))
@@ -139,7 +135,6 @@ impl Drop for Service {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
-        let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
 
@@ -187,6 +182,18 @@ fn create(svc: &Service) {
     let (code, out, err) = svc.ctl(&args);
     assert_eq!(code, 0, "create lb: {out} {err}");
     assert!(out.contains("20.20.20.1:2020/tcp"), "{out}");
+}
+
+/// `create lb` of a second rule (port 2021, one endpoint) with `extra` flags, without a token.
+fn create_2021(svc: &Service, extra: &[&str]) -> (i32, String, String) {
+    let args = [
+        "create",
+        "lb",
+        "20.20.20.1",
+        "--tcp=2021:8000",
+        "--endpoints=127.0.0.1:1",
+    ];
+    svc.ctl(&[&args[..], extra].concat())
 }
 
 /// One line on stderr.
@@ -254,29 +261,14 @@ fn create_get_health_delete_as_loxicmd_does() {
         line.contains("--kv-engine-type") && line.contains("vllm, sglang"),
         "{line}"
     );
-    let (code, _, err) = svc.ctl(&[
-        "create",
-        "lb",
-        "20.20.20.1",
-        "--tcp=2021:8000",
-        "--endpoints=127.0.0.1:1",
-        "--select=fastest",
-    ]);
+    let (code, _, err) = create_2021(&svc, &["--select=fastest"]);
     assert_eq!(code, 2);
     assert!(
         one_line(&err)
             .contains("--select: got \"fastest\", allowed: rr, hash, priority, persist, lc"),
         "{err}"
     );
-    let (code, _, err) = svc.ctl(&[
-        "create",
-        "lb",
-        "20.20.20.1",
-        "--tcp=2021:8000",
-        "--endpoints=127.0.0.1:1",
-        "--kv-exact-mode=3",
-        "--kv-block-size=0",
-    ]);
+    let (code, _, err) = create_2021(&svc, &["--kv-exact-mode=3", "--kv-block-size=0"]);
     assert_eq!(code, 2);
     assert!(
         one_line(&err).starts_with("kvroutectl: --kv-block-size: got 0"),
@@ -287,13 +279,7 @@ fn create_get_health_delete_as_loxicmd_does() {
     one_line(&err);
 
     // Without a token the server refuses: exit 1 with its message.
-    let (code, _, err) = svc.ctl(&[
-        "create",
-        "lb",
-        "20.20.20.1",
-        "--tcp=2021:8000",
-        "--endpoints=127.0.0.1:1",
-    ]);
+    let (code, _, err) = create_2021(&svc, &[]);
     assert_eq!(code, 1, "{err}");
     let line = one_line(&err);
     assert!(
@@ -334,34 +320,24 @@ fn create_get_health_delete_as_loxicmd_does() {
     assert!(one_line(&err).contains("out of range"), "{err}");
 
     let tf = svc.token_file();
-    let (code, _, err) = svc.ctl(&[
+    let delete = [
         "delete",
         "lb",
         "20.20.20.1",
         "--tcp=2020",
         "--token-file",
         &tf,
-    ]);
+    ];
+    let (code, _, err) = svc.ctl(&delete);
     assert_eq!(code, 0, "{err}");
     let (_, table, _) = svc.ctl(&["get", "lb"]);
     assert!(!table.contains("20.20.20.1"), "{table}");
-    let (code, _, err) = svc.ctl(&[
-        "delete",
-        "lb",
-        "20.20.20.1",
-        "--tcp=2020",
-        "--token-file",
-        &tf,
-    ]);
+    let (code, _, err) = svc.ctl(&delete);
     assert_eq!(code, 1);
     assert!(one_line(&err).contains("404"), "{err}");
 
     // Nothing listening: exit 3.
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let port = free_port().unwrap();
     let (code, _, err) = run_ctl(&format!("http://127.0.0.1:{port}"), &["get", "lb"]);
     assert_eq!(code, 3, "{err}");
     assert!(one_line(&err).contains("cannot reach"), "{err}");
@@ -373,24 +349,12 @@ fn create_get_health_delete_as_loxicmd_does() {
 #[test]
 fn explain_decides_without_side_effects() {
     let Some(tok) = tokenizer_dir() else {
-        eprintln!("skipped: no Qwen3 tokenizer fixture (source .cache/env.sh)");
         return;
     };
-    let tok = tok.display().to_string();
     let svc = Service::start("explain");
     create(&svc);
     let explain = || {
-        let (code, out, err) = svc.ctl(&[
-            "explain",
-            "--rule",
-            "1",
-            "--prompt",
-            PROMPT,
-            "--tokenizer",
-            &tok,
-            "-o",
-            "json",
-        ]);
+        let (code, out, err) = svc.explain("1", &tok, &["-o", "json"]);
         assert_eq!(code, 0, "{err}");
         serde_json::from_str::<Value>(&out).unwrap()
     };
@@ -409,7 +373,6 @@ fn explain_decides_without_side_effects() {
 
     let route = |k: &[Value]| {
         let (s, b) = svc.http(
-            "POST",
             "/v1/route",
             Some(json!({"rule": "1", "keys": k, "token_count": e1["request"]["token_count"]})),
         );
@@ -445,10 +408,8 @@ fn explain_decides_without_side_effects() {
 #[test]
 fn hash_is_the_preflight_and_explain_uses_the_same_keys() {
     let Some(tok) = tokenizer_dir() else {
-        eprintln!("skipped: no Qwen3 tokenizer fixture (source .cache/env.sh)");
         return;
     };
-    let tok = tok.display().to_string();
     let args = [
         "--engine",
         "vllm",
@@ -478,30 +439,12 @@ fn hash_is_the_preflight_and_explain_uses_the_same_keys() {
 
     let svc = Service::start("hash");
     create(&svc);
-    let (code, out, err) = svc.ctl(&[
-        "explain",
-        "--rule",
-        "20.20.20.1:2020",
-        "--prompt",
-        PROMPT,
-        "--tokenizer",
-        &tok,
-        "-o",
-        "json",
-    ]);
+    let (code, out, err) = svc.explain("20.20.20.1:2020", &tok, &["-o", "json"]);
     assert_eq!(code, 0, "{err}");
     let e: Value = serde_json::from_str(&out).unwrap();
     let h: Value = serde_json::from_str(&ours).unwrap();
     assert_eq!(e["request"]["keys"], h["keys"]);
-    let (code, out, _) = svc.ctl(&[
-        "explain",
-        "--rule",
-        "1",
-        "--prompt",
-        PROMPT,
-        "--tokenizer",
-        &tok,
-    ]);
+    let (code, out, _) = svc.explain("1", &tok, &[]);
     assert_eq!(code, 0);
     assert!(
         out.starts_with("endpoint 127.0.0.1:8000 (fallback miss_no_overlap"),

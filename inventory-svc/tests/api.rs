@@ -5,6 +5,7 @@
 mod common;
 
 use common::*;
+use kvroute_test_support::free_port;
 use serde_json::{json, Value};
 
 const LB: &str = "/netlox/v1/config/loadbalancer";
@@ -178,29 +179,9 @@ async fn rule_validation_rows_and_auth() {
     let series = r#"rule="10.0.0.1:9000/tcp""#;
     assert!(svc.metrics().await.contains(series));
     let del = format!("{LB}/externalipaddress/10.0.0.1/port/9000/protocol/tcp");
-    let r = svc
-        .http
-        .delete(format!("{}{del}", svc.base))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status().as_u16(), 401);
-    let r = svc
-        .http
-        .delete(format!("{}{del}", svc.base))
-        .bearer_auth(TOKEN)
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status().as_u16(), 200);
-    let r = svc
-        .http
-        .delete(format!("{}{del}", svc.base))
-        .bearer_auth(TOKEN)
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status().as_u16(), 404);
+    assert_eq!(svc.delete(&del, None).await, 401);
+    assert_eq!(svc.delete(&del, Some(TOKEN)).await, 200);
+    assert_eq!(svc.delete(&del, Some(TOKEN)).await, 404);
     assert_eq!(
         svc.get_json(&format!("{LB}/all")).await["lbAttr"],
         json!([])
@@ -367,38 +348,21 @@ async fn routing_tiers_and_exact_metrics() {
     assert_eq!(svc.post("/v1/route", "[", None).await.0, 400);
 
     let m = svc.metrics().await;
-    for (line, v) in [
-        (
-            r#"kvroute_route_decisions_total{reason="hit",tier="tier15"}"#,
-            1.0,
-        ),
-        (
-            r#"kvroute_route_decisions_total{reason="miss_no_overlap",tier="fallback"}"#,
-            2.0,
-        ),
-        (
-            r#"kvroute_route_decisions_total{reason="miss_short_prompt",tier="fallback"}"#,
-            1.0,
-        ),
-        (
-            r#"kvroute_route_decisions_total{reason="kv_off",tier="fallback"}"#,
-            1.0,
-        ),
-        ("kvroute_tier15_spills_total", 0.0),
-        ("kvroute_tier15_cold_seeds_total", 0.0),
-        // Five decisions plus the unknown-rule 404 (bodies that fail to parse are not timed).
-        ("kvroute_route_duration_seconds_count", 6.0),
-        (
-            r#"kvroute_index_blocks{ep="1",rule="10.0.0.1:9000/tcp"}"#,
-            0.0,
-        ),
-        (
-            r#"kvroute_endpoint_healthy{ep="0",rule="10.0.0.1:9000/tcp"}"#,
-            1.0,
-        ),
-    ] {
-        assert_eq!(metric(&m, line), Some(v), "{line}\n{m}");
-    }
+    assert_metrics(
+        &m,
+        r#"
+        # Five decisions plus the unknown-rule 404 (bodies that fail to parse are not timed).
+        kvroute_route_decisions_total{reason="hit",tier="tier15"} 1
+        kvroute_route_decisions_total{reason="miss_no_overlap",tier="fallback"} 2
+        kvroute_route_decisions_total{reason="miss_short_prompt",tier="fallback"} 1
+        kvroute_route_decisions_total{reason="kv_off",tier="fallback"} 1
+        kvroute_tier15_spills_total 0
+        kvroute_tier15_cold_seeds_total 0
+        kvroute_route_duration_seconds_count 6
+        kvroute_index_blocks{ep="1",rule="10.0.0.1:9000/tcp"} 0
+        kvroute_endpoint_healthy{ep="0",rule="10.0.0.1:9000/tcp"} 1
+        "#,
+    );
     assert!(m.contains("# TYPE kvroute_route_duration_seconds histogram"));
 }
 
@@ -407,14 +371,8 @@ async fn unhealthy_endpoints_are_skipped() {
     // Health checks on: endpoint 0 answers /health, endpoint 1 (nothing listening) does not.
     use axum::routing::get;
     let app = axum::Router::new().route("/health", get(|| async { "ok" }));
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let port = listener.local_addr().unwrap().port();
-    let server = tokio::spawn(async move { axum::serve(listener, app).await });
-    let closed = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let (port, server) = serve(app).await;
+    let closed = free_port().unwrap();
     let r = rule(
         9000,
         "llamacpp",
@@ -427,26 +385,8 @@ async fn unhealthy_endpoints_are_skipped() {
         &json!([r]),
         &[("KVROUTE_HEALTH_INTERVAL_MS", "50")],
     );
-    svc.wait_for("ep 0 unhealthy", 10, || async {
-        metric(
-            &svc.metrics().await,
-            r#"kvroute_endpoint_healthy{ep="0",rule="10.0.0.1:9000/tcp"}"#,
-        ) == Some(0.0)
-    })
-    .await;
-    for _ in 0..4 {
-        let (s, v) = svc
-            .post(
-                "/v1/route",
-                &json!({"rule": "1", "keys": []}).to_string(),
-                None,
-            )
-            .await;
-        assert_eq!(
-            (s, v["endpoint"].as_str()),
-            (200, Some(format!("127.0.0.1:{port}").as_str()))
-        );
-    }
+    let series = r#"kvroute_endpoint_healthy{ep="0",rule="10.0.0.1:9000/tcp"}"#;
+    keyless_routes_go_to(&svc, (series, 0.0), 4, port).await;
     server.abort();
 }
 
@@ -521,11 +461,12 @@ async fn spill_and_cold_seed_metrics() {
         "{b}"
     );
     let m = svc.metrics().await;
-    assert_metric(&m, "kvroute_tier15_spills_total", 1.0);
-    assert_metric(
+    assert_metrics(
         &m,
-        r#"kvroute_route_decisions_total{reason="spill",tier="tier15"}"#,
-        1.0,
+        r#"
+        kvroute_tier15_spills_total 1
+        kvroute_route_decisions_total{reason="spill",tier="tier15"} 1
+        "#,
     );
 
     // Cold-start seeding: every 2nd hit goes to the endpoint holding fewer than 1 block.
@@ -559,11 +500,12 @@ async fn spill_and_cold_seed_metrics() {
         ]
     );
     let m = svc.metrics().await;
-    assert_metric(&m, "kvroute_tier15_cold_seeds_total", 2.0);
-    assert_metric(
+    assert_metrics(
         &m,
-        r#"kvroute_route_decisions_total{reason="cold_seed",tier="tier15"}"#,
-        2.0,
+        r#"
+        kvroute_tier15_cold_seeds_total 2
+        kvroute_route_decisions_total{reason="cold_seed",tier="tier15"} 2
+        "#,
     );
 }
 
@@ -845,11 +787,9 @@ async fn scraped_engine_load_steers_least_loaded() {
                 async move { b }
             }),
         );
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        ports.push(listener.local_addr().unwrap().port());
-        servers.push(tokio::spawn(
-            async move { axum::serve(listener, app).await },
-        ));
+        let (port, server) = serve(app).await;
+        ports.push(port);
+        servers.push(server);
     }
     // sel 4: least connections on the plain-load-balancing rule.
     let r = with(
@@ -871,15 +811,23 @@ async fn scraped_engine_load_steers_least_loaded() {
         &json!([r]),
         &[("KVROUTE_SCRAPE_INTERVAL_MS", "50")],
     );
-    svc.wait_for("scraped load", 10, || async {
-        metric(
-            &svc.metrics().await,
-            r#"kvroute_endpoint_scraped_load{ep="0",rule="10.0.0.1:9000/tcp"}"#,
-        ) == Some(50.0)
+    let series = r#"kvroute_endpoint_scraped_load{ep="0",rule="10.0.0.1:9000/tcp"}"#;
+    keyless_routes_go_to(&svc, (series, 50.0), 5, ports[1]).await;
+    for s in servers {
+        s.abort();
+    }
+}
+
+/// Waits until the metric series reads the value (the signal the endpoint choice depends on),
+/// then asserts that `n` routes without keys all go to `127.0.0.1:port`.
+async fn keyless_routes_go_to(svc: &Service, (series, value): (&str, f64), n: usize, port: u16) {
+    svc.wait_for(series, 10, async || {
+        metric(&svc.metrics().await, series) == Some(value)
     })
     .await;
-    for _ in 0..5 {
-        let (_, v) = svc
+    let want = format!("127.0.0.1:{port}");
+    for _ in 0..n {
+        let (s, v) = svc
             .post(
                 "/v1/route",
                 &json!({"rule": "1", "keys": []}).to_string(),
@@ -887,12 +835,9 @@ async fn scraped_engine_load_steers_least_loaded() {
             )
             .await;
         assert_eq!(
-            v["endpoint"].as_str(),
-            Some(format!("127.0.0.1:{}", ports[1]).as_str()),
+            (s, v["endpoint"].as_str()),
+            (200, Some(want.as_str())),
             "{v}"
         );
-    }
-    for s in servers {
-        s.abort();
     }
 }

@@ -163,13 +163,7 @@ async fn route_is_open_without_a_route_token() {
 
 /// Posts `rule`; expects 200 and the answer's `unchanged` to be `unchanged`.
 async fn post_rule(svc: &Service, rule: &Value, unchanged: bool) {
-    let (s, b) = svc
-        .post(
-            "/netlox/v1/config/loadbalancer",
-            &rule.to_string(),
-            Some(TOKEN),
-        )
-        .await;
+    let (s, b) = svc.post_rule(rule).await;
     assert_eq!(s, 200, "{b}");
     assert_eq!(b["unchanged"], unchanged, "{b}");
 }

@@ -81,50 +81,25 @@ async fn vllm_golden_and_generated_payloads_feed_the_index() {
     ] {
         p.send(&payload).await;
     }
-    svc.wait_for("three AllBlocksCleared", 10, || async {
-        metric(
-            &svc.metrics().await,
-            r#"kvroute_ingest_events_total{engine="vllm",type="all_blocks_cleared"}"#,
-        ) == Some(3.0)
-    })
+    svc.wait_metric(
+        r#"kvroute_ingest_events_total{engine="vllm",type="all_blocks_cleared"}"#,
+        3.0,
+    )
     .await;
     assert!(svc.inventory(RULE, 0).await.is_empty());
     let m = svc.metrics().await;
-    assert_metric(
+    assert_metrics(
         &m,
-        r#"kvroute_ingest_events_total{engine="vllm",type="block_removed"}"#,
-        3.0,
+        r#"
+        kvroute_ingest_events_total{engine="vllm",type="block_removed"} 3
+        kvroute_ingest_clears_total{cause="event",engine="vllm"} 3
+        kvroute_route_decisions_total{reason="hit",tier="tier15"} 1
+        kvroute_ingest_subscriber_connected{ep="0",rank="0",rule="10.0.0.1:8080/tcp"} 1
+        kvroute_index_blocks{ep="0",rule="10.0.0.1:8080/tcp"} 0
+        "#,
     );
-    assert_metric(
-        &m,
-        r#"kvroute_ingest_clears_total{cause="event",engine="vllm"}"#,
-        3.0,
-    );
-    assert_metric(
-        &m,
-        r#"kvroute_route_decisions_total{reason="hit",tier="tier15"}"#,
-        1.0,
-    );
-    assert_metric(
-        &m,
-        r#"kvroute_ingest_subscriber_connected{ep="0",rank="0",rule="10.0.0.1:8080/tcp"}"#,
-        1.0,
-    );
-    assert_metric(
-        &m,
-        r#"kvroute_index_blocks{ep="0",rule="10.0.0.1:8080/tcp"}"#,
-        0.0,
-    );
-    assert!(
-        m.lines()
-            .all(|l| !l.starts_with("kvroute_ingest_parity_mismatches_total")),
-        "{m}"
-    );
-    assert!(
-        m.lines()
-            .all(|l| !l.starts_with("kvroute_ingest_seq_gaps_total")),
-        "{m}"
-    );
+    assert_absent(&m, "kvroute_ingest_parity_mismatches_total");
+    assert_absent(&m, "kvroute_ingest_seq_gaps_total");
     let hz = svc.get_json("/healthz").await;
     assert_eq!(hz["status"], "ok", "{hz}");
 }
@@ -137,12 +112,10 @@ async fn parity_self_check_names_the_wrong_seed() {
     subscribed(&svc, &mut p).await;
     let (keys, tokens) = vllm_keys();
     p.send(&batch(vec![stored(&keys, &tokens, false)])).await;
-    svc.wait_for("parity mismatch", 10, || async {
-        metric(
-            &svc.metrics().await,
-            r#"kvroute_ingest_parity_mismatches_total{engine="vllm"}"#,
-        ) == Some(1.0)
-    })
+    svc.wait_metric(
+        r#"kvroute_ingest_parity_mismatches_total{engine="vllm"}"#,
+        1.0,
+    )
     .await;
     let hz = svc.get_json("/healthz").await;
     assert_eq!(hz["status"], "degraded");
@@ -215,17 +188,14 @@ async fn gap_is_replayed_through_a_dealer() {
     let _router = replayer.await.unwrap();
     assert_eq!(*requests.lock().unwrap(), vec![missing_seq]);
     let m = svc.metrics().await;
-    assert_metric(&m, r#"kvroute_ingest_seq_gaps_total{engine="vllm"}"#, 1.0);
-    assert_metric(
+    assert_metrics(
         &m,
-        r#"kvroute_ingest_replays_total{engine="vllm",outcome="ok"}"#,
-        1.0,
+        r#"
+        kvroute_ingest_seq_gaps_total{engine="vllm"} 1
+        kvroute_ingest_replays_total{engine="vllm",outcome="ok"} 1
+        "#,
     );
-    assert!(
-        m.lines()
-            .all(|l| !l.starts_with("kvroute_ingest_clears_total")),
-        "{m}"
-    );
+    assert_absent(&m, "kvroute_ingest_clears_total");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -238,35 +208,29 @@ async fn gap_without_replay_clears_and_restart_clears() {
     // Gap: one batch lost, no replay endpoint -> the endpoint's inventory is cleared and rebuilt.
     p.seq += 1;
     p.send(&batch(vec![stored(&[0x99], &[], false)])).await;
-    svc.wait_for("clear after gap", 10, || async {
-        svc.inventory(RULE, 0).await == vec![0x99]
-    })
-    .await;
+    svc.wait_inventory("clear after gap", (RULE, 0), &[0x99])
+        .await;
     let m = svc.metrics().await;
-    assert_metric(&m, r#"kvroute_ingest_seq_gaps_total{engine="vllm"}"#, 1.0);
-    assert_metric(
+    assert_metrics(
         &m,
-        r#"kvroute_ingest_clears_total{cause="gap",engine="vllm"}"#,
-        1.0,
+        r#"
+        kvroute_ingest_seq_gaps_total{engine="vllm"} 1
+        kvroute_ingest_clears_total{cause="gap",engine="vllm"} 1
+        "#,
     );
 
     // Restart: the sequence is back at 0 -> clear, then ingest.
     p.send_seq(0, &batch(vec![stored(&[0x55], &[], false)]))
         .await;
-    svc.wait_for("clear after restart", 10, || async {
-        svc.inventory(RULE, 0).await == vec![0x55]
-    })
-    .await;
+    svc.wait_inventory("clear after restart", (RULE, 0), &[0x55])
+        .await;
     let m = svc.metrics().await;
-    assert_metric(
+    assert_metrics(
         &m,
-        r#"kvroute_ingest_clears_total{cause="restart",engine="vllm"}"#,
-        1.0,
-    );
-    assert_metric(
-        &m,
-        r#"kvroute_index_blocks{ep="0",rule="10.0.0.1:8080/tcp"}"#,
-        1.0,
+        r#"
+        kvroute_ingest_clears_total{cause="restart",engine="vllm"} 1
+        kvroute_index_blocks{ep="0",rule="10.0.0.1:8080/tcp"} 1
+        "#,
     );
 }
 
@@ -280,10 +244,8 @@ async fn out_of_range_sequence_does_not_stall_the_endpoint() {
     // One frame with an out-of-range sequence (a gap: cleared), then the publisher goes on in order.
     p.send_seq(1 << 62, &batch(vec![stored(&[0x11], &[], false)]))
         .await;
-    svc.wait_for("the jump is applied", 10, || async {
-        svc.inventory(RULE, 0).await == vec![0x11]
-    })
-    .await;
+    svc.wait_inventory("the jump is applied", (RULE, 0), &[0x11])
+        .await;
     for k in 0..5u64 {
         p.send(&batch(vec![stored(&[0x100 + k], &[], false)])).await;
     }
@@ -332,11 +294,7 @@ async fn malformed_events_are_counted_and_the_key_cap_holds() {
         r#"kvroute_ingest_malformed_events_total{engine="vllm",reason="bad_token_ids"}"#,
         1.0,
     );
-    assert!(
-        m.lines()
-            .all(|l| !l.starts_with("kvroute_ingest_parity_mismatches_total")),
-        "{m}"
-    );
+    assert_absent(&m, "kvroute_ingest_parity_mismatches_total");
     // The per-endpoint key cap: stores past it are refused and counted.
     for i in 0..10u64 {
         let keys: Vec<u64> = (0..5).map(|j| 0x1000 + i * 5 + j).collect();
@@ -408,12 +366,10 @@ async fn sglang_three_ranks_union_into_one_endpoint() {
     for b in v["event_batches"].as_array().unwrap() {
         pubs[2].send(&hx(&b["payload_hex"])).await;
     }
-    svc.wait_for("evict_all applied", 10, || async {
-        metric(
-            &svc.metrics().await,
-            r#"kvroute_ingest_events_total{engine="sglang",type="block_removed"}"#,
-        ) == Some(3.0)
-    })
+    svc.wait_metric(
+        r#"kvroute_ingest_events_total{engine="sglang",type="block_removed"}"#,
+        3.0,
+    )
     .await;
     let m = svc.metrics().await;
     assert_metric(
@@ -421,11 +377,7 @@ async fn sglang_three_ranks_union_into_one_endpoint() {
         r#"kvroute_ingest_clears_total{cause="event",engine="sglang"}"#,
         1.0,
     );
-    assert!(
-        m.lines()
-            .all(|l| !l.starts_with("kvroute_ingest_parity_mismatches_total")),
-        "{m}"
-    );
+    assert_absent(&m, "kvroute_ingest_parity_mismatches_total");
     for rank in 0..3 {
         assert_eq!(
             metric(
@@ -488,25 +440,15 @@ async fn trtllm_drain_is_rehashed_from_tokens() {
     })
     .await;
     queue.lock().unwrap().push(json!({"event_id": 2, "data": {"type": "removed", "block_hashes": [502]}, "window_size": 16}));
-    svc.wait_for("removal mapped", 10, || async {
-        svc.inventory(RULE, 0).await == vec![k0]
-    })
-    .await;
+    svc.wait_inventory("removal mapped", (RULE, 0), &[k0]).await;
     let m = svc.metrics().await;
-    assert_metric(
+    assert_metrics(
         &m,
-        r#"kvroute_ingest_events_total{engine="trtllm",type="block_stored"}"#,
-        1.0,
-    );
-    assert_metric(
-        &m,
-        r#"kvroute_ingest_unkeyed_blocks_total{engine="trtllm"}"#,
-        1.0,
-    );
-    assert_metric(
-        &m,
-        r#"kvroute_ingest_subscriber_connected{ep="0",rank="0",rule="10.0.0.1:8080/tcp"}"#,
-        1.0,
+        r#"
+        kvroute_ingest_events_total{engine="trtllm",type="block_stored"} 1
+        kvroute_ingest_unkeyed_blocks_total{engine="trtllm"} 1
+        kvroute_ingest_subscriber_connected{ep="0",rank="0",rule="10.0.0.1:8080/tcp"} 1
+        "#,
     );
     assert!(calls.load(std::sync::atomic::Ordering::Relaxed) >= 2);
     server.abort();
@@ -597,12 +539,10 @@ async fn publisher_restart_reconnects_and_clears() {
     .await;
     // The engine goes away and comes back on the same port with its sequence restarted at 0.
     drop(p);
-    svc.wait_for("disconnect seen", 10, || async {
-        metric(
-            &svc.metrics().await,
-            r#"kvroute_ingest_subscriber_connected{ep="0",rank="0",rule="10.0.0.1:8080/tcp"}"#,
-        ) == Some(0.0)
-    })
+    svc.wait_metric(
+        r#"kvroute_ingest_subscriber_connected{ep="0",rank="0",rule="10.0.0.1:8080/tcp"}"#,
+        0.0,
+    )
     .await;
     let mut p2 = None;
     for _ in 0..100 {

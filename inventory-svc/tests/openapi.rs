@@ -12,6 +12,7 @@ use std::path::PathBuf;
 use std::process::Command;
 
 use common::*;
+use reqwest::Method;
 use serde_json::{json, Value};
 
 const METHODS: &[&str] = &[
@@ -101,12 +102,7 @@ fn validator() -> PathBuf {
 async fn served_document_is_checked_in_valid_and_lists_every_route() {
     let mut svc = Service::start("openapi", &json!([]), &[]);
     // Unauthenticated.
-    let r = svc
-        .http
-        .get(format!("{}/openapi.json", svc.base))
-        .send()
-        .await
-        .unwrap();
+    let r = svc.call(Method::GET, "/openapi.json", None).await;
     assert_eq!(r.status().as_u16(), 200);
     assert_eq!(
         r.headers()["content-type"].to_str().unwrap(),
@@ -131,12 +127,7 @@ async fn served_document_is_checked_in_valid_and_lists_every_route() {
         .arg(checked_in())
         .output()
         .unwrap();
-    assert!(
-        out.status.success(),
-        "openapi-spec-validator rejected docs/openapi.json:\n{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert_success(&out, "openapi-spec-validator rejected docs/openapi.json");
 
     // (3) Exactly the router's routes and methods.
     let doc: Value = serde_json::from_str(&served).unwrap();
@@ -230,12 +221,7 @@ sys.exit(1 if bad else 0)
         .arg(&file)
         .output()
         .unwrap();
-    assert!(
-        out.status.success(),
-        "answers that do not match their schemas:\n{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert_success(&out, "answers that do not match their schemas");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -282,16 +268,8 @@ async fn live_answers_match_their_schemas() {
     let (status, body) = svc.post(lb, &added.to_string(), Some(TOKEN)).await;
     assert_eq!(status, 200, "{body}");
     pairs.push(("RuleAdded", body));
-    let r = svc
-        .http
-        .delete(format!(
-            "{}{lb}/externalipaddress/10.0.0.1/port/18081/protocol/tcp",
-            svc.base
-        ))
-        .bearer_auth(TOKEN)
-        .send()
-        .await
-        .unwrap();
+    let gone = format!("{lb}/externalipaddress/10.0.0.1/port/18081/protocol/tcp");
+    let r = svc.call(Method::DELETE, &gone, Some(TOKEN)).await;
     assert_eq!(r.status().as_u16(), 200);
     pairs.push(("RuleDeleted", r.json().await.unwrap()));
 
@@ -313,4 +291,15 @@ async fn live_answers_match_their_schemas() {
     let dir = svc.dir.clone();
     svc.terminate();
     check_instances(&dir, &doc, &pairs);
+}
+
+/// Asserts that a checker exited 0; otherwise fails with `what` and everything it printed.
+#[track_caller]
+fn assert_success(out: &std::process::Output, what: &str) {
+    assert!(
+        out.status.success(),
+        "{what}:\n{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
 }

@@ -8,7 +8,10 @@ mod common;
 use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 
-use common::{batch, metric, removed, rule, stored, Publisher, Redis, Service, TOKEN};
+use common::{
+    batch, bind_same_port, metric, removed, rule, stored, Publisher, Redis, Service, TOKEN,
+};
+use kvroute_test_support::{wait_until, Poll, Probe};
 use serde_json::{json, Value};
 
 const RULE: &str = "10.0.0.1:8080";
@@ -36,28 +39,16 @@ fn replica(tag: &str, redis: &Redis, id: &str, rules: &Value) -> Service {
 }
 
 async fn publishers() -> (Vec<Publisher>, Value) {
-    // Same port on both addresses; retry a few ports if one is taken.
-    for attempt in 0..50u16 {
-        let port = 30000 + (std::process::id() as u16 % 1000) * 7 + attempt * 13;
-        let mut ps = Vec::new();
-        for ip in EP_IPS {
-            if let Some(p) = Publisher::bind_on(ip, port).await {
-                ps.push(p);
-            }
-        }
-        if ps.len() == EP_IPS.len() {
-            let eps: Vec<(String, u16)> = EP_IPS.iter().map(|ip| (ip.to_string(), 9)).collect();
-            let r = rule(
-                8080,
-                "vllm",
-                port,
-                &eps,
-                json!({"kvHashAlgo": "sha256_cbor"}),
-            );
-            return (ps, json!([r]));
-        }
-    }
-    panic!("no free port on both endpoint addresses");
+    let (ps, port) = bind_same_port(&EP_IPS, 30000).await;
+    let eps: Vec<(String, u16)> = EP_IPS.iter().map(|ip| (ip.to_string(), 9)).collect();
+    let r = rule(
+        8080,
+        "vllm",
+        port,
+        &eps,
+        json!({"kvHashAlgo": "sha256_cbor"}),
+    );
+    (ps, json!([r]))
 }
 
 /// Which replicas hold endpoint `ep`'s lease.
@@ -74,15 +65,22 @@ async fn owners(svcs: &[&Service], ep: usize) -> Vec<usize> {
 
 /// Waits until exactly one replica owns `ep` and its subscriber is connected; returns it.
 async fn single_owner(svcs: &[&Service], ep: usize, secs: u64) -> usize {
-    let end = Instant::now() + Duration::from_secs(secs);
     let conn =
         format!(r#"kvroute_ingest_subscriber_connected{{ep="{ep}",rank="0",rule="{RULE_ID}"}}"#);
-    while Instant::now() < end {
-        let o = owners(svcs, ep).await;
-        if o.len() == 1 && metric(&svcs[o[0]].metrics().await, &conn) == Some(1.0) {
-            return o[0];
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
+    let one = Poll::new("exactly one connected owner", Duration::from_secs(secs))
+        .every(Duration::from_millis(20))
+        .until(async || {
+            let o = owners(svcs, ep).await;
+            Ok(
+                match o.len() == 1 && metric(&svcs[o[0]].metrics().await, &conn) == Some(1.0) {
+                    true => Probe::Ready(o[0]),
+                    false => Probe::Pending(String::new()),
+                },
+            )
+        })
+        .await;
+    if let Ok(o) = one {
+        return o;
     }
     let logs: Vec<String> = svcs.iter().map(|s| s.stderr()).collect();
     panic!(
@@ -96,16 +94,19 @@ async fn single_owner(svcs: &[&Service], ep: usize, secs: u64) -> usize {
 /// subscriber, so nothing is lost and no gap is created): PUB/SUB readiness without a sleep.
 async fn send_until_seen(svc: &Service, p: &mut Publisher, ep: usize, seq: u64, key: u64) {
     let payload = batch(vec![stored(&[key], &[], false)]);
-    let end = Instant::now() + Duration::from_secs(20);
-    while Instant::now() < end {
-        p.send_seq(seq, &payload).await;
-        if svc.inventory(RULE, ep).await.contains(&key) {
-            p.seq = seq + 1;
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(25)).await;
+    let seen = wait_until(
+        "the owner to see the sequence",
+        Duration::from_secs(20),
+        async || {
+            p.send_seq(seq, &payload).await;
+            svc.inventory(RULE, ep).await.contains(&key)
+        },
+    )
+    .await;
+    if seen.is_err() {
+        panic!("the owner never saw seq {seq}; stderr:\n{}", svc.stderr());
     }
-    panic!("the owner never saw seq {seq}; stderr:\n{}", svc.stderr());
+    p.seq = seq + 1;
 }
 
 /// The endpoint's inventory, empty while the replica does not know the rule yet.
@@ -116,19 +117,21 @@ async fn inv(svc: &Service, ep: usize) -> BTreeSet<u64> {
 
 /// Waits until every replica's inventory of `ep` equals `want`.
 async fn converge(svcs: &[&Service], ep: usize, want: &BTreeSet<u64>, secs: u64) {
-    let end = Instant::now() + Duration::from_secs(secs);
-    while Instant::now() < end {
-        let mut all = true;
-        for s in svcs {
-            if inv(s, ep).await != *want {
-                all = false;
-                break;
+    let all = wait_until(
+        "every replica's inventory",
+        Duration::from_secs(secs),
+        async || {
+            for s in svcs {
+                if inv(s, ep).await != *want {
+                    return false;
+                }
             }
-        }
-        if all {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(25)).await;
+            true
+        },
+    )
+    .await;
+    if all.is_ok() {
+        return;
     }
     let mut got = Vec::new();
     for s in svcs {
@@ -154,7 +157,7 @@ fn percentile(v: &mut [f64], p: f64) -> f64 {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_replicas_agree_survive_the_owner_and_bootstrap_a_late_one() {
-    let redis = Redis::start();
+    let redis = Redis::start().unwrap();
     let (mut pubs, rules) = publishers().await;
     let a = replica("repl-a", &redis, "a", &rules);
     let b = replica("repl-b", &redis, "b", &rules);
@@ -285,7 +288,7 @@ async fn three_replicas_agree_survive_the_owner_and_bootstrap_a_late_one() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_restart_converges_and_rules_replicate() {
-    let mut redis = Redis::start();
+    let mut redis = Redis::start().unwrap();
     let (mut pubs, rules) = publishers().await;
     let a = replica("rr-a", &redis, "a", &rules);
     let b = replica("rr-b", &redis, "b", &rules);
@@ -326,7 +329,7 @@ async fn redis_restart_converges_and_rules_replicate() {
     }
 
     // Redis comes back empty: the owner rewrites its snapshot, the other converges.
-    redis.restart();
+    redis.restart().unwrap();
     converge(&svcs, 0, &want, 20).await;
     for s in svcs {
         // Both sides report the resynchronisation once their next Redis call succeeds.
@@ -348,24 +351,21 @@ async fn redis_restart_converges_and_rules_replicate() {
         .await;
     }
     // Rules are back in Redis too (a replica starting now would find them).
-    let end = Instant::now() + Duration::from_secs(10);
-    while !redis
-        .cli(&["HKEYS", "kvroute:{rules}:set"])
-        .contains(RULE_ID)
-    {
-        assert!(Instant::now() < end, "rules not restored to Redis");
-        tokio::time::sleep(Duration::from_millis(25)).await;
-    }
+    let restored = wait_until(
+        "the rules back in Redis",
+        Duration::from_secs(10),
+        async || {
+            redis
+                .cli(&["HKEYS", "kvroute:{rules}:set"])
+                .contains(RULE_ID)
+        },
+    )
+    .await;
+    assert!(restored.is_ok(), "rules not restored to Redis");
 
     // A rule added on one replica appears on the other; deleted, it disappears.
     let extra = rule(8081, "llamacpp", 0, &[("127.0.0.61".into(), 9)], json!({}));
-    let (s, v) = a
-        .post(
-            "/netlox/v1/config/loadbalancer",
-            &extra.to_string(),
-            Some(TOKEN),
-        )
-        .await;
+    let (s, v) = a.post_rule(&extra).await;
     assert_eq!(s, 200, "{v}");
     b.wait_for("the added rule on the other replica", 10, || async {
         b.get("/netlox/v1/config/loadbalancer/all")
@@ -374,17 +374,9 @@ async fn redis_restart_converges_and_rules_replicate() {
             .contains("8081")
     })
     .await;
-    let r = a
-        .http
-        .delete(format!(
-            "{}/netlox/v1/config/loadbalancer/externalipaddress/10.0.0.1/port/8081/protocol/tcp",
-            a.base
-        ))
-        .bearer_auth(TOKEN)
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status().as_u16(), 200);
+    let extra_path =
+        "/netlox/v1/config/loadbalancer/externalipaddress/10.0.0.1/port/8081/protocol/tcp";
+    assert_eq!(a.delete(extra_path, Some(TOKEN)).await, 200);
     b.wait_for(
         "the deleted rule gone from the other replica",
         10,

@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::{batch, metric, rule, stored, Publisher, Redis, Service};
+use common::{batch, bind_same_port, metric, rule, stored, Publisher, Redis, Service};
 use serde_json::{json, Value};
 
 const RULE: &str = "10.0.0.1:8080";
@@ -26,21 +26,10 @@ fn n(var: &str, default: u64) -> u64 {
 }
 
 async fn publishers() -> (Vec<Publisher>, Value) {
-    for attempt in 0..50u16 {
-        let port = 40000 + (std::process::id() as u16 % 1000) * 7 + attempt * 13;
-        let mut ps = Vec::new();
-        for ip in IPS {
-            if let Some(p) = Publisher::bind_on(ip, port).await {
-                ps.push(p);
-            }
-        }
-        if ps.len() == IPS.len() {
-            let eps: Vec<(String, u16)> = IPS.iter().map(|ip| (ip.to_string(), 9)).collect();
-            let r = rule(8080, "vllm", port, &eps, json!({}));
-            return (ps, json!([r]));
-        }
-    }
-    panic!("no free port on both endpoint addresses");
+    let (ps, port) = bind_same_port(&IPS, 40000).await;
+    let eps: Vec<(String, u16)> = IPS.iter().map(|ip| (ip.to_string(), 9)).collect();
+    let r = rule(8080, "vllm", port, &eps, json!({}));
+    (ps, json!([r]))
 }
 
 fn start(tag: &str, rules: &Value, redis: Option<&Redis>, id: &str) -> Service {
@@ -203,7 +192,7 @@ async fn replication_benchmark() {
     drop(solo);
     drop(pubs);
 
-    let redis = Redis::start();
+    let redis = Redis::start().unwrap();
     let (mut pubs, rules) = publishers().await;
     let reps: Vec<Service> = ["a", "b", "c"]
         .iter()

@@ -3,8 +3,11 @@
 //! emoji, combining marks needing NFC, special tokens inline, control bytes).
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+mod common;
+
 use std::path::PathBuf;
 
+use common::rng;
 use kvroute_core::bpe::FastBpe;
 
 fn tokenizer_dir() -> PathBuf {
@@ -94,13 +97,7 @@ fn corpus() -> Vec<String> {
         "a",
         "I",
     ];
-    let mut state: u64 = 0x9e37_79b9_7f4a_7c15;
-    let mut next = move || {
-        state ^= state << 13;
-        state ^= state >> 7;
-        state ^= state << 17;
-        state
-    };
+    let mut next = rng(0x9e37_79b9_7f4a_7c15);
     let mut out = Vec::new();
     for _ in 0..600 {
         let n = 1 + (next() % 40) as usize;
@@ -168,15 +165,6 @@ fn floor_char_boundary(s: &str, at: usize) -> usize {
 }
 
 /// xorshift64 over a fixed seed.
-fn rng(mut seed: u64) -> impl FnMut() -> u64 {
-    move || {
-        seed ^= seed << 13;
-        seed ^= seed >> 7;
-        seed ^= seed << 17;
-        seed
-    }
-}
-
 /// Long single pieces (one run of letters is one pre-token): random letters of several
 /// scripts, one repeated letter, repeated syllables, digit runs, whitespace and punctuation runs.
 #[test]

@@ -8,28 +8,17 @@
 //! (scripts/setup.sh); when it is missing the tests fail, they never skip.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+mod common;
+
 use std::path::PathBuf;
 use std::sync::OnceLock;
 
+use common::qwen3_dir;
 use kvroute_core::chat::conversation::{build_messages, build_tools};
 use kvroute_core::chat::{ChatRequest, ChatTemplate, ContentFormat};
 use kvroute_core::prompt::{Prompt, PromptTokens, Request, RequestBody};
 use kvroute_core::tokenize::Tokenizer;
 use serde_json::Value;
-
-fn tokenizer_dir() -> PathBuf {
-    let dir = std::env::var_os("KVROUTE_TOKENIZER_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.cache/fixtures/qwen3")
-        });
-    assert!(
-        dir.join("tokenizer.json").is_file() && dir.join("tokenizer_config.json").is_file(),
-        "tokenizer fixture missing: run ./scripts/test.sh (it runs scripts/setup.sh); looked in {}",
-        dir.display()
-    );
-    dir
-}
 
 struct Qwen3 {
     tokenizer: Tokenizer,
@@ -39,7 +28,7 @@ struct Qwen3 {
 fn qwen3() -> &'static Qwen3 {
     static QWEN3: OnceLock<Qwen3> = OnceLock::new();
     QWEN3.get_or_init(|| {
-        let dir = tokenizer_dir();
+        let dir = qwen3_dir();
         let tokenizer =
             Tokenizer::from_bytes(&std::fs::read(dir.join("tokenizer.json")).unwrap()).unwrap();
         let template =

@@ -6,24 +6,17 @@
 //! means failure, run ./scripts/test.sh).
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-use std::path::PathBuf;
+mod common;
+
 use std::time::{Duration, Instant};
 
+use common::{qwen3_dir, rng};
 use kvroute_core::chat::ChatTemplate;
 use kvroute_core::prompt::{Endpoint, Prompt, PromptError, PromptTokens, Request, RequestBody};
 use kvroute_core::tokenize::Tokenizer;
 
 fn qwen3() -> (Tokenizer, ChatTemplate) {
-    let dir = std::env::var_os("KVROUTE_TOKENIZER_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.cache/fixtures/qwen3")
-        });
-    assert!(
-        dir.join("tokenizer.json").is_file() && dir.join("tokenizer_config.json").is_file(),
-        "tokenizer fixture missing: run ./scripts/test.sh (it runs scripts/setup.sh); looked in {}",
-        dir.display()
-    );
+    let dir = qwen3_dir();
     let tokenizer =
         Tokenizer::from_bytes(&std::fs::read(dir.join("tokenizer.json")).unwrap()).unwrap();
     let template =
@@ -149,13 +142,7 @@ fn mutated_bodies_never_panic() {
         b"\xf0\x9f",
         b"[[[]]]",
     ];
-    let mut state: u64 = 0x9e37_79b9_7f4a_7c15;
-    let mut next = move || {
-        state ^= state << 13;
-        state ^= state >> 7;
-        state ^= state << 17;
-        state
-    };
+    let mut next = rng(0x9e37_79b9_7f4a_7c15);
     let deadline = Instant::now() + Duration::from_secs(60);
     let (mut ok, mut err) = (0u32, 0u32);
     for round in 0..3_000u32 {

@@ -6,12 +6,11 @@
 //! tail of the process's log.
 
 use std::collections::HashMap;
-use std::net::{SocketAddr, TcpListener};
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, ExitStatus, Stdio};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::process::Command;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime};
 
 use anyhow::{bail, Context, Result};
 use axum::body::Bytes;
@@ -19,12 +18,13 @@ use axum::extract::{DefaultBodyLimit, State};
 use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
 use axum::Router;
+use kvroute_core::chat::ChatTemplate;
+use kvroute_core::prompt::{PromptTokens, Request};
+use kvroute_core::tokenize::Tokenizer;
+use kvroute_test_support::{Poll, Probe};
 
 /// Hint appended to every "not installed" error.
 pub const SETUP_HINT: &str = "run ./scripts/test.sh (it runs scripts/setup.sh)";
-
-/// How often readiness polls retry.
-const POLL_INTERVAL: Duration = Duration::from_millis(25);
 
 // ---------------------------------------------------------------------------------------------
 // Locating the cached tools
@@ -118,6 +118,19 @@ fn newest_mtime(dir: &Path, depth: usize) -> Option<SystemTime> {
     newest
 }
 
+/// The prompt token ids vLLM/TensorRT-LLM would compute for an OpenAI request `body` (HF
+/// tokenizers with the fixture's chat template: the reference the filter is checked against).
+pub fn prompt_tokens(body: &[u8]) -> Result<Vec<u32>> {
+    let dir = tokenizer_dir()?;
+    let tok = Tokenizer::from_bytes(&std::fs::read(dir.join("tokenizer.json"))?)?;
+    let tpl = ChatTemplate::new(&std::fs::read(dir.join("tokenizer_config.json"))?)?;
+    Ok(PromptTokens::from_request(
+        &Request::from_json(body)?,
+        &tok,
+        Some(&tpl),
+    )?)
+}
+
 /// The Qwen3 tokenizer fixture directory: `$KVROUTE_TOKENIZER_DIR` or `<cache>/fixtures/qwen3`.
 pub fn tokenizer_dir() -> Result<PathBuf> {
     located(
@@ -129,128 +142,10 @@ pub fn tokenizer_dir() -> Result<PathBuf> {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Ports, temp dirs, child processes
+// Ports, temp dirs, child processes (shared with every suite: kvroute-test-support)
 // ---------------------------------------------------------------------------------------------
 
-/// A port on 127.0.0.1 that was free a moment ago (the kernel picks it; the socket is closed
-/// before returning, so a process started next can bind it).
-pub fn free_port() -> Result<u16> {
-    let listener = TcpListener::bind("127.0.0.1:0").context("binding 127.0.0.1:0")?;
-    Ok(listener.local_addr()?.port())
-}
-
-/// `127.0.0.1:port`.
-pub fn local(port: u16) -> SocketAddr {
-    SocketAddr::from(([127, 0, 0, 1], port))
-}
-
-/// A directory under the system temp dir, removed on drop.
-#[derive(Debug)]
-pub struct TempDir {
-    path: PathBuf,
-}
-
-impl TempDir {
-    /// Creates a fresh, uniquely named directory.
-    pub fn new(prefix: &str) -> Result<TempDir> {
-        static NEXT: AtomicU64 = AtomicU64::new(0);
-        let nanos = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map(|d| d.as_nanos())
-            .unwrap_or(0);
-        let name = format!(
-            "kvroute-{prefix}-{}-{}-{nanos}",
-            std::process::id(),
-            NEXT.fetch_add(1, Ordering::Relaxed)
-        );
-        let path = std::env::temp_dir().join(name);
-        std::fs::create_dir_all(&path).with_context(|| format!("creating {}", path.display()))?;
-        Ok(TempDir { path })
-    }
-
-    /// The directory.
-    pub fn path(&self) -> &Path {
-        &self.path
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.path);
-    }
-}
-
-/// A child process that is killed and reaped when dropped. Its stdout and stderr go to a log file.
-#[derive(Debug)]
-pub struct ChildGuard {
-    name: String,
-    child: Child,
-    log: PathBuf,
-}
-
-impl ChildGuard {
-    /// Spawns `cmd` with stdin closed and stdout+stderr appended to `log`.
-    pub fn spawn(name: &str, mut cmd: Command, log: &Path) -> Result<ChildGuard> {
-        let out =
-            std::fs::File::create(log).with_context(|| format!("creating {}", log.display()))?;
-        let err = out.try_clone()?;
-        let child = cmd
-            .stdin(Stdio::null())
-            .stdout(out)
-            .stderr(err)
-            .spawn()
-            .with_context(|| format!("spawning {name}: {cmd:?}"))?;
-        Ok(ChildGuard {
-            name: name.to_string(),
-            child,
-            log: log.to_path_buf(),
-        })
-    }
-
-    /// The process id.
-    pub fn id(&self) -> u32 {
-        self.child.id()
-    }
-
-    /// `Some(status)` once the process has exited.
-    pub fn exited(&mut self) -> Option<ExitStatus> {
-        self.child.try_wait().ok().flatten()
-    }
-
-    /// Everything the process logged so far.
-    pub fn log(&self) -> String {
-        std::fs::read(&self.log)
-            .map(|b| String::from_utf8_lossy(&b).into_owned())
-            .unwrap_or_default()
-    }
-
-    /// The last `lines` lines of the log, for error messages.
-    pub fn log_tail(&self, lines: usize) -> String {
-        let log = self.log();
-        let all: Vec<&str> = log.lines().collect();
-        all[all.len().saturating_sub(lines)..].join("\n")
-    }
-
-    /// An error if the process has exited, naming it with its log tail.
-    pub fn ensure_running(&mut self) -> Result<()> {
-        match self.exited() {
-            Some(status) => bail!(
-                "{} exited early ({status}); log tail:\n{}",
-                self.name,
-                self.log_tail(40)
-            ),
-            None => Ok(()),
-        }
-    }
-}
-
-impl Drop for ChildGuard {
-    fn drop(&mut self) {
-        // Already-exited children make kill() fail; wait() still reaps them.
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
+pub use kvroute_test_support::{free_port, local, ChildGuard, TempDir};
 
 // ---------------------------------------------------------------------------------------------
 // Readiness
@@ -262,20 +157,17 @@ pub async fn wait_for_tcp(
     timeout: Duration,
     mut child: Option<&mut ChildGuard>,
 ) -> Result<()> {
-    let deadline = Instant::now() + timeout;
-    loop {
-        if let Some(c) = child.as_deref_mut() {
-            c.ensure_running()?;
-        }
-        let last_err = match tokio::net::TcpStream::connect(addr).await {
-            Ok(_) => return Ok(()),
-            Err(e) => e,
-        };
-        if Instant::now() >= deadline {
-            bail!("{addr} not accepting connections after {timeout:?}: {last_err}");
-        }
-        tokio::time::sleep(POLL_INTERVAL).await;
-    }
+    Poll::new(format!("{addr} to accept connections"), timeout)
+        .until(async || {
+            if let Some(c) = child.as_deref_mut() {
+                c.ensure_running()?;
+            }
+            Ok(match tokio::net::TcpStream::connect(addr).await {
+                Ok(_) => Probe::Ready(()),
+                Err(e) => Probe::Pending(e.to_string()),
+            })
+        })
+        .await
 }
 
 /// Polls `GET url` until it answers 200; fails after `timeout` or when `child` exits.
@@ -287,29 +179,31 @@ pub async fn wait_for_http(
     let client = reqwest::Client::builder()
         .timeout(Duration::from_secs(2))
         .build()?;
-    let deadline = Instant::now() + timeout;
-    loop {
-        if let Some(c) = child.as_deref_mut() {
-            c.ensure_running()?;
-        }
-        let last = match client.get(url).send().await {
-            Ok(r) if r.status() == reqwest::StatusCode::OK => return Ok(()),
-            Ok(r) => format!("status {}", r.status()),
-            Err(e) => e.to_string(),
-        };
-        if Instant::now() >= deadline {
-            let tail = child.map(|c| c.log_tail(40)).unwrap_or_default();
-            bail!(
-                "{url} not ready after {timeout:?} (last: {last}){}",
-                if tail.is_empty() {
-                    tail
-                } else {
-                    format!("; log tail:\n{tail}")
-                }
-            );
-        }
-        tokio::time::sleep(POLL_INTERVAL).await;
+    let ready = Poll::new(format!("{url} to answer 200"), timeout)
+        .until(async || {
+            if let Some(c) = child.as_deref_mut() {
+                c.ensure_running()?;
+            }
+            Ok(match client.get(url).send().await {
+                Ok(r) if r.status() == reqwest::StatusCode::OK => Probe::Ready(()),
+                Ok(r) => Probe::Pending(format!("status {}", r.status())),
+                Err(e) => Probe::Pending(e.to_string()),
+            })
+        })
+        .await;
+    let tail = match (&ready, child) {
+        (Err(_), Some(c)) => c.log_tail(40),
+        _ => String::new(),
+    };
+    match tail.is_empty() {
+        true => ready,
+        false => ready.with_context(|| format!("log tail:\n{tail}")),
     }
+}
+
+/// Sends `req` and returns its body as text, whatever the status.
+pub async fn body_text(req: reqwest::RequestBuilder) -> Result<String> {
+    Ok(req.send().await?.text().await?)
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -402,22 +296,16 @@ impl Envoy {
         timeout: Duration,
         pred: impl Fn(u64) -> bool,
     ) -> Result<u64> {
-        let deadline = Instant::now() + timeout;
-        loop {
-            let value = self
-                .stats(&format!("^{}$", regex_escape(name)))
-                .await?
-                .get(name)
-                .copied()
-                .unwrap_or(0);
-            if pred(value) {
-                return Ok(value);
-            }
-            if Instant::now() >= deadline {
-                bail!("stat {name} = {value} did not reach the expected value within {timeout:?}");
-            }
-            tokio::time::sleep(POLL_INTERVAL).await;
-        }
+        let series = format!("^{}$", regex_escape(name));
+        Poll::new(format!("stat {name} to reach the expected value"), timeout)
+            .until(async || {
+                let value = self.stats(&series).await?.get(name).copied().unwrap_or(0);
+                Ok(match pred(value) {
+                    true => Probe::Ready(value),
+                    false => Probe::Pending(format!("{name} = {value}")),
+                })
+            })
+            .await
     }
 }
 
@@ -444,6 +332,14 @@ pub struct Received {
     pub path: String,
     pub headers: Vec<(String, String)>,
     pub body: Bytes,
+}
+
+/// The value of header `name` of a received request, if it was sent.
+pub fn header<'a>(r: &'a Received, name: &str) -> Option<&'a str> {
+    r.headers
+        .iter()
+        .find(|(k, _)| k == name)
+        .map(|(_, v)| v.as_str())
 }
 
 #[derive(Clone)]

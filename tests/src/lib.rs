@@ -1,7 +1,8 @@
 //! `kvroute-tests`: shared helpers for kvroute's end-to-end tests.
 //!
-//! * [`harness`] — real processes on 127.0.0.1: free ports, child guards, bounded readiness waits,
-//!   locating the cached Envoy / filter `.wasm` / tokenizer fixture, Envoy itself, an echo backend.
+//! * [`harness`] — real processes on 127.0.0.1: free ports, child guards and bounded readiness
+//!   waits (from `kvroute-test-support`, shared with every suite), locating the cached Envoy /
+//!   filter `.wasm` / tokenizer fixture, the reference prompt tokens, Envoy itself, an echo backend.
 //! * [`wasm`] — a wasmi host that loads the built filter module and calls its test export.
 //! * [`golden`] — the engines' golden block-key vectors as uniform cases.
 //!

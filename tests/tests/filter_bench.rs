@@ -266,19 +266,16 @@ async fn bench_filter_latency() {
             // Histograms show up after Envoy's next stats flush: poll, bounded.
             let deadline = Instant::now() + Duration::from_secs(20);
             let text = loop {
-                let text = gw
-                    .client
-                    .get(format!("http://{}/stats", gw.envoy.admin))
-                    .query(&[(
-                        "filter",
-                        "kvroute_filter_(tokenize_us|keys_us|prepare_us|callout_us|duration_us|.*cache_(hits|misses)_total)",
-                    )])
-                    .send()
-                    .await
-                    .unwrap()
-                    .text()
-                    .await
-                    .unwrap();
+                let text = harness::body_text(
+                    gw.client
+                        .get(format!("http://{}/stats", gw.envoy.admin))
+                        .query(&[(
+                            "filter",
+                            "kvroute_filter_(tokenize_us|keys_us|prepare_us|callout_us|duration_us|.*cache_(hits|misses)_total)",
+                        )]),
+                )
+                .await
+                .unwrap();
                 if text.contains("duration_us: P0") || Instant::now() > deadline {
                     break text;
                 }

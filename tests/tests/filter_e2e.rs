@@ -10,14 +10,11 @@
 
 use std::time::{Duration, Instant};
 
-use kvroute_core::chat::ChatTemplate;
-use kvroute_core::prompt::{PromptTokens, Request};
-use kvroute_core::tokenize::Tokenizer;
 use kvroute_tests::envoy::{
     self, base64, Bootstrap, Engine, FakeInventory, Fault, Gateway, Inventory, Variant, PIN_HEADER,
     SSE_HEADER,
 };
-use kvroute_tests::harness::{self, BACKEND_HEADER};
+use kvroute_tests::harness::{self, header, BACKEND_HEADER};
 use serde_json::{json, Value};
 
 const READY: Duration = Duration::from_secs(60);
@@ -36,22 +33,6 @@ fn chat_body(extra: Value) -> Vec<u8> {
         m.extend(x);
     }
     serde_json::to_vec(&v).unwrap()
-}
-
-/// The prompt token ids vLLM/TensorRT-LLM would compute (HF tokenizers, the reference).
-fn prompt_tokens(body: &[u8]) -> Vec<u32> {
-    let dir = harness::tokenizer_dir().unwrap();
-    let tok = Tokenizer::from_bytes(&std::fs::read(dir.join("tokenizer.json")).unwrap()).unwrap();
-    let tpl =
-        ChatTemplate::new(&std::fs::read(dir.join("tokenizer_config.json")).unwrap()).unwrap();
-    PromptTokens::from_request(&Request::from_json(body).unwrap(), &tok, Some(&tpl)).unwrap()
-}
-
-fn header<'a>(r: &'a harness::Received, name: &str) -> Option<&'a str> {
-    r.headers
-        .iter()
-        .find(|(k, _)| k == name)
-        .map(|(_, v)| v.as_str())
 }
 
 fn bootstrap<'a>(
@@ -83,7 +64,7 @@ async fn fleet_with_route_token(
 ) -> (Inventory, Engine, Engine, usize) {
     let a = Engine::start("engine-a").await.unwrap();
     let b = Engine::start("engine-b").await.unwrap();
-    let tokens = prompt_tokens(body);
+    let tokens = harness::prompt_tokens(body).unwrap();
     let blocks = tokens.len() / envoy::BLOCK;
     assert!(blocks >= 3, "prompt too short: {} tokens", tokens.len());
     b.store_blocks(&tokens);
@@ -177,12 +158,7 @@ async fn pins_to_the_chosen_endpoint(variant: Variant) {
     );
     assert_eq!(header(last, "x-prefiller-host-port"), None);
     // Envoy's header_mutation (first filter) removed both before the filter saw them.
-    assert_eq!(
-        gw.stat("kvroute_filter_spoofed_headers_total")
-            .await
-            .unwrap(),
-        0
-    );
+    assert_stats(&gw, &[("kvroute_filter_spoofed_headers_total", 0)]).await;
     assert!(
         gw.stat("kvroute_filter_decisions_tier15_total")
             .await
@@ -253,36 +229,20 @@ async fn pins_to_the_chosen_endpoint(variant: Variant) {
         .unwrap();
     assert_eq!(r.status(), 200);
     let _ = r.bytes().await.unwrap();
-    gw.envoy
-        .wait_for_stat(
-            "wasmcustom.kvroute_filter_cache_hit_tokens_total",
-            Duration::from_secs(5),
-            |v| v >= 96,
-        )
-        .await
-        .unwrap();
-    assert_eq!(
-        gw.stat("kvroute_filter_cache_hit_tokens_total")
-            .await
-            .unwrap(),
-        64 + 32
-    );
-    assert_eq!(
-        gw.stat("kvroute_filter_cache_miss_tokens_total")
-            .await
-            .unwrap(),
-        36 + 8
-    );
+    wait_stat_at_least(&gw, "kvroute_filter_cache_hit_tokens_total", 96).await;
+    assert_stats(
+        &gw,
+        &[
+            ("kvroute_filter_cache_hit_tokens_total", 64 + 32),
+            ("kvroute_filter_cache_miss_tokens_total", 36 + 8),
+        ],
+    )
+    .await;
 
     // Every pinned request so far reached its pinned engine, and the filter saw it.
     let honored = gw.stat("kvroute_filter_pin_honored_total").await.unwrap();
     assert!(honored > 0, "no pin checked against the upstream");
-    assert_eq!(
-        gw.stat("kvroute_filter_pin_overridden_total")
-            .await
-            .unwrap(),
-        0
-    );
+    assert_stats(&gw, &[("kvroute_filter_pin_overridden_total", 0)]).await;
 
     // The chosen endpoint turns unhealthy: stateful_session falls back to engine a.
     b.set_healthy(false);
@@ -409,18 +369,14 @@ async fn bad_requests_are_served_unpinned_byte_for_byte() {
         );
         assert_eq!(header(&last, PIN_HEADER), None, "{path} was pinned");
     }
-    assert_eq!(
-        gw.stat("kvroute_filter_fail_open_bad_request_total")
-            .await
-            .unwrap(),
-        4
-    );
-    assert_eq!(
-        gw.stat("kvroute_filter_fail_open_body_too_large_total")
-            .await
-            .unwrap(),
-        1
-    );
+    assert_stats(
+        &gw,
+        &[
+            ("kvroute_filter_fail_open_bad_request_total", 4),
+            ("kvroute_filter_fail_open_body_too_large_total", 1),
+        ],
+    )
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -474,14 +430,7 @@ async fn inventory_faults_fail_open() {
             .await
             .unwrap();
         assert_eq!(r.status(), 200, "{fault:?} then down");
-        gw.envoy
-            .wait_for_stat(
-                "wasmcustom.kvroute_filter_fail_open_unavailable_total",
-                Duration::from_secs(5),
-                |v| v >= 1,
-            )
-            .await
-            .unwrap();
+        wait_stat_at_least(&gw, "kvroute_filter_fail_open_unavailable_total", 1).await;
     }
     // Down from the start: no contract can load; requests are served unpinned.
     let down = envoy::closed_port().unwrap();
@@ -612,4 +561,20 @@ async fn route_token_pins_and_a_wrong_one_fails_open_counted() {
             assert_eq!((refused, tier15), (3, 0), "token {token}");
         }
     }
+}
+
+/// Asserts that each named filter stat reads exactly its value.
+async fn assert_stats(gw: &Gateway, want: &[(&str, u64)]) {
+    for (name, value) in want {
+        assert_eq!(gw.stat(name).await.unwrap(), *value, "{name}");
+    }
+}
+
+/// Waits (at most 5 s) until the filter stat `name` reaches at least `min`.
+async fn wait_stat_at_least(gw: &Gateway, name: &str, min: u64) {
+    let stat = format!("wasmcustom.{name}");
+    gw.envoy
+        .wait_for_stat(&stat, Duration::from_secs(5), |v| v >= min)
+        .await
+        .unwrap();
 }

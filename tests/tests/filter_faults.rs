@@ -16,7 +16,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use kvroute_tests::envoy::{self, base64, Bootstrap, Engine, Gateway, Variant, PIN_HEADER};
-use kvroute_tests::harness::{self, BACKEND_HEADER};
+use kvroute_tests::harness::{self, header, BACKEND_HEADER};
 use reqwest::header::HeaderValue;
 use serde_json::{json, Value};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -209,13 +209,6 @@ fn body() -> Vec<u8> {
         {"role": "user", "content": "Explain how a paged KV cache lets an engine reuse a prompt prefix."}],
         "max_tokens": 1}))
     .unwrap()
-}
-
-fn header<'a>(r: &'a harness::Received, name: &str) -> Option<&'a str> {
-    r.headers
-        .iter()
-        .find(|(k, _)| k == name)
-        .map(|(_, v)| v.as_str())
 }
 
 fn bootstrap<'a>(engines: &'a [&'a Engine], inventory: SocketAddr, plugin: Value) -> Bootstrap<'a> {

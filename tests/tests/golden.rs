@@ -35,26 +35,14 @@ fn every_vector_matches_natively() {
         "only {} golden cases loaded",
         cases.len()
     );
-    let mut failures = Vec::new();
-    for case in &cases {
-        let got: Vec<u64> = case
-            .contract
+    check_all(&cases, "", |case| {
+        case.contract
             .keys(&case.tokens, &case.extra)
             .expect(&case.name)
             .iter()
             .map(|k| k.0)
-            .collect();
-        if let Err(e) = check(case, &got) {
-            failures.push(e);
-        }
-    }
-    assert!(
-        failures.is_empty(),
-        "{} of {} cases failed:\n{}",
-        failures.len(),
-        cases.len(),
-        failures.join("\n")
-    );
+            .collect()
+    });
 }
 
 #[test]
@@ -62,23 +50,27 @@ fn every_vector_matches_inside_the_wasm_module() {
     let cases = golden::all_cases().expect("load vectors");
     let mut module =
         kvroute_tests::wasm::FilterModule::load().expect("load the built filter .wasm");
-    let mut failures = Vec::new();
-    for case in &cases {
+    check_all(&cases, " in wasm", |case| {
         let resp = module.test_keys(&case.wasm_request()).expect(&case.name);
         let keys = resp["keys"]
             .as_array()
             .unwrap_or_else(|| panic!("{}: wasm answered {resp}", case.name));
-        let got: Vec<u64> = keys
-            .iter()
+        keys.iter()
             .map(|k| golden::key_bits(k).expect("key"))
-            .collect();
-        if let Err(e) = check(case, &got) {
-            failures.push(e);
-        }
-    }
+            .collect()
+    });
+}
+
+/// [`check`]s every case against the keys `keys_of` computes for it; one assertion listing every
+/// failing case (`place` says where the keys were computed).
+fn check_all(cases: &[Case], place: &str, mut keys_of: impl FnMut(&Case) -> Vec<u64>) {
+    let failures: Vec<String> = cases
+        .iter()
+        .filter_map(|case| check(case, &keys_of(case)).err())
+        .collect();
     assert!(
         failures.is_empty(),
-        "{} of {} cases failed in wasm:\n{}",
+        "{} of {} cases failed{place}:\n{}",
         failures.len(),
         cases.len(),
         failures.join("\n")

@@ -25,9 +25,6 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Result};
-use kvroute_core::chat::ChatTemplate;
-use kvroute_core::prompt::{PromptTokens, Request};
-use kvroute_core::tokenize::Tokenizer;
 use kvroute_tests::envoy::{self, Bootstrap, Engine, Gateway, Inventory, Variant, SSE_HEADER};
 use kvroute_tests::harness::{self, ChildGuard, TempDir, BACKEND_HEADER};
 use serde_json::json;
@@ -138,14 +135,6 @@ fn chat_body() -> Vec<u8> {
         "max_tokens": 1
     }))
     .unwrap()
-}
-
-fn prompt_tokens(body: &[u8]) -> Vec<u32> {
-    let dir = harness::tokenizer_dir().unwrap();
-    let tok = Tokenizer::from_bytes(&std::fs::read(dir.join("tokenizer.json")).unwrap()).unwrap();
-    let tpl =
-        ChatTemplate::new(&std::fs::read(dir.join("tokenizer_config.json")).unwrap()).unwrap();
-    PromptTokens::from_request(&Request::from_json(body).unwrap(), &tok, Some(&tpl)).unwrap()
 }
 
 /// A vLLM simulator serving nothing but its `/metrics` (the engines' own names).
@@ -336,7 +325,7 @@ async fn prometheus_scrapes_inventory_and_envoy_and_every_name_exists() {
     let body = chat_body();
     let a = Engine::start("engine-a").await.unwrap();
     let b = Engine::start("engine-b").await.unwrap();
-    let tokens = prompt_tokens(&body);
+    let tokens = harness::prompt_tokens(&body).unwrap();
     b.store_blocks(&tokens);
     let inv = Inventory::start().await.unwrap();
     let rule = inv.add_rule(&[&a, &b]).await.unwrap();

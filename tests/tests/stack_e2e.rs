@@ -13,6 +13,7 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
+use kvroute_test_support::{Poll, Probe};
 use kvroute_tests::harness::{self, ChildGuard, Envoy, TempDir};
 use serde_json::{json, Value};
 
@@ -328,20 +329,20 @@ async fn conversation_sticks_to_its_prefix_and_falls_back_when_the_engine_dies()
         .iter()
         .position(|s| s.name == home)
         .unwrap_or_else(|| panic!("unknown simulator {home:?}"));
-    let deadline = Instant::now() + Duration::from_secs(20);
-    loop {
-        let n = inventory_blocks(&client, inv, &rule_id, home_idx)
-            .await
-            .unwrap();
-        if n >= 10 {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "the inventory never showed {home}'s blocks (has {n})"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    Poll::new(
+        format!("the inventory to show {home}'s blocks"),
+        Duration::from_secs(20),
+    )
+    .every(Duration::from_millis(50))
+    .until(async || {
+        let n = inventory_blocks(&client, inv, &rule_id, home_idx).await?;
+        Ok(match n >= 10 {
+            true => Probe::Ready(()),
+            false => Probe::Pending(format!("has {n}")),
+        })
+    })
+    .await
+    .unwrap();
 
     // Turns 2..4 carry the growing conversation: each lands on the simulator holding the prefix
     // and reuses it.
@@ -352,12 +353,7 @@ async fn conversation_sticks_to_its_prefix_and_falls_back_when_the_engine_dies()
         );
         let (sim, cached, answer) = chat(&client, gw_port, &messages).await.unwrap();
         if sim != home {
-            let m = client
-                .get(format!("http://{inv}/metrics"))
-                .send()
-                .await
-                .unwrap()
-                .text()
+            let m = harness::body_text(client.get(format!("http://{inv}/metrics")))
                 .await
                 .unwrap();
             let lines: Vec<&str> = m
@@ -390,27 +386,19 @@ async fn conversation_sticks_to_its_prefix_and_falls_back_when_the_engine_dies()
     drop(sims[home_idx].child.take());
     let admin = format!("http://127.0.0.1:{admin_port}/clusters");
     let dead = sims[home_idx].addr.to_string();
-    let deadline = Instant::now() + Duration::from_secs(20);
-    loop {
-        let text = client
-            .get(&admin)
-            .send()
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap();
-        if text.lines().any(|l| {
+    Poll::new(
+        format!("Envoy to mark {dead} unhealthy"),
+        Duration::from_secs(20),
+    )
+    .every(Duration::from_millis(100))
+    .until(async || {
+        let text = harness::body_text(client.get(&admin)).await?;
+        Ok(Probe::from(text.lines().any(|l| {
             l.contains(&dead) && l.contains("health_flags") && l.contains("failed_active_hc")
-        }) {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "Envoy never marked {dead} unhealthy"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+        })))
+    })
+    .await
+    .unwrap();
     messages.push(json!({"role": "user", "content": "Last question: summarise."}));
     for _ in 0..3 {
         let (sim, _, _) = chat(&client, gw_port, &messages).await.unwrap();

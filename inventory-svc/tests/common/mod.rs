@@ -1,16 +1,24 @@
 //! Harness for the service's integration tests: spawn the built binary on 127.0.0.1 port 0, read
 //! the address it prints, talk HTTP, publish engine events over real ZMQ, stop the process.
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, dead_code)]
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    dead_code,
+    unused_imports
+)]
 
-use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use bytes::Bytes;
 use rmpv::Value as Mp;
 use serde_json::Value;
 use zeromq::{PubSocket, Socket, SocketSend, ZmqMessage};
+
+pub use kvroute_test_support::Redis;
+use kvroute_test_support::{ready_line, wait_until, Poll, Probe, TempDir};
 
 pub const TOKEN: &str = "s3cret-token";
 /// Env value meaning "remove this variable" (the harness sets LLB_KV_NONE_HASH_SEED=0 by default,
@@ -25,15 +33,9 @@ pub struct Service {
     pub http: reqwest::Client,
 }
 
-static COUNTER: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-
-/// A fresh temp directory for one test.
+/// A fresh temp directory for one test, left in place afterwards (its logs explain a failure).
 pub fn tempdir(tag: &str) -> PathBuf {
-    let n = COUNTER.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let d = std::env::temp_dir().join(format!("kvroute-inv-{tag}-{}-{n}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
+    TempDir::new(&format!("inv-{tag}")).unwrap().keep()
 }
 
 impl Service {
@@ -67,27 +69,17 @@ impl Service {
             }
         }
         let mut child = cmd.spawn().expect("spawn kvroute-inventory");
-        let stdout = child.stdout.take().unwrap();
-        let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-                if let Some(a) = line.strip_prefix("kvroute-inventory listening on ") {
-                    let _ = tx.send(a.to_owned());
-                }
-                // Keep draining stdout so the child never blocks on a full pipe.
-            }
+        let addr = ready_line(
+            &mut child,
+            "kvroute-inventory listening on ",
+            Duration::from_secs(20),
+        )
+        .unwrap_or_else(|e| {
+            panic!(
+                "service did not start: {e}\n{}",
+                std::fs::read_to_string(dir.join("stderr.log")).unwrap_or_default()
+            )
         });
-        let addr = match rx.recv_timeout(Duration::from_secs(20)) {
-            Ok(a) => a,
-            Err(_) => {
-                let _ = child.kill();
-                let _ = child.wait();
-                panic!(
-                    "service did not start: {}",
-                    std::fs::read_to_string(dir.join("stderr.log")).unwrap_or_default()
-                );
-            }
-        };
         let (scheme, addr) = match addr.strip_suffix(" (tls)") {
             Some(a) => ("https", a.to_owned()),
             None => ("http", addr),
@@ -110,14 +102,29 @@ impl Service {
         }
     }
 
+    /// `method path` without a body, with `token` as the bearer token if given.
+    pub async fn call(
+        &self,
+        method: reqwest::Method,
+        path: &str,
+        token: Option<&str>,
+    ) -> reqwest::Response {
+        let mut r = self.http.request(method, format!("{}{path}", self.base));
+        if let Some(t) = token {
+            r = r.bearer_auth(t);
+        }
+        r.send().await.unwrap()
+    }
+
     pub async fn get(&self, path: &str) -> (u16, String) {
-        let r = self
-            .http
-            .get(format!("{}{path}", self.base))
-            .send()
-            .await
-            .unwrap();
+        let r = self.call(reqwest::Method::GET, path, None).await;
         (r.status().as_u16(), r.text().await.unwrap())
+    }
+
+    /// `DELETE path`: its status.
+    pub async fn delete(&self, path: &str, token: Option<&str>) -> u16 {
+        let r = self.call(reqwest::Method::DELETE, path, token).await;
+        r.status().as_u16()
     }
 
     pub async fn get_json(&self, path: &str) -> Value {
@@ -139,6 +146,16 @@ impl Service {
         let s = r.status().as_u16();
         let t = r.text().await.unwrap();
         (s, serde_json::from_str(&t).unwrap_or(Value::String(t)))
+    }
+
+    /// Posts `rule` (a rule in loxilb's JSON shape) with the token: (status, answer).
+    pub async fn post_rule(&self, rule: &Value) -> (u16, Value) {
+        self.post(
+            "/netlox/v1/config/loadbalancer",
+            &rule.to_string(),
+            Some(TOKEN),
+        )
+        .await
     }
 
     pub async fn metrics(&self) -> String {
@@ -173,19 +190,24 @@ impl Service {
     }
 
     /// Polls `f` until it returns true, at most `secs` seconds.
-    pub async fn wait_for<F, Fut>(&self, what: &str, secs: u64, mut f: F)
-    where
-        F: FnMut() -> Fut,
-        Fut: std::future::Future<Output = bool>,
-    {
-        let end = Instant::now() + Duration::from_secs(secs);
-        while Instant::now() < end {
-            if f().await {
-                return;
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
+    pub async fn wait_for(&self, what: &str, secs: u64, f: impl AsyncFnMut() -> bool) {
+        if let Err(e) = wait_until(what, Duration::from_secs(secs), f).await {
+            panic!("{e}; stderr:\n{}", self.stderr());
         }
-        panic!("timed out waiting for {what}; stderr:\n{}", self.stderr());
+    }
+
+    /// Waits (at most 10 s) until the metric `series` reads `want`.
+    pub async fn wait_metric(&self, series: &str, want: f64) {
+        self.wait_for(series, 10, async || {
+            metric(&self.metrics().await, series) == Some(want)
+        })
+        .await;
+    }
+
+    /// Waits (at most 10 s) until the inventory of endpoint `ep` of `rule` is exactly `want`.
+    pub async fn wait_inventory(&self, what: &str, (rule, ep): (&str, usize), want: &[u64]) {
+        self.wait_for(what, 10, async || self.inventory(rule, ep).await == want)
+            .await;
     }
 
     pub fn stderr(&self) -> String {
@@ -196,16 +218,19 @@ impl Service {
     pub fn terminate(&mut self) -> Option<i32> {
         let pid = self.child.id().to_string();
         let _ = Command::new("kill").args(["-TERM", &pid]).status();
-        let end = Instant::now() + Duration::from_secs(15);
-        while Instant::now() < end {
-            if let Ok(Some(st)) = self.child.try_wait() {
-                return st.code();
-            }
-            std::thread::sleep(Duration::from_millis(20));
+        let exit = Poll::new("the service to exit", Duration::from_secs(15))
+            .every(Duration::from_millis(20))
+            .until_blocking(|| {
+                Ok(match self.child.try_wait() {
+                    Ok(Some(st)) => Probe::Ready(st.code()),
+                    _ => Probe::Pending(String::new()),
+                })
+            });
+        if exit.is_err() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
         }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        None
+        exit.ok().flatten()
     }
 }
 
@@ -216,6 +241,16 @@ impl Drop for Service {
             let _ = self.child.wait();
         }
     }
+}
+
+/// Serves `app` on 127.0.0.1 and a kernel-picked port until the task is aborted.
+pub async fn serve(app: axum::Router) -> (u16, tokio::task::JoinHandle<()>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let task = tokio::spawn(async move {
+        let _ = axum::serve(listener, app).await;
+    });
+    (port, task)
 }
 
 /// Value of one exact metric line (`name{labels}`), if present.
@@ -231,6 +266,23 @@ pub fn metric(text: &str, series: &str) -> Option<f64> {
 #[track_caller]
 pub fn assert_metric(text: &str, series: &str, want: f64) {
     assert_eq!(metric(text, series), Some(want), "{series}\n{text}");
+}
+
+/// Asserts every line of `want` ("series value"; blank lines and `#` comments skipped) with
+/// [`assert_metric`].
+#[track_caller]
+pub fn assert_metrics(text: &str, want: &str) {
+    let lines = want.lines().map(str::trim);
+    for line in lines.filter(|l| !l.is_empty() && !l.starts_with('#')) {
+        let (series, value) = line.rsplit_once(' ').unwrap();
+        assert_metric(text, series, value.parse().unwrap());
+    }
+}
+
+/// Asserts that no line of the metrics `text` starts with `name` (printed whole otherwise).
+#[track_caller]
+pub fn assert_absent(text: &str, name: &str) {
+    assert!(text.lines().all(|l| !l.starts_with(name)), "{text}");
 }
 
 /// A rule in loxilb's JSON shape.
@@ -360,6 +412,24 @@ impl Publisher {
     }
 }
 
+/// One publisher on each of `ips`, all on the same port (each endpoint publishes on its own
+/// address); tries ports from `base` until one is free on every address. Returns them and the port.
+pub async fn bind_same_port(ips: &[&str], base: u16) -> (Vec<Publisher>, u16) {
+    for attempt in 0..50u16 {
+        let port = base + (std::process::id() as u16 % 1000) * 7 + attempt * 13;
+        let mut ps = Vec::new();
+        for ip in ips {
+            if let Some(p) = Publisher::bind_on(ip, port).await {
+                ps.push(p);
+            }
+        }
+        if ps.len() == ips.len() {
+            return (ps, port);
+        }
+    }
+    panic!("no free port on every endpoint address");
+}
+
 /// Binds `n` publishers on consecutive ports (data-parallel ranks); retries a few bases.
 pub async fn bind_consecutive(n: u16) -> Vec<Publisher> {
     for attempt in 0..50u16 {
@@ -388,15 +458,16 @@ pub async fn publish_until_seen(
     key: u64,
     probe: &[u8],
 ) {
-    let end = Instant::now() + Duration::from_secs(20);
-    while Instant::now() < end {
-        p.send(probe).await;
-        if svc.inventory(rule, ep).await.contains(&key) {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
+    let seen = Poll::new("the subscriber to see the probe", Duration::from_secs(20))
+        .every(Duration::from_millis(50))
+        .until(async || {
+            p.send(probe).await;
+            Ok(Probe::from(svc.inventory(rule, ep).await.contains(&key)))
+        })
+        .await;
+    if let Err(e) = seen {
+        panic!("{e}; stderr:\n{}", svc.stderr());
     }
-    panic!("subscriber never saw the probe; stderr:\n{}", svc.stderr());
 }
 
 /// Loads a golden vector file from shared/tests/vectors.
@@ -410,79 +481,4 @@ pub fn vectors(name: &str) -> Value {
 
 pub fn hx(v: &Value) -> Vec<u8> {
     hex::decode(v.as_str().unwrap()).unwrap()
-}
-
-/// A real `redis-server` on a free port, persisting nothing, killed on drop.
-pub struct Redis {
-    child: Option<Child>,
-    pub port: u16,
-    dir: PathBuf,
-}
-
-impl Redis {
-    pub fn start() -> Redis {
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
-        let mut r = Redis {
-            child: None,
-            port,
-            dir: tempdir("redis"),
-        };
-        r.restart();
-        r
-    }
-
-    pub fn url(&self) -> String {
-        format!("redis://127.0.0.1:{}", self.port)
-    }
-
-    /// Starts (again) on the same port, empty, and waits until it answers PING.
-    pub fn restart(&mut self) {
-        let child = Command::new("redis-server")
-            .args(["--port", &self.port.to_string(), "--bind", "127.0.0.1"])
-            .args(["--save", "", "--appendonly", "no"])
-            .arg("--dir")
-            .arg(&self.dir)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("redis-server (install it: apt-get install redis-server)");
-        self.child = Some(child);
-        let end = Instant::now() + Duration::from_secs(10);
-        while Instant::now() < end {
-            if self.cli(&["PING"]).trim() == "PONG" {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        panic!("redis-server on port {} did not answer PING", self.port);
-    }
-
-    /// SIGKILL (no goodbye to clients), then reaped.
-    pub fn kill(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-
-    /// One `redis-cli` command's output ("" when the server is down).
-    pub fn cli(&self, args: &[&str]) -> String {
-        Command::new("redis-cli")
-            .args(["-p", &self.port.to_string()])
-            .args(args)
-            .output()
-            .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
-            .unwrap_or_default()
-    }
-}
-
-impl Drop for Redis {
-    fn drop(&mut self) {
-        self.kill();
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
 }

@@ -54,8 +54,7 @@ fn capture() -> Value {
 async fn replays_the_vllm_cpu_capture() {
     let Some(dir) = qwen_dir() else { return };
     let cap = capture();
-    let zp = free_port();
-    let sim = Sim::start(&[
+    let (sim, mut sub, _) = Sim::start_subscribed(&[
         "--engine",
         "vllm",
         "--seed",
@@ -66,22 +65,15 @@ async fn replays_the_vllm_cpu_capture() {
         "4096",
         "--tokenizer-dir",
         dir.to_str().unwrap(),
-        "--zmq-port",
-        &zp.to_string(),
         "--topic",
         "kv-events",
         "--decode-us-per-token",
         "10",
         "--prefill-us-per-token",
         "1",
-    ]);
-    let mut sub = Sub::connect(zp).await;
-    join(&sim, &mut sub).await;
-    reqwest::Client::new()
-        .post(sim.url("/reset_prefix_cache"))
-        .send()
-        .await
-        .unwrap();
+    ])
+    .await;
+    sim.reset_prefix_cache().await;
 
     let c = HashContract::new(HashAlgo::Sha256Cbor, BlockSize::new(16).unwrap()).with_seed("0");
     let mut engine_keys = HashSet::new();
@@ -102,11 +94,7 @@ async fn replays_the_vllm_cpu_capture() {
     for r in cap["requests"].as_array().unwrap() {
         let name = r["name"].as_str().unwrap();
         if name == "A_after_reset" {
-            reqwest::Client::new()
-                .post(sim.url("/reset_prefix_cache"))
-                .send()
-                .await
-                .unwrap();
+            sim.reset_prefix_cache().await;
         }
         let body = json!({"model": "sim-model", "prompt": r["prompt"], "max_tokens": r["usage"]["completion_tokens"]});
         let (_, resp) = post(&sim.url("/v1/completions"), &body).await;
@@ -169,15 +157,7 @@ async fn chat_prompt_tokens_equal_kvroute_core() {
         resp["usage"]["prompt_tokens"].as_u64().unwrap(),
         ids.len() as u64
     );
-    let m: Value = reqwest::Client::new()
-        .post(sim.url("/debug/cache/match"))
-        .json(&body)
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let m: Value = sim.cache_match(&body).await;
     assert_eq!(m["prompt_tokens"].as_u64().unwrap(), ids.len() as u64);
     assert_eq!(
         m["matched_blocks"].as_u64().unwrap(),

@@ -33,23 +33,20 @@ fn output_ids(prompt: &[u32], n: usize) -> Vec<u32> {
 
 #[tokio::test]
 async fn vllm_publishes_core_keys_and_replays_them() {
-    let (zp, rp) = (free_port(), free_port());
-    let sim = Sim::start(&[
+    let rp = free_port();
+    let (sim, mut sub, mut all) = Sim::start_subscribed(&[
         "--engine",
         "vllm",
         "--seed",
         "0",
-        "--zmq-port",
-        &zp.to_string(),
         "--replay-port",
         &rp.to_string(),
         "--decode-us-per-token",
         "10",
         "--name",
         "sim-a",
-    ]);
-    let mut sub = Sub::connect(zp).await;
-    let mut all = join(&sim, &mut sub).await;
+    ])
+    .await;
 
     // 40 prompt tokens + 8 output tokens: 2 prompt blocks, then a third completed by the output.
     let prompt: Vec<u32> = (0..40).map(|t| 1000 + t).collect();
@@ -202,40 +199,24 @@ async fn repeated_prompt_reports_cached_tokens() {
     );
 
     // The oracle's view agrees.
-    let m: Value = reqwest::Client::new()
-        .post(sim.url("/debug/cache/match"))
-        .json(&body)
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let m: Value = sim.cache_match(&body).await;
     assert_eq!(m["matched_blocks"], 6);
     assert_eq!(m["cached_tokens"], 96);
 }
 
 #[tokio::test]
 async fn small_capacity_evicts_tail_first_and_publishes_block_removed() {
-    let zp = free_port();
-    let sim = Sim::start(&[
+    // Probes (2 blocks each) fill and recycle the 4-block cache; start from a clean state after.
+    let (sim, mut sub, _) = Sim::start_subscribed(&[
         "--engine",
         "vllm",
         "--kv-blocks",
         "4",
-        "--zmq-port",
-        &zp.to_string(),
         "--decode-us-per-token",
         "10",
-    ]);
-    let mut sub = Sub::connect(zp).await;
-    // Probes (2 blocks each) fill and recycle the 4-block cache; start from a clean state after.
-    join(&sim, &mut sub).await;
-    reqwest::Client::new()
-        .post(sim.url("/reset_prefix_cache"))
-        .send()
-        .await
-        .unwrap();
+    ])
+    .await;
+    sim.reset_prefix_cache().await;
     sub.until(Duration::from_secs(10), |f| {
         f.events().iter().any(|e| ev_type(e) == "AllBlocksCleared")
     })
@@ -530,19 +511,15 @@ async fn queue_and_simulated_time_shape_ttft() {
 
 #[tokio::test]
 async fn cache_salt_enters_keys_and_events() {
-    let zp = free_port();
-    let sim = Sim::start(&[
+    let (sim, mut sub, _) = Sim::start_subscribed(&[
         "--engine",
         "vllm",
         "--seed",
         "0",
-        "--zmq-port",
-        &zp.to_string(),
         "--decode-us-per-token",
         "10",
-    ]);
-    let mut sub = Sub::connect(zp).await;
-    join(&sim, &mut sub).await;
+    ])
+    .await;
     let prompt: Vec<u32> = (0..33).map(|t| 3000 + t).collect();
     let salted = json!({"prompt": prompt, "max_tokens": 0, "cache_salt": "tenant-a"});
     post(&sim.url("/v1/completions"), &salted).await;

@@ -1,11 +1,11 @@
 //! Test helpers: start the simulator binary on free ports, talk to it over HTTP and ZMQ.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, dead_code)]
 
-use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use kvroute_test_support::{http, ready_line};
 use serde_json::Value;
 use zeromq::{Socket, SocketRecv, SubSocket};
 
@@ -26,11 +26,7 @@ impl Drop for Sim {
 
 /// A port free right now (the simulator binds it a moment later; fine on 127.0.0.1 in tests).
 pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    kvroute_test_support::free_port().unwrap()
 }
 
 /// Two consecutive free ports (for `--dp-ranks 2`).
@@ -53,32 +49,10 @@ impl Sim {
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit());
         let mut child = cmd.spawn().expect("spawn kvroute-engine-sim");
-        let stdout = child.stdout.take().unwrap();
-        let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            let mut lines = BufReader::new(stdout).lines();
-            if let Some(Ok(l)) = lines.next() {
-                let _ = tx.send(l);
-            }
-            // Keep draining so the child never blocks on a full pipe.
-            for _ in lines {}
-        });
-        let line = match rx.recv_timeout(Duration::from_secs(90)) {
-            Ok(l) => l,
-            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
-                let status = child.wait().map(|s| s.to_string()).unwrap_or_default();
-                panic!("simulator exited before its ready line ({status}; its stderr is above)");
-            }
-            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
-                let _ = child.kill();
-                panic!("simulator did not print its ready line within 90 s");
-            }
-        };
-        let addr = line
-            .strip_prefix("listening on ")
-            .and_then(|r| r.split_whitespace().next())
-            .unwrap()
-            .to_string();
+        // The ready line is the first line it prints ("listening on <addr> ...").
+        let line = ready_line(&mut child, "listening on ", Duration::from_secs(90))
+            .unwrap_or_else(|e| panic!("simulator not ready: {e} (its stderr is above)"));
+        let addr = line.split_whitespace().next().unwrap().to_string();
         let find = |flag: &str| {
             args.iter()
                 .position(|a| *a == flag)
@@ -92,8 +66,40 @@ impl Sim {
         }
     }
 
+    /// [`Sim::start`] with a ZMQ publisher on a free port, a SUB connected to it and joined
+    /// (see [`join`]): the simulator, the SUB and what the join received.
+    pub async fn start_subscribed(args: &[&str]) -> (Sim, Sub, Vec<Frame>) {
+        let zp = free_port().to_string();
+        let sim = Sim::start(&[args, &["--zmq-port", &zp]].concat());
+        let mut sub = Sub::connect(sim.zmq_port.unwrap()).await;
+        let joined = join(&sim, &mut sub).await;
+        (sim, sub, joined)
+    }
+
     pub fn url(&self, path: &str) -> String {
         format!("http://{}{}", self.addr, path)
+    }
+
+    /// `POST /reset_prefix_cache` (its answer is not checked).
+    pub async fn reset_prefix_cache(&self) {
+        reqwest::Client::new()
+            .post(self.url("/reset_prefix_cache"))
+            .send()
+            .await
+            .unwrap();
+    }
+
+    /// The cache oracle's answer for a request `body` (`POST /debug/cache/match`).
+    pub async fn cache_match(&self, body: &Value) -> Value {
+        reqwest::Client::new()
+            .post(self.url("/debug/cache/match"))
+            .json(body)
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap()
     }
 
     /// Kills the process now.
@@ -107,7 +113,7 @@ pub async fn post(url: &str, body: &Value) -> (reqwest::header::HeaderMap, Value
     let r = reqwest::Client::new()
         .post(url)
         .json(body)
-        .timeout(Duration::from_secs(30))
+        .timeout(http::TIMEOUT)
         .send()
         .await
         .unwrap();
@@ -119,15 +125,7 @@ pub async fn post(url: &str, body: &Value) -> (reqwest::header::HeaderMap, Value
 }
 
 pub async fn get_text(url: &str) -> String {
-    reqwest::Client::new()
-        .get(url)
-        .timeout(Duration::from_secs(10))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap()
+    http::get(url).await.unwrap().1
 }
 
 /// One decoded PUB message.
