@@ -508,25 +508,35 @@ mod tests {
         }
     }
 
-    fn run(eps: &[EpView], s: &Settings, mode: KvMode, hit_seq: u64) -> Decision {
-        let ring = HashRing::new(
-            &(0..eps.len())
-                .map(|i| format!("10.0.0.{i}:80"))
-                .collect::<Vec<_>>(),
-        );
-        decide(&ScoreInput {
-            exact_mode: mode,
+    /// A single-pool request over `eps` with 10 keys and 160 tokens (each test changes what it
+    /// is about).
+    fn input<'a>(eps: &'a [EpView], ring: &'a HashRing, s: &'a Settings) -> ScoreInput<'a> {
+        ScoreInput {
+            exact_mode: KvMode::SinglePool,
             kv_enabled: true,
             sel: Sel::RoundRobin,
             eps,
             n_keys: 10,
             token_count: 160,
             affinity: None,
-            ring: &ring,
-            hit_seq,
+            ring,
+            hit_seq: 0,
             rr_seq: 0,
             recall: None,
             settings: s,
+        }
+    }
+
+    fn ring(n: usize) -> HashRing {
+        HashRing::new(&(0..n).map(|i| format!("10.0.0.{i}:80")).collect::<Vec<_>>())
+    }
+
+    fn run(eps: &[EpView], s: &Settings, mode: KvMode, hit_seq: u64) -> Decision {
+        let r = ring(eps.len());
+        decide(&ScoreInput {
+            exact_mode: mode,
+            hit_seq,
+            ..input(eps, &r, s)
         })
     }
 
@@ -627,18 +637,11 @@ mod tests {
     fn run_recall(eps: &[EpView], s: &Settings, recall: Option<Recall>) -> Decision {
         let ring = HashRing::new(&["a:1".to_owned(), "b:1".to_owned(), "c:1".to_owned()]);
         decide(&ScoreInput {
-            exact_mode: KvMode::SinglePool,
-            kv_enabled: true,
-            sel: Sel::RoundRobin,
-            eps,
             n_keys: 40,
             token_count: 640,
-            affinity: None,
-            ring: &ring,
-            hit_seq: 0,
             rr_seq: 1,
             recall,
-            settings: s,
+            ..input(eps, &ring, s)
         })
     }
 
@@ -752,24 +755,17 @@ mod tests {
 
     #[test]
     fn consistent_hash_is_sticky_and_skips_unhealthy() {
-        let addrs: Vec<String> = (0..4).map(|i| format!("10.0.0.{i}:80")).collect();
-        let ring = HashRing::new(&addrs);
+        let r = ring(4);
         let mut eps = vec![ep(0, 0); 4];
         let s = Settings::default();
         let mk = |eps: &[EpView], h: u64| {
             decide(&ScoreInput {
-                exact_mode: KvMode::SinglePool,
-                kv_enabled: true,
                 sel: Sel::Hash,
-                eps,
                 n_keys: 1,
                 token_count: 16,
                 affinity: Some(h),
-                ring: &ring,
-                hit_seq: 0,
                 rr_seq: 7,
-                recall: None,
-                settings: &s,
+                ..input(eps, &r, &s)
             })
             .ep
         };
@@ -782,29 +778,6 @@ mod tests {
     }
 
     // ---- one table per step ----
-
-    /// A single-pool request over `eps` with 10 keys and 160 tokens (each table changes what it
-    /// is about).
-    fn input<'a>(eps: &'a [EpView], ring: &'a HashRing, s: &'a Settings) -> ScoreInput<'a> {
-        ScoreInput {
-            exact_mode: KvMode::SinglePool,
-            kv_enabled: true,
-            sel: Sel::RoundRobin,
-            eps,
-            n_keys: 10,
-            token_count: 160,
-            affinity: None,
-            ring,
-            hit_seq: 0,
-            rr_seq: 0,
-            recall: None,
-            settings: s,
-        }
-    }
-
-    fn ring(n: usize) -> HashRing {
-        HashRing::new(&(0..n).map(|i| format!("10.0.0.{i}:80")).collect::<Vec<_>>())
-    }
 
     fn roled(role: Option<EndpointRole>, healthy: bool, load: u64) -> EpView {
         EpView {
