@@ -41,11 +41,13 @@ proxy_wasm::main! {{
     });
 }}
 
-/// The `:status` and body of the callout response being delivered (empty body if unreadable).
-fn call_response(host: &ProxyHost, body_size: usize) -> (Option<String>, Vec<u8>) {
+/// Hands the callout response being delivered to `deliver`: the host, its `:status` and its body
+/// (empty if unreadable).
+fn deliver_call_response(body_size: usize, deliver: impl FnOnce(&ProxyHost, Option<&str>, &[u8])) {
+    let host = ProxyHost;
     let status = host.header(Headers::CallResponse, ":status");
     let body = host.body(Body::CallResponse, body_size).unwrap_or_default();
-    (status, body)
+    deliver(&host, status.as_deref(), &body);
 }
 
 /// The root context: one per VM, owns the [`Plugin`].
@@ -61,10 +63,9 @@ impl Context for Root {
         body_size: usize,
         _num_trailers: usize,
     ) {
-        let host = ProxyHost;
-        let (status, body) = call_response(&host, body_size);
-        self.plugin
-            .on_call_response(&host, token_id, status.as_deref(), &body);
+        deliver_call_response(body_size, |host, status, body| {
+            self.plugin.on_call_response(host, token_id, status, body);
+        });
         self.tick_soon();
     }
 }
@@ -121,10 +122,9 @@ impl Context for Http {
         body_size: usize,
         _num_trailers: usize,
     ) {
-        let host = ProxyHost;
-        let (status, body) = call_response(&host, body_size);
-        self.request
-            .on_route_response(&host, token_id, status.as_deref(), &body);
+        deliver_call_response(body_size, |host, status, body| {
+            self.request.on_route_response(host, token_id, status, body);
+        });
     }
 
     fn on_done(&mut self) -> bool {

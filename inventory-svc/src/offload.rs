@@ -86,12 +86,9 @@ impl TextEncoder for Loaded {
                 let (ids, stats) = lock(fast).encode_prefix(text, cap);
                 Ok((ids, stats.truncated))
             }
-            None => {
-                let mut ids = self.tokenizer.encode(text, add_special_tokens)?;
-                let cut = ids.len() > cap.max_tokens;
-                ids.truncate(cap.max_tokens);
-                Ok((ids, cut.then_some(Truncation::MaxTokens)))
-            }
+            None => self
+                .tokenizer
+                .encode_text_prefix(text, add_special_tokens, cap),
         }
     }
 }

@@ -508,25 +508,35 @@ mod tests {
         }
     }
 
-    fn run(eps: &[EpView], s: &Settings, mode: KvMode, hit_seq: u64) -> Decision {
-        let ring = HashRing::new(
-            &(0..eps.len())
-                .map(|i| format!("10.0.0.{i}:80"))
-                .collect::<Vec<_>>(),
-        );
-        decide(&ScoreInput {
-            exact_mode: mode,
+    /// A single-pool request over `eps` with 10 keys and 160 tokens (each test changes what it
+    /// is about).
+    fn input<'a>(eps: &'a [EpView], ring: &'a HashRing, s: &'a Settings) -> ScoreInput<'a> {
+        ScoreInput {
+            exact_mode: KvMode::SinglePool,
             kv_enabled: true,
             sel: Sel::RoundRobin,
             eps,
             n_keys: 10,
             token_count: 160,
             affinity: None,
-            ring: &ring,
-            hit_seq,
+            ring,
+            hit_seq: 0,
             rr_seq: 0,
             recall: None,
             settings: s,
+        }
+    }
+
+    fn ring(n: usize) -> HashRing {
+        HashRing::new(&(0..n).map(|i| format!("10.0.0.{i}:80")).collect::<Vec<_>>())
+    }
+
+    fn run(eps: &[EpView], s: &Settings, mode: KvMode, hit_seq: u64) -> Decision {
+        let r = ring(eps.len());
+        decide(&ScoreInput {
+            exact_mode: mode,
+            hit_seq,
+            ..input(eps, &r, s)
         })
     }
 
@@ -627,18 +637,11 @@ mod tests {
     fn run_recall(eps: &[EpView], s: &Settings, recall: Option<Recall>) -> Decision {
         let ring = HashRing::new(&["a:1".to_owned(), "b:1".to_owned(), "c:1".to_owned()]);
         decide(&ScoreInput {
-            exact_mode: KvMode::SinglePool,
-            kv_enabled: true,
-            sel: Sel::RoundRobin,
-            eps,
             n_keys: 40,
             token_count: 640,
-            affinity: None,
-            ring: &ring,
-            hit_seq: 0,
             rr_seq: 1,
             recall,
-            settings: s,
+            ..input(eps, &ring, s)
         })
     }
 
@@ -752,24 +755,17 @@ mod tests {
 
     #[test]
     fn consistent_hash_is_sticky_and_skips_unhealthy() {
-        let addrs: Vec<String> = (0..4).map(|i| format!("10.0.0.{i}:80")).collect();
-        let ring = HashRing::new(&addrs);
+        let r = ring(4);
         let mut eps = vec![ep(0, 0); 4];
         let s = Settings::default();
         let mk = |eps: &[EpView], h: u64| {
             decide(&ScoreInput {
-                exact_mode: KvMode::SinglePool,
-                kv_enabled: true,
                 sel: Sel::Hash,
-                eps,
                 n_keys: 1,
                 token_count: 16,
                 affinity: Some(h),
-                ring: &ring,
-                hit_seq: 0,
                 rr_seq: 7,
-                recall: None,
-                settings: &s,
+                ..input(eps, &r, &s)
             })
             .ep
         };
@@ -782,29 +778,6 @@ mod tests {
     }
 
     // ---- one table per step ----
-
-    /// A single-pool request over `eps` with 10 keys and 160 tokens (each table changes what it
-    /// is about).
-    fn input<'a>(eps: &'a [EpView], ring: &'a HashRing, s: &'a Settings) -> ScoreInput<'a> {
-        ScoreInput {
-            exact_mode: KvMode::SinglePool,
-            kv_enabled: true,
-            sel: Sel::RoundRobin,
-            eps,
-            n_keys: 10,
-            token_count: 160,
-            affinity: None,
-            ring,
-            hit_seq: 0,
-            rr_seq: 0,
-            recall: None,
-            settings: s,
-        }
-    }
-
-    fn ring(n: usize) -> HashRing {
-        HashRing::new(&(0..n).map(|i| format!("10.0.0.{i}:80")).collect::<Vec<_>>())
-    }
 
     fn roled(role: Option<EndpointRole>, healthy: bool, load: u64) -> EpView {
         EpView {
@@ -931,6 +904,16 @@ mod tests {
     fn step_overlap_memory_and_caps() {
         let s = Settings::default();
         let r = ring(3);
+        // (overlap, hot, over the cap, full) of `eps` with `recall` remembered
+        let scored = |eps: &[EpView], recall: Option<Recall>, relief: bool| {
+            let inp = ScoreInput {
+                recall,
+                ..input(eps, &r, &s)
+            };
+            let pool = Pool::of(&inp);
+            let sc = Scored::of(&inp, &pool, relief);
+            (sc.overlap, sc.hot, sc.over, sc.full)
+        };
         let home = |depth, heat_permille| {
             Some(Recall {
                 ep: 0,
@@ -938,71 +921,32 @@ mod tests {
                 heat_permille,
             })
         };
-        // (endpoints, recall, relief) -> (overlap, hot, over the cap, full)
-        let table = [
-            // No memory: the exact match. Caps of 1.75 x (7+1)/3 = 5: ep0 at 5 is over.
-            (
-                vec![ep(4, 5), ep(2, 1), ep(0, 1)],
-                None,
-                true,
-                (
-                    vec![4, 2, 0],
-                    false,
-                    vec![true, false, false],
-                    vec![true, false, false],
-                ),
-            ),
-            // The home counts the remembered depth when longer, never shorter.
-            (
-                vec![ep(4, 0), ep(2, 0), ep(0, 0)],
-                home(32, 0),
-                true,
-                (vec![32, 2, 0], false, vec![false; 3], vec![false; 3]),
-            ),
-            (
-                vec![ep(40, 0), ep(2, 0), ep(0, 0)],
-                home(32, 0),
-                true,
-                (vec![40, 2, 0], false, vec![false; 3], vec![false; 3]),
-            ),
-            // Hot (80% of the requests on a third of the weight): full at its fair share and
-            // an engine batch (4 of 7+1 over 3: fair share 3, batch 4).
-            (
-                vec![ep(4, 4), ep(0, 2), ep(0, 1)],
-                home(32, 800),
-                true,
-                (
-                    vec![32, 0, 0],
-                    true,
-                    vec![false; 3],
-                    vec![true, false, false],
-                ),
-            ),
-            // Not hot without spill relief, nor at 60% (not more than the 60% bound).
-            (
-                vec![ep(4, 4), ep(0, 2), ep(0, 1)],
-                home(32, 800),
-                false,
-                (vec![32, 0, 0], false, vec![false; 3], vec![false; 3]),
-            ),
-            (
-                vec![ep(4, 4), ep(0, 2), ep(0, 1)],
-                home(32, 600),
-                true,
-                (vec![32, 0, 0], false, vec![false; 3], vec![false; 3]),
-            ),
-        ];
-        for (eps, recall, relief, (overlap, hot, over, full)) in table {
-            let inp = ScoreInput {
-                recall,
-                ..input(&eps, &r, &s)
-            };
-            let pool = Pool::of(&inp);
-            let sc = Scored::of(&inp, &pool, relief);
+        let none = || vec![false; 3];
+
+        // No memory: the exact match. Caps of 1.75 x (7+1)/3 = 5: ep0 at 5 is over.
+        let ep0 = vec![true, false, false];
+        assert_eq!(
+            scored(&[ep(4, 5), ep(2, 1), ep(0, 1)], None, true),
+            (vec![4, 2, 0], false, ep0.clone(), ep0)
+        );
+        // The home counts the remembered depth when longer, never shorter.
+        for (exact, want) in [(4, 32), (40, 40)] {
+            let eps = [ep(exact, 0), ep(2, 0), ep(0, 0)];
             assert_eq!(
-                (sc.overlap, sc.hot, sc.over, sc.full),
-                (overlap, hot, over, full),
-                "{eps:?} {recall:?}"
+                scored(&eps, home(32, 0), true),
+                (vec![want, 2, 0], false, none(), none()),
+                "{exact}"
+            );
+        }
+        // Hot (80% of the requests on a third of the weight): full at its fair share and an
+        // engine batch (4 of 7+1 over 3: fair share 3, batch 4). Not hot without spill relief,
+        // nor at 60% (not more than the 60% bound).
+        let eps = [ep(4, 4), ep(0, 2), ep(0, 1)];
+        for (heat, relief, hot) in [(800, true, true), (800, false, false), (600, true, false)] {
+            assert_eq!(
+                scored(&eps, home(32, heat), relief),
+                (vec![32, 0, 0], hot, none(), vec![hot, false, false]),
+                "{heat} {relief}"
             );
         }
     }

@@ -81,52 +81,29 @@ pub(super) fn validate(raw: &RawRule, settings: &Settings) -> Result<Rule, RuleE
         )
     });
 
-    let (
-        Some(external_ip),
-        Some(port),
-        Some(protocol),
-        Some(sel),
-        Some(mode),
-        Some(engine),
-        Some(kv_mode),
-        Some(kv),
-        Some(endpoints),
-        Some(secondary_ips),
-        Some(allowed_sources),
-    ) = (
-        external_ip,
-        port,
-        protocol,
-        sel,
-        mode,
-        engine,
-        kv_mode,
-        kv,
-        endpoints,
-        secondary_ips,
-        allowed_sources,
-    )
-    else {
-        return Err(RuleErrors(c.0));
-    };
-    if !c.0.is_empty() {
-        return Err(RuleErrors(c.0));
+    // Every parser that returned None pushed its error, so a missing field means `c` is not empty.
+    let rule = (|| {
+        let (external_ip, port, protocol) = (external_ip?, port?, protocol?);
+        Some(Rule {
+            id: RuleId::new(external_ip, port, protocol),
+            name: a.name.clone(),
+            external_ip,
+            port,
+            protocol,
+            sel: sel?,
+            mode: mode?,
+            engine: engine?,
+            kv_mode: kv_mode?,
+            kv: kv?,
+            endpoints: endpoints?,
+            secondary_ips: secondary_ips?,
+            allowed_sources: allowed_sources?,
+        })
+    })();
+    match rule {
+        Some(rule) if c.0.is_empty() => Ok(rule),
+        _ => Err(RuleErrors(c.0)),
     }
-    Ok(Rule {
-        id: RuleId::new(external_ip, port, protocol),
-        name: a.name.clone(),
-        external_ip,
-        port,
-        protocol,
-        sel,
-        mode,
-        engine,
-        kv_mode,
-        kv,
-        endpoints,
-        secondary_ips,
-        allowed_sources,
-    })
 }
 
 /// A field whose wire value is a small number naming an enum variant.
