@@ -469,6 +469,27 @@ pub struct Bootstrap<'a> {
     pub without_filter: bool,
 }
 
+impl<'a> Bootstrap<'a> {
+    /// The filter in front of `engines` with the inventory at `inventory`; the ports are left 0
+    /// for [`Gateway::start`] to choose.
+    pub fn new(
+        engines: &'a [&'a Engine],
+        inventory: SocketAddr,
+        plugin: Value,
+        variant: Variant,
+    ) -> Bootstrap<'a> {
+        Bootstrap {
+            listener_port: 0,
+            admin_port: 0,
+            engines,
+            inventory,
+            plugin,
+            variant,
+            without_filter: false,
+        }
+    }
+}
+
 fn sock(addr: &str, port: u16) -> Value {
     json!({"socket_address": {"address": addr, "port_value": port}})
 }

@@ -211,16 +211,9 @@ fn body() -> Vec<u8> {
     .unwrap()
 }
 
+/// The shipped filter placement in front of `engines`, asking `inventory`.
 fn bootstrap<'a>(engines: &'a [&'a Engine], inventory: SocketAddr, plugin: Value) -> Bootstrap<'a> {
-    Bootstrap {
-        listener_port: 0,
-        admin_port: 0,
-        engines,
-        inventory,
-        plugin,
-        variant: Variant::EnvoyFilter,
-        without_filter: false,
-    }
+    Bootstrap::new(engines, inventory, plugin, Variant::EnvoyFilter)
 }
 
 /// What one request did: the response's engine, the request as the engine received it, the time.
