@@ -569,26 +569,12 @@ pub fn bootstrap(b: &Bootstrap<'_>) -> Result<Value> {
         .iter()
         .map(|e| json!({"endpoint": {"address": sock("127.0.0.1", e.addr.port())}}))
         .collect();
+    let route = json!({"match": {"prefix": "/"}, "route": {"cluster": "engines", "timeout": "0s"},
+                       "request_body_buffer_limit": 16777216});
     Ok(json!({
         "admin": {"address": sock("127.0.0.1", b.admin_port)},
         "static_resources": {
-            "listeners": [{
-                "name": "ingress",
-                "address": sock("127.0.0.1", b.listener_port),
-                "filter_chains": [{"filters": [{
-                    "name": "envoy.filters.network.http_connection_manager",
-                    "typed_config": {
-                        "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
-                        "stat_prefix": "ingress",
-                        "route_config": {"virtual_hosts": [{
-                            "name": "all", "domains": ["*"],
-                            "routes": [{"match": {"prefix": "/"}, "route": {"cluster": "engines", "timeout": "0s"},
-                                        "request_body_buffer_limit": 16777216}]
-                        }]},
-                        "http_filters": filters
-                    }
-                }]}]
-            }],
+            "listeners": [ingress_listener(b.listener_port, route, json!(filters))],
             "clusters": [
                 {
                     "name": "engines", "type": "STATIC", "connect_timeout": "1s", "lb_policy": "ROUND_ROBIN",
@@ -611,6 +597,24 @@ pub fn bootstrap(b: &Bootstrap<'_>) -> Result<Value> {
             ]
         }
     }))
+}
+
+/// The `ingress` listener on 127.0.0.1:`port`: an HTTP connection manager that runs
+/// `http_filters` (a JSON array) and has one route, `route`, for every host.
+pub fn ingress_listener(port: u16, route: Value, http_filters: Value) -> Value {
+    json!({
+        "name": "ingress",
+        "address": sock("127.0.0.1", port),
+        "filter_chains": [{"filters": [{
+            "name": "envoy.filters.network.http_connection_manager",
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
+                "stat_prefix": "ingress",
+                "route_config": {"virtual_hosts": [{"name": "all", "domains": ["*"], "routes": [route]}]},
+                "http_filters": http_filters
+            }
+        }]}]
+    })
 }
 
 /// The filters an Istio WasmPlugin deployment adds after the kvroute Wasm filter (shipped as
