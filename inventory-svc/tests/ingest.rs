@@ -210,28 +210,26 @@ async fn gap_without_replay_clears_and_restart_clears() {
     p.send(&batch(vec![stored(&[0x99], &[], false)])).await;
     svc.wait_inventory("clear after gap", (RULE, 0), &[0x99])
         .await;
-    let m = svc.metrics().await;
-    assert_metrics(
-        &m,
+    svc.assert_metrics(
         r#"
         kvroute_ingest_seq_gaps_total{engine="vllm"} 1
         kvroute_ingest_clears_total{cause="gap",engine="vllm"} 1
         "#,
-    );
+    )
+    .await;
 
     // Restart: the sequence is back at 0 -> clear, then ingest.
     p.send_seq(0, &batch(vec![stored(&[0x55], &[], false)]))
         .await;
     svc.wait_inventory("clear after restart", (RULE, 0), &[0x55])
         .await;
-    let m = svc.metrics().await;
-    assert_metrics(
-        &m,
+    svc.assert_metrics(
         r#"
         kvroute_ingest_clears_total{cause="restart",engine="vllm"} 1
         kvroute_index_blocks{ep="0",rule="10.0.0.1:8080/tcp"} 1
         "#,
-    );
+    )
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -288,13 +286,11 @@ async fn malformed_events_are_counted_and_the_key_cap_holds() {
     })
     .await;
     assert!(!svc.inventory(RULE, 0).await.contains(&0x77));
-    let m = svc.metrics().await;
-    assert_metric(
-        &m,
+    counted_once_in_parity(
+        &svc,
         r#"kvroute_ingest_malformed_events_total{engine="vllm",reason="bad_token_ids"}"#,
-        1.0,
-    );
-    assert_absent(&m, "kvroute_ingest_parity_mismatches_total");
+    )
+    .await;
     // The per-endpoint key cap: stores past it are refused and counted.
     for i in 0..10u64 {
         let keys: Vec<u64> = (0..5).map(|j| 0x1000 + i * 5 + j).collect();
@@ -371,13 +367,11 @@ async fn sglang_three_ranks_union_into_one_endpoint() {
         3.0,
     )
     .await;
-    let m = svc.metrics().await;
-    assert_metric(
-        &m,
+    let m = counted_once_in_parity(
+        &svc,
         r#"kvroute_ingest_clears_total{cause="event",engine="sglang"}"#,
-        1.0,
-    );
-    assert_absent(&m, "kvroute_ingest_parity_mismatches_total");
+    )
+    .await;
     for rank in 0..3 {
         assert_eq!(
             metric(
@@ -441,15 +435,14 @@ async fn trtllm_drain_is_rehashed_from_tokens() {
     .await;
     queue.lock().unwrap().push(json!({"event_id": 2, "data": {"type": "removed", "block_hashes": [502]}, "window_size": 16}));
     svc.wait_inventory("removal mapped", (RULE, 0), &[k0]).await;
-    let m = svc.metrics().await;
-    assert_metrics(
-        &m,
+    svc.assert_metrics(
         r#"
         kvroute_ingest_events_total{engine="trtllm",type="block_stored"} 1
         kvroute_ingest_unkeyed_blocks_total{engine="trtllm"} 1
         kvroute_ingest_subscriber_connected{ep="0",rank="0",rule="10.0.0.1:8080/tcp"} 1
         "#,
-    );
+    )
+    .await;
     assert!(calls.load(std::sync::atomic::Ordering::Relaxed) >= 2);
     server.abort();
 }
@@ -572,4 +565,14 @@ async fn publisher_restart_reconnects_and_clears() {
         r#"kvroute_ingest_clears_total{cause="restart",engine="vllm"}"#,
         1.0,
     );
+}
+
+/// The metrics after an ingest step, asserting that `series` reads 1 and that no parity mismatch
+/// was counted (the keys the service computed agree with the engine's); returned for more checks
+/// on the same snapshot.
+async fn counted_once_in_parity(svc: &Service, series: &str) -> String {
+    let m = svc.metrics().await;
+    assert_metric(&m, series, 1.0);
+    assert_absent(&m, "kvroute_ingest_parity_mismatches_total");
+    m
 }
