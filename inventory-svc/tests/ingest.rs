@@ -33,6 +33,16 @@ async fn subscribed(svc: &Service, p: &mut Publisher) {
     .await;
 }
 
+/// A publisher and the service `tag` with one vLLM rule over it (`extra` merged into the rule,
+/// `env` set for the service), once the service is subscribed.
+async fn subscribed_vllm(tag: &str, extra: Value, env: &[(&str, &str)]) -> (Publisher, Service) {
+    let mut p = Publisher::bind(0).await.unwrap();
+    let r = vllm_rule(p.port, extra);
+    let svc = Service::start(tag, &json!([r]), env);
+    subscribed(&svc, &mut p).await;
+    (p, svc)
+}
+
 fn vllm_keys() -> (Vec<u64>, Vec<u32>) {
     let v = vectors("vllm-0.33.0.json");
     let hv = v["hash_vectors"]
@@ -52,10 +62,7 @@ fn vllm_keys() -> (Vec<u64>, Vec<u32>) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn vllm_golden_and_generated_payloads_feed_the_index() {
-    let mut p = Publisher::bind(0).await.unwrap();
-    let r = vllm_rule(p.port, json!({"kvHashAlgo": "sha256_cbor"}));
-    let svc = Service::start("vllm", &json!([r]), &[]);
-    subscribed(&svc, &mut p).await;
+    let (mut p, svc) = subscribed_vllm("vllm", json!({"kvHashAlgo": "sha256_cbor"}), &[]).await;
 
     let (keys, tokens) = vllm_keys();
     p.send(&batch(vec![stored(&keys, &tokens, false)])).await;
@@ -106,10 +113,12 @@ async fn vllm_golden_and_generated_payloads_feed_the_index() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn parity_self_check_names_the_wrong_seed() {
-    let mut p = Publisher::bind(0).await.unwrap();
-    let r = vllm_rule(p.port, json!({"kvHashAlgo": "sha256_cbor"}));
-    let svc = Service::start("parity", &json!([r]), &[("LLB_KV_NONE_HASH_SEED", "1234")]);
-    subscribed(&svc, &mut p).await;
+    let (mut p, svc) = subscribed_vllm(
+        "parity",
+        json!({"kvHashAlgo": "sha256_cbor"}),
+        &[("LLB_KV_NONE_HASH_SEED", "1234")],
+    )
+    .await;
     let (keys, tokens) = vllm_keys();
     p.send(&batch(vec![stored(&keys, &tokens, false)])).await;
     svc.wait_metric(
@@ -200,10 +209,7 @@ async fn gap_is_replayed_through_a_dealer() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn gap_without_replay_clears_and_restart_clears() {
-    let mut p = Publisher::bind(0).await.unwrap();
-    let r = vllm_rule(p.port, json!({}));
-    let svc = Service::start("gap", &json!([r]), &[]);
-    subscribed(&svc, &mut p).await;
+    let (mut p, svc) = subscribed_vllm("gap", json!({}), &[]).await;
 
     // Gap: one batch lost, no replay endpoint -> the endpoint's inventory is cleared and rebuilt.
     p.seq += 1;
@@ -234,10 +240,7 @@ async fn gap_without_replay_clears_and_restart_clears() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn out_of_range_sequence_does_not_stall_the_endpoint() {
-    let mut p = Publisher::bind(0).await.unwrap();
-    let r = vllm_rule(p.port, json!({}));
-    let svc = Service::start("seqjump", &json!([r]), &[]);
-    subscribed(&svc, &mut p).await;
+    let (mut p, svc) = subscribed_vllm("seqjump", json!({}), &[]).await;
 
     // One frame with an out-of-range sequence (a gap: cleared), then the publisher goes on in order.
     p.send_seq(1 << 62, &batch(vec![stored(&[0x11], &[], false)]))
@@ -263,14 +266,12 @@ async fn out_of_range_sequence_does_not_stall_the_endpoint() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn malformed_events_are_counted_and_the_key_cap_holds() {
-    let mut p = Publisher::bind(0).await.unwrap();
-    let r = vllm_rule(p.port, json!({"kvHashAlgo": "sha256_cbor"}));
-    let svc = Service::start(
+    let (mut p, svc) = subscribed_vllm(
         "malformed",
-        &json!([r]),
+        json!({"kvHashAlgo": "sha256_cbor"}),
         &[("KVROUTE_MAX_KEYS_PER_ENDPOINT", "20")],
-    );
-    subscribed(&svc, &mut p).await;
+    )
+    .await;
     // A token id >= 2^32 rejects its event (malformed, not a parity mismatch); the rest applies.
     let mut bad = stored(&[0x77], &[], false);
     if let rmpv::Value::Map(m) = &mut bad {
