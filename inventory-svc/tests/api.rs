@@ -460,14 +460,7 @@ async fn spill_and_cold_seed_metrics() {
         (Some("spill"), Some("127.0.0.2:1")),
         "{b}"
     );
-    let m = svc.metrics().await;
-    assert_metrics(
-        &m,
-        r#"
-        kvroute_tier15_spills_total 1
-        kvroute_route_decisions_total{reason="spill",tier="tier15"} 1
-        "#,
-    );
+    assert_tier15_decisions(&svc, "spill", "kvroute_tier15_spills_total", 1).await;
 
     // Cold-start seeding: every 2nd hit goes to the endpoint holding fewer than 1 block.
     let mut p = Publisher::bind(0).await.unwrap();
@@ -499,14 +492,14 @@ async fn spill_and_cold_seed_metrics() {
             "cold_seed@127.0.0.2:1"
         ]
     );
-    let m = svc.metrics().await;
-    assert_metrics(
-        &m,
-        r#"
-        kvroute_tier15_cold_seeds_total 2
-        kvroute_route_decisions_total{reason="cold_seed",tier="tier15"} 2
-        "#,
-    );
+    assert_tier15_decisions(&svc, "cold_seed", "kvroute_tier15_cold_seeds_total", 2).await;
+}
+
+/// Asserts `n` tier-1.5 decisions for `reason`, in the decisions counter and in `counter`.
+async fn assert_tier15_decisions(svc: &Service, reason: &str, counter: &str, n: u32) {
+    let decisions = format!(r#"kvroute_route_decisions_total{{reason="{reason}",tier="tier15"}}"#);
+    svc.assert_metrics(&format!("{counter} {n}\n{decisions} {n}"))
+        .await;
 }
 
 fn qwen3_fixture() -> std::path::PathBuf {

@@ -33,6 +33,16 @@ async fn subscribed(svc: &Service, p: &mut Publisher) {
     .await;
 }
 
+/// A publisher and the service `tag` with one vLLM rule over it (`extra` merged into the rule,
+/// `env` set for the service), once the service is subscribed.
+async fn subscribed_vllm(tag: &str, extra: Value, env: &[(&str, &str)]) -> (Publisher, Service) {
+    let mut p = Publisher::bind(0).await.unwrap();
+    let r = vllm_rule(p.port, extra);
+    let svc = Service::start(tag, &json!([r]), env);
+    subscribed(&svc, &mut p).await;
+    (p, svc)
+}
+
 fn vllm_keys() -> (Vec<u64>, Vec<u32>) {
     let v = vectors("vllm-0.33.0.json");
     let hv = v["hash_vectors"]
@@ -52,10 +62,7 @@ fn vllm_keys() -> (Vec<u64>, Vec<u32>) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn vllm_golden_and_generated_payloads_feed_the_index() {
-    let mut p = Publisher::bind(0).await.unwrap();
-    let r = vllm_rule(p.port, json!({"kvHashAlgo": "sha256_cbor"}));
-    let svc = Service::start("vllm", &json!([r]), &[]);
-    subscribed(&svc, &mut p).await;
+    let (mut p, svc) = subscribed_vllm("vllm", json!({"kvHashAlgo": "sha256_cbor"}), &[]).await;
 
     let (keys, tokens) = vllm_keys();
     p.send(&batch(vec![stored(&keys, &tokens, false)])).await;
@@ -106,10 +113,12 @@ async fn vllm_golden_and_generated_payloads_feed_the_index() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn parity_self_check_names_the_wrong_seed() {
-    let mut p = Publisher::bind(0).await.unwrap();
-    let r = vllm_rule(p.port, json!({"kvHashAlgo": "sha256_cbor"}));
-    let svc = Service::start("parity", &json!([r]), &[("LLB_KV_NONE_HASH_SEED", "1234")]);
-    subscribed(&svc, &mut p).await;
+    let (mut p, svc) = subscribed_vllm(
+        "parity",
+        json!({"kvHashAlgo": "sha256_cbor"}),
+        &[("LLB_KV_NONE_HASH_SEED", "1234")],
+    )
+    .await;
     let (keys, tokens) = vllm_keys();
     p.send(&batch(vec![stored(&keys, &tokens, false)])).await;
     svc.wait_metric(
@@ -200,46 +209,38 @@ async fn gap_is_replayed_through_a_dealer() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn gap_without_replay_clears_and_restart_clears() {
-    let mut p = Publisher::bind(0).await.unwrap();
-    let r = vllm_rule(p.port, json!({}));
-    let svc = Service::start("gap", &json!([r]), &[]);
-    subscribed(&svc, &mut p).await;
+    let (mut p, svc) = subscribed_vllm("gap", json!({}), &[]).await;
 
     // Gap: one batch lost, no replay endpoint -> the endpoint's inventory is cleared and rebuilt.
     p.seq += 1;
     p.send(&batch(vec![stored(&[0x99], &[], false)])).await;
     svc.wait_inventory("clear after gap", (RULE, 0), &[0x99])
         .await;
-    let m = svc.metrics().await;
-    assert_metrics(
-        &m,
+    svc.assert_metrics(
         r#"
         kvroute_ingest_seq_gaps_total{engine="vllm"} 1
         kvroute_ingest_clears_total{cause="gap",engine="vllm"} 1
         "#,
-    );
+    )
+    .await;
 
     // Restart: the sequence is back at 0 -> clear, then ingest.
     p.send_seq(0, &batch(vec![stored(&[0x55], &[], false)]))
         .await;
     svc.wait_inventory("clear after restart", (RULE, 0), &[0x55])
         .await;
-    let m = svc.metrics().await;
-    assert_metrics(
-        &m,
+    svc.assert_metrics(
         r#"
         kvroute_ingest_clears_total{cause="restart",engine="vllm"} 1
         kvroute_index_blocks{ep="0",rule="10.0.0.1:8080/tcp"} 1
         "#,
-    );
+    )
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn out_of_range_sequence_does_not_stall_the_endpoint() {
-    let mut p = Publisher::bind(0).await.unwrap();
-    let r = vllm_rule(p.port, json!({}));
-    let svc = Service::start("seqjump", &json!([r]), &[]);
-    subscribed(&svc, &mut p).await;
+    let (mut p, svc) = subscribed_vllm("seqjump", json!({}), &[]).await;
 
     // One frame with an out-of-range sequence (a gap: cleared), then the publisher goes on in order.
     p.send_seq(1 << 62, &batch(vec![stored(&[0x11], &[], false)]))
@@ -265,14 +266,12 @@ async fn out_of_range_sequence_does_not_stall_the_endpoint() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn malformed_events_are_counted_and_the_key_cap_holds() {
-    let mut p = Publisher::bind(0).await.unwrap();
-    let r = vllm_rule(p.port, json!({"kvHashAlgo": "sha256_cbor"}));
-    let svc = Service::start(
+    let (mut p, svc) = subscribed_vllm(
         "malformed",
-        &json!([r]),
+        json!({"kvHashAlgo": "sha256_cbor"}),
         &[("KVROUTE_MAX_KEYS_PER_ENDPOINT", "20")],
-    );
-    subscribed(&svc, &mut p).await;
+    )
+    .await;
     // A token id >= 2^32 rejects its event (malformed, not a parity mismatch); the rest applies.
     let mut bad = stored(&[0x77], &[], false);
     if let rmpv::Value::Map(m) = &mut bad {
@@ -288,13 +287,11 @@ async fn malformed_events_are_counted_and_the_key_cap_holds() {
     })
     .await;
     assert!(!svc.inventory(RULE, 0).await.contains(&0x77));
-    let m = svc.metrics().await;
-    assert_metric(
-        &m,
+    counted_once_in_parity(
+        &svc,
         r#"kvroute_ingest_malformed_events_total{engine="vllm",reason="bad_token_ids"}"#,
-        1.0,
-    );
-    assert_absent(&m, "kvroute_ingest_parity_mismatches_total");
+    )
+    .await;
     // The per-endpoint key cap: stores past it are refused and counted.
     for i in 0..10u64 {
         let keys: Vec<u64> = (0..5).map(|j| 0x1000 + i * 5 + j).collect();
@@ -371,13 +368,11 @@ async fn sglang_three_ranks_union_into_one_endpoint() {
         3.0,
     )
     .await;
-    let m = svc.metrics().await;
-    assert_metric(
-        &m,
+    let m = counted_once_in_parity(
+        &svc,
         r#"kvroute_ingest_clears_total{cause="event",engine="sglang"}"#,
-        1.0,
-    );
-    assert_absent(&m, "kvroute_ingest_parity_mismatches_total");
+    )
+    .await;
     for rank in 0..3 {
         assert_eq!(
             metric(
@@ -441,15 +436,14 @@ async fn trtllm_drain_is_rehashed_from_tokens() {
     .await;
     queue.lock().unwrap().push(json!({"event_id": 2, "data": {"type": "removed", "block_hashes": [502]}, "window_size": 16}));
     svc.wait_inventory("removal mapped", (RULE, 0), &[k0]).await;
-    let m = svc.metrics().await;
-    assert_metrics(
-        &m,
+    svc.assert_metrics(
         r#"
         kvroute_ingest_events_total{engine="trtllm",type="block_stored"} 1
         kvroute_ingest_unkeyed_blocks_total{engine="trtllm"} 1
         kvroute_ingest_subscriber_connected{ep="0",rank="0",rule="10.0.0.1:8080/tcp"} 1
         "#,
-    );
+    )
+    .await;
     assert!(calls.load(std::sync::atomic::Ordering::Relaxed) >= 2);
     server.abort();
 }
@@ -572,4 +566,14 @@ async fn publisher_restart_reconnects_and_clears() {
         r#"kvroute_ingest_clears_total{cause="restart",engine="vllm"}"#,
         1.0,
     );
+}
+
+/// The metrics after an ingest step, asserting that `series` reads 1 and that no parity mismatch
+/// was counted (the keys the service computed agree with the engine's); returned for more checks
+/// on the same snapshot.
+async fn counted_once_in_parity(svc: &Service, series: &str) -> String {
+    let m = svc.metrics().await;
+    assert_metric(&m, series, 1.0);
+    assert_absent(&m, "kvroute_ingest_parity_mismatches_total");
+    m
 }

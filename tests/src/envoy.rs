@@ -469,6 +469,27 @@ pub struct Bootstrap<'a> {
     pub without_filter: bool,
 }
 
+impl<'a> Bootstrap<'a> {
+    /// The filter in front of `engines` with the inventory at `inventory`; the ports are left 0
+    /// for [`Gateway::start`] to choose.
+    pub fn new(
+        engines: &'a [&'a Engine],
+        inventory: SocketAddr,
+        plugin: Value,
+        variant: Variant,
+    ) -> Bootstrap<'a> {
+        Bootstrap {
+            listener_port: 0,
+            admin_port: 0,
+            engines,
+            inventory,
+            plugin,
+            variant,
+            without_filter: false,
+        }
+    }
+}
+
 fn sock(addr: &str, port: u16) -> Value {
     json!({"socket_address": {"address": addr, "port_value": port}})
 }
@@ -548,26 +569,12 @@ pub fn bootstrap(b: &Bootstrap<'_>) -> Result<Value> {
         .iter()
         .map(|e| json!({"endpoint": {"address": sock("127.0.0.1", e.addr.port())}}))
         .collect();
+    let route = json!({"match": {"prefix": "/"}, "route": {"cluster": "engines", "timeout": "0s"},
+                       "request_body_buffer_limit": 16777216});
     Ok(json!({
         "admin": {"address": sock("127.0.0.1", b.admin_port)},
         "static_resources": {
-            "listeners": [{
-                "name": "ingress",
-                "address": sock("127.0.0.1", b.listener_port),
-                "filter_chains": [{"filters": [{
-                    "name": "envoy.filters.network.http_connection_manager",
-                    "typed_config": {
-                        "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
-                        "stat_prefix": "ingress",
-                        "route_config": {"virtual_hosts": [{
-                            "name": "all", "domains": ["*"],
-                            "routes": [{"match": {"prefix": "/"}, "route": {"cluster": "engines", "timeout": "0s"},
-                                        "request_body_buffer_limit": 16777216}]
-                        }]},
-                        "http_filters": filters
-                    }
-                }]}]
-            }],
+            "listeners": [ingress_listener(b.listener_port, route, json!(filters))],
             "clusters": [
                 {
                     "name": "engines", "type": "STATIC", "connect_timeout": "1s", "lb_policy": "ROUND_ROBIN",
@@ -590,6 +597,24 @@ pub fn bootstrap(b: &Bootstrap<'_>) -> Result<Value> {
             ]
         }
     }))
+}
+
+/// The `ingress` listener on 127.0.0.1:`port`: an HTTP connection manager that runs
+/// `http_filters` (a JSON array) and has one route, `route`, for every host.
+pub fn ingress_listener(port: u16, route: Value, http_filters: Value) -> Value {
+    json!({
+        "name": "ingress",
+        "address": sock("127.0.0.1", port),
+        "filter_chains": [{"filters": [{
+            "name": "envoy.filters.network.http_connection_manager",
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
+                "stat_prefix": "ingress",
+                "route_config": {"virtual_hosts": [{"name": "all", "domains": ["*"], "routes": [route]}]},
+                "http_filters": http_filters
+            }
+        }]}]
+    })
 }
 
 /// The filters an Istio WasmPlugin deployment adds after the kvroute Wasm filter (shipped as

@@ -8,6 +8,7 @@
 
 use std::time::Duration;
 
+use kvroute_tests::envoy;
 use kvroute_tests::harness::{self, Backend, Envoy, BACKEND_HEADER};
 use kvroute_tests::wasm::FilterModule;
 use serde_json::{json, Value};
@@ -20,51 +21,37 @@ const REQUESTS_STAT: &str = "wasmcustom.kvroute_filter_requests_total";
 fn smoke_config(listener_port: u16, admin_port: u16, backend: &Backend) -> Value {
     let wasm = harness::wasm_module().expect("filter .wasm");
     let addr = |port: u16| json!({"socket_address": {"address": "127.0.0.1", "port_value": port}});
+    let http_filters = json!([
+        {
+            "name": "envoy.filters.http.wasm",
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm",
+                "config": {
+                    "name": "kvroute",
+                    "failure_policy": "FAIL_OPEN",
+                    "allow_on_headers_stop_iteration": true,
+                    "configuration": {
+                        "@type": "type.googleapis.com/google.protobuf.StringValue",
+                        "value": "{}"
+                    },
+                    "vm_config": {
+                        "vm_id": "kvroute",
+                        "runtime": "envoy.wasm.runtime.v8",
+                        "code": {"local": {"filename": wasm}}
+                    }
+                }
+            }
+        },
+        {
+            "name": "envoy.filters.http.router",
+            "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}
+        }
+    ]);
+    let route = json!({"match": {"prefix": "/"}, "route": {"cluster": "engines"}});
     json!({
         "admin": {"address": addr(admin_port)},
         "static_resources": {
-            "listeners": [{
-                "name": "ingress",
-                "address": addr(listener_port),
-                "filter_chains": [{"filters": [{
-                    "name": "envoy.filters.network.http_connection_manager",
-                    "typed_config": {
-                        "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
-                        "stat_prefix": "ingress",
-                        "route_config": {"virtual_hosts": [{
-                            "name": "all",
-                            "domains": ["*"],
-                            "routes": [{"match": {"prefix": "/"}, "route": {"cluster": "engines"}}]
-                        }]},
-                        "http_filters": [
-                            {
-                                "name": "envoy.filters.http.wasm",
-                                "typed_config": {
-                                    "@type": "type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm",
-                                    "config": {
-                                        "name": "kvroute",
-                                        "failure_policy": "FAIL_OPEN",
-                                        "allow_on_headers_stop_iteration": true,
-                                        "configuration": {
-                                            "@type": "type.googleapis.com/google.protobuf.StringValue",
-                                            "value": "{}"
-                                        },
-                                        "vm_config": {
-                                            "vm_id": "kvroute",
-                                            "runtime": "envoy.wasm.runtime.v8",
-                                            "code": {"local": {"filename": wasm}}
-                                        }
-                                    }
-                                }
-                            },
-                            {
-                                "name": "envoy.filters.http.router",
-                                "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}
-                            }
-                        ]
-                    }
-                }]}]
-            }],
+            "listeners": [envoy::ingress_listener(listener_port, route, http_filters)],
             "clusters": [{
                 "name": "engines",
                 "type": "STATIC",

@@ -8,6 +8,7 @@
 //! unpinned with the body byte-for-byte; response usage lands in the filter's stats.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use kvroute_tests::envoy::{
@@ -35,21 +36,10 @@ fn chat_body(extra: Value) -> Vec<u8> {
     serde_json::to_vec(&v).unwrap()
 }
 
-fn bootstrap<'a>(
-    engines: &'a [&'a Engine],
-    inventory: std::net::SocketAddr,
-    plugin: Value,
-    variant: Variant,
-) -> Bootstrap<'a> {
-    Bootstrap {
-        listener_port: 0,
-        admin_port: 0,
-        engines,
-        inventory,
-        plugin,
-        variant,
-        without_filter: false,
-    }
+/// Starts Envoy with the filter placed as in envoy/envoy.yaml in front of `engines`.
+async fn gateway(engines: &[&Engine], inventory: SocketAddr, plugin: Value) -> Gateway {
+    let b = Bootstrap::new(engines, inventory, plugin, Variant::EnvoyFilter);
+    Gateway::start(b).await.unwrap()
 }
 
 /// Starts the real inventory with a rule over engines a and b, b holding the prompt's blocks.
@@ -81,7 +71,7 @@ async fn pins_to_the_chosen_endpoint(variant: Variant) {
     let body = chat_body(json!({}));
     let (inv, a, b, blocks) = fleet(&body).await;
     let engines = [&a, &b];
-    let gw = Gateway::start(bootstrap(&engines, inv.addr, json!({}), variant))
+    let gw = Gateway::start(Bootstrap::new(&engines, inv.addr, json!({}), variant))
         .await
         .unwrap();
     gw.wait_until_routing(READY).await.unwrap();
@@ -322,14 +312,7 @@ async fn bad_requests_are_served_unpinned_byte_for_byte() {
     let body = chat_body(json!({}));
     let (inv, a, b, _) = fleet(&body).await;
     let engines = [&a, &b];
-    let gw = Gateway::start(bootstrap(
-        &engines,
-        inv.addr,
-        json!({}),
-        Variant::EnvoyFilter,
-    ))
-    .await
-    .unwrap();
+    let gw = gateway(&engines, inv.addr, json!({})).await;
     gw.wait_for_log("rule contract loaded", 2, READY)
         .await
         .unwrap();
@@ -397,9 +380,7 @@ async fn inventory_faults_fail_open() {
     ] {
         let fake = FakeInventory::start(fault).await.unwrap();
         let plugin = json!({"timeout_ms": timeout_ms});
-        let gw = Gateway::start(bootstrap(&engines, fake.addr, plugin, Variant::EnvoyFilter))
-            .await
-            .unwrap();
+        let gw = gateway(&engines, fake.addr, plugin).await;
         gw.wait_for_log("rule contract loaded", 2, READY)
             .await
             .unwrap();
@@ -434,9 +415,7 @@ async fn inventory_faults_fail_open() {
     }
     // Down from the start: no contract can load; requests are served unpinned.
     let down = envoy::closed_port().unwrap();
-    let gw = Gateway::start(bootstrap(&engines, down, json!({}), Variant::EnvoyFilter))
-        .await
-        .unwrap();
+    let gw = gateway(&engines, down, json!({})).await;
     let r = gw
         .post("/v1/chat/completions", body.clone(), &[])
         .await
@@ -477,9 +456,7 @@ async fn offloaded_tokenization_pins_to_the_chosen_endpoint() {
     );
     let engines = [&a, &b];
     let plugin = json!({"tokenize": "service", "timeout_ms": 2000});
-    let gw = Gateway::start(bootstrap(&engines, inv.addr, plugin, Variant::EnvoyFilter))
-        .await
-        .unwrap();
+    let gw = gateway(&engines, inv.addr, plugin).await;
     gw.wait_for_log("rule contract loaded", 2, READY)
         .await
         .unwrap();
@@ -529,9 +506,7 @@ async fn route_token_pins_and_a_wrong_one_fails_open_counted() {
         } else {
             json!({ "route_token": token })
         };
-        let gw = Gateway::start(bootstrap(&engines, inv.addr, plugin, Variant::EnvoyFilter))
-            .await
-            .unwrap();
+        let gw = gateway(&engines, inv.addr, plugin).await;
         gw.wait_until_routing(READY).await.unwrap();
         for _ in 0..3 {
             let r = gw

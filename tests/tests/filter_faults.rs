@@ -211,15 +211,36 @@ fn body() -> Vec<u8> {
     .unwrap()
 }
 
-fn bootstrap<'a>(engines: &'a [&'a Engine], inventory: SocketAddr, plugin: Value) -> Bootstrap<'a> {
-    Bootstrap {
-        listener_port: 0,
-        admin_port: 0,
-        engines,
-        inventory,
-        plugin,
-        variant: Variant::EnvoyFilter,
-        without_filter: false,
+/// Engines a and b, and a scripted inventory that pins to a.
+struct Rig {
+    a: Engine,
+    b: Engine,
+    inv: ScriptedInventory,
+    /// The pin header value for engine a.
+    pin: String,
+}
+
+impl Rig {
+    async fn start() -> Rig {
+        let a = Engine::start("engine-a").await.unwrap();
+        let b = Engine::start("engine-b").await.unwrap();
+        let inv = ScriptedInventory::start(a.addr).await;
+        let pin = base64(a.addr.to_string().as_bytes());
+        Rig { a, b, inv, pin }
+    }
+
+    fn engines(&self) -> [&Engine; 2] {
+        [&self.a, &self.b]
+    }
+
+    /// Starts Envoy (the shipped filter placement, `plugin`, the bootstrap changed by `edit`
+    /// first) in front of the engines, then requires [`routing_pinned`].
+    async fn gateway(&self, plugin: Value, edit: impl FnOnce(&mut Value)) -> Gateway {
+        let engines = self.engines();
+        let b = Bootstrap::new(&engines, self.inv.addr, plugin, Variant::EnvoyFilter);
+        let gw = Gateway::start_with(b, edit).await.unwrap();
+        routing_pinned(&gw, &engines, &self.pin).await;
+        gw
     }
 }
 
@@ -312,26 +333,19 @@ async fn expect_stat(gw: &Gateway, name: &str, want: u64) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn header_values_that_are_not_utf8_are_served_and_the_vm_survives() {
-    let a = Engine::start("engine-a").await.unwrap();
-    let b = Engine::start("engine-b").await.unwrap();
-    let engines = [&a, &b];
-    let inv = ScriptedInventory::start(a.addr).await;
-    let pin = base64(a.addr.to_string().as_bytes());
+    let rig = Rig::start().await;
+    let (engines, pin) = (rig.engines(), rig.pin.as_str());
     // Without Envoy's strip filter: the filter itself must read these headers and survive.
-    let gw = Gateway::start_with(
-        bootstrap(&engines, inv.addr, json!({"timeout_ms": TIMEOUT_MS})),
-        |cfg| {
+    let gw = rig
+        .gateway(json!({"timeout_ms": TIMEOUT_MS}), |cfg| {
             let filters = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
                 ["typed_config"]["http_filters"]
                 .as_array_mut()
                 .unwrap();
             assert_eq!(filters[0], envoy::strip_filter());
             filters.remove(0);
-        },
-    )
-    .await
-    .unwrap();
-    routing_pinned(&gw, &engines, &pin).await;
+        })
+        .await;
 
     let bad: &[u8] = b"\xff\xfe\x80";
     let mut spoofed = 0;
@@ -340,7 +354,7 @@ async fn header_values_that_are_not_utf8_are_served_and_the_vm_survives() {
             .await
             .unwrap_or_else(|e| panic!("{name}: {e}\n{}", gw.envoy.log()));
         // Removed and counted; the request itself is routed as usual.
-        assert!(got.pinned(&pin), "{name}");
+        assert!(got.pinned(pin), "{name}");
         assert_ne!(
             header(&got.received, name),
             Some("\u{fffd}\u{fffd}\u{fffd}")
@@ -349,7 +363,7 @@ async fn header_values_that_are_not_utf8_are_served_and_the_vm_survives() {
         expect_stat(&gw, "kvroute_filter_spoofed_headers_total", spoofed).await;
         // The VM is alive: the next request is pinned.
         let next = send(&gw, &engines, JSON, &[]).await.unwrap();
-        assert!(next.pinned(&pin), "after {name}");
+        assert!(next.pinned(pin), "after {name}");
     }
 
     let got = send(&gw, &engines, b"application/json\xff", &[])
@@ -357,22 +371,16 @@ async fn header_values_that_are_not_utf8_are_served_and_the_vm_survives() {
         .unwrap_or_else(|e| panic!("content-type: {e}\n{}", gw.envoy.log()));
     assert_eq!(header(&got.received, PIN_HEADER), None);
     expect_stat(&gw, "kvroute_filter_fail_open_bad_header_total", 1).await;
-    assert!(send(&gw, &engines, JSON, &[]).await.unwrap().pinned(&pin));
+    assert!(send(&gw, &engines, JSON, &[]).await.unwrap().pinned(pin));
     assert!(!gw.envoy.log().contains("panicked"), "{}", gw.envoy.log());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_callout_outcome_resumes_the_request_unpinned_within_the_timeout() {
-    let a = Engine::start("engine-a").await.unwrap();
-    let b = Engine::start("engine-b").await.unwrap();
-    let engines = [&a, &b];
-    let inv = ScriptedInventory::start(a.addr).await;
-    let pin = base64(a.addr.to_string().as_bytes());
+    let rig = Rig::start().await;
+    let (engines, pin) = (rig.engines(), rig.pin.as_str());
     let plugin = json!({"timeout_ms": TIMEOUT_MS, "route_token": "s3cr3t"});
-    let gw = Gateway::start(bootstrap(&engines, inv.addr, plugin))
-        .await
-        .unwrap();
-    routing_pinned(&gw, &engines, &pin).await;
+    let gw = rig.gateway(plugin, |_| {}).await;
     let limit = Duration::from_millis(TIMEOUT_MS) + BOUND;
     let mut counted = std::collections::HashMap::new();
     for (answer, reason) in [
@@ -382,7 +390,7 @@ async fn every_callout_outcome_resumes_the_request_unpinned_within_the_timeout()
         (Answer::Close, "unavailable"),
         (Answer::Hang, "timeout"),
     ] {
-        inv.set(answer);
+        rig.inv.set(answer);
         let got = send(&gw, &engines, JSON, &[])
             .await
             .unwrap_or_else(|e| panic!("{answer:?}: {e}\n{}", gw.envoy.log()));
@@ -400,12 +408,12 @@ async fn every_callout_outcome_resumes_the_request_unpinned_within_the_timeout()
             got.took
         );
         // The VM is alive: the next request is pinned again.
-        inv.set(Answer::Pin);
+        rig.inv.set(Answer::Pin);
         let next = send(&gw, &engines, JSON, &[]).await.unwrap();
-        assert!(next.pinned(&pin), "after {answer:?}");
+        assert!(next.pinned(pin), "after {answer:?}");
     }
     // The route token went out on every route callout.
-    let auth = inv.authorization.lock().unwrap().clone();
+    let auth = rig.inv.authorization.lock().unwrap().clone();
     assert!(auth.len() >= 11, "{auth:?}");
     assert!(
         auth.iter().all(|a| a.as_deref() == Some("Bearer s3cr3t")),
@@ -421,34 +429,27 @@ async fn every_callout_outcome_resumes_the_request_unpinned_within_the_timeout()
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dead_vm_is_reloaded_and_no_routing_header_reaches_an_engine() {
     let module = envoy::crash_hook_module().unwrap();
-    let a = Engine::start("engine-a").await.unwrap();
-    let b = Engine::start("engine-b").await.unwrap();
-    let engines = [&a, &b];
-    let inv = ScriptedInventory::start(a.addr).await;
-    let pin = base64(a.addr.to_string().as_bytes());
-    let gw = Gateway::start_with(
-        bootstrap(&engines, inv.addr, json!({"timeout_ms": TIMEOUT_MS})),
-        |cfg| {
+    let rig = Rig::start().await;
+    let (engines, pin) = (rig.engines(), rig.pin.as_str());
+    let gw = rig
+        .gateway(json!({"timeout_ms": TIMEOUT_MS}), |cfg| {
             let filters = &mut cfg["static_resources"]["listeners"][0]["filter_chains"][0]
                 ["filters"][0]["typed_config"]["http_filters"];
             assert_eq!(filters[0], envoy::strip_filter());
             let vm = &mut filters[1]["typed_config"]["config"]["vm_config"];
             vm["code"]["local"]["filename"] = json!(module);
-        },
-    )
-    .await
-    .unwrap();
-    routing_pinned(&gw, &engines, &pin).await;
+        })
+        .await;
 
     // A crash right after the VM loaded: within the reload backoff (1 s, jittered up to 1.5 s)
     // of that load Envoy refuses requests (503) until it may reload.
-    let (served, refused, after) = crash_and_recover(&gw, &engines, &pin).await;
+    let (served, refused, after) = crash_and_recover(&gw, &engines, pin).await;
     eprintln!("crash within the backoff: {served} served, {refused} refused (503), pinned again after {after:?}");
     assert!(after < Duration::from_secs(5), "{after:?}");
     // A crash of a VM older than the backoff (a timer, so the test waits it out): the very next
     // request gets a fresh VM; nothing is refused but the crashing request.
     tokio::time::sleep(Duration::from_millis(1600)).await;
-    let (served, refused, after) = crash_and_recover(&gw, &engines, &pin).await;
+    let (served, refused, after) = crash_and_recover(&gw, &engines, pin).await;
     eprintln!(
         "crash after the backoff: {served} served, {refused} refused, pinned again after {after:?}"
     );

@@ -162,6 +162,11 @@ impl Service {
         self.get("/metrics").await.1
     }
 
+    /// Asserts every line of `want` in the current metrics ([`assert_metrics`]).
+    pub async fn assert_metrics(&self, want: &str) {
+        assert_metrics(&self.metrics().await, want);
+    }
+
     /// Blocks of endpoint `ep` of rule `rule` (first page).
     pub async fn inventory(&self, rule: &str, ep: usize) -> Vec<u64> {
         let found = self.try_inventory(rule, ep).await;
