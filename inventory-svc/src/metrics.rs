@@ -8,6 +8,85 @@ use prometheus::{
     IntGaugeVec, Opts, Registry, TextEncoder,
 };
 
+/// A label enum: each variant's label value written once, and the full list for pre-registering.
+macro_rules! labels {
+    ($(#[$m:meta])* $name:ident { $($(#[$vm:meta])* $v:ident => $s:literal),+ $(,)? }) => {
+        $(#[$m])*
+        #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+        pub enum $name { $($(#[$vm])* $v),+ }
+
+        impl $name {
+            /// Every value, in declaration order.
+            pub const ALL: &'static [$name] = &[$($name::$v),+];
+
+            /// The label value.
+            pub fn as_str(self) -> &'static str {
+                match self { $($name::$v => $s),+ }
+            }
+        }
+    };
+}
+
+labels! {
+    /// `direction` of `kvroute_replication_entries_total`.
+    ReplEntry {
+        /// Appended to the replication log by this replica.
+        Sent => "sent",
+        /// Another replica's entry applied here.
+        Applied => "applied",
+        /// Not written: the outbox was full or Redis unreachable (the endpoint goes dirty).
+        Dropped => "dropped",
+        /// An entry that did not decode.
+        Undecodable => "undecodable",
+    }
+}
+
+labels! {
+    /// `op` of `kvroute_redis_errors_total`.
+    RedisOp {
+        Lease => "lease",
+        Read => "read",
+        Write => "write",
+        Ping => "ping",
+        Snapshot => "snapshot",
+    }
+}
+
+labels! {
+    /// `event` of `kvroute_replication_lease_changes_total`.
+    LeaseChange {
+        Acquired => "acquired",
+        Lost => "lost",
+        Released => "released",
+    }
+}
+
+labels! {
+    /// `cause` of `kvroute_replication_resyncs_total`.
+    Resync {
+        TailerReconnect => "tailer_reconnect",
+        WriterReconnect => "writer_reconnect",
+    }
+}
+
+labels! {
+    /// `cause` of `kvroute_replication_snapshot_loads_total`.
+    SnapshotLoad {
+        /// A rule's tail starting (or restarting after an outage).
+        Bootstrap => "bootstrap",
+        /// Another replica's snapshot marker asking for a reload.
+        Marker => "marker",
+    }
+}
+
+labels! {
+    /// `outcome` of `kvroute_ingest_replays_total`.
+    Replay {
+        Ok => "ok",
+        Failed => "failed",
+    }
+}
+
 /// Every metric the service exports, registered in one private registry.
 pub struct Metrics {
     pub registry: Registry,
@@ -289,6 +368,36 @@ impl Metrics {
             m.offload_truncated.with_label_values(&[t.as_str()]);
         }
         Ok(m)
+    }
+
+    /// `kvroute_replication_entries_total{direction}`.
+    pub fn repl_entry(&self, e: ReplEntry) -> IntCounter {
+        self.repl_entries.with_label_values(&[e.as_str()])
+    }
+
+    /// `kvroute_redis_errors_total{op}`.
+    pub fn redis_error(&self, op: RedisOp) -> IntCounter {
+        self.redis_errors.with_label_values(&[op.as_str()])
+    }
+
+    /// `kvroute_replication_lease_changes_total{event}`.
+    pub fn lease_change(&self, c: LeaseChange) -> IntCounter {
+        self.lease_changes.with_label_values(&[c.as_str()])
+    }
+
+    /// `kvroute_replication_resyncs_total{cause}`.
+    pub fn resync(&self, r: Resync) -> IntCounter {
+        self.repl_resyncs.with_label_values(&[r.as_str()])
+    }
+
+    /// `kvroute_replication_snapshot_loads_total{cause}`.
+    pub fn snapshot_load(&self, l: SnapshotLoad) -> IntCounter {
+        self.snapshot_loads.with_label_values(&[l.as_str()])
+    }
+
+    /// `kvroute_ingest_replays_total{engine,outcome}`.
+    pub fn replay(&self, engine: &str, r: Replay) -> IntCounter {
+        self.replays.with_label_values(&[engine, r.as_str()])
     }
 
     /// Drops every per-endpoint series of a removed rule (`eps` endpoints, `ranks` ranks each).

@@ -24,6 +24,7 @@ use zeromq::{DealerSocket, Socket, SocketRecv, SocketSend, SubSocket, ZmqMessage
 use super::decode::{decode_batch, parse_seq, split_frames, BytesKey};
 use super::keyer::Keyer;
 use super::{next_backoff, ClearCause, Feed, SeqTracker, SeqVerdict};
+use crate::metrics::Replay;
 
 /// How a session ended.
 enum End {
@@ -167,7 +168,7 @@ async fn handle(feed: &Feed, p: &mut Pub, msg: ZmqMessage) {
                         format!("tcp://{}:{}", feed.host(), u32::from(rp) + u32::from(rank));
                     match replay(&raddr, from, seq, feed.fleet.settings.replay_timeout).await {
                         Ok(batches) => {
-                            m.replays.with_label_values(&[engine.as_str(), "ok"]).inc();
+                            m.replay(engine.as_str(), Replay::Ok).inc();
                             tracing::info!(rule = %feed.rule.spec.name(), ep, rank, from, to = seq, n = batches.len(), "gap replayed");
                             for (bseq, b) in batches {
                                 feed.note_seq(bseq);
@@ -176,9 +177,7 @@ async fn handle(feed: &Feed, p: &mut Pub, msg: ZmqMessage) {
                             true
                         }
                         Err(e) => {
-                            m.replays
-                                .with_label_values(&[engine.as_str(), "failed"])
-                                .inc();
+                            m.replay(engine.as_str(), Replay::Failed).inc();
                             tracing::warn!(rule = %feed.rule.spec.name(), ep, rank, "replay failed: {e}");
                             false
                         }

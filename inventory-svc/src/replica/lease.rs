@@ -17,6 +17,7 @@ use tokio_util::sync::CancellationToken;
 use super::Replica;
 use crate::fleet::{Fleet, RuleRuntime, StartFeeds};
 use crate::index::{EndpointId, IndexOp};
+use crate::metrics::{LeaseChange, RedisOp};
 use crate::rules::KeyMode;
 
 /// KEYS[1] lease, ARGV[1] replica id, ARGV[2] ms: 1 if we hold it afterwards, else 0.
@@ -63,7 +64,6 @@ pub(super) async fn run(
     let period = (rep.cfg.lease / 3).max(Duration::from_millis(50));
     let mut conn = rep.conn.clone();
     let mut ingest: Option<CancellationToken> = None;
-    let lease_event = |what: &str| state.metrics.lease_changes.with_label_values(&[what]).inc();
     loop {
         let held: Result<i64, _> = acquire
             .key(&key)
@@ -78,7 +78,7 @@ pub(super) async fn run(
                 start(&token);
                 ingest = Some(token);
                 owned_gauge.set(1);
-                lease_event("acquired");
+                state.metrics.lease_change(LeaseChange::Acquired).inc();
                 tracing::info!(rule = %name, ep = ep.0, replica = %rep.id, "endpoint lease acquired: ingesting");
             }
             (Ok(1), true) => {}
@@ -91,16 +91,12 @@ pub(super) async fn run(
                     state.set_connected(&rule, ep, rank, false);
                 }
                 owned_gauge.set(0);
-                lease_event("lost");
+                state.metrics.lease_change(LeaseChange::Lost).inc();
                 tracing::warn!(rule = %name, ep = ep.0, replica = %rep.id, "endpoint lease held by another replica: ingestion stopped here");
             }
             (Ok(_), false) => {}
             (Err(e), owned) => {
-                state
-                    .metrics
-                    .redis_errors
-                    .with_label_values(&["lease"])
-                    .inc();
+                state.metrics.redis_error(RedisOp::Lease).inc();
                 tracing::debug!(rule = %name, ep = ep.0, owned, "lease renewal failed: {e}");
             }
         }
@@ -122,7 +118,7 @@ pub(super) async fn run(
         )
         .await;
         if matches!(r, Ok(Ok(1))) {
-            lease_event("released");
+            state.metrics.lease_change(LeaseChange::Released).inc();
         }
     }
     // The series stays: a replacing rule's loop owns it now, and a deleted rule's series are

@@ -33,7 +33,7 @@ use tokio::sync::mpsc;
 
 use crate::fleet::{Fleet, Origin, Replication, RuleRuntime, StartFeeds};
 use crate::index::{EndpointId, IndexOp, Rank};
-use crate::metrics::Metrics;
+use crate::metrics::{Metrics, ReplEntry};
 use crate::score::Update;
 use crate::settings::RedisSettings;
 use crate::sync::lock;
@@ -189,10 +189,7 @@ impl Replica {
 
     fn send(&self, rule: Option<(&RuleRuntime, EndpointId)>, out: Out) {
         if self.tx.try_send(out).is_err() {
-            self.metrics
-                .repl_entries
-                .with_label_values(&["dropped"])
-                .inc();
+            self.metrics.repl_entry(ReplEntry::Dropped).inc();
             if let Some(e) = rule.and_then(|(rule, ep)| rule.ep(ep)) {
                 e.mark_dirty();
             }

@@ -18,6 +18,7 @@ use super::codec::{decode_batch, Entry, Snapshot, StreamId};
 use super::{lock, now_ms, Replica};
 use crate::fleet::{Fleet, Origin, RuleRuntime};
 use crate::index::{EndpointId, IndexOp, Rank};
+use crate::metrics::{RedisOp, ReplEntry, Resync, SnapshotLoad};
 
 /// Entries read per call and how long one read blocks.
 const COUNT: usize = 1000;
@@ -59,19 +60,13 @@ pub(super) async fn run(rep: Arc<Replica>, state: Arc<Fleet>) {
                 if let Some(t) = outage.take() {
                     let gap = t.elapsed();
                     let m = &state.metrics;
-                    m.repl_resyncs
-                        .with_label_values(&["tailer_reconnect"])
-                        .inc();
+                    m.resync(Resync::TailerReconnect).inc();
                     m.repl_last_gap_seconds.set(gap.as_secs_f64());
                     tracing::info!(replica = %rep.id, gap_ms = gap.as_millis() as u64, "replication resynchronised (snapshots + tail)");
                 }
             }
             Err(e) => {
-                state
-                    .metrics
-                    .redis_errors
-                    .with_label_values(&["read"])
-                    .inc();
+                state.metrics.redis_error(RedisOp::Read).inc();
                 if outage.is_none() {
                     tracing::warn!(replica = %rep.id, "replication log unreadable: serving from memory until Redis answers ({e})");
                     outage = Some(Instant::now());
@@ -166,7 +161,7 @@ async fn sync_tails(
                 // Ours: live and newer than anything logged so far; only new entries apply.
                 head
             } else {
-                load_snapshot(rep, state, conn, &rule, ep, "bootstrap")
+                load_snapshot(rep, state, conn, &rule, ep, SnapshotLoad::Bootstrap)
                     .await?
                     .unwrap_or_default()
             };
@@ -206,7 +201,7 @@ async fn load_snapshot(
     conn: &mut redis::aio::ConnectionManager,
     rule: &RuleRuntime,
     ep: EndpointId,
-    cause: &str,
+    cause: SnapshotLoad,
 ) -> redis::RedisResult<Option<StreamId>> {
     let Some(e) = rule.ep(ep) else {
         return Ok(None);
@@ -245,7 +240,7 @@ async fn load_snapshot(
         state.apply_replicated(rule, ep, Rank(rank), &[IndexOp::Remove(old)]);
     }
     let m = &state.metrics;
-    m.snapshot_loads.with_label_values(&[cause]).inc();
+    m.snapshot_load(cause).inc();
     m.snapshot_age
         .with_label_values(&[&rule.spec.name(), &ep.0.to_string()])
         .set(now_ms().saturating_sub(snap.taken_ms) as f64 / 1000.0);
@@ -335,7 +330,7 @@ async fn read_once(
             }
             let data: Option<Vec<u8>> = e.get("d");
             let Some(entries) = data.and_then(|d| decode_batch(&d).ok()) else {
-                m.repl_entries.with_label_values(&["undecodable"]).inc();
+                m.repl_entry(ReplEntry::Undecodable).inc();
                 continue;
             };
             m.repl_lag_seconds
@@ -345,7 +340,7 @@ async fn read_once(
                 if ep >= t.rule.eps().len() || id <= t.skip[ep] {
                     continue;
                 }
-                m.repl_entries.with_label_values(&["applied"]).inc();
+                m.repl_entry(ReplEntry::Applied).inc();
                 apply_entry(rep, state, conn, t, id, entry).await?;
             }
         }
@@ -394,7 +389,9 @@ async fn apply_entry(
             let ep = EndpointId(ep);
             let owned = rule.ep(ep).is_some_and(|e| e.owned());
             if resync && !owned {
-                if let Some(at) = load_snapshot(rep, state, conn, rule, ep, "marker").await? {
+                if let Some(at) =
+                    load_snapshot(rep, state, conn, rule, ep, SnapshotLoad::Marker).await?
+                {
                     t.skip[usize::from(ep.0)] = at.max(id);
                 }
             }

@@ -19,6 +19,7 @@ use super::codec::{encode_batch, Entry, RankSnap, Snapshot, StreamId};
 use super::{now_ms, Out, Replica};
 use crate::fleet::{Fleet, RuleRuntime};
 use crate::index::EndpointId;
+use crate::metrics::{RedisOp, ReplEntry, Resync};
 
 /// Entries written per pipeline round trip.
 const BATCH: usize = 512;
@@ -110,7 +111,7 @@ impl Writer {
             })
             .collect();
         if self.down_since.is_some() {
-            m.repl_entries.with_label_values(&["dropped"]).inc_by(n);
+            m.repl_entry(ReplEntry::Dropped).inc_by(n);
             mark_dirty(&touched);
             return;
         }
@@ -173,11 +174,11 @@ impl Writer {
                         self.appended.insert((key.clone(), ep), id);
                     }
                 }
-                m.repl_entries.with_label_values(&["sent"]).inc_by(n);
+                m.repl_entry(ReplEntry::Sent).inc_by(n);
             }
             Err(e) => {
-                m.redis_errors.with_label_values(&["write"]).inc();
-                m.repl_entries.with_label_values(&["dropped"]).inc_by(n);
+                m.redis_error(RedisOp::Write).inc();
+                m.repl_entry(ReplEntry::Dropped).inc_by(n);
                 mark_dirty(&touched);
                 self.went_down(&e);
             }
@@ -221,20 +222,14 @@ impl Writer {
         if let Some(since) = self.down_since {
             let pong: Result<String, _> = redis::cmd("PING").query_async(&mut self.conn).await;
             if pong.is_err() {
-                self.state
-                    .metrics
-                    .redis_errors
-                    .with_label_values(&["ping"])
-                    .inc();
+                self.state.metrics.redis_error(RedisOp::Ping).inc();
                 return;
             }
             let gap = since.elapsed();
             self.down_since = None;
             let m = &self.state.metrics;
             m.redis_connected.set(1);
-            m.repl_resyncs
-                .with_label_values(&["writer_reconnect"])
-                .inc();
+            m.resync(Resync::WriterReconnect).inc();
             m.repl_last_gap_seconds.set(gap.as_secs_f64());
             tracing::info!(replica = %self.rep.id, gap_ms = gap.as_millis() as u64, "Redis back: rewriting owned snapshots and rules");
             self.restore_rules().await;
@@ -261,11 +256,7 @@ impl Writer {
                 .ignore();
         }
         if let Err(e) = pipe.query_async::<()>(&mut self.conn).await {
-            self.state
-                .metrics
-                .redis_errors
-                .with_label_values(&["write"])
-                .inc();
+            self.state.metrics.redis_error(RedisOp::Write).inc();
             self.went_down(&e);
         }
     }
@@ -357,7 +348,7 @@ impl Writer {
             }
             Err(err) => {
                 e.mark_dirty();
-                m.redis_errors.with_label_values(&["snapshot"]).inc();
+                m.redis_error(RedisOp::Snapshot).inc();
                 self.went_down(&err);
             }
         }
