@@ -3,20 +3,12 @@
 //! (`blockhash_trtllm` re-hash) and `tokens` mode, with block sizes 1, 4 and 32.
 #![no_main]
 
-use std::sync::{Arc, OnceLock};
-
 use kvroute_core::hash::Engine;
+use kvroute_fuzz::metrics;
 use kvroute_inventory::ingest::keyer::Keyer;
-use kvroute_inventory::metrics::Metrics;
 use kvroute_inventory::rules::KeyMode;
 use libfuzzer_sys::fuzz_target;
 use serde_json::Value;
-
-fn metrics() -> Arc<Metrics> {
-    static M: OnceLock<Arc<Metrics>> = OnceLock::new();
-    M.get_or_init(|| Arc::new(Metrics::new().expect("metrics registry")))
-        .clone()
-}
 
 fuzz_target!(|data: &[u8]| {
     // What the poller does: `r.json::<Value>()`, then only an array is keyed.

@@ -6,20 +6,12 @@
 //! for neither (they differ only in which 8 digest bytes a raw-bytes key folds).
 #![no_main]
 
-use std::sync::{Arc, OnceLock};
-
 use kvroute_core::hash::{BlockSize, Engine, HashAlgo, HashContract};
+use kvroute_fuzz::metrics;
 use kvroute_inventory::ingest::decode::{decode_batch, BytesKey};
 use kvroute_inventory::ingest::keyer::Keyer;
-use kvroute_inventory::metrics::Metrics;
 use kvroute_inventory::rules::KeyMode;
 use libfuzzer_sys::fuzz_target;
-
-fn metrics() -> Arc<Metrics> {
-    static M: OnceLock<Arc<Metrics>> = OnceLock::new();
-    M.get_or_init(|| Arc::new(Metrics::new().expect("metrics registry")))
-        .clone()
-}
 
 fuzz_target!(|data: &[u8]| {
     let bs16 = BlockSize::new(16).expect("16 is a block size");
