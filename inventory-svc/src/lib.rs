@@ -10,11 +10,13 @@
 //! * [`api`] — axum routes; [`metrics`] — Prometheus; [`health`] — health checks and load scrapes.
 //! * [`replica`] — replication through Redis (the Redis [`fleet::Replication`]).
 //! * [`rules`], [`settings`] — validated configuration; [`offload`] — offloaded tokenization.
-//! * [`server`] — wiring for the `serve` subcommand; [`listener`] — the bounded accept loop
+//! * [`cli`] — the command line; [`server`] — wiring for the `serve` subcommand;
+//!   [`listener`] — the bounded accept loop
 //!   ([`tls`] when a certificate is given);
 //!   [`preflight`] — the `hash` subcommand.
 
 pub mod api;
+pub mod cli;
 pub mod fleet;
 pub mod health;
 pub mod index;

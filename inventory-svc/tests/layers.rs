@@ -37,6 +37,7 @@ const ALLOWED: &[(&str, &[&str])] = &[
     ("api", &["fleet", "index", "offload", "rules"]),
     ("listener", &["metrics", "settings"]),
     ("tls", &["listener"]),
+    ("cli", &["settings"]),
     (
         "server",
         &[
@@ -45,7 +46,7 @@ const ALLOWED: &[(&str, &[&str])] = &[
         ],
     ),
     ("lib", &[]),
-    ("main", &["server", "settings", "preflight", "rules"]),
+    ("main", &["cli", "server", "settings", "preflight", "rules"]),
 ];
 
 /// The top-level module of a source file: its folder under `src/`, or its file stem.

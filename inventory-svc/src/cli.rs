@@ -1,0 +1,146 @@
+//! The command line of `kvroute-inventory`: the `serve` flags (each also read from its
+//! environment variable) and the `hash` preflight, which parses its own arguments.
+//!
+//! The flags table of docs/inventory.md is generated from these definitions (the test below
+//! fails when it differs); `serve --help` prints the same text.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use clap::{Parser, Subcommand};
+
+use crate::settings::env_help;
+
+#[derive(Parser)]
+#[command(
+    name = "kvroute-inventory",
+    version,
+    about = "KV-cache inventory and routing service for kvroute"
+)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+pub enum Cmd {
+    /// Serve every HTTP API (routing, rules, inventory, tokenizers, health, metrics) on one listener.
+    #[command(after_help = env_help())]
+    Serve {
+        /// Every HTTP API on this address (port 0 picks one; the line `kvroute-inventory
+        /// listening on ADDR` is printed on stdout).
+        #[arg(long, env = "KVROUTE_LISTEN", default_value = "127.0.0.1:8090")]
+        listen: SocketAddr,
+        /// Rules loaded at start: YAML or JSON, a list of loxilb rules or `{lbAttr: [...]}` (the
+        /// output of `GET .../all`).
+        #[arg(long, env = "KVROUTE_CONFIG")]
+        config: Option<PathBuf>,
+        /// Serves `DIR/tokenizers/<slug>/tokenizer.json` (+ `tokenizer_config.json`) to filters.
+        #[arg(long, env = "KVROUTE_TOKENIZER_DIR", value_name = "DIR")]
+        tokenizer_dir: Option<PathBuf>,
+        /// File holding the bearer token management writes require; without it every write is
+        /// refused (401).
+        #[arg(long, env = "KVROUTE_AUTH_TOKEN_FILE")]
+        auth_token_file: Option<PathBuf>,
+        /// File holding the bearer token `POST /v1/route` requires (`Authorization: Bearer
+        /// <token>`, compared in constant time; 401 otherwise); unset leaves `/v1/route` open to anyone who reaches
+        /// the listener. The filter sends it with its `route_token` setting.
+        #[arg(long, env = "KVROUTE_ROUTE_TOKEN_FILE")]
+        route_token_file: Option<PathBuf>,
+        /// PEM certificate chain: serve HTTPS (rustls, HTTP/1.1 and HTTP/2) instead of HTTP, with
+        /// `--tls-key`; the printed line ends in `(tls)`.
+        #[arg(long, env = "KVROUTE_TLS_CERT", requires = "tls_key")]
+        tls_cert: Option<PathBuf>,
+        /// PEM private key of `--tls-cert`.
+        #[arg(long, env = "KVROUTE_TLS_KEY", requires = "tls_cert")]
+        tls_key: Option<PathBuf>,
+    },
+    /// Print the block keys kvroute computes for a prompt (parity preflight); see `hash --help`.
+    Hash {
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
+}
+
+/// Where the flags table starts in docs/inventory.md.
+pub const FLAGS_BEGIN: &str = "<!-- flags table: generated from inventory-svc/src/cli.rs (KVROUTE_WRITE_DOCS=1 cargo test -p kvroute-inventory --lib cli) -->";
+/// Where it ends.
+pub const FLAGS_END: &str = "<!-- end of flags table -->";
+
+/// The `serve` flags as a markdown table: flag, environment variable, default, meaning.
+pub fn flags_table() -> String {
+    use clap::CommandFactory;
+    let cmd = Cli::command();
+    let mut out = String::from("| flag | env | default | meaning |\n|---|---|---|---|\n");
+    let Some(serve) = cmd.find_subcommand("serve") else {
+        return out;
+    };
+    for arg in serve.get_arguments() {
+        let Some(long) = arg.get_long() else { continue };
+        if long == "help" {
+            continue;
+        }
+        let env = arg
+            .get_env()
+            .map(|e| format!("`{}`", e.to_string_lossy()))
+            .unwrap_or_default();
+        let default = arg
+            .get_default_values()
+            .iter()
+            .map(|d| format!("`{}`", d.to_string_lossy()))
+            .collect::<Vec<_>>()
+            .join(", ");
+        let help = arg
+            .get_long_help()
+            .or(arg.get_help())
+            .map(|h| {
+                h.to_string()
+                    .split_whitespace()
+                    .collect::<Vec<_>>()
+                    .join(" ")
+            })
+            .unwrap_or_default();
+        let default = if default.is_empty() {
+            "unset".into()
+        } else {
+            default
+        };
+        out.push_str(&format!("| `--{long}` | {env} | {default} | {help} |\n"));
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::panic)]
+    use super::*;
+
+    #[test]
+    fn the_cli_is_consistent() {
+        use clap::CommandFactory;
+        Cli::command().debug_assert();
+    }
+
+    /// Regenerate with `KVROUTE_WRITE_DOCS=1 cargo test -p kvroute-inventory --lib cli`.
+    #[test]
+    fn docs_flags_table_matches_the_cli() {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/inventory.md");
+        let text = std::fs::read_to_string(&path).unwrap();
+        let a = text.find(FLAGS_BEGIN).map(|i| i + FLAGS_BEGIN.len() + 1);
+        let b = text.find(FLAGS_END);
+        let (Some(a), Some(b)) = (a, b) else {
+            panic!("docs/inventory.md lacks the {FLAGS_BEGIN} ... {FLAGS_END} markers");
+        };
+        let table = flags_table();
+        if std::env::var_os("KVROUTE_WRITE_DOCS").is_some() {
+            std::fs::write(&path, format!("{}{table}{}", &text[..a], &text[b..])).unwrap();
+            return;
+        }
+        assert_eq!(
+            &text[a..b],
+            table,
+            "docs/inventory.md's flags table differs from inventory-svc/src/cli.rs; regenerate \
+             with KVROUTE_WRITE_DOCS=1 cargo test -p kvroute-inventory --lib cli"
+        );
+    }
+}
