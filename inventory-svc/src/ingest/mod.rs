@@ -10,6 +10,8 @@
 //! stops everything when the rule is deleted or the service drains.
 
 pub mod decode;
+#[cfg(test)]
+mod engine_suite;
 pub mod keyer;
 pub mod parity;
 pub mod trtllm;

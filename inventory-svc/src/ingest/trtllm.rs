@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use serde_json::Value;
 
+use super::keyer::Keyer;
 use super::{next_backoff, ClearCause, Feed, SeqTracker};
 use crate::metrics::Metrics;
 
@@ -46,6 +47,28 @@ async fn read_bounded(
     serde_json::from_slice(&body).map_err(|e| format!("drain body: {e}"))
 }
 
+/// Applies one drain's events: tracked by their event ids like a ZMQ sequence (no replay exists,
+/// so a gap clears like a restart or a rewind), then keyed and applied.
+pub(super) fn apply_drain(feed: &Feed, keyer: &mut Keyer, seq: &mut SeqTracker, events: &[Value]) {
+    let event_id = |e: Option<&Value>| e.and_then(|e| e.get("event_id")).and_then(Value::as_u64);
+    if let Some(first) = event_id(events.first()) {
+        let last = event_id(events.last()).unwrap_or(first);
+        if let Some(cause) = ClearCause::of(seq.observe_span(first, last)) {
+            if cause == ClearCause::Gap {
+                let m = &feed.fleet.metrics;
+                m.seq_gaps
+                    .with_label_values(&[feed.engine().as_str()])
+                    .inc();
+            }
+            keyer.reset();
+            feed.clear(cause);
+        }
+        feed.note_seq(last);
+    }
+    let ops = keyer.trtllm_ops(events);
+    feed.apply(&ops);
+}
+
 /// Polls one TensorRT-LLM endpoint until `cancel` (the rule's token, or the endpoint's lease),
 /// resuming after the last event id already applied (replicated takeover).
 pub async fn run(feed: Feed, cancel: tokio_util::sync::CancellationToken) {
@@ -78,28 +101,7 @@ pub async fn run(feed: Feed, cancel: tokio_util::sync::CancellationToken) {
             Ok(Value::Array(events)) => {
                 feed.set_connected(true);
                 backoff = interval;
-                if let Some(first) = events
-                    .first()
-                    .and_then(|e| e.get("event_id"))
-                    .and_then(Value::as_u64)
-                {
-                    let last = events
-                        .last()
-                        .and_then(|e| e.get("event_id"))
-                        .and_then(Value::as_u64)
-                        .unwrap_or(first);
-                    // No replay exists: a gap clears like a restart or a rewind.
-                    if let Some(cause) = ClearCause::of(seq.observe_span(first, last)) {
-                        if cause == ClearCause::Gap {
-                            state.metrics.seq_gaps.with_label_values(&[engine]).inc();
-                        }
-                        keyer.reset();
-                        feed.clear(cause);
-                    }
-                    feed.note_seq(last);
-                }
-                let ops = keyer.trtllm_ops(&events);
-                feed.apply(&ops);
+                apply_drain(&feed, &mut keyer, &mut seq, &events);
                 interval
             }
             Ok(_) => {

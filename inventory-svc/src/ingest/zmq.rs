@@ -35,7 +35,7 @@ enum End {
 }
 
 /// Publisher-side state carried across sessions.
-struct Pub {
+pub(super) struct Pub {
     keyer: Keyer,
     seq: SeqTracker,
 }
@@ -88,7 +88,7 @@ pub async fn run(feed: Feed, cancel: CancellationToken) {
     feed.set_connected(false);
 }
 
-fn new_pub(feed: &Feed) -> Pub {
+pub(super) fn new_pub(feed: &Feed) -> Pub {
     Pub {
         keyer: feed.keyer(),
         seq: SeqTracker::default(),
@@ -141,7 +141,9 @@ async fn session(feed: Feed, mut p: Pub, cancel: CancellationToken) -> (Pub, End
     }
 }
 
-async fn handle(feed: &Feed, p: &mut Pub, msg: ZmqMessage) {
+/// Applies one message of the publisher: sequence check (replay or clear on a gap, clear on a
+/// restart or rewind), then its events.
+pub(super) async fn handle(feed: &Feed, p: &mut Pub, msg: ZmqMessage) {
     let engine = feed.engine();
     let m = &feed.fleet.metrics;
     let (ep, rank) = (feed.ep.0, feed.rank.0);
