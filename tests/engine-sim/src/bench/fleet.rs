@@ -117,25 +117,46 @@ pub fn free_port(ip: &str) -> anyhow::Result<u16> {
     Ok(std::net::TcpListener::bind((ip, 0))?.local_addr()?.port())
 }
 
+/// A TCP port free right now on every one of `ips` (the simulators of one fleet share the ZMQ
+/// port on their own addresses; probing another address would not see a port that a
+/// concurrently running fleet holds on these).
+pub fn free_port_on_all(ips: &[String]) -> anyhow::Result<u16> {
+    let first = ips.first().map_or("127.0.0.1", String::as_str);
+    for _ in 0..64 {
+        let probe = std::net::TcpListener::bind((first, 0))?;
+        let port = probe.local_addr()?.port();
+        let rest = ips.get(1..).unwrap_or(&[]);
+        let held: Vec<_> = rest
+            .iter()
+            .map_while(|ip| std::net::TcpListener::bind((ip.as_str(), port)).ok())
+            .collect();
+        if held.len() == rest.len() {
+            return Ok(port);
+        }
+    }
+    Err(anyhow!("no port free on all of {ips:?} in 64 tries"))
+}
+
 impl Fleet {
     /// Starts `n` simulators. vLLM/SGLang publish ZMQ, and a router reaches `endpoint IP +
     /// kvZmqPort`, so each simulator then gets its own loopback address 127.0.0.(10+i) and all
     /// share one port; TensorRT-LLM and llama.cpp simulators all use 127.0.0.1.
     pub fn start(spec: &SimSpec, n: usize) -> anyhow::Result<Fleet> {
         let zmq = matches!(spec.engine.as_str(), "vllm" | "sglang");
+        let ips: Vec<String> = (0..n)
+            .map(|i| match zmq {
+                true => format!("127.0.0.{}", 10 + i),
+                false => "127.0.0.1".to_string(),
+            })
+            .collect();
         let zmq_port = if zmq {
-            Some(free_port("127.0.0.1")?)
+            Some(free_port_on_all(&ips)?)
         } else {
             None
         };
         let mut sims = Vec::with_capacity(n);
         let mut names = Vec::with_capacity(n);
-        for i in 0..n {
-            let ip = if zmq {
-                format!("127.0.0.{}", 10 + i)
-            } else {
-                "127.0.0.1".to_string()
-            };
+        for (i, ip) in ips.iter().enumerate() {
             let name = format!("sim-{i}");
             let mut cmd = Command::new(&spec.bin);
             cmd.args([
