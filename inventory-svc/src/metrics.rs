@@ -80,6 +80,26 @@ labels! {
 }
 
 labels! {
+    /// `cause` of `kvroute_ingest_clears_total`: why an endpoint's inventory (one rank) was cleared.
+    ClearCause {
+        /// The publisher restarted (sequence back to 0, or lower after a reconnect).
+        Restart => "restart",
+        /// A run of in-order sequences below the last one (the last was out of range).
+        Rewind => "rewind",
+        /// Messages were lost and could not be replayed.
+        Gap => "gap",
+        /// The subscriber task failed: its sync state is lost.
+        Reconnect => "reconnect",
+        /// The engine published `AllBlocksCleared`.
+        Event => "event",
+        /// The engine-key map of a re-deriving keyer filled up.
+        KeyerFull => "keyer_full",
+        /// A replica took the endpoint over and cannot continue re-derived keys.
+        Takeover => "takeover",
+    }
+}
+
+labels! {
     /// `outcome` of `kvroute_ingest_replays_total`.
     Replay {
         Ok => "ok",
@@ -98,7 +118,7 @@ pub struct Metrics {
     pub seq_gaps: IntCounterVec,
     /// `engine`, `outcome` (ok, failed, unconfigured).
     pub replays: IntCounterVec,
-    /// Inventory clears: `engine`, `cause` (restart, rewind, gap, event, reconnect).
+    /// Inventory clears: `engine`, `cause` ([`ClearCause`]).
     pub clears: IntCounterVec,
     /// `engine`.
     pub decode_errors: IntCounterVec,
@@ -393,6 +413,11 @@ impl Metrics {
     /// `kvroute_replication_snapshot_loads_total{cause}`.
     pub fn snapshot_load(&self, l: SnapshotLoad) -> IntCounter {
         self.snapshot_loads.with_label_values(&[l.as_str()])
+    }
+
+    /// `kvroute_ingest_clears_total{engine,cause}`.
+    pub fn clear(&self, engine: &str, cause: ClearCause) -> IntCounter {
+        self.clears.with_label_values(&[engine, cause.as_str()])
     }
 
     /// `kvroute_ingest_replays_total{engine,outcome}`.

@@ -18,7 +18,7 @@ use super::keyer::Keyer;
 use super::{trtllm, zmq, Feed, SeqTracker};
 use crate::fleet::{Fleet, Origin};
 use crate::index::{EndpointId, Rank};
-use crate::metrics::Metrics;
+use crate::metrics::{ClearCause, Metrics};
 use crate::settings::Settings;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -155,14 +155,9 @@ impl Source {
         self.feed.rule.block_count(EndpointId(0))
     }
 
-    fn clears(&self, cause: &str) -> u64 {
+    fn clears(&self, cause: ClearCause) -> u64 {
         let engine = self.feed.engine().as_str();
-        self.feed
-            .fleet
-            .metrics
-            .clears
-            .with_label_values(&[engine, cause])
-            .get()
+        self.feed.fleet.metrics.clear(engine, cause).get()
     }
 }
 
@@ -171,7 +166,7 @@ struct Case {
     name: &'static str,
     history: &'static [(u64, Msg)],
     blocks: u64,
-    clears: &'static [(&'static str, u64)],
+    clears: &'static [(ClearCause, u64)],
     /// TensorRT-LLM has no clear event.
     zmq_only: bool,
 }
@@ -181,21 +176,21 @@ const CASES: &[Case] = &[
         name: "in order",
         history: &[(0, Msg::Store(1)), (1, Msg::Store(2)), (2, Msg::Store(3))],
         blocks: 3,
-        clears: &[("gap", 0), ("restart", 0)],
+        clears: &[(ClearCause::Gap, 0), (ClearCause::Restart, 0)],
         zmq_only: false,
     },
     Case {
         name: "a repeated message changes nothing",
         history: &[(0, Msg::Store(1)), (1, Msg::Store(2)), (1, Msg::Store(2))],
         blocks: 2,
-        clears: &[("gap", 0), ("restart", 0)],
+        clears: &[(ClearCause::Gap, 0), (ClearCause::Restart, 0)],
         zmq_only: false,
     },
     Case {
         name: "a gap clears, then the new message applies",
         history: &[(0, Msg::Store(1)), (1, Msg::Store(2)), (5, Msg::Store(3))],
         blocks: 1,
-        clears: &[("gap", 1), ("restart", 0)],
+        clears: &[(ClearCause::Gap, 1), (ClearCause::Restart, 0)],
         zmq_only: false,
     },
     Case {
@@ -208,7 +203,7 @@ const CASES: &[Case] = &[
             (1, Msg::Store(5)),
         ],
         blocks: 2,
-        clears: &[("gap", 0), ("restart", 1)],
+        clears: &[(ClearCause::Gap, 0), (ClearCause::Restart, 1)],
         zmq_only: false,
     },
     Case {
@@ -220,7 +215,11 @@ const CASES: &[Case] = &[
             (3, Msg::Store(3)),
         ],
         blocks: 1,
-        clears: &[("event", 1), ("gap", 0), ("restart", 0)],
+        clears: &[
+            (ClearCause::Event, 1),
+            (ClearCause::Gap, 0),
+            (ClearCause::Restart, 0),
+        ],
         zmq_only: true,
     },
 ];
@@ -248,8 +247,9 @@ async fn every_engine_handles_gaps_restarts_and_clears_alike() {
                 let got = src.clears(cause);
                 if got != want {
                     failures.push(format!(
-                        "{engine:?}, {}: {got} clears by {cause}, want {want}",
-                        case.name
+                        "{engine:?}, {}: {got} clears by {}, want {want}",
+                        case.name,
+                        cause.as_str()
                     ));
                 }
             }

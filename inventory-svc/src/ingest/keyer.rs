@@ -20,7 +20,7 @@ use super::decode::{EventBatch, KvEvent, Medium, Stored};
 use super::parity::diagnose;
 use crate::fleet::ParityReport;
 use crate::index::{IndexOp, KeyMap};
-use crate::metrics::Metrics;
+use crate::metrics::{ClearCause, Metrics};
 use crate::rules::KeyMode;
 
 /// Per-publisher keying state.
@@ -116,8 +116,7 @@ impl Keyer {
                 KvEvent::AllCleared => {
                     self.count("all_blocks_cleared");
                     self.metrics
-                        .clears
-                        .with_label_values(&[self.engine.as_str(), "event"])
+                        .clear(self.engine.as_str(), ClearCause::Event)
                         .inc();
                     self.map.clear();
                     ops.push(IndexOp::Clear);
@@ -132,8 +131,7 @@ impl Keyer {
     fn overflow(&mut self, ops: &mut Vec<IndexOp>) {
         self.map.clear();
         self.metrics
-            .clears
-            .with_label_values(&[self.engine.as_str(), "keyer_full"])
+            .clear(self.engine.as_str(), ClearCause::KeyerFull)
             .inc();
         ops.push(IndexOp::Clear);
     }

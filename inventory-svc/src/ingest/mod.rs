@@ -24,6 +24,7 @@ use kvroute_core::hash::Engine;
 
 use crate::fleet::{EpRuntime, Fleet, RuleRuntime};
 use crate::index::{EndpointId, IndexOp, Rank};
+use crate::metrics::ClearCause;
 
 /// What one sequence number means relative to the last one seen from the same publisher.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -137,40 +138,13 @@ pub fn next_backoff(cur: Duration) -> Duration {
     (cur * 2).min(Duration::from_secs(5))
 }
 
-/// Why a feed cleared its endpoint's inventory (the `cause` label of `kvroute_clears_total`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum ClearCause {
-    /// The publisher restarted (sequence back to 0, or lower after a reconnect).
-    Restart,
-    /// A run of in-order sequences below the last one ([`SeqVerdict::Rewind`]).
-    Rewind,
-    /// Messages were lost and could not be replayed.
-    Gap,
-    /// The subscriber task failed: its sync state is lost.
-    Reconnect,
-    /// A replica took the endpoint over and cannot continue re-derived keys.
-    Takeover,
-}
-
-impl ClearCause {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            ClearCause::Restart => "restart",
-            ClearCause::Rewind => "rewind",
-            ClearCause::Gap => "gap",
-            ClearCause::Reconnect => "reconnect",
-            ClearCause::Takeover => "takeover",
-        }
-    }
-
-    /// The clear a sequence verdict calls for, if any.
-    pub fn of(v: SeqVerdict) -> Option<ClearCause> {
-        match v {
-            SeqVerdict::Restart => Some(ClearCause::Restart),
-            SeqVerdict::Rewind => Some(ClearCause::Rewind),
-            SeqVerdict::Gap { .. } => Some(ClearCause::Gap),
-            SeqVerdict::First | SeqVerdict::InOrder | SeqVerdict::Duplicate => None,
-        }
+/// The clear a sequence verdict calls for, if any.
+pub fn clear_for(v: SeqVerdict) -> Option<ClearCause> {
+    match v {
+        SeqVerdict::Restart => Some(ClearCause::Restart),
+        SeqVerdict::Rewind => Some(ClearCause::Rewind),
+        SeqVerdict::Gap { .. } => Some(ClearCause::Gap),
+        SeqVerdict::First | SeqVerdict::InOrder | SeqVerdict::Duplicate => None,
     }
 }
 
@@ -218,8 +192,7 @@ impl Feed {
     pub fn clear(&self, cause: ClearCause) {
         self.fleet
             .metrics
-            .clears
-            .with_label_values(&[self.engine().as_str(), cause.as_str()])
+            .clear(self.engine().as_str(), cause)
             .inc();
         self.apply(&[IndexOp::Clear]);
     }

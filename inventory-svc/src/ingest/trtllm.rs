@@ -10,7 +10,8 @@ use std::time::Duration;
 use serde_json::Value;
 
 use super::keyer::Keyer;
-use super::{next_backoff, ClearCause, Feed, SeqTracker};
+use super::{clear_for, next_backoff, Feed, SeqTracker};
+use crate::metrics::ClearCause;
 use crate::metrics::Metrics;
 
 /// Largest drain body read: a drain of 100 ms holds a few hundred events of a few KiB; past this the
@@ -53,7 +54,7 @@ pub(super) fn apply_drain(feed: &Feed, keyer: &mut Keyer, seq: &mut SeqTracker, 
     let event_id = |e: Option<&Value>| e.and_then(|e| e.get("event_id")).and_then(Value::as_u64);
     if let Some(first) = event_id(events.first()) {
         let last = event_id(events.last()).unwrap_or(first);
-        if let Some(cause) = ClearCause::of(seq.observe_span(first, last)) {
+        if let Some(cause) = clear_for(seq.observe_span(first, last)) {
             if cause == ClearCause::Gap {
                 let m = &feed.fleet.metrics;
                 m.seq_gaps

@@ -23,7 +23,8 @@ use zeromq::{DealerSocket, Socket, SocketRecv, SocketSend, SubSocket, ZmqMessage
 
 use super::decode::{decode_batch, parse_seq, split_frames, BytesKey};
 use super::keyer::Keyer;
-use super::{next_backoff, ClearCause, Feed, SeqTracker, SeqVerdict};
+use super::{clear_for, next_backoff, Feed, SeqTracker, SeqVerdict};
+use crate::metrics::ClearCause;
 use crate::metrics::Replay;
 
 /// How a session ended.
@@ -157,7 +158,7 @@ pub(super) async fn handle(feed: &Feed, p: &mut Pub, msg: ZmqMessage) {
         SeqVerdict::First | SeqVerdict::InOrder => {}
         SeqVerdict::Duplicate => return,
         v @ (SeqVerdict::Restart | SeqVerdict::Rewind) => {
-            let cause = ClearCause::of(v).unwrap_or(ClearCause::Restart);
+            let cause = clear_for(v).unwrap_or(ClearCause::Restart);
             tracing::info!(rule = %feed.rule.spec.name(), ep, rank, seq, cause = cause.as_str(), "publisher restarted or rewound: clearing the endpoint inventory");
             p.keyer.reset();
             feed.clear(cause);

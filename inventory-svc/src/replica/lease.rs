@@ -17,7 +17,7 @@ use tokio_util::sync::CancellationToken;
 use super::Replica;
 use crate::fleet::{Fleet, RuleRuntime, StartFeeds};
 use crate::index::{EndpointId, IndexOp};
-use crate::metrics::{LeaseChange, RedisOp};
+use crate::metrics::{ClearCause, LeaseChange, RedisOp};
 use crate::rules::KeyMode;
 
 /// KEYS[1] lease, ARGV[1] replica id, ARGV[2] ms: 1 if we hold it afterwards, else 0.
@@ -134,8 +134,7 @@ fn take_over(state: &Fleet, rule: &Arc<RuleRuntime>, ep: EndpointId) {
     if rederived && rule.block_count(ep) > 0 {
         state
             .metrics
-            .clears
-            .with_label_values(&[rule.spec.engine.as_str(), "takeover"])
+            .clear(rule.spec.engine.as_str(), ClearCause::Takeover)
             .inc();
         for rank in rule.ranks() {
             state.apply_ops(rule, ep, rank, &[IndexOp::Clear]);
