@@ -112,7 +112,6 @@ pub fn flags_table() -> String {
 
 #[cfg(test)]
 mod tests {
-    #![allow(clippy::unwrap_used, clippy::panic)]
     use super::*;
 
     #[test]
@@ -121,26 +120,14 @@ mod tests {
         Cli::command().debug_assert();
     }
 
-    /// Regenerate with `KVROUTE_WRITE_DOCS=1 cargo test -p kvroute-inventory --lib cli`.
     #[test]
     fn docs_flags_table_matches_the_cli() {
-        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/inventory.md");
-        let text = std::fs::read_to_string(&path).unwrap();
-        let a = text.find(FLAGS_BEGIN).map(|i| i + FLAGS_BEGIN.len() + 1);
-        let b = text.find(FLAGS_END);
-        let (Some(a), Some(b)) = (a, b) else {
-            panic!("docs/inventory.md lacks the {FLAGS_BEGIN} ... {FLAGS_END} markers");
-        };
-        let table = flags_table();
-        if std::env::var_os("KVROUTE_WRITE_DOCS").is_some() {
-            std::fs::write(&path, format!("{}{table}{}", &text[..a], &text[b..])).unwrap();
-            return;
-        }
-        assert_eq!(
-            &text[a..b],
-            table,
-            "docs/inventory.md's flags table differs from inventory-svc/src/cli.rs; regenerate \
-             with KVROUTE_WRITE_DOCS=1 cargo test -p kvroute-inventory --lib cli"
+        crate::docgen::check(
+            "inventory.md",
+            FLAGS_BEGIN,
+            FLAGS_END,
+            &flags_table(),
+            "KVROUTE_WRITE_DOCS=1 cargo test -p kvroute-inventory --lib cli",
         );
     }
 }

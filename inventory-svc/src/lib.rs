@@ -32,3 +32,30 @@ pub mod server;
 pub mod settings;
 pub mod sync;
 pub mod tls;
+
+/// Test support: docs sections generated from code.
+#[cfg(test)]
+pub(crate) mod docgen {
+    /// Checks that the text between `begin` and `end` in `docs/<file>` is `generated`; with
+    /// `KVROUTE_WRITE_DOCS` set, writes it there instead. `regen` names the command that does.
+    #[allow(clippy::unwrap_used, clippy::panic)]
+    pub fn check(file: &str, begin: &str, end: &str, generated: &str, regen: &str) {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../docs")
+            .join(file);
+        let text = std::fs::read_to_string(&path).unwrap();
+        let a = text.find(begin).map(|i| i + begin.len() + 1);
+        let (Some(a), Some(b)) = (a, text.find(end)) else {
+            panic!("docs/{file} lacks the {begin} ... {end} markers");
+        };
+        if std::env::var_os("KVROUTE_WRITE_DOCS").is_some() {
+            std::fs::write(&path, format!("{}{generated}{}", &text[..a], &text[b..])).unwrap();
+            return;
+        }
+        assert_eq!(
+            &text[a..b],
+            generated,
+            "docs/{file}'s generated section differs from the code; regenerate with {regen}"
+        );
+    }
+}

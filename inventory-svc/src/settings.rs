@@ -732,7 +732,6 @@ mod tests {
     /// `KVROUTE_WRITE_DOCS=1 cargo test -p kvroute-inventory --lib settings::tests::docs_tables`.
     #[test]
     fn docs_tables_match_the_descriptors() {
-        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs");
         let tuning = docs_table(
             kvroute_core::settings::VARS
                 .iter()
@@ -740,24 +739,12 @@ mod tests {
         );
         let redis = docs_table(REDIS_VARS.iter());
         for (file, table) in [("inventory.md", tuning), ("replication.md", redis)] {
-            let path = root.join(file);
-            let text = std::fs::read_to_string(&path).unwrap();
-            let (begin, end) = (DOCS_BEGIN, DOCS_END);
-            let a = text.find(begin).map(|i| i + begin.len() + 1);
-            let b = text.find(end);
-            let (Some(a), Some(b)) = (a, b) else {
-                panic!("{file} lacks the {begin} ... {end} markers");
-            };
-            if std::env::var_os("KVROUTE_WRITE_DOCS").is_some() {
-                let new = format!("{}{table}{}", &text[..a], &text[b..]);
-                std::fs::write(&path, new).unwrap();
-                continue;
-            }
-            assert_eq!(
-                &text[a..b],
-                table,
-                "docs/{file}'s settings table differs from inventory-svc/src/settings.rs; \
-                 regenerate with KVROUTE_WRITE_DOCS=1 cargo test -p kvroute-inventory --lib settings"
+            crate::docgen::check(
+                file,
+                DOCS_BEGIN,
+                DOCS_END,
+                &table,
+                "KVROUTE_WRITE_DOCS=1 cargo test -p kvroute-inventory --lib settings",
             );
         }
     }
