@@ -145,6 +145,10 @@ struct CreateLb {
     /// Per endpoint, in --endpoints order: KV capacity in blocks (empty: the engine's).
     #[arg(long, value_delimiter = ',')]
     kv_capacity_blocks: Vec<String>,
+    /// Per endpoint, in --endpoints order: the KV event address tcp://IP:PORT (empty: the
+    /// endpoint's IP at --kv-zmq-port).
+    #[arg(long, value_delimiter = ',')]
+    kv_zmq_endpoints: Vec<String>,
     /// kvExactMode: 0 | 1 | 3.
     #[arg(long)]
     kv_exact_mode: Option<String>,
@@ -175,6 +179,9 @@ struct CreateLb {
     /// kvReplayPort.
     #[arg(long)]
     kv_replay_port: Option<String>,
+    /// kvZmqBind: the inventory binds each endpoint's kvZmqEndpoint and the engines connect.
+    #[arg(long)]
+    kv_zmq_bind: bool,
 }
 
 #[derive(Args)]
@@ -536,6 +543,7 @@ fn build_rules(a: &CreateLb) -> Res<Vec<RawRule>> {
     for (flag, list) in [
         ("--ep-roles", &a.ep_roles),
         ("--kv-capacity-blocks", &a.kv_capacity_blocks),
+        ("--kv-zmq-endpoints", &a.kv_zmq_endpoints),
     ] {
         if !list.is_empty() && list.len() != eps.len() {
             return Err(Fail::Usage(format!(
@@ -595,6 +603,7 @@ fn build_rules(a: &CreateLb) -> Res<Vec<RawRule>> {
                 kv_key_mode: a.kv_key_mode.clone(),
                 kv_model: a.kv_model.clone(),
                 kv_replay_port: int("--kv-replay-port", &a.kv_replay_port)?,
+                kv_zmq_bind: a.kv_zmq_bind.then_some(true),
             },
             endpoints: Some(
                 eps.iter()
@@ -605,6 +614,12 @@ fn build_rules(a: &CreateLb) -> Res<Vec<RawRule>> {
                         weight: Some(*w),
                         ep_role: roles[i],
                         kv_capacity_blocks: caps[i],
+                        kv_zmq_endpoint: a
+                            .kv_zmq_endpoints
+                            .get(i)
+                            .filter(|z| !z.is_empty())
+                            .cloned(),
+                        ..RawEndpoint::default()
                     })
                     .collect(),
             ),
@@ -673,6 +688,8 @@ fn flag_of(field: &str) -> String {
         "endpointIP" => "--endpoints (IP)",
         "ep_role" => "--ep-roles (none=0 prefill=1 decode=2)",
         "kvCapacityBlocks" => "--kv-capacity-blocks",
+        "kvZmqEndpoint" => "--kv-zmq-endpoints",
+        "kvZmqBind" => "--kv-zmq-bind",
         _ if field.starts_with("endpoints") => "--endpoints",
         _ if field.starts_with("secondaryIPs") => "--secips",
         _ if field.starts_with("allowedSources") => "--allowedsources",
@@ -794,6 +811,24 @@ fn lb_table(v: &Value) -> String {
     )
 }
 
+/// The PARITY cell: the mismatch's message, `ok (N checks)`, or `unchecked` (no event with token
+/// ids checked yet: a passed check and one that never ran must not look alike).
+fn parity_cell(e: &Value) -> String {
+    if let Some(p) = e.get("parity").filter(|p| !p.is_null()) {
+        return match p.get("message").and_then(Value::as_str) {
+            Some(m) => format!("mismatch: {m}"),
+            None => s(Some(p)),
+        };
+    }
+    let checks = e.get("parity_checks").and_then(Value::as_u64).unwrap_or(0);
+    match e.get("parity_status").and_then(Value::as_str) {
+        Some("unchecked") => "unchecked".into(),
+        Some(_) => format!("ok ({checks} checks)"),
+        // A service without the status field: only a mismatch was reported.
+        None => "ok".into(),
+    }
+}
+
 fn health_table(v: &Value) -> String {
     let empty = Vec::new();
     let mut rows = Vec::new();
@@ -810,10 +845,7 @@ fn health_table(v: &Value) -> String {
                 s(e.get("healthy")),
                 s(e.get("connected")),
                 s(e.get("blocks")),
-                match e.get("parity") {
-                    None | Some(Value::Null) => "ok".into(),
-                    p => s(p),
-                },
+                parity_cell(e),
             ]);
         }
     }

@@ -100,6 +100,16 @@ labels! {
 }
 
 labels! {
+    /// `result` of `kvroute_ingest_parity_checks_total`.
+    ParityCheck {
+        /// The keys recomputed from the event's `token_ids` equal the engine's.
+        Match => "match",
+        /// They differ (or the event's block size disagrees with the contract).
+        Mismatch => "mismatch",
+    }
+}
+
+labels! {
     /// `outcome` of `kvroute_ingest_replays_total`.
     Replay {
         Ok => "ok",
@@ -124,6 +134,8 @@ pub struct Metrics {
     pub decode_errors: IntCounterVec,
     /// Parity self-check mismatches in engine key mode: `engine`.
     pub parity_mismatches: IntCounterVec,
+    /// Parity self-checks run in engine key mode: `engine`, `result` ([`ParityCheck`]).
+    parity_checks: IntCounterVec,
     /// Events whose blocks could not be keyed (tokens mode without a known parent, partial): `engine`.
     pub unkeyed_blocks: IntCounterVec,
     /// 1 while the subscriber / poller of `(rule, ep, rank)` is connected.
@@ -138,6 +150,8 @@ pub struct Metrics {
     pub tier15_remembered: IntCounter,
     /// New prefix families placed by free cache (footprint) instead of `sel`.
     pub tier15_placements: IntCounter,
+    /// Decisions that went elsewhere because the family's remembered home is unhealthy.
+    pub tier15_detours: IntCounter,
     pub route_latency: Histogram,
     /// Offloaded prompts routed on a prefix of their tokens: `reason` (max_tokens, long_piece).
     pub offload_truncated: IntCounterVec,
@@ -220,6 +234,11 @@ impl Metrics {
             replays: cv("kvroute_ingest_replays_total", "Replay attempts after a gap, by outcome.", &["engine", "outcome"])?,
             clears: cv("kvroute_ingest_clears_total", "Endpoint inventory clears, by cause.", &["engine", "cause"])?,
             decode_errors: cv("kvroute_ingest_decode_errors_total", "Frames or payloads that failed to decode.", &["engine"])?,
+            parity_checks: cv(
+                "kvroute_ingest_parity_checks_total",
+                "Engine-mode parity self-checks run on BlockStored events with token ids, by result: zero means no check ran.",
+                &["engine", "result"],
+            )?,
             parity_mismatches: cv(
                 "kvroute_ingest_parity_mismatches_total",
                 "Engine-mode parity self-check mismatches (recomputed key differs from the engine's).",
@@ -242,6 +261,10 @@ impl Metrics {
             tier15_remembered: c(
                 "kvroute_tier15_remembered_total",
                 "Tier 1.5 decisions sent to a prefix family's remembered home past the exact match.",
+            )?,
+            tier15_detours: c(
+                "kvroute_tier15_home_detours_total",
+                "Decisions sent elsewhere because the prefix family's remembered home is unhealthy (the family keeps its home).",
             )?,
             tier15_placements: c(
                 "kvroute_tier15_footprint_placements_total",
@@ -418,6 +441,11 @@ impl Metrics {
     /// `kvroute_ingest_clears_total{engine,cause}`.
     pub fn clear(&self, engine: &str, cause: ClearCause) -> IntCounter {
         self.clears.with_label_values(&[engine, cause.as_str()])
+    }
+
+    /// `kvroute_ingest_parity_checks_total{engine,result}`.
+    pub fn parity_check(&self, engine: &str, r: ParityCheck) -> IntCounter {
+        self.parity_checks.with_label_values(&[engine, r.as_str()])
     }
 
     /// `kvroute_ingest_replays_total{engine,outcome}`.

@@ -10,7 +10,9 @@ use std::net::IpAddr;
 
 use kvroute_core::hash::{Engine, HashAlgo, HashContract};
 pub use kvroute_core::rule::KeyMode;
-use kvroute_core::rule::{EndpointRole, FieldError, KvMode, RawRule, Rule, RuleParseError, Sel};
+use kvroute_core::rule::{
+    EndpointRole, FieldError, KvMode, RawRule, Rule, RuleParseError, Sel, ZmqAddr,
+};
 use serde_json::Value;
 
 use crate::index::MAX_ENDPOINTS;
@@ -26,6 +28,10 @@ pub struct EndpointSpec {
     pub role: Option<EndpointRole>,
     /// The rule's `kvCapacityBlocks` (placement's capacity override), if set.
     pub capacity_blocks: Option<u32>,
+    /// `kvZmqEndpoint`: the engine's KV event address (rank 0) when not `ip:kvZmqPort`.
+    pub zmq_endpoint: Option<ZmqAddr>,
+    /// `kvReplayEndpoint`: the engine's replay ROUTER (rank 0) when not `ip:kvReplayPort`.
+    pub replay_endpoint: Option<ZmqAddr>,
 }
 
 impl EndpointSpec {
@@ -50,6 +56,8 @@ pub struct RuleSpec {
     pub key_mode: KeyMode,
     pub zmq_port: u16,
     pub replay_port: Option<u16>,
+    /// `kvZmqBind`: bind each endpoint's event address instead of connecting to it.
+    pub zmq_bind: bool,
     pub dp_ranks: u8,
     pub model: Option<String>,
     pub slug: Option<String>,
@@ -71,6 +79,8 @@ impl RuleSpec {
                 weight: u32::from(e.weight()),
                 role: e.role(),
                 capacity_blocks: e.capacity_blocks(),
+                zmq_endpoint: e.zmq_endpoint(),
+                replay_endpoint: e.replay_endpoint(),
             })
             .collect();
         RuleSpec {
@@ -82,6 +92,7 @@ impl RuleSpec {
             key_mode: kv.map_or(KeyMode::Engine, |k| k.key_mode()),
             zmq_port: kv.map_or(5557, |k| k.zmq_port()),
             replay_port: kv.and_then(|k| k.replay_port()),
+            zmq_bind: kv.is_some_and(|k| k.zmq_bind()),
             dp_ranks: kv.map_or(1, |k| k.dp_rank_count()),
             model: kv.and_then(|k| k.model()).map(|m| m.name().to_owned()),
             slug: kv.and_then(|k| k.model()).map(|m| m.as_str().to_owned()),

@@ -63,6 +63,13 @@ fn vllm_keys() -> (Vec<u64>, Vec<u32>) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn vllm_golden_and_generated_payloads_feed_the_index() {
     let (mut p, svc) = subscribed_vllm("vllm", json!({"kvHashAlgo": "sha256_cbor"}), &[]).await;
+    // Before any event: a check that never ran is not reported as passed.
+    let ep = &svc.get_json("/healthz").await["rules"][0]["endpoints"][0];
+    assert_eq!(
+        (&ep["parity_status"], &ep["parity_checks"]),
+        (&json!("unchecked"), &json!(0)),
+        "{ep}"
+    );
 
     let (keys, tokens) = vllm_keys();
     p.send(&batch(vec![stored(&keys, &tokens, false)])).await;
@@ -70,6 +77,16 @@ async fn vllm_golden_and_generated_payloads_feed_the_index() {
         svc.inventory(RULE, 0).await.len() == 5
     })
     .await;
+    let ep = &svc.get_json("/healthz").await["rules"][0]["endpoints"][0];
+    assert_eq!(
+        (&ep["parity_status"], &ep["parity_checks"], &ep["parity"]),
+        (&json!("match"), &json!(1), &Value::Null),
+        "{ep}"
+    );
+    assert_metrics(
+        &svc.metrics().await,
+        r#"kvroute_ingest_parity_checks_total{engine="vllm",result="match"} 1"#,
+    );
 
     let req = json!({"rule": RULE, "keys": keys, "token_count": 64});
     let (s, body) = svc.post("/v1/route", &req.to_string(), None).await;
@@ -128,7 +145,17 @@ async fn parity_self_check_names_the_wrong_seed() {
     .await;
     let hz = svc.get_json("/healthz").await;
     assert_eq!(hz["status"], "degraded");
-    let parity = &hz["rules"][0]["endpoints"][0]["parity"];
+    let ep = &hz["rules"][0]["endpoints"][0];
+    assert_eq!(
+        (
+            &ep["parity_status"],
+            &ep["parity_checks"],
+            &ep["parity_mismatches"]
+        ),
+        (&json!("mismatch"), &json!(1), &json!(1)),
+        "{ep}"
+    );
+    let parity = &ep["parity"];
     assert_eq!(parity["suggested_seed"], "0", "{hz}");
     assert!(
         parity["message"]
@@ -138,6 +165,72 @@ async fn parity_self_check_names_the_wrong_seed() {
         "{hz}"
     );
     assert!(svc.stderr().contains("parity self-check failed"));
+}
+
+/// Two engines on one host with their own event ports (`kvZmqEndpoint` per endpoint): each
+/// publisher's blocks land on its own endpoint.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn per_endpoint_event_addresses_on_one_host() {
+    let mut a = Publisher::bind(0).await.unwrap();
+    let mut b = Publisher::bind(0).await.unwrap();
+    let eps = [("127.0.0.1".into(), 9), ("127.0.0.1".into(), 10)];
+    let mut r = rule(8080, "vllm", 5557, &eps, json!({}));
+    r["endpoints"][0]["kvZmqEndpoint"] = json!(format!("tcp://127.0.0.1:{}", a.port));
+    r["endpoints"][1]["kvZmqEndpoint"] = json!(format!("tcp://127.0.0.1:{}", b.port));
+    let svc = Service::start("zmq-per-ep", &json!([r]), &[]);
+    two_engines_feed_their_own_endpoints(&svc, &mut a, &mut b).await;
+}
+
+/// The engine-connects topology (`kvZmqBind`): the inventory binds one SUB per endpoint and each
+/// engine's publisher connects to its own, as vLLM does when its endpoint names a host (llm-d's
+/// deployments). `connected` turns true once an engine attached.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bound_subscribers_take_engines_that_connect() {
+    let (pa, pb) = (free_port().unwrap(), free_port().unwrap());
+    let eps = [("127.0.0.1".into(), 9), ("127.0.0.1".into(), 10)];
+    let mut r = rule(8080, "vllm", 5557, &eps, json!({"kvZmqBind": true}));
+    r["endpoints"][0]["kvZmqEndpoint"] = json!(format!("tcp://127.0.0.1:{pa}"));
+    r["endpoints"][1]["kvZmqEndpoint"] = json!(format!("tcp://127.0.0.1:{pb}"));
+    let svc = Service::start("zmq-bind", &json!([r]), &[]);
+    let connected = |hz: &Value, ep: usize| hz["rules"][0]["endpoints"][ep]["connected"].clone();
+    let hz = svc.get_json("/healthz").await;
+    assert_eq!(
+        connected(&hz, 0),
+        json!([false]),
+        "no engine attached yet: {hz}"
+    );
+    let mut a = Publisher::connect(&format!("tcp://127.0.0.1:{pa}")).await;
+    let mut b = Publisher::connect(&format!("tcp://127.0.0.1:{pb}")).await;
+    two_engines_feed_their_own_endpoints(&svc, &mut a, &mut b).await;
+    let hz = svc.get_json("/healthz").await;
+    assert_eq!(
+        (connected(&hz, 0), connected(&hz, 1)),
+        (json!([true]), json!([true])),
+        "{hz}"
+    );
+}
+
+async fn two_engines_feed_their_own_endpoints(svc: &Service, a: &mut Publisher, b: &mut Publisher) {
+    publish_until_seen(
+        svc,
+        a,
+        RULE,
+        0,
+        0xA1,
+        &batch(vec![stored(&[0xA1], &[], false)]),
+    )
+    .await;
+    publish_until_seen(
+        svc,
+        b,
+        RULE,
+        1,
+        0xB1,
+        &batch(vec![stored(&[0xB1], &[], false)]),
+    )
+    .await;
+    assert!(!svc.inventory(RULE, 0).await.contains(&0xB1));
+    assert!(!svc.inventory(RULE, 1).await.contains(&0xA1));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

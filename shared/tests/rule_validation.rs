@@ -743,3 +743,82 @@ fn settings_seed_reaches_the_rule_contract() {
     let r = parse_with(&body(json!({"kvHashAlgo": "xxhash_cbor"})), &s).unwrap();
     assert_eq!(r.contract().unwrap().seed.as_deref(), Some("42"));
 }
+
+/// `kvZmqEndpoint` / `kvReplayEndpoint` per endpoint and `kvZmqBind`: accepted where a ZMQ
+/// engine publishes, kept per endpoint, listed back, and parsed again to an equal rule.
+#[test]
+fn event_addresses_per_endpoint_round_trip() {
+    let mut b = body(json!({"kvZmqBind": true, "kvReplayPort": 5600}));
+    b["endpoints"] = json!([
+        {"endpointIP": "10.0.1.1", "targetPort": 8000, "kvZmqEndpoint": "tcp://127.0.0.1:5601",
+         "kvReplayEndpoint": "tcp://10.0.1.1:5701"},
+        {"endpointIP": "10.0.1.1", "targetPort": 8001, "kvZmqEndpoint": "tcp://[::1]:5601"}
+    ]);
+    let r = parse(&b).unwrap();
+    let kv = r.kv().unwrap();
+    assert!(kv.zmq_bind());
+    let eps = r.endpoints();
+    assert_eq!(
+        eps[0].zmq_endpoint().map(|a| a.to_string()).as_deref(),
+        Some("tcp://127.0.0.1:5601")
+    );
+    assert_eq!(
+        eps[0].replay_endpoint().map(|a| a.to_string()).as_deref(),
+        Some("tcp://10.0.1.1:5701")
+    );
+    assert_eq!(
+        eps[1].zmq_endpoint().map(|a| a.to_string()).as_deref(),
+        Some("tcp://[::1]:5601")
+    );
+    assert_eq!(eps[1].replay_endpoint(), None);
+    let l = listed(&r);
+    assert_eq!(l["serviceArguments"]["kvZmqBind"], json!(true));
+    assert_eq!(
+        l["endpoints"][1]["kvZmqEndpoint"],
+        json!("tcp://[::1]:5601")
+    );
+    assert_eq!(parse(&l).unwrap(), r);
+    // Without the flag: connect mode, nothing listed.
+    let plain = parse(&body(json!({}))).unwrap();
+    assert!(!plain.kv().unwrap().zmq_bind());
+    assert!(listed(&plain)["serviceArguments"]
+        .get("kvZmqBind")
+        .is_none());
+}
+
+const ZMQ_ALLOWED: &str = "tcp://IP:PORT (an IPv4 address or a bracketed IPv6 one, port 1-65535)";
+
+#[rstest]
+#[case::not_tcp(json!({}), json!([{"endpointIP": "10.0.1.1", "targetPort": 80, "kvZmqEndpoint": "ipc:///tmp/kv"}]),
+    format!("endpoints[0].kvZmqEndpoint: got \"ipc:///tmp/kv\", allowed: {ZMQ_ALLOWED}"))]
+#[case::host_name(json!({}), json!([{"endpointIP": "10.0.1.1", "targetPort": 80, "kvZmqEndpoint": "tcp://engine-0:5557"}]),
+    format!("endpoints[0].kvZmqEndpoint: got \"tcp://engine-0:5557\", allowed: {ZMQ_ALLOWED}"))]
+#[case::port_0(json!({}), json!([{"endpointIP": "10.0.1.1", "targetPort": 80, "kvReplayEndpoint": "tcp://10.0.1.1:0"}]),
+    format!("endpoints[0].kvReplayEndpoint: got \"tcp://10.0.1.1:0\", allowed: {ZMQ_ALLOWED}"))]
+#[case::bind_needs_an_address(json!({"kvZmqBind": true}), json!([{"endpointIP": "10.0.1.1", "targetPort": 80}]),
+    format!("endpoints[0].kvZmqEndpoint: got (missing), allowed: {ZMQ_ALLOWED} that the inventory binds for this engine's publisher to connect to (kvZmqBind is true)"))]
+#[case::bind_overlap(json!({"kvZmqBind": true, "kvEngineType": "sglang", "kvDpRankCount": 2}), json!([
+        {"endpointIP": "10.0.1.1", "targetPort": 80, "kvZmqEndpoint": "tcp://127.0.0.1:5601"},
+        {"endpointIP": "10.0.1.2", "targetPort": 80, "kvZmqEndpoint": "tcp://127.0.0.1:5602"}]),
+    "endpoints[1].kvZmqEndpoint: got \"tcp://127.0.0.1:5602\", allowed: an address no other endpoint binds (endpoints[0].kvZmqEndpoint overlaps; rank r binds PORT + r)".to_owned())]
+#[case::last_rank_port(json!({"kvEngineType": "sglang", "kvDpRankCount": 4}), json!([{"endpointIP": "10.0.1.1", "targetPort": 80, "kvZmqEndpoint": "tcp://127.0.0.1:65534"}]),
+    "endpoints[0].kvZmqEndpoint: got \"tcp://127.0.0.1:65534\", allowed: a port of 1-65532 (rank r uses PORT + r; kvDpRankCount is 4)".to_owned())]
+#[case::replay_not_vllm(json!({"kvEngineType": "sglang"}), json!([{"endpointIP": "10.0.1.1", "targetPort": 80, "kvReplayEndpoint": "tcp://10.0.1.1:5600"}]),
+    "endpoints[0].kvReplayEndpoint: got \"tcp://10.0.1.1:5600\", allowed: absent (replay is a vLLM feature; kvEngineType is sglang)".to_owned())]
+#[case::trtllm_address(json!({"kvEngineType": "trtllm"}), json!([{"endpointIP": "10.0.1.1", "targetPort": 80, "kvZmqEndpoint": "tcp://10.0.1.1:5557"}]),
+    "endpoints[0].kvZmqEndpoint: got \"tcp://10.0.1.1:5557\", allowed: absent (trtllm publishes no ZMQ events: the inventory drains POST /kv_cache_events)".to_owned())]
+#[case::trtllm_bind(json!({"kvEngineType": "trtllm", "kvZmqBind": true}), json!([{"endpointIP": "10.0.1.1", "targetPort": 80}]),
+    "kvZmqBind: got true, allowed: false or absent (trtllm publishes no ZMQ events: the inventory drains POST /kv_cache_events)".to_owned())]
+#[case::llamacpp_bind(json!({"kvEngineType": "llamacpp", "kvExactMode": 0, "mode": 0, "kvZmqBind": false}), json!([{"endpointIP": "10.0.1.1", "targetPort": 80}]),
+    format!("kvZmqBind: got false, allowed: absent ({LLAMA})"))]
+#[case::llamacpp_address(json!({"kvEngineType": "llamacpp", "kvExactMode": 0, "mode": 0}), json!([{"endpointIP": "10.0.1.1", "targetPort": 80, "kvZmqEndpoint": "tcp://10.0.1.1:5557"}]),
+    format!("endpoints[0].kvZmqEndpoint: got \"tcp://10.0.1.1:5557\", allowed: absent ({LLAMA})"))]
+fn event_addresses_rejected(
+    #[case] args: Value,
+    #[case] endpoints: Value,
+    #[case] message: String,
+) {
+    let mut b = body(args);
+    b["endpoints"] = endpoints;
+    assert_one_error(parse(&b), &message);
+}

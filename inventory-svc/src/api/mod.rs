@@ -516,6 +516,13 @@ pub struct EndpointHealth {
     pub blocks: u64,
     /// The hash parity self-check's verdict when the engine's keys do not match the contract.
     pub parity: Option<crate::fleet::ParityReport>,
+    /// `unchecked` until a BlockStored with token ids was checked, then `match` or `mismatch`
+    /// (the latest check).
+    pub parity_status: crate::fleet::ParityStatus,
+    /// Parity self-checks run on this endpoint's events (matched + mismatched).
+    pub parity_checks: u64,
+    /// Of which mismatched.
+    pub parity_mismatches: u64,
 }
 
 /// Replication state in `GET /healthz`.
@@ -549,6 +556,7 @@ async fn healthz(State(state): State<Arc<ApiState>>) -> Json<Health> {
                 .enumerate()
                 .map(|(i, (e, rt))| {
                     let parity = rt.parity();
+                    let (parity_status, matched, mismatched) = rt.parity_status();
                     degraded |= parity.is_some();
                     EndpointHealth {
                         idx: i,
@@ -559,6 +567,9 @@ async fn healthz(State(state): State<Arc<ApiState>>) -> Json<Health> {
                         owned: rt.owned(),
                         blocks: r.block_count(EndpointId(i as u8)),
                         parity,
+                        parity_status,
+                        parity_checks: matched + mismatched,
+                        parity_mismatches: mismatched,
                     }
                 })
                 .collect();

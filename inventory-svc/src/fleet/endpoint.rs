@@ -24,6 +24,29 @@ pub struct ParityReport {
     pub suggested_block_size: Option<u32>,
 }
 
+/// Where an endpoint's parity self-check stands, for `/healthz`: a check that passed and one that
+/// never ran must not look alike.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, utoipa::ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum ParityStatus {
+    /// No BlockStored with token ids has been checked yet (events not flowing, `kvKeyMode` tokens,
+    /// TensorRT-LLM, or the engine does not publish token ids).
+    Unchecked,
+    /// The latest checked key matched the rule's contract.
+    Match,
+    /// The latest checked key did not match: see the report.
+    Mismatch,
+}
+
+/// Parity self-check totals of one endpoint (all ranks).
+#[derive(Clone, Debug, Default)]
+struct Parity {
+    matched: u64,
+    mismatched: u64,
+    /// The latest mismatch's report; cleared by a later match.
+    report: Option<ParityReport>,
+}
+
 /// "No sequence seen" in [`EpRuntime`]'s per-rank sequences.
 const NO_SEQ: u64 = u64::MAX;
 
@@ -41,8 +64,8 @@ pub struct EpRuntime {
     scraped: Mutex<Option<(Instant, u64)>>,
     /// Per rank: subscriber/poller connected.
     connected: Vec<AtomicBool>,
-    /// Parity report of the latest mismatch (any rank).
-    parity: Mutex<Option<ParityReport>>,
+    /// Parity self-check totals and the latest mismatch (any rank).
+    parity: Mutex<Parity>,
     /// Cache capacity in blocks scraped from the engine (`num_gpu_blocks`); 0 = not scraped.
     capacity: AtomicU64,
     /// Per rank: the last publisher sequence applied ([`NO_SEQ`] = none), from ingestion or the
@@ -63,7 +86,7 @@ impl EpRuntime {
             decisions: Mutex::new(VecDeque::new()),
             scraped: Mutex::new(None),
             connected: (0..ranks.max(1)).map(|_| AtomicBool::new(false)).collect(),
-            parity: Mutex::new(None),
+            parity: Mutex::new(Parity::default()),
             capacity: AtomicU64::new(0),
             seqs: (0..ranks.max(1)).map(|_| AtomicU64::new(NO_SEQ)).collect(),
             owned: AtomicBool::new(false),
@@ -107,12 +130,27 @@ impl EpRuntime {
 
     /// The latest parity mismatch, if the last checked key did not match.
     pub fn parity(&self) -> Option<ParityReport> {
-        lock(&self.parity).clone()
+        lock(&self.parity).report.clone()
     }
 
-    /// Records the parity verdict of the last checked key (`None`: it matched).
-    pub fn set_parity(&self, report: Option<ParityReport>) {
-        *lock(&self.parity) = report;
+    /// The self-check's standing and its totals `(matched, mismatched)`.
+    pub fn parity_status(&self) -> (ParityStatus, u64, u64) {
+        let p = lock(&self.parity);
+        let status = match (&p.report, p.matched + p.mismatched) {
+            (_, 0) => ParityStatus::Unchecked,
+            (Some(_), _) => ParityStatus::Mismatch,
+            (None, _) => ParityStatus::Match,
+        };
+        (status, p.matched, p.mismatched)
+    }
+
+    /// Adds checks run since the last call; `report` is the publisher's latest verdict (`None`:
+    /// its last checked key matched).
+    pub fn record_parity(&self, matched: u64, mismatched: u64, report: Option<ParityReport>) {
+        let mut p = lock(&self.parity);
+        p.matched += matched;
+        p.mismatched += mismatched;
+        p.report = report;
     }
 
     /// The engine's scraped `num_gpu_blocks`; 0 = not scraped.

@@ -43,7 +43,7 @@ use crate::score::PlacementMemory;
 use crate::settings::Settings;
 
 pub use decide::{Question, RouteError, Routed, MAX_KEYS};
-pub use endpoint::{EpRuntime, ParityReport};
+pub use endpoint::{EpRuntime, ParityReport, ParityStatus};
 pub use replication::{Origin, Replication, Standalone, StartFeeds};
 pub use rule::RuleRuntime;
 
@@ -542,5 +542,47 @@ mod tests {
             f.route(&r, &q, Instant::now()).err(),
             Some(RouteError::NoEndpoint)
         );
+    }
+
+    /// A family whose home fails its health check is served elsewhere without being re-homed,
+    /// and goes home once the engine is healthy again (both copies then match: the tie goes home).
+    #[test]
+    fn a_family_detours_while_its_home_is_down_and_comes_back() {
+        let s = Settings {
+            spec_ttl: Duration::ZERO,
+            ..Settings::default()
+        };
+        let f = fleet(s.clone());
+        let r = f.install(spec(80, 1, &s), Origin::Local).unwrap().rule;
+        let k = keys(8);
+        let q = Question {
+            keys: &k,
+            token_count: 128,
+            affinity_key: None,
+            model: None,
+            explain: false,
+        };
+        let now = Instant::now();
+        let home = f.route(&r, &q, now).unwrap().ep;
+        let other = 1 - home;
+        let id = |i: usize| EndpointId(i as u8);
+        f.apply_ops(&r, id(home), Rank(0), &[IndexOp::Store(k.clone())]);
+
+        f.set_healthy(&r, id(home), false);
+        let away = f.route(&r, &q, now).unwrap();
+        assert_eq!(away.ep, other);
+        assert!(away.decision.detour);
+        assert_eq!(f.metrics.tier15_detours.get(), 1);
+        assert_eq!(
+            r.memory.peek(&k, now).map(|m| m.ep),
+            Some(home),
+            "still homed"
+        );
+        f.apply_ops(&r, id(other), Rank(0), &[IndexOp::Store(k.clone())]);
+
+        f.set_healthy(&r, id(home), true);
+        let back = f.route(&r, &q, now).unwrap();
+        assert_eq!(back.ep, home, "{:?}", back.decision);
+        assert!(!back.decision.detour);
     }
 }

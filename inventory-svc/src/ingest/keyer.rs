@@ -20,7 +20,7 @@ use super::decode::{EventBatch, KvEvent, Medium, Stored};
 use super::parity::diagnose;
 use crate::fleet::ParityReport;
 use crate::index::{IndexOp, KeyMap};
-use crate::metrics::{ClearCause, Metrics};
+use crate::metrics::{ClearCause, Metrics, ParityCheck};
 use crate::rules::KeyMode;
 
 /// Per-publisher keying state.
@@ -34,8 +34,8 @@ pub struct Keyer {
     metrics: Arc<Metrics>,
     /// Set on the latest parity mismatch (for /healthz); cleared by a later match.
     pub parity: Option<ParityReport>,
-    /// Parity checks that matched, for /healthz.
-    pub parity_ok: u64,
+    /// Parity checks (matched, mismatched) not yet handed to the endpoint ([`Keyer::take_parity`]).
+    pending: (u64, u64),
     mismatches: u64,
 }
 
@@ -60,7 +60,7 @@ impl Keyer {
             map: KeyMap::default(),
             metrics,
             parity: None,
-            parity_ok: 0,
+            pending: (0, 0),
             mismatches: 0,
         }
     }
@@ -202,7 +202,10 @@ impl Keyer {
             Err(_) => false,
         };
         if ok {
-            self.parity_ok += 1;
+            self.pending.0 += 1;
+            self.metrics
+                .parity_check(self.engine.as_str(), ParityCheck::Match)
+                .inc();
             self.parity = None;
         } else {
             self.mismatch(s);
@@ -210,6 +213,10 @@ impl Keyer {
     }
 
     fn mismatch(&mut self, s: &Stored) {
+        self.pending.1 += 1;
+        self.metrics
+            .parity_check(self.engine.as_str(), ParityCheck::Mismatch)
+            .inc();
         self.metrics
             .parity_mismatches
             .with_label_values(&[self.engine.as_str()])
@@ -222,6 +229,11 @@ impl Keyer {
             tracing::error!(engine = %self.engine, mismatches = self.mismatches, "parity self-check failed: {}", report.message);
         }
         self.parity = Some(report);
+    }
+
+    /// Parity checks since the last call, as `(matched, mismatched)`.
+    pub fn take_parity(&mut self) -> (u64, u64) {
+        std::mem::take(&mut self.pending)
     }
 
     /// Operations for one TensorRT-LLM `/kv_cache_events` drain.
@@ -384,7 +396,8 @@ mod tests {
         let mut k = Keyer::new(Engine::Vllm, KeyMode::Engine, 16, Some(c), metrics());
         let ops = k.batch_ops(&vllm_batch());
         assert_eq!(ops.len(), 3);
-        assert_eq!(k.parity_ok, 1);
+        assert_eq!(k.take_parity(), (1, 0));
+        assert_eq!(k.take_parity(), (0, 0), "taken once");
         assert!(k.parity.is_none());
     }
 

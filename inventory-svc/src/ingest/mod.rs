@@ -21,6 +21,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kvroute_core::hash::Engine;
+use kvroute_core::rule::ZmqAddr;
 
 use crate::fleet::{EpRuntime, Fleet, RuleRuntime};
 use crate::index::{EndpointId, IndexOp, Rank};
@@ -168,19 +169,28 @@ impl Feed {
         self.rule.spec.engine
     }
 
-    /// The endpoint's IP as it goes into a `tcp://` URL (IPv6 bracketed).
-    pub fn host(&self) -> String {
-        match self
-            .rule
-            .spec
-            .endpoints
-            .get(usize::from(self.ep.0))
-            .map(|e| e.ip)
-        {
-            Some(std::net::IpAddr::V6(v)) => format!("[{v}]"),
-            Some(ip) => ip.to_string(),
-            None => String::new(),
-        }
+    /// This rank's KV event address: the endpoint's `kvZmqEndpoint`, else
+    /// `endpointIP:kvZmqPort`, plus the rank (validated to fit when the rule was accepted).
+    pub fn event_addr(&self) -> Option<ZmqAddr> {
+        let spec = &self.rule.spec;
+        let e = spec.endpoints.get(usize::from(self.ep.0))?;
+        let base = e.zmq_endpoint.unwrap_or_else(|| {
+            ZmqAddr::from_socket(std::net::SocketAddr::new(e.ip, spec.zmq_port))
+        });
+        base.for_rank(self.rank.0)
+    }
+
+    /// This rank's replay ROUTER: the endpoint's `kvReplayEndpoint`, else `endpointIP:kvReplayPort`
+    /// when the rule has one, plus the rank.
+    pub fn replay_addr(&self) -> Option<ZmqAddr> {
+        let spec = &self.rule.spec;
+        let e = spec.endpoints.get(usize::from(self.ep.0))?;
+        let base = match (e.replay_endpoint, spec.replay_port) {
+            (Some(a), _) => a,
+            (None, Some(p)) => ZmqAddr::from_socket(std::net::SocketAddr::new(e.ip, p)),
+            (None, None) => return None,
+        };
+        base.for_rank(self.rank.0)
     }
 
     /// Applies what the publisher sent (through the fleet: key cap, gauge, replication).

@@ -1,6 +1,10 @@
-//! vLLM / SGLang ZMQ subscriber for one `(endpoint, rank)`: `tcp://<endpointIP>:<kvZmqPort + rank>`.
+//! vLLM / SGLang ZMQ subscriber for one `(endpoint, rank)`: `tcp://<endpointIP>:<kvZmqPort + rank>`,
+//! or the endpoint's `kvZmqEndpoint` plus the rank.
 //!
-//! Each session connects a SUB, subscribes to every topic and applies batches in sequence order.
+//! Topologies: by default each session connects a SUB to the engine's bound PUB (vLLM binds only
+//! a wildcard endpoint such as `tcp://*:5557`); with `kvZmqBind` the session binds the SUB on the
+//! endpoint's `kvZmqEndpoint` and the engine's PUB connects to it (vLLM connects whenever its
+//! endpoint names a host), as llm-d deploys it. Either way the session subscribes to every topic and applies batches in sequence order.
 //! A gap triggers a replay through a DEALER (`[b"", start_seq]`, read until the `ff*8` end marker)
 //! when the rule has `kvReplayPort`; otherwise (or when the replay fails) the endpoint's inventory
 //! for this rank is cleared and rebuilt from new events. A sequence back at 0 — or lower than the
@@ -16,10 +20,11 @@
 use std::time::Duration;
 
 use bytes::Bytes;
+use futures::StreamExt;
 use kvroute_core::hash::Engine;
 use tokio::time::{timeout, Instant};
 use tokio_util::sync::CancellationToken;
-use zeromq::{DealerSocket, Socket, SocketRecv, SocketSend, SubSocket, ZmqMessage};
+use zeromq::{DealerSocket, Socket, SocketEvent, SocketRecv, SocketSend, SubSocket, ZmqMessage};
 
 use super::decode::{decode_batch, parse_seq, split_frames, BytesKey};
 use super::keyer::Keyer;
@@ -104,20 +109,38 @@ fn bytes_key(engine: Engine) -> BytesKey {
     }
 }
 
-/// One connection; returns the publisher state and how the session ended.
+/// One connection; returns the publisher state and how the session ended. Connects to the
+/// engine's publisher, or with `kvZmqBind` binds the address the engine's publisher connects to;
+/// bound, "connected" means an engine attached (the crate reports attaching but not leaving, so
+/// a departed engine shows as silence: the session ends after the idle period and binds again,
+/// and the engine's publisher reconnects on its own).
 async fn session(feed: Feed, mut p: Pub, cancel: CancellationToken) -> (Pub, End) {
-    let port = u32::from(feed.rule.spec.zmq_port) + u32::from(feed.rank.0);
-    let addr = format!("tcp://{}:{port}", feed.host());
+    let Some(addr) = feed.event_addr().map(|a| a.to_string()) else {
+        return (p, End::Failed("no event address for this rank".into()));
+    };
+    let bind = feed.rule.spec.zmq_bind;
     let mut sock = SubSocket::new();
+    let mut attached = bind.then(|| sock.monitor());
     tokio::select! {
         _ = cancel.cancelled() => return (p, End::Cancelled),
-        r = sock.connect(&addr) => if let Err(e) = r { return (p, End::Failed(format!("connect {addr}: {e}"))) },
+        r = async {
+            if bind {
+                sock.bind(&addr).await.map(|_| ())
+            } else {
+                sock.connect(&addr).await
+            }
+        } => if let Err(e) = r {
+            let verb = if bind { "bind" } else { "connect" };
+            return (p, End::Failed(format!("{verb} {addr}: {e}")));
+        },
     }
     if let Err(e) = sock.subscribe("").await {
         return (p, End::Failed(format!("subscribe {addr}: {e}")));
     }
-    feed.set_connected(true);
-    tracing::debug!(rule = %feed.rule.spec.name(), ep = feed.ep.0, rank = feed.rank.0, %addr, "subscribed");
+    if !bind {
+        feed.set_connected(true);
+    }
+    tracing::debug!(rule = %feed.rule.spec.name(), ep = feed.ep.0, rank = feed.rank.0, %addr, bind, "subscribed");
     let idle = feed.fleet.settings.zmq_idle_reconnect;
     loop {
         let silence = async {
@@ -133,6 +156,16 @@ async fn session(feed: Feed, mut p: Pub, cancel: CancellationToken) -> (Pub, End
             msg = sock.recv() => match msg {
                 Ok(m) => handle(&feed, &mut p, m).await,
                 Err(e) => return (p, End::Failed(format!("recv {addr}: {e}"))),
+            },
+            ev = async {
+                match attached.as_mut() {
+                    Some(rx) => rx.next().await,
+                    None => std::future::pending().await,
+                }
+            } => match ev {
+                Some(SocketEvent::Accepted(..)) => feed.set_connected(true),
+                Some(_) => {}
+                None => attached = None,
             },
             _ = silence => {
                 feed.set_connected(false);
@@ -165,10 +198,9 @@ pub(super) async fn handle(feed: &Feed, p: &mut Pub, msg: ZmqMessage) {
         }
         SeqVerdict::Gap { from } => {
             m.seq_gaps.with_label_values(&[engine.as_str()]).inc();
-            let replayed = match feed.rule.spec.replay_port {
-                Some(rp) => {
-                    let raddr =
-                        format!("tcp://{}:{}", feed.host(), u32::from(rp) + u32::from(rank));
+            let replayed = match feed.replay_addr() {
+                Some(ra) => {
+                    let raddr = ra.to_string();
                     match replay(&raddr, from, seq, feed.fleet.settings.replay_timeout).await {
                         Ok(batches) => {
                             m.replay(engine.as_str(), Replay::Ok).inc();
@@ -211,11 +243,9 @@ fn apply_payload(feed: &Feed, p: &mut Pub, payload: &[u8]) {
             }
             let ops = p.keyer.batch_ops(&batch);
             feed.apply(&ops);
-            if let (Some(e), true) = (
-                feed.endpoint(),
-                p.keyer.parity.is_some() || p.keyer.parity_ok > 0,
-            ) {
-                e.set_parity(p.keyer.parity.clone());
+            let (matched, mismatched) = p.keyer.take_parity();
+            if let (Some(e), true) = (feed.endpoint(), matched + mismatched > 0) {
+                e.record_parity(matched, mismatched, p.keyer.parity.clone());
             }
         }
         Err(e) => {

@@ -17,7 +17,7 @@ use rmpv::Value as Mp;
 use serde_json::Value;
 use zeromq::{PubSocket, Socket, SocketSend, ZmqMessage};
 
-pub use kvroute_test_support::Redis;
+pub use kvroute_test_support::{free_port, Redis};
 use kvroute_test_support::{ready_line, wait_until, Poll, Probe, TempDir};
 
 pub const TOKEN: &str = "s3cret-token";
@@ -396,6 +396,27 @@ impl Publisher {
             seq: 0,
             topic: "",
         })
+    }
+
+    /// Connects to a SUB the inventory binds (`kvZmqBind`), as vLLM's publisher does when its
+    /// endpoint names a host. The crate's connect retries until something listens: bounded here.
+    pub async fn connect(addr: &str) -> Publisher {
+        let port = addr
+            .rsplit(':')
+            .next()
+            .and_then(|p| p.parse().ok())
+            .unwrap();
+        let mut sock = PubSocket::new();
+        tokio::time::timeout(Duration::from_secs(20), sock.connect(addr))
+            .await
+            .unwrap_or_else(|_| panic!("the inventory never listened on {addr}"))
+            .unwrap();
+        Publisher {
+            sock,
+            port,
+            seq: 0,
+            topic: "",
+        }
     }
 
     /// Sends `[topic, seq, payload]` with an explicit sequence number.

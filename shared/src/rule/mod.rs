@@ -243,6 +243,48 @@ pub struct Endpoint {
     weight: u16,
     role: Option<EndpointRole>,
     capacity_blocks: Option<u32>,
+    zmq_endpoint: Option<ZmqAddr>,
+    replay_endpoint: Option<ZmqAddr>,
+}
+
+/// A ZMQ TCP address of a KV event or replay socket, written `tcp://IP:PORT` (IPv6 bracketed);
+/// data-parallel rank r uses `PORT + r`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct ZmqAddr(SocketAddr);
+
+impl ZmqAddr {
+    /// What `kvZmqEndpoint` and `kvReplayEndpoint` accept.
+    pub const ALLOWED: &'static str =
+        "tcp://IP:PORT (an IPv4 address or a bracketed IPv6 one, port 1-65535)";
+
+    /// Parses `tcp://IP:PORT`; `None` for any other form (no host names: the inventory binds or
+    /// connects exactly this address).
+    pub fn parse(s: &str) -> Option<ZmqAddr> {
+        let a: SocketAddr = s.strip_prefix("tcp://")?.parse().ok()?;
+        (a.port() != 0).then_some(ZmqAddr(a))
+    }
+
+    /// `tcp://addr` (port 0 is kept as given; rules never hold one).
+    pub fn from_socket(addr: SocketAddr) -> ZmqAddr {
+        ZmqAddr(addr)
+    }
+
+    /// The address of `tcp://IP:PORT`.
+    pub fn socket_addr(&self) -> SocketAddr {
+        self.0
+    }
+
+    /// Rank `rank`'s address (`PORT + rank`), `None` past port 65535.
+    pub fn for_rank(&self, rank: u8) -> Option<ZmqAddr> {
+        let port = self.0.port().checked_add(u16::from(rank))?;
+        Some(ZmqAddr(SocketAddr::new(self.0.ip(), port)))
+    }
+}
+
+impl fmt::Display for ZmqAddr {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "tcp://{}", self.0)
+    }
 }
 
 impl Endpoint {
@@ -265,6 +307,16 @@ impl Endpoint {
     /// which placement uses instead of the engine's published `num_gpu_blocks`.
     pub fn capacity_blocks(&self) -> Option<u32> {
         self.capacity_blocks
+    }
+
+    /// `kvZmqEndpoint`: this engine's KV event address (rank 0), if given.
+    pub fn zmq_endpoint(&self) -> Option<ZmqAddr> {
+        self.zmq_endpoint
+    }
+
+    /// `kvReplayEndpoint`: this engine's replay ROUTER (rank 0), if given.
+    pub fn replay_endpoint(&self) -> Option<ZmqAddr> {
+        self.replay_endpoint
     }
 }
 
@@ -347,6 +399,7 @@ pub struct KvConfig {
     key_mode: KeyMode,
     zmq_port: u16,
     replay_port: Option<u16>,
+    zmq_bind: bool,
     warmup_sec: u32,
     dp_rank_count: u8,
     model: Option<ModelSlug>,
@@ -377,6 +430,12 @@ impl KvConfig {
     /// `kvReplayPort`: vLLM's replay ROUTER, if configured.
     pub fn replay_port(&self) -> Option<u16> {
         self.replay_port
+    }
+
+    /// `kvZmqBind`: the inventory binds each endpoint's `kvZmqEndpoint` and the engine's
+    /// publisher connects to it (instead of the inventory connecting to the engine).
+    pub fn zmq_bind(&self) -> bool {
+        self.zmq_bind
     }
 
     /// `kvWarmupSec`: accepted and inert.
@@ -548,6 +607,7 @@ impl Rule {
             args.kv_key_mode = Some(kv.key_mode.as_str().to_owned());
             args.kv_model = kv.model.as_ref().map(|m| m.name().to_owned());
             args.kv_replay_port = kv.replay_port.map(i64::from);
+            args.kv_zmq_bind = kv.zmq_bind.then_some(true);
         }
         let endpoints = self
             .endpoints
@@ -558,6 +618,8 @@ impl Rule {
                 weight: Some(i64::from(e.weight)),
                 ep_role: e.role.map(|r| i64::from(r.code())),
                 kv_capacity_blocks: e.capacity_blocks.map(i64::from),
+                kv_zmq_endpoint: e.zmq_endpoint.map(|a| a.to_string()),
+                kv_replay_endpoint: e.replay_endpoint.map(|a| a.to_string()),
             })
             .collect();
         let secondary_ips = (!self.secondary_ips.is_empty()).then(|| {

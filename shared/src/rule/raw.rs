@@ -84,6 +84,11 @@ pub struct RawServiceArguments {
     /// kvroute: vLLM `replay_endpoint` ROUTER port.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub kv_replay_port: Option<i64>,
+    /// kvroute: `true` makes the inventory bind each endpoint's `kvZmqEndpoint` and the engine's
+    /// publisher connect to it (vLLM connects unless its endpoint has a wildcard host); `false`
+    /// (default) connects to the engine's bound publisher.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_zmq_bind: Option<bool>,
 }
 
 /// One loxilb endpoint (`endpointIP`, `targetPort`, `weight`) plus the P/D role.
@@ -113,6 +118,14 @@ pub struct RawEndpoint {
     /// engine's published `num_gpu_blocks`, else the service default.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub kv_capacity_blocks: Option<i64>,
+    /// The engine's KV event address, `tcp://IP:PORT` (rank r on PORT + r): connected to, or with
+    /// `kvZmqBind` the address the inventory binds. Absent: `tcp://endpointIP:kvZmqPort`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_zmq_endpoint: Option<String>,
+    /// vLLM's replay ROUTER of this engine, `tcp://IP:PORT` (rank r on PORT + r). Absent:
+    /// `tcp://endpointIP:kvReplayPort` when the rule has `kvReplayPort`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_replay_endpoint: Option<String>,
 }
 
 /// loxilb `secondaryIPs` item.

@@ -10,7 +10,7 @@ use std::net::{IpAddr, SocketAddr};
 
 use super::{
     quoted, Collector, Endpoint, EndpointRole, IpPrefix, KeyMode, KvConfig, KvMode, LbMode,
-    Protocol, RawEndpoint, RawRule, RawServiceArguments, Rule, RuleErrors, RuleId, Sel,
+    Protocol, RawEndpoint, RawRule, RawServiceArguments, Rule, RuleErrors, RuleId, Sel, ZmqAddr,
     DEFAULT_KV_BLOCK_SIZE, DEFAULT_KV_DP_RANK_COUNT, DEFAULT_KV_WARMUP_SEC, DEFAULT_KV_ZMQ_PORT,
     DEFAULT_WEIGHT, MAX_KV_BLOCK_SIZE, MAX_KV_DP_RANK_COUNT, MAX_WEIGHT, MISSING,
 };
@@ -65,7 +65,12 @@ pub(super) fn validate(raw: &RawRule, settings: &Settings) -> Result<Rule, RuleE
         }
     }
 
-    let endpoints = endpoints(&mut c, raw.endpoints.as_deref(), kv_mode, llamacpp);
+    let endpoints = endpoints(&mut c, raw.endpoints.as_deref(), kv_mode, llamacpp).filter(|eps| {
+        match (engine, &kv) {
+            (Some(e), Some(kv)) => event_addresses(&mut c, eps, e, kv.as_ref()),
+            _ => true,
+        }
+    });
     let secondary_ips = list(&mut c, raw.secondary_ips.as_deref(), |c, i, s| {
         ip(
             c,
@@ -205,6 +210,9 @@ fn reject_kv_fields(c: &mut Collector, a: &RawServiceArguments) {
         ("kvDpRankCount", a.kv_dp_rank_count),
         ("kvReplayPort", a.kv_replay_port),
     ];
+    if let Some(v) = a.kv_zmq_bind {
+        c.push("kvZmqBind", v.to_string(), absent.as_str());
+    }
     let texts = [
         ("kvHashAlgo", a.kv_hash_algo.as_deref()),
         ("kvKeyMode", a.kv_key_mode.as_deref()),
@@ -370,6 +378,17 @@ fn kv_config(
         }
     }
     let replay_port = replay_port(c, a.kv_replay_port, engine, zmq_port);
+    let zmq_bind = match (a.kv_zmq_bind, engine) {
+        (Some(true), Some(Engine::Trtllm)) => {
+            c.push(
+                "kvZmqBind",
+                "true",
+                "false or absent (trtllm publishes no ZMQ events: the inventory drains POST /kv_cache_events)",
+            );
+            None
+        }
+        (b, _) => Some(b.unwrap_or(false)),
+    };
     let model = match a.kv_model.as_deref() {
         None => Some(None),
         Some(name) => match ModelSlug::new(name) {
@@ -394,6 +413,7 @@ fn kv_config(
         Some(dp),
         Some(replay_port),
         Some(model),
+        Some(zmq_bind),
     ) = (
         block_size,
         algo,
@@ -403,6 +423,7 @@ fn kv_config(
         dp,
         replay_port,
         model,
+        zmq_bind,
     )
     else {
         return None;
@@ -431,6 +452,7 @@ fn kv_config(
         key_mode,
         zmq_port,
         replay_port,
+        zmq_bind,
         warmup_sec,
         dp_rank_count: dp,
         model,
@@ -531,12 +553,27 @@ fn endpoints(
             }
             _ => None,
         };
-        match (addr, weight, role, capacity) {
-            (Some(addr), Some(weight), Some(role), Some(capacity_blocks)) => out.push(Endpoint {
+        let zmq = zmq_addr(c, &field("kvZmqEndpoint"), e.kv_zmq_endpoint.as_deref());
+        let replay = zmq_addr(
+            c,
+            &field("kvReplayEndpoint"),
+            e.kv_replay_endpoint.as_deref(),
+        );
+        match (addr, weight, role, capacity, zmq, replay) {
+            (
+                Some(addr),
+                Some(weight),
+                Some(role),
+                Some(capacity_blocks),
+                Some(zmq_endpoint),
+                Some(replay_endpoint),
+            ) => out.push(Endpoint {
                 addr,
                 weight,
                 role,
                 capacity_blocks,
+                zmq_endpoint,
+                replay_endpoint,
             }),
             _ => ok = false,
         }
@@ -550,6 +587,98 @@ fn endpoints(
         ok = false;
     }
     ok.then_some(out)
+}
+
+/// An optional `tcp://IP:PORT` field: `Some(None)` when absent, `None` after pushing an error.
+fn zmq_addr(c: &mut Collector, field: &str, raw: Option<&str>) -> Option<Option<ZmqAddr>> {
+    let Some(s) = raw else { return Some(None) };
+    let parsed = ZmqAddr::parse(s);
+    if parsed.is_none() {
+        c.push(field, quoted(s), ZmqAddr::ALLOWED);
+        return None;
+    }
+    Some(parsed)
+}
+
+/// Per-endpoint event and replay addresses against the engine and the rule's KV settings:
+/// only ZMQ engines have them (replay only vLLM), `kvZmqBind` needs one per endpoint, every
+/// rank's port must exist, and bound addresses must not overlap. False after pushing errors.
+fn event_addresses(
+    c: &mut Collector,
+    eps: &[Endpoint],
+    engine: Engine,
+    kv: Option<&KvConfig>,
+) -> bool {
+    let before = c.0.len();
+    let field = |i: usize, name: &str| format!("endpoints[{i}].{name}");
+    let no_zmq = match engine {
+        Engine::Llamacpp => Some(LLAMACPP.to_owned()),
+        Engine::Trtllm => Some(
+            "trtllm publishes no ZMQ events: the inventory drains POST /kv_cache_events".to_owned(),
+        ),
+        _ => None,
+    };
+    let ranks = kv.map_or(1, |k| k.dp_rank_count);
+    let bind = kv.is_some_and(|k| k.zmq_bind);
+    // Bound (ip, first port, last port) ranges seen so far, with their endpoint index.
+    let mut bound: Vec<(std::net::IpAddr, u32, u32, usize)> = Vec::new();
+    for (i, e) in eps.iter().enumerate() {
+        for (name, a) in [
+            ("kvZmqEndpoint", e.zmq_endpoint),
+            ("kvReplayEndpoint", e.replay_endpoint),
+        ] {
+            let Some(a) = a else { continue };
+            if let Some(why) = &no_zmq {
+                c.push(
+                    field(i, name),
+                    quoted(&a.to_string()),
+                    format!("absent ({why})"),
+                );
+            } else if name == "kvReplayEndpoint" && engine != Engine::Vllm {
+                c.push(
+                    field(i, name),
+                    quoted(&a.to_string()),
+                    format!("absent (replay is a vLLM feature; kvEngineType is {engine})"),
+                );
+            } else if a.for_rank(ranks - 1).is_none() {
+                let max = u32::from(u16::MAX) + 1 - u32::from(ranks);
+                c.push(
+                    field(i, name),
+                    quoted(&a.to_string()),
+                    format!("a port of 1-{max} (rank r uses PORT + r; kvDpRankCount is {ranks})"),
+                );
+            }
+        }
+        if no_zmq.is_some() || !bind {
+            continue;
+        }
+        let Some(a) = e.zmq_endpoint else {
+            c.push(
+                field(i, "kvZmqEndpoint"),
+                MISSING,
+                format!("{} that the inventory binds for this engine's publisher to connect to (kvZmqBind is true)", ZmqAddr::ALLOWED),
+            );
+            continue;
+        };
+        let sa = a.socket_addr();
+        let (lo, hi) = (
+            u32::from(sa.port()),
+            u32::from(sa.port()) + u32::from(ranks) - 1,
+        );
+        if let Some(&(_, _, _, j)) = bound
+            .iter()
+            .find(|(ip, l, h, _)| *ip == sa.ip() && lo <= *h && *l <= hi)
+        {
+            c.push(
+                field(i, "kvZmqEndpoint"),
+                quoted(&a.to_string()),
+                format!("an address no other endpoint binds (endpoints[{j}].kvZmqEndpoint overlaps; rank r binds PORT + r)"),
+            );
+        } else {
+            bound.push((sa.ip(), lo, hi, i));
+        }
+    }
+    c.0.len() == before
 }
 
 /// `kvCapacityBlocks`: optional, 1..=u32::MAX blocks; only where KV scoring runs (placement
