@@ -1,9 +1,11 @@
 //! Active endpoint health checks and engine load scraping, one task each per rule.
 //!
 //! Health: `GET http://<ep><KVROUTE_HEALTH_PATH>` every `KVROUTE_HEALTH_INTERVAL_MS` per endpoint
-//! ([`Health`]): a refused connection marks the endpoint unhealthy at once; a timeout (1 s) or a
-//! non-2xx is re-probed after 100 ms and marks it after [`FALL`] in a row; one 2xx restores it.
-//! The scorer never picks an unhealthy endpoint. Load: the engine's Prometheus text
+//! ([`Health`]): a refused connection marks the endpoint unhealthy at once; a timeout
+//! (`KVROUTE_HEALTH_TIMEOUT_MS`) or a non-2xx is re-probed after [`RETRY`] and marks it after
+//! `KVROUTE_HEALTH_FALL` in a row; `KVROUTE_HEALTH_RISE` 2xx in a row restore it. The scorer never
+//! picks an unhealthy endpoint, and a request whose family's home is unhealthy is a detour that
+//! does not re-home the family (`score::Decision::detour`): it goes home once its engine is back. Load: the engine's Prometheus text
 //! (`vllm:num_requests_running` + `vllm:num_requests_waiting`, SGLang `sglang:num_running_reqs`
 //! + `sglang:num_queue_reqs`) corrects the in-flight estimate kept from routing decisions.
 
@@ -12,6 +14,7 @@ use std::time::{Duration, Instant};
 
 use crate::fleet::{Fleet, RuleRuntime};
 use crate::index::EndpointId;
+use crate::settings::HealthThresholds;
 
 /// Series summed into an endpoint's load.
 const LOAD_SERIES: &[&str] = &[
@@ -21,15 +24,9 @@ const LOAD_SERIES: &[&str] = &[
     "sglang:num_queue_reqs",
 ];
 
-/// Consecutive failed probes (timeouts, non-2xx) that mark an endpoint unhealthy: one slow probe
-/// does not flip it. A refused connection marks it at once (nothing listens: the engine is gone).
-pub const FALL: u32 = 2;
-
-/// How soon a probe follows a failed one (the next one confirms or clears the failure).
+/// How soon a probe follows a failed one, or a good one while recovering (the next one confirms
+/// or clears the verdict in the making).
 pub const RETRY: Duration = Duration::from_millis(100);
-
-/// How long one probe may take.
-pub const PROBE_TIMEOUT: Duration = Duration::from_millis(1000);
 
 /// The outcome of one health probe.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -51,37 +48,57 @@ impl Probe {
     }
 }
 
-/// Per-endpoint health: a small state machine over consecutive failures.
+/// Per-endpoint health: a small state machine with hysteresis both ways. `fall` failed probes in
+/// a row mark an endpoint down (a refused connection at once: nothing listens, the engine is
+/// gone); `rise` good probes in a row bring it back, so one slow probe does not re-home traffic
+/// and one lucky probe does not send traffic to an engine that is still failing.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Health {
     Up,
-    /// Up, with this many consecutive failed probes (`< FALL`): re-probed after [`RETRY`].
+    /// Up, with this many consecutive failed probes (`< fall`): re-probed after [`RETRY`].
     Suspect(u32),
     Down,
+    /// Down, with this many consecutive good probes (`< rise`): re-probed after [`RETRY`].
+    Recovering(u32),
 }
 
 impl Health {
     /// The state after `probe`.
-    pub fn next(self, probe: Probe) -> Health {
+    pub fn next(self, probe: Probe, t: &HealthThresholds) -> Health {
+        let failed = |n: u32| {
+            if n >= t.fall {
+                Health::Down
+            } else {
+                Health::Suspect(n)
+            }
+        };
+        let good = |n: u32| {
+            if n >= t.rise {
+                Health::Up
+            } else {
+                Health::Recovering(n)
+            }
+        };
         match (self, probe) {
-            (_, Probe::Ok) => Health::Up,
-            (_, Probe::Refused) | (Health::Down, Probe::Failed) => Health::Down,
-            (Health::Up, Probe::Failed) if FALL <= 1 => Health::Down,
-            (Health::Up, Probe::Failed) => Health::Suspect(1),
-            (Health::Suspect(n), Probe::Failed) if n + 1 >= FALL => Health::Down,
-            (Health::Suspect(n), Probe::Failed) => Health::Suspect(n + 1),
+            (_, Probe::Refused) => Health::Down,
+            (Health::Up | Health::Suspect(_), Probe::Ok) => Health::Up,
+            (Health::Up, Probe::Failed) => failed(1),
+            (Health::Suspect(n), Probe::Failed) => failed(n + 1),
+            (Health::Down, Probe::Ok) => good(1),
+            (Health::Recovering(n), Probe::Ok) => good(n + 1),
+            (Health::Down | Health::Recovering(_), Probe::Failed) => Health::Down,
         }
     }
 
     /// Whether the scorer may choose the endpoint.
     pub fn routable(self) -> bool {
-        self != Health::Down
+        matches!(self, Health::Up | Health::Suspect(_))
     }
 
     /// How long until the next probe.
     pub fn wait(self, interval: Duration) -> Duration {
         match self {
-            Health::Suspect(_) => RETRY.min(interval),
+            Health::Suspect(_) | Health::Recovering(_) => RETRY.min(interval),
             _ => interval,
         }
     }
@@ -104,7 +121,8 @@ pub fn spawn_rule(state: &Arc<Fleet>, rule: &Arc<RuleRuntime>) {
 }
 
 async fn probe(state: &Fleet, url: &str) -> Probe {
-    match state.http.get(url).timeout(PROBE_TIMEOUT).send().await {
+    let timeout = state.settings.health_thresholds.timeout;
+    match state.http.get(url).timeout(timeout).send().await {
         Ok(r) if r.status().is_success() => Probe::Ok,
         Err(e) if e.is_connect() && !e.is_timeout() => Probe::Refused,
         _ => Probe::Failed,
@@ -135,7 +153,7 @@ async fn health_loop(state: Arc<Fleet>, rule: Arc<RuleRuntime>, ep: EndpointId) 
             .health_probes
             .with_label_values(&[p.as_str()])
             .inc();
-        health = health.next(p);
+        health = health.next(p, &state.settings.health_thresholds);
         let ok = health.routable();
         let was = state.set_healthy(&rule, ep, ok);
         if was != ok {
@@ -207,19 +225,58 @@ async fn scrape_loop(state: Arc<Fleet>, rule: Arc<RuleRuntime>) {
 mod tests {
     use super::*;
 
+    fn walk(t: &HealthThresholds, probes: &[Probe]) -> Vec<Health> {
+        probes
+            .iter()
+            .scan(Health::Up, |h, &p| {
+                *h = h.next(p, t);
+                Some(*h)
+            })
+            .collect()
+    }
+
+    fn thresholds(fall: u32, rise: u32) -> HealthThresholds {
+        HealthThresholds {
+            fall,
+            rise,
+            timeout: Duration::from_secs(1),
+        }
+    }
+
     #[test]
     fn health_hysteresis() {
-        let h = Health::Up;
-        assert_eq!(h.next(Probe::Refused), Health::Down);
-        let s = h.next(Probe::Failed);
-        assert_eq!(s, Health::Suspect(1));
-        assert!(s.routable(), "one slow probe does not flip it");
-        assert_eq!(s.wait(Duration::from_secs(5)), RETRY);
-        assert_eq!(s.next(Probe::Ok), Health::Up);
-        assert_eq!(s.next(Probe::Failed), Health::Down);
-        assert!(!Health::Down.routable());
-        assert_eq!(Health::Down.next(Probe::Failed), Health::Down);
-        assert_eq!(Health::Down.next(Probe::Ok), Health::Up);
+        use Health::*;
+        use Probe::{Failed as F, Ok as K, Refused as R};
+        let t = thresholds(3, 2);
+        // Two slow probes do not flip it; the third does; one good probe does not restore it.
+        assert_eq!(
+            walk(&t, &[F, F, K, F, F, F, K, F, K, K]),
+            [
+                Suspect(1),
+                Suspect(2),
+                Up,
+                Suspect(1),
+                Suspect(2),
+                Down,
+                Recovering(1),
+                Down,
+                Recovering(1),
+                Up
+            ]
+        );
+        // Nothing listening: down at once, whatever the state.
+        assert_eq!(walk(&t, &[R]), [Down]);
+        assert_eq!(walk(&t, &[F, R]), [Suspect(1), Down]);
+        assert_eq!(walk(&t, &[R, K, R]), [Down, Recovering(1), Down]);
+        // Thresholds of one: the old one-probe verdicts.
+        assert_eq!(walk(&thresholds(1, 1), &[F, K]), [Down, Up]);
+        assert!(Suspect(2).routable() && Up.routable());
+        assert!(!Down.routable() && !Recovering(1).routable());
+        let i = Duration::from_secs(5);
+        assert_eq!(Suspect(1).wait(i), RETRY);
+        assert_eq!(Recovering(1).wait(i), RETRY);
+        assert_eq!(Up.wait(i), i);
+        assert_eq!(Down.wait(i), i);
     }
 
     #[test]

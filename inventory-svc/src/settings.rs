@@ -84,6 +84,25 @@ pub const HEALTH_INTERVAL_MS: Setting = Setting::int(
     500,
     "active health check period per endpoint, 0 disables; an unhealthy endpoint is never chosen",
 );
+pub const HEALTH_FALL: Setting = Setting::int(
+    "KVROUTE_HEALTH_FALL",
+    (1, 100),
+    3,
+    "consecutive failed probes (timeout, non-2xx) that mark an endpoint unhealthy; a refused \
+     connection marks it at once",
+);
+pub const HEALTH_RISE: Setting = Setting::int(
+    "KVROUTE_HEALTH_RISE",
+    (1, 100),
+    2,
+    "consecutive 2xx probes that mark an unhealthy endpoint healthy again",
+);
+pub const HEALTH_TIMEOUT_MS: Setting = Setting::int(
+    "KVROUTE_HEALTH_TIMEOUT_MS",
+    (10, 60_000),
+    1000,
+    "how long one health probe may take before it counts as failed",
+);
 pub const HEALTH_PATH: Setting = Setting::text(
     "KVROUTE_HEALTH_PATH",
     "a path starting with /",
@@ -225,8 +244,19 @@ pub const REPLICA_ID: Setting = Setting::text(
     "this replica's name in lease values and logs",
 );
 
+/// Health check hysteresis ([`HEALTH_FALL`], [`HEALTH_RISE`], [`HEALTH_TIMEOUT_MS`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HealthThresholds {
+    /// Consecutive failed probes that mark an endpoint unhealthy (>= 1).
+    pub fall: u32,
+    /// Consecutive 2xx probes that mark it healthy again (>= 1).
+    pub rise: u32,
+    /// How long one probe may take.
+    pub timeout: Duration,
+}
+
 /// The service's own tuning variables, in the order errors are reported (after the shared ones).
-pub const SERVICE_VARS: [Setting; 21] = [
+pub const SERVICE_VARS: [Setting; 24] = [
     MEAN_LOAD_FACTOR,
     LB_MODE,
     LOAD_PENALTY,
@@ -234,6 +264,9 @@ pub const SERVICE_VARS: [Setting; 21] = [
     INFLIGHT_WINDOW_MS,
     SCRAPE_INTERVAL_MS,
     HEALTH_INTERVAL_MS,
+    HEALTH_FALL,
+    HEALTH_RISE,
+    HEALTH_TIMEOUT_MS,
     HEALTH_PATH,
     TRTLLM_DRAIN_MS,
     REPLAY_TIMEOUT_MS,
@@ -329,6 +362,8 @@ pub struct Settings {
     pub health_interval: Duration,
     /// [`HEALTH_PATH`].
     pub health_path: String,
+    /// [`HEALTH_FALL`], [`HEALTH_RISE`], [`HEALTH_TIMEOUT_MS`].
+    pub health_thresholds: HealthThresholds,
     /// [`SCRAPE_INTERVAL_MS`]; zero disables.
     pub scrape_interval: Duration,
     /// [`REPLAY_TIMEOUT_MS`].
@@ -524,6 +559,11 @@ impl<'a> Env<'a> {
         let scrape_interval = self.ms(&SCRAPE_INTERVAL_MS);
         let health_interval = self.ms(&HEALTH_INTERVAL_MS);
         let health_path = self.text(&HEALTH_PATH, |p| p.starts_with('/'));
+        let health_thresholds = HealthThresholds {
+            fall: u32::try_from(self.int(&HEALTH_FALL)).unwrap_or(u32::MAX),
+            rise: u32::try_from(self.int(&HEALTH_RISE)).unwrap_or(u32::MAX),
+            timeout: self.ms(&HEALTH_TIMEOUT_MS),
+        };
         let trtllm_drain_ms = u32::try_from(self.int(&TRTLLM_DRAIN_MS)).unwrap_or(u32::MAX);
         let replay_timeout = self.ms(&REPLAY_TIMEOUT_MS);
         let affinity_scope_model =
@@ -555,6 +595,7 @@ impl<'a> Env<'a> {
             inflight_window,
             health_interval,
             health_path,
+            health_thresholds,
             scrape_interval,
             replay_timeout,
             zmq_idle_reconnect,

@@ -15,7 +15,7 @@ const ALLOWED: &[(&str, &[&str])] = &[
     ("settings", &[]),
     ("metrics", &[]),
     ("index", &[]),
-    ("preflight", &[]),
+    ("preflight", &["ingest"]),
     ("rules", &["index", "settings"]),
     ("score", &["rules", "settings", "sync"]),
     ("offload", &["sync"]),
@@ -27,7 +27,7 @@ const ALLOWED: &[(&str, &[&str])] = &[
         "ingest",
         &["fleet", "index", "metrics", "rules", "settings", "sync"],
     ),
-    ("health", &["fleet", "index", "score"]),
+    ("health", &["fleet", "index", "score", "settings"]),
     (
         "replica",
         &[

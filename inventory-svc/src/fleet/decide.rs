@@ -169,8 +169,13 @@ impl Fleet {
         }
         // A miss makes the chosen endpoint the family's home; a hit refreshes it; a spill or
         // cold seed is a detour and must not be remembered, or a hot family would end up homed
-        // everywhere.
+        // everywhere; so is a request whose home is unhealthy, or one failed probe would re-home
+        // the family for good.
+        if d.detour {
+            m.tier15_detours.inc();
+        }
         let how = match d.reason {
+            _ if d.detour => None,
             Reason::MissNoOverlap => Some(Update::Place),
             Reason::Hit | Reason::Remembered => Some(Update::Keep),
             _ => None,

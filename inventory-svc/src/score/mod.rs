@@ -114,6 +114,10 @@ pub struct Decision {
     pub counted_hit: bool,
     /// True when a miss was placed by free cache (footprint) rather than by `sel`.
     pub placed: bool,
+    /// True when the family's remembered home is unhealthy and the request went elsewhere: a
+    /// detour, which must not re-home the family (so it goes home once its engine is back; a home
+    /// that stays down is forgotten with the memory's TTL, since a detour does not refresh it).
+    pub detour: bool,
 }
 
 /// The per-endpoint cap: `max(1, ceil(mlf * total * w / (100 * sum_w)))`.
@@ -125,6 +129,14 @@ pub fn cap_for(total_load: u64, weight: u32, sum_w: u64, mlf: u32) -> u64 {
 
 /// Decides one request: the steps below, in order.
 pub fn decide(inp: &ScoreInput<'_>) -> Decision {
+    let mut d = steps(inp);
+    d.detour = inp.recall.is_some_and(|r| {
+        d.ep.is_some_and(|c| c != r.ep) && !inp.eps.get(r.ep).is_some_and(|e| e.healthy)
+    });
+    d
+}
+
+fn steps(inp: &ScoreInput<'_>) -> Decision {
     let pool = Pool::of(inp);
     let fallback = |reason: Reason| Decision {
         ep: sel_fallback(inp, &pool.cands),
@@ -134,6 +146,7 @@ pub fn decide(inp: &ScoreInput<'_>) -> Decision {
         decode: pool.decode,
         counted_hit: false,
         placed: false,
+        detour: false,
     };
     if let Some(reason) = kv_gate(inp) {
         return fallback(reason);
@@ -173,6 +186,7 @@ pub fn decide(inp: &ScoreInput<'_>) -> Decision {
             decode: pool.decode,
             counted_hit: true,
             placed: false,
+            detour: false,
         };
     }
     let reason = if Some(c) != argmax {
@@ -190,6 +204,7 @@ pub fn decide(inp: &ScoreInput<'_>) -> Decision {
         decode: pool.decode,
         counted_hit: true,
         placed: false,
+        detour: false,
     }
 }
 
