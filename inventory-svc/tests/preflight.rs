@@ -4,6 +4,8 @@
 //! and every bad argument must exit 2 with a single line naming the flag.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+mod common;
+
 use std::path::PathBuf;
 use std::process::{Command, Output};
 
@@ -258,5 +260,204 @@ fn bad_arguments_exit_2_with_one_line_naming_the_flag() {
             "{args:?}: more than one line: {err:?}"
         );
         assert!(out.stdout.is_empty(), "{args:?}: printed on stdout");
+    }
+}
+
+/// `hash --events`: the preflight subscribes to a real ZMQ publisher standing in for the engine
+/// (it publishes vLLM's golden BlockStored for tokens 0..63 until the preflight exits) and
+/// names what it found, with the exit code.
+mod events {
+    use std::process::Stdio;
+    use std::time::{Duration, Instant};
+
+    use super::common::{batch, stored, vectors, Publisher};
+    use serde_json::Value;
+
+    use super::range;
+
+    /// vLLM's keys for tokens 0..63 with seed "0" (the golden vectors).
+    fn golden_keys() -> Vec<u64> {
+        let v = vectors("vllm-0.33.0.json");
+        let hv = v["hash_vectors"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|h| h["algo"] == "sha256_cbor" && h["PYTHONHASHSEED"] == "0")
+            .unwrap()
+            .clone();
+        hv["sequences"]["range64"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|b| b["event_key_int_u64"].as_u64().unwrap())
+            .collect()
+    }
+
+    /// Runs the preflight with `args` against a publisher of the golden event; returns the exit
+    /// code and the `events` verdict.
+    async fn preflight(args: &[&str], wait_ms: &str) -> (i32, Value) {
+        let mut p = Publisher::bind(0).await.unwrap();
+        let addr = format!("tcp://127.0.0.1:{}", p.port);
+        let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_kvroute-inventory"))
+            .arg("hash")
+            .args(args)
+            .args(["--events", &addr, "--wait-ms", wait_ms])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let tokens: Vec<u32> = (0..64).collect();
+        let payload = batch(vec![stored(&golden_keys(), &tokens, false)]);
+        // A PUB drops what it sends before the subscriber has joined: send until the preflight exits.
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let status = loop {
+            if let Some(s) = child.try_wait().unwrap() {
+                break s;
+            }
+            assert!(Instant::now() < deadline, "preflight did not exit");
+            p.send(&payload).await;
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        };
+        let out = child.wait_with_output().unwrap();
+        let v: Value = serde_json::from_slice(&out.stdout)
+            .unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&out.stderr)));
+        (status.code().unwrap_or(-1), v["events"].clone())
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn matching_engine_passes() {
+        let toks = range(64);
+        let args = [
+            "--engine",
+            "vllm",
+            "--seed",
+            "0",
+            "--block-size",
+            "16",
+            "--tokens",
+            &toks,
+        ];
+        let (code, ev) = preflight(&args, "20000").await;
+        assert_eq!((code, &ev["verdict"]), (0, &Value::from("match")), "{ev}");
+        assert_eq!(ev["blocks_compared"], 4);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn wrong_seed_is_named() {
+        let toks = range(64);
+        let args = [
+            "--engine",
+            "vllm",
+            "--seed",
+            "1234",
+            "--block-size",
+            "16",
+            "--tokens",
+            &toks,
+        ];
+        let (code, ev) = preflight(&args, "20000").await;
+        assert_eq!(
+            (code, &ev["verdict"]),
+            (1, &Value::from("key_mismatch")),
+            "{ev}"
+        );
+        assert_eq!(ev["suggested_seed"], "0", "{ev}");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn wrong_tokens_name_the_position() {
+        // Tokens 0..9 agree, then differ: what a chat template or tokenizer mismatch looks like.
+        let toks: String = (0..64u32)
+            .map(|t| if t < 10 { t } else { t + 1000 }.to_string())
+            .collect::<Vec<_>>()
+            .join(",");
+        let args = [
+            "--engine",
+            "vllm",
+            "--seed",
+            "0",
+            "--block-size",
+            "16",
+            "--tokens",
+            &toks,
+        ];
+        let (code, ev) = preflight(&args, "20000").await;
+        assert_eq!(
+            (code, &ev["verdict"]),
+            (1, &Value::from("token_mismatch")),
+            "{ev}"
+        );
+        assert_eq!(
+            (&ev["position"], &ev["ours"], &ev["engine"]),
+            (&Value::from(10), &Value::from(1010), &Value::from(10))
+        );
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn no_event_of_the_prompt_times_out() {
+        // Nothing in common with the published prompt: skipped, then the bounded wait ends.
+        let toks: String = (5000..5064u32)
+            .map(|t| t.to_string())
+            .collect::<Vec<_>>()
+            .join(",");
+        let args = [
+            "--engine",
+            "vllm",
+            "--seed",
+            "0",
+            "--block-size",
+            "16",
+            "--tokens",
+            &toks,
+        ];
+        let (code, ev) = preflight(&args, "1500").await;
+        assert_eq!(
+            (code, &ev["verdict"]),
+            (1, &Value::from("no_event")),
+            "{ev}"
+        );
+        assert_eq!(ev["closest_chain_start"]["position"], 0, "{ev}");
+    }
+
+    #[test]
+    fn bad_event_flags_exit_2() {
+        for (args, want) in [
+            (
+                vec!["--events", "engine:5557"],
+                "--events \"engine:5557\": allowed: tcp://IP:PORT",
+            ),
+            (
+                vec![
+                    "--events",
+                    "tcp://127.0.0.1:1",
+                    "--events-bind",
+                    "tcp://127.0.0.1:2",
+                ],
+                "give one of --events and --events-bind",
+            ),
+            (
+                vec!["--events", "tcp://127.0.0.1:1", "--wait-ms", "0"],
+                "--wait-ms \"0\" must be 1-3600000",
+            ),
+        ] {
+            let mut a = vec!["--engine", "vllm", "--block-size", "16", "--tokens", "1,2"];
+            a.extend(args);
+            let out = super::run(&a);
+            assert_eq!(out.status.code(), Some(2), "{a:?}");
+            let err = String::from_utf8_lossy(&out.stderr);
+            assert!(err.contains(want), "{a:?}: {err}");
+        }
+        let out = super::run(&[
+            "--engine",
+            "trtllm",
+            "--block-size",
+            "16",
+            "--tokens",
+            "1,2",
+            "--events",
+            "tcp://127.0.0.1:1",
+        ]);
+        assert_eq!(out.status.code(), Some(2));
+        assert!(String::from_utf8_lossy(&out.stderr).contains("trtllm publishes no ZMQ events"));
     }
 }

@@ -3,16 +3,27 @@
 //! It prints the tokens and block keys kvroute would compute for a prompt, with keys exactly as
 //! the engine puts them on the wire (vLLM and TensorRT-LLM unsigned, SGLang signed), so an
 //! operator can compare them with one real event from the engine before routing any traffic.
-//! Bad arguments exit 2 with a one-line reason naming the flag and the allowed values.
+//! With `--events tcp://HOST:PORT` (or `--events-bind tcp://IP:PORT`) it also subscribes to the
+//! engine's KV events and compares the engine's own tokens and keys for the prompt with its own
+//! ([`events`]): exit 0 when they match, 1 on a mismatch or when no event of the prompt arrived
+//! within `--wait-ms`. Bad arguments exit 2 with a one-line reason naming the flag and the
+//! allowed values.
+
+mod events;
 
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
-use kvroute_core::hash::{BlockSize, Engine, ExtraKeys, HashAlgo, HashContract};
+use kvroute_core::hash::{BlockKey, BlockSize, Engine, ExtraKeys, HashAlgo, HashContract};
 use serde_json::{json, Value};
 
 /// Usage line printed with `--help`.
 pub const USAGE: &str = "usage: kvroute-inventory hash --engine vllm|sglang|trtllm [--algo A] [--seed S] [--cache-salt S] \
---block-size N (--tokens 1,2,3 | --text T --tokenizer DIR | --chat FILE.json --tokenizer DIR)";
+--block-size N (--tokens 1,2,3 | --text T --tokenizer DIR | --chat FILE.json --tokenizer DIR) \
+[--events tcp://HOST:PORT | --events-bind tcp://IP:PORT] [--wait-ms N (default 60000)]";
+
+/// How long `--events` waits for the prompt's event by default.
+const DEFAULT_WAIT_MS: u64 = 60_000;
 
 /// What the prompt is given as.
 enum Input {
@@ -26,6 +37,7 @@ struct Args {
     contract: HashContract,
     extra: ExtraKeys,
     input: Input,
+    watch: Option<events::Watch>,
 }
 
 /// Runs the subcommand on its arguments (without `hash`); returns the process exit code.
@@ -42,9 +54,22 @@ pub fn run(args: Vec<String>) -> i32 {
         }
     };
     match compute(&parsed) {
-        Ok(v) => {
+        Ok((mut v, tokens, keys)) => {
+            let mut code = 0;
+            if let Some(w) = &parsed.watch {
+                match events::check(w, parsed.engine, &parsed.contract, &tokens, &keys) {
+                    Ok(verdict) => {
+                        code = if verdict.ok { 0 } else { 1 };
+                        v["events"] = verdict.json;
+                    }
+                    Err(e) => {
+                        eprintln!("kvroute-inventory hash: {e}");
+                        return 1;
+                    }
+                }
+            }
             println!("{v}");
-            0
+            code
         }
         Err(e) => {
             eprintln!("kvroute-inventory hash: {e}");
@@ -63,6 +88,9 @@ fn parse(args: &[String]) -> Result<Args, String> {
     let mut text = None;
     let mut chat = None;
     let mut tokenizer = None;
+    let mut events = None;
+    let mut events_bind = None;
+    let mut wait_ms = None;
     let mut it = args.iter();
     while let Some(flag) = it.next() {
         let mut value = || {
@@ -80,6 +108,9 @@ fn parse(args: &[String]) -> Result<Args, String> {
             "--text" => text = Some(value()?),
             "--chat" => chat = Some(value()?),
             "--tokenizer" => tokenizer = Some(value()?),
+            "--events" => events = Some(value()?),
+            "--events-bind" => events_bind = Some(value()?),
+            "--wait-ms" => wait_ms = Some(value()?),
             other => return Err(format!("unknown argument {other:?}; {USAGE}")),
         }
     }
@@ -137,6 +168,36 @@ fn parse(args: &[String]) -> Result<Args, String> {
         block_size,
         seed,
     };
+    let wait = match wait_ms {
+        None => Duration::from_millis(DEFAULT_WAIT_MS),
+        Some(w) => w
+            .parse::<u64>()
+            .ok()
+            .filter(|ms| (1..=3_600_000).contains(ms))
+            .map(Duration::from_millis)
+            .ok_or_else(|| format!("--wait-ms {w:?} must be 1-3600000"))?,
+    };
+    let watch = match (events, events_bind) {
+        (None, None) => None,
+        (Some(_), Some(_)) => return Err("give one of --events and --events-bind".into()),
+        (Some(addr), None) | (None, Some(addr)) if engine == Engine::Trtllm => {
+            return Err(format!(
+                "--events {addr:?}: trtllm publishes no ZMQ events (its KV events are drained from POST /kv_cache_events); allowed with --engine vllm or sglang"
+            ))
+        }
+        (e, b) => {
+            let bind = b.is_some();
+            let addr = e.or(b).unwrap_or_default();
+            let flag = if bind { "--events-bind" } else { "--events" };
+            if kvroute_core::rule::ZmqAddr::parse(&addr).is_none() {
+                return Err(format!(
+                    "{flag} {addr:?}: allowed: {}",
+                    kvroute_core::rule::ZmqAddr::ALLOWED
+                ));
+            }
+            Some(events::Watch { addr, bind, wait })
+        }
+    };
     Ok(Args {
         engine,
         contract,
@@ -145,6 +206,7 @@ fn parse(args: &[String]) -> Result<Args, String> {
             ..ExtraKeys::default()
         },
         input,
+        watch,
     })
 }
 
@@ -201,14 +263,15 @@ fn tokens_of(input: &Input) -> Result<Vec<u32>, String> {
     }
 }
 
-fn compute(args: &Args) -> Result<Value, String> {
+/// The printed answer, with the tokens and keys it was made from.
+fn compute(args: &Args) -> Result<(Value, Vec<u32>, Vec<BlockKey>), String> {
     let tokens = tokens_of(&args.input)?;
-    let keys = args
+    let block_keys = args
         .contract
         .keys(&tokens, &args.extra)
         .map_err(|e| e.to_string())?;
     let signed = args.engine.signed_keys() && args.contract.algo != HashAlgo::Tokens;
-    let keys: Vec<Value> = keys
+    let keys: Vec<Value> = block_keys
         .iter()
         .map(|k| {
             if signed {
@@ -218,11 +281,12 @@ fn compute(args: &Args) -> Result<Value, String> {
             }
         })
         .collect();
-    Ok(json!({
+    let v = json!({
         "engine": args.engine,
         "algo": args.contract.algo,
         "block_size": args.contract.block_size,
         "tokens": tokens,
         "keys": keys,
-    }))
+    });
+    Ok((v, tokens, block_keys))
 }
