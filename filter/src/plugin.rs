@@ -357,6 +357,7 @@ impl Plugin {
                             ),
                         );
                         *self.vm.encoder.borrow_mut() = Some(Rc::new(enc));
+                        self.vm.stats.inc(host, Stat::TokenizersLoaded);
                         self.backoff_ns = BACKOFF_MIN_NS;
                     }
                     Err(e) => self.failed(host, what, &e.to_string()),
@@ -472,8 +473,16 @@ mod tests {
             host.calls.borrow()[2].path,
             "/v1/tokenizers/Org__M/tokenizer_config.json"
         );
+        assert_eq!(
+            host.counter("kvroute_filter_tokenizers_loaded_total"),
+            Some(0)
+        );
         p.on_call_response(&host, 3, Some("200"), TINY_CONFIG.as_bytes());
         assert!(p.vm().encoder.borrow().is_some());
+        assert_eq!(
+            host.counter("kvroute_filter_tokenizers_loaded_total"),
+            Some(1)
+        );
         assert_eq!(p.on_tick(&host), IDLE_TICK);
         assert_eq!(host.calls.borrow().len(), 3);
     }

@@ -109,6 +109,8 @@ pub enum Stat {
     UsageParsed,
     /// Root-context loads (contract, tokenizer) that failed and will be retried.
     LoadFailures,
+    /// Tokenizers loaded, one per worker VM (and per reload): the readiness signal per worker.
+    TokenizersLoaded,
     /// Prompts routed on their first `max_prefix_tokens` ids only / on the ids before a
     /// pre-token piece over the piece bound (not merged).
     PrefixTruncatedMaxTokens,
@@ -125,7 +127,7 @@ pub enum Stat {
 }
 
 /// How many counters and histograms `FIXED` defines (the handles array has the same length).
-const FIXED_LEN: usize = 27;
+const FIXED_LEN: usize = 28;
 
 const FIXED: [(Stat, &str, MetricKind); FIXED_LEN] = [
     (
@@ -216,6 +218,11 @@ const FIXED: [(Stat, &str, MetricKind); FIXED_LEN] = [
     (
         Stat::LoadFailures,
         "kvroute_filter_load_failures_total",
+        MetricKind::Counter,
+    ),
+    (
+        Stat::TokenizersLoaded,
+        "kvroute_filter_tokenizers_loaded_total",
         MetricKind::Counter,
     ),
     (
