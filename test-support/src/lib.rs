@@ -7,12 +7,14 @@
 //!   and the ready line a spawned service prints.
 //! * [`http`] — one-shot GET/POST helpers that return the status and the body.
 //! * [`redis`] — a throwaway `redis-server` on a free port.
+//! * [`machine`] — the date and the CPU a benchmark report names.
 //!
 //! It depends on no workspace crate, so any crate can take it as a dev-dependency (the end-to-end
 //! crate `kvroute-tests` depends on the service and the core; this crate must not).
 //! Everything binds 127.0.0.1 only.
 
 pub mod http;
+pub mod machine;
 pub mod poll;
 pub mod process;
 pub mod redis;

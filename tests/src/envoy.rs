@@ -2,10 +2,10 @@
 //! stateful_session pinning, the real `kvroute-inventory` binary, engine stand-ins that publish
 //! TensorRT-LLM KV events, and a misbehaving inventory for the fault cases.
 //!
-//! Why TensorRT-LLM events: every test process is on 127.0.0.1, and ZMQ publishers are found at
-//! `endpointIP:kvZmqPort`, so two engines on one IP would share a publisher. TensorRT-LLM's
-//! drain (`POST /kv_cache_events` on each engine's own serving port) keeps the inventories apart
-//! and still goes through the service's real ingestion path (events re-hashed from token ids).
+//! Why TensorRT-LLM events: the stand-ins serve the drain (`POST /kv_cache_events`) on their own
+//! serving port, which keeps the inventories apart on one IP and still goes through the service's
+//! real ingestion path (events re-hashed from token ids). The benchmark's vLLM and SGLang rules
+//! give each endpoint its own unused `kvZmqEndpoint`, so they stay empty (a cold fleet).
 
 use std::collections::VecDeque;
 use std::net::SocketAddr;
@@ -225,6 +225,47 @@ pub fn inventory_bin() -> Result<PathBuf> {
 /// Bearer token the test inventory accepts for rule writes.
 const TOKEN: &str = "kvroute-filter-e2e";
 
+/// The engine contracts the filter benchmark measures (the rule's engine and hash).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Contract {
+    /// vLLM's default `sha256_cbor` (the contract most users run).
+    VllmSha256Cbor,
+    /// SGLang's `sha256_sglang`.
+    Sglang,
+    /// TensorRT-LLM's `blockhash_trtllm`.
+    Trtllm,
+}
+
+impl Contract {
+    pub const ALL: [Contract; 3] = [Contract::VllmSha256Cbor, Contract::Sglang, Contract::Trtllm];
+
+    /// `kvEngineType`.
+    pub fn engine(self) -> &'static str {
+        match self {
+            Contract::VllmSha256Cbor => "vllm",
+            Contract::Sglang => "sglang",
+            Contract::Trtllm => "trtllm",
+        }
+    }
+
+    /// `kvHashAlgo` (the engine's default otherwise).
+    pub fn algo(self) -> Option<&'static str> {
+        match self {
+            Contract::VllmSha256Cbor => Some("sha256_cbor"),
+            _ => None,
+        }
+    }
+
+    /// How the docs name it.
+    pub fn label(self) -> &'static str {
+        match self {
+            Contract::VllmSha256Cbor => "vllm sha256_cbor",
+            Contract::Sglang => "sglang sha256_sglang",
+            Contract::Trtllm => "trtllm blockhash_trtllm",
+        }
+    }
+}
+
 /// A running `kvroute-inventory serve` with the Qwen3 tokenizer staged, stopped on drop.
 pub struct Inventory {
     pub addr: SocketAddr,
@@ -300,15 +341,35 @@ impl Inventory {
 
     /// Adds a TensorRT-LLM rule (VIP 10.0.0.1:8080, block 16, kvModel Qwen3) over `engines`; returns its id.
     pub async fn add_rule(&self, engines: &[&Engine]) -> Result<u64> {
-        let eps: Vec<Value> = engines
-            .iter()
-            .map(|e| json!({"endpointIP": "127.0.0.1", "targetPort": e.addr.port(), "weight": 1}))
-            .collect();
-        let rule = json!({
-            "serviceArguments": {"externalIP": "10.0.0.1", "port": 8080, "protocol": "tcp", "sel": 0, "mode": 4,
-                "kvExactMode": 3, "kvBlockSize": BLOCK, "kvEngineType": "trtllm", "kvZmqPort": 5557, "kvModel": MODEL},
-            "endpoints": eps,
-        });
+        self.add_rule_for(engines, Contract::Trtllm, 8080).await
+    }
+
+    /// Adds a rule with `contract`'s engine and hash (VIP 10.0.0.1:`port`, block 16, kvModel
+    /// Qwen3) over `engines`; returns its id. vLLM and SGLang rules subscribe to ZMQ events the
+    /// echo engines never publish: their inventories stay empty, as in a cold fleet.
+    pub async fn add_rule_for(
+        &self,
+        engines: &[&Engine],
+        contract: Contract,
+        port: u16,
+    ) -> Result<u64> {
+        let mut eps = Vec::new();
+        for e in engines {
+            let mut ep =
+                json!({"endpointIP": "127.0.0.1", "targetPort": e.addr.port(), "weight": 1});
+            if contract != Contract::Trtllm {
+                // A port nothing publishes on: never another test's publisher.
+                let port = kvroute_test_support::free_port()?;
+                ep["kvZmqEndpoint"] = json!(format!("tcp://127.0.0.1:{port}"));
+            }
+            eps.push(ep);
+        }
+        let mut args = json!({"externalIP": "10.0.0.1", "port": port, "protocol": "tcp", "sel": 0, "mode": 4,
+            "kvExactMode": 3, "kvBlockSize": BLOCK, "kvEngineType": contract.engine(), "kvModel": MODEL});
+        if let Some(algo) = contract.algo() {
+            args["kvHashAlgo"] = json!(algo);
+        }
+        let rule = json!({"serviceArguments": args, "endpoints": eps});
         let resp = reqwest::Client::new()
             .post(format!(
                 "http://{}/netlox/v1/config/loadbalancer",

@@ -2,8 +2,10 @@
 //! minutes and its numbers depend on the machine).
 //!
 //! Added latency = a request's round trip through Envoy with the kvroute filter minus the same
-//! through Envoy without it (same engines, same client, sequential requests), at p50 and p99, for
-//! chat prompts of about 1k and 8k tokens:
+//! through Envoy without it (same engines, same client; every setup runs at once and each sample
+//! goes through all of them, interleaved), at p50 and p99 and as paired per-sample differences,
+//! per engine contract (vLLM sha256_cbor, SGLang, TensorRT-LLM), for chat prompts of about 1k and
+//! 8k tokens:
 //! * cold: every request is a new conversation (text never seen by the filter);
 //! * follow-up: a long conversation plus a new short user turn (earlier turns are byte-identical,
 //!   so the segment cache serves them);
@@ -18,7 +20,7 @@ use std::time::{Duration, Instant};
 use kvroute_core::chat::ChatTemplate;
 use kvroute_core::prompt::{PromptTokens, Request};
 use kvroute_core::tokenize::Tokenizer;
-use kvroute_tests::envoy::{Bootstrap, Engine, Gateway, Inventory, Variant};
+use kvroute_tests::envoy::{Bootstrap, Contract, Engine, Gateway, Inventory, Variant};
 use kvroute_tests::harness;
 use serde_json::{json, Value};
 
@@ -103,26 +105,116 @@ fn percentile(sorted: &[f64], q: f64) -> f64 {
     sorted[i.min(sorted.len() - 1)]
 }
 
-/// Sequential round trips of `bodies` through `gw`; returns sorted latencies in ms.
-async fn measure(gw: &Gateway, bodies: &[Vec<u8>]) -> Vec<f64> {
-    let mut out = Vec::with_capacity(bodies.len());
-    for b in bodies {
-        let t0 = Instant::now();
-        let r = gw
-            .post("/v1/chat/completions", b.clone(), &[])
+/// One round trip of `body` through `gw`, in ms.
+async fn one(gw: &Gateway, body: &[u8]) -> f64 {
+    let t0 = Instant::now();
+    let r = gw
+        .post("/v1/chat/completions", body.to_vec(), &[])
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let _ = r.bytes().await.unwrap();
+    t0.elapsed().as_secs_f64() * 1000.0
+}
+
+/// One setup's figures for one case.
+#[derive(Clone, Copy, Debug)]
+struct Stats {
+    p50: f64,
+    p99: f64,
+    /// Median and quartiles of the per-sample difference against the no-filter setup.
+    added_median: f64,
+    added_q1: f64,
+    added_q3: f64,
+}
+
+impl Stats {
+    /// `lat[i]` and `base[i]` are the same sample through this setup and without the filter.
+    fn of(lat: &[f64], base: &[f64]) -> Stats {
+        let mut sorted = lat.to_vec();
+        sorted.sort_by(|a, b| a.total_cmp(b));
+        let mut diff: Vec<f64> = lat.iter().zip(base).map(|(l, b)| l - b).collect();
+        diff.sort_by(|a, b| a.total_cmp(b));
+        Stats {
+            p50: percentile(&sorted, 0.5),
+            p99: percentile(&sorted, 0.99),
+            added_median: percentile(&diff, 0.5),
+            added_q1: percentile(&diff, 0.25),
+            added_q3: percentile(&diff, 0.75),
+        }
+    }
+}
+
+/// Waits until `gw`'s filter has the rule's contract and its tokenizer (or, offloading, until
+/// the service has loaded its tokenizer: the first offloaded request does that, here without the
+/// filter's 25 ms timeout, so the run measures steady state).
+async fn warm_filter(gw: &Gateway, inv: &Inventory, rule: &str, tokenize_in_filter: bool) {
+    gw.wait_for_log("rule contract loaded", 2, Duration::from_secs(60))
+        .await
+        .unwrap();
+    let warm = gw
+        .client
+        .get(format!("{}/warmup", gw.base))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(warm.status(), 200);
+    if tokenize_in_filter {
+        gw.wait_for_log("tokenizer loaded", 1, Duration::from_secs(60))
             .await
             .unwrap();
-        assert_eq!(r.status(), 200);
-        let _ = r.bytes().await.unwrap();
-        out.push(t0.elapsed().as_secs_f64() * 1000.0);
+    } else {
+        let msgs = json!([{"role": "user", "content": "warm up"}]);
+        let r = gw
+            .client
+            .post(format!("http://{}/v1/route", inv.addr))
+            .json(&json!({"rule": rule, "model": "Qwen/Qwen3-0.6B", "messages": msgs}))
+            .timeout(Duration::from_secs(60))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(
+            r.status(),
+            200,
+            "offload warm-up: {}",
+            r.text().await.unwrap_or_default()
+        );
     }
-    out.sort_by(|a, b| a.total_cmp(b));
-    out
+}
+
+/// The fail-open count, then the filter's own timings and cache counters over the whole setup
+/// (all cases). Histograms show up after Envoy's next stats flush: polled, bounded.
+async fn filter_stats(gw: &Gateway) -> String {
+    let stats = gw.envoy.stats("kvroute_filter_fail_open").await.unwrap();
+    let total: u64 = stats.values().sum();
+    let mut fail = format!("{total}");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let text = loop {
+        let text = harness::body_text(
+            gw.client
+                .get(format!("http://{}/stats", gw.envoy.admin))
+                .query(&[(
+                    "filter",
+                    "kvroute_filter_(tokenize_us|keys_us|prepare_us|callout_us|duration_us|.*cache_(hits|misses)_total)",
+                )]),
+        )
+        .await
+        .unwrap();
+        if text.contains("duration_us: P0") || Instant::now() > deadline {
+            break text;
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    };
+    fail.push_str(".\n\n```\n");
+    for line in text.lines() {
+        fail.push_str(line.trim());
+        fail.push('\n');
+    }
+    fail.push_str("```");
+    fail
 }
 
 /// One setup's measurements: (case, p50 ms, p99 ms) rows.
-type Rows = Vec<(String, f64, f64)>;
-
 struct Case {
     name: String,
     cold: Vec<Vec<u8>>,
@@ -184,7 +276,6 @@ async fn bench_filter_latency() {
     let b = Engine::start("engine-b").await.unwrap();
     let engines = [&a, &b];
     let inv = Inventory::start().await.unwrap();
-    inv.add_rule(&[&a, &b]).await.unwrap();
     let mk = |plugin: Value, without_filter: bool| Bootstrap {
         listener_port: 0,
         admin_port: 0,
@@ -194,113 +285,85 @@ async fn bench_filter_latency() {
         variant: Variant::EnvoyFilter,
         without_filter,
     };
-    // The production callout timeout; a slow answer would show as fail-open, which is counted.
-    let setups = [
-        ("no filter", mk(json!({}), true)),
-        (
-            "filter, tokenize: filter",
-            mk(json!({"timeout_ms": 25}), false),
-        ),
-        (
-            "filter, tokenize: service",
-            mk(json!({"timeout_ms": 25, "tokenize": "service"}), false),
-        ),
-    ];
-    let mut results: Vec<(String, Rows, String)> = Vec::new();
-    for (label, bootstrap) in setups {
+    // One rule per filtered setup (VIP ports 8080...), so no setup's decisions credit another's
+    // keys; the production callout timeout (a slow answer shows as a fail-open, which is counted).
+    let mut plans: Vec<(String, Bootstrap<'_>, Option<String>)> =
+        vec![("no filter".to_owned(), mk(json!({}), true), None)];
+    let setups_wanted = Contract::ALL
+        .iter()
+        .map(|c| (*c, "filter"))
+        .chain([(Contract::VllmSha256Cbor, "service")]);
+    for (port, (contract, tokenize)) in (8080u16..).zip(setups_wanted) {
+        inv.add_rule_for(&[&a, &b], contract, port).await.unwrap();
+        let rule = format!("10.0.0.1:{port}");
+        let plugin = json!({"timeout_ms": 25, "tokenize": tokenize, "rule": rule});
+        let label = format!("{}, tokenize: {tokenize}", contract.label());
+        plans.push((label, mk(plugin, false), Some(rule)));
+    }
+    let mut setups = Vec::new();
+    for (label, bootstrap, rule) in plans {
         let gw = Gateway::start(bootstrap).await.unwrap();
-        if label != "no filter" {
-            gw.wait_for_log("rule contract loaded", 2, Duration::from_secs(60))
-                .await
-                .unwrap();
-            let warm = gw
-                .client
-                .get(format!("{}/warmup", gw.base))
-                .send()
-                .await
-                .unwrap();
-            assert_eq!(warm.status(), 200);
-            if label.contains("tokenize: filter") {
-                gw.wait_for_log("tokenizer loaded", 1, Duration::from_secs(60))
-                    .await
-                    .unwrap();
-            } else {
-                // The service loads its tokenizer on the first offloaded request; do that once
-                // here, without the filter's 25 ms timeout, so the run measures steady state.
-                let msgs = json!([{"role": "user", "content": "warm up"}]);
-                let r = gw.client.post(format!("http://{}/v1/route", inv.addr))
-                    .json(&json!({"rule": "10.0.0.1:8080", "model": "Qwen/Qwen3-0.6B", "messages": msgs}))
-                    .timeout(Duration::from_secs(60)).send().await.unwrap();
-                assert_eq!(
-                    r.status(),
-                    200,
-                    "offload warm-up: {}",
-                    r.text().await.unwrap_or_default()
-                );
-            }
+        if let Some(rule) = &rule {
+            warm_filter(&gw, &inv, rule, label.contains("tokenize: filter")).await;
         }
         // Warm-up: first calls in a VM are slower (V8 tiers up).
         let warm: Vec<Vec<u8>> = (0..10u64).map(|i| body(&conversation(5 + i, 2))).collect();
-        let _ = measure(&gw, &warm).await;
-        let mut rows = Vec::new();
-        for c in &cases {
-            let lat = measure(&gw, &c.cold).await;
-            rows.push((
-                c.name.clone(),
-                percentile(&lat, 0.5),
-                percentile(&lat, 0.99),
-            ));
-            eprintln!(
-                "{label:>28} | {:>13} | p50 {:7.3} ms | p99 {:7.3} ms",
-                c.name,
-                percentile(&lat, 0.5),
-                percentile(&lat, 0.99)
-            );
+        for w in &warm {
+            let _ = one(&gw, w).await;
         }
-        let mut fail = String::new();
-        if label != "no filter" {
-            let stats = gw.envoy.stats("kvroute_filter_fail_open").await.unwrap();
-            let total: u64 = stats.values().sum();
-            fail = format!("{total}");
-            // The filter's own timings and cache counters over the whole setup (all cases).
-            // Histograms show up after Envoy's next stats flush: poll, bounded.
-            let deadline = Instant::now() + Duration::from_secs(20);
-            let text = loop {
-                let text = harness::body_text(
-                    gw.client
-                        .get(format!("http://{}/stats", gw.envoy.admin))
-                        .query(&[(
-                            "filter",
-                            "kvroute_filter_(tokenize_us|keys_us|prepare_us|callout_us|duration_us|.*cache_(hits|misses)_total)",
-                        )]),
-                )
-                .await
-                .unwrap();
-                if text.contains("duration_us: P0") || Instant::now() > deadline {
-                    break text;
-                }
-                tokio::time::sleep(Duration::from_millis(250)).await;
-            };
-            fail.push_str(".\n\n```\n");
-            for line in text.lines() {
-                fail.push_str(line.trim());
-                fail.push('\n');
+        setups.push((label, gw, rule.is_some()));
+    }
+
+    // Paired and interleaved: sample i of a case goes through every setup before sample i + 1,
+    // in an order rotated by i, so drift on the machine spreads over all setups alike.
+    let n = setups.len();
+    let mut table: Vec<Vec<Stats>> = vec![Vec::new(); n];
+    for c in &cases {
+        let mut lat: Vec<Vec<f64>> = vec![Vec::with_capacity(c.cold.len()); n];
+        for (i, body) in c.cold.iter().enumerate() {
+            for k in 0..n {
+                let j = (i + k) % n;
+                lat[j].push(one(&setups[j].1, body).await);
             }
-            fail.push_str("```");
         }
-        results.push((label.to_owned(), rows, fail));
+        for j in 0..n {
+            let st = Stats::of(&lat[j], &lat[0]);
+            eprintln!(
+                "{:>44} | {:>13} | p50 {:7.3} ms | p99 {:7.3} ms | paired added median {:7.3} ms",
+                setups[j].0, c.name, st.p50, st.p99, st.added_median
+            );
+            table[j].push(st);
+        }
+    }
+    let mut results: Vec<(String, Vec<Stats>, String)> = Vec::new();
+    for ((label, gw, filtered), rows) in setups.iter().zip(table) {
+        let fail = if *filtered {
+            filter_stats(gw).await
+        } else {
+            String::new()
+        };
+        results.push((label.clone(), rows, fail));
     }
 
     let base = &results[0].1;
     let mut md = String::new();
     md.push_str("# Filter latency benchmark\n\n");
     md.push_str("Generated by `scripts/bench-filter.sh` (tests/tests/filter_bench.rs). Round trips through Envoy 1.40\n");
-    md.push_str("(1 worker, V8) to echo engines, sequential, measured by the client; **added** = with the filter minus\n");
-    md.push_str("without it at the same percentile. The inventory is the real `kvroute-inventory` (release build) on\n");
-    md.push_str("127.0.0.1; the callout timeout is the production 25 ms. Cold = a new conversation per request\n");
-    md.push_str("(unseen synthetic prose); follow-up = one long conversation plus a new short user turn.\n\n");
+    md.push_str("(1 worker, V8) to echo engines, measured by the client. Every setup runs at once (its own Envoy)\n");
+    md.push_str("and requests are paired and interleaved: sample i of a case goes through every setup, in an order\n");
+    md.push_str("rotated by i, before sample i + 1. **added** = with the filter minus without it at the same\n");
+    md.push_str("percentile; **paired added** = the median (and interquartile range) of the per-sample differences\n");
+    md.push_str("against the no-filter request of the same sample. One rule per setup: vLLM `sha256_cbor` (what\n");
+    md.push_str("most users run; no SHA instructions inside Wasm), SGLang and TensorRT-LLM; the inventory is the\n");
+    md.push_str("real `kvroute-inventory` (release build) on 127.0.0.1, its inventories empty (routes are misses);\n");
+    md.push_str("the callout timeout is the production 25 ms. Cold = a new conversation per request (unseen\n");
+    md.push_str(
+        "synthetic prose); follow-up = one long conversation plus a new short user turn.\n\n",
+    );
     md.push_str(&format!(
-        "Samples per cell: {samples}. Prompt sizes (Qwen3 tokens, chat template applied): "
+        "Date: {}. Machine: {}. Samples per cell: {samples}. Prompt sizes (Qwen3 tokens, chat template applied): ",
+        kvroute_test_support::machine::today(),
+        kvroute_test_support::machine::machine()
     ));
     md.push_str(
         &sizes
@@ -309,26 +372,32 @@ async fn bench_filter_latency() {
             .collect::<Vec<_>>()
             .join(", "),
     );
-    md.push_str(".\n\n| setup | prompt | p50 ms | p99 ms | added p50 ms | added p99 ms |\n|---|---|---|---|---|---|\n");
+    md.push_str(".\n\n| setup | prompt | p50 ms | p99 ms | added p50 ms | added p99 ms | paired added median ms (IQR) |\n|---|---|---|---|---|---|---|\n");
     for (label, rows, _) in &results {
-        for (i, (name, p50, p99)) in rows.iter().enumerate() {
-            let (b50, b99) = (base[i].1, base[i].2);
+        for (i, (c, st)) in cases.iter().zip(rows).enumerate() {
+            let (b50, b99) = (base[i].p50, base[i].p99);
             let added = if label == "no filter" {
-                ("-".to_owned(), "-".to_owned())
+                ("-".to_owned(), "-".to_owned(), "-".to_owned())
             } else {
-                (format!("{:.2}", p50 - b50), format!("{:.2}", p99 - b99))
+                (
+                    format!("{:.2}", st.p50 - b50),
+                    format!("{:.2}", st.p99 - b99),
+                    format!(
+                        "{:.2} ({:.2}-{:.2})",
+                        st.added_median, st.added_q1, st.added_q3
+                    ),
+                )
             };
             md.push_str(&format!(
-                "| {label} | {name} | {p50:.2} | {p99:.2} | {} | {} |\n",
-                added.0, added.1
+                "| {label} | {} | {:.2} | {:.2} | {} | {} | {} |\n",
+                c.name, st.p50, st.p99, added.0, added.1, added.2
             ));
         }
     }
     md.push('\n');
     let load_after = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
     md.push_str(&format!(
-        "Machine: {} cores; /proc/loadavg before `{}`, after `{}` (other work on the machine inflates every cell).\n\n",
-        std::thread::available_parallelism().map_or(0, |n| n.get()),
+        "/proc/loadavg before `{}`, after `{}` (other work on the machine inflates every cell).\n\n",
         load_before.trim(),
         load_after.trim()
     ));
