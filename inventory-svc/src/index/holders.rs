@@ -183,7 +183,7 @@ impl Wide {
     }
 
     /// The wide word of a narrow bitset (converting an index to the wide width).
-    pub fn from_narrow(&mut self, bits: u64) -> u64 {
+    pub fn widen_word(&mut self, bits: u64) -> u64 {
         if bits.count_ones() as usize <= INLINE {
             let mut w = 0;
             let mut n = 0;
@@ -395,7 +395,7 @@ mod tests {
     fn narrow_words_convert_to_the_same_members() {
         let mut w = Wide::default();
         for bits in [1u64, 0b1011, u64::MAX, 1 << 63, 0x3F, 0x7F] {
-            let word = w.from_narrow(bits);
+            let word = w.widen_word(bits);
             let want: BTreeSet<u16> = (0..64u16).filter(|e| bits & (1 << e) != 0).collect();
             assert_eq!(members(&w, word), want);
         }

@@ -171,7 +171,7 @@ impl Tables {
     /// Converts every word to the wide width (once per index: it never narrows back).
     fn widen(&mut self) {
         let mut wide = Wide::default();
-        self.holders.rebuild(|_, bits| wide.from_narrow(bits));
+        self.holders.rebuild(|_, bits| wide.widen_word(bits));
         self.wide = Some(wide);
     }
 
