@@ -15,7 +15,6 @@ use kvroute_core::rule::{
 };
 use serde_json::Value;
 
-use crate::index::MAX_ENDPOINTS;
 use crate::settings::Settings;
 
 /// One backend of a rule.
@@ -150,13 +149,6 @@ pub fn parse_rule(raw: &Value, settings: &Settings) -> Result<RuleSpec, RuleReje
     let r: RawRule =
         serde_json::from_value(raw.clone()).map_err(|e| RuleRejected::Malformed(e.to_string()))?;
     let rule = Rule::from_raw(&r, &settings.core).map_err(|e| RuleRejected::Invalid(e.0))?;
-    if rule.endpoints().len() > MAX_ENDPOINTS {
-        return Err(RuleRejected::Invalid(vec![FieldError::new(
-            "endpoints",
-            format!("{} entries", rule.endpoints().len()),
-            format!("at most {MAX_ENDPOINTS} endpoints per rule (the index's holder bitset)"),
-        )]));
-    }
     Ok(RuleSpec::from_rule(rule, settings))
 }
 

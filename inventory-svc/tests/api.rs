@@ -834,3 +834,81 @@ async fn keyless_routes_go_to(svc: &Service, (series, value): (&str, f64), n: us
         );
     }
 }
+
+/// `n` endpoints on loopback addresses 127.1.x.y (clear of the stack script's 127.0.0.10-12),
+/// serving port 8000.
+fn wide_endpoints(n: usize) -> Vec<(String, u16)> {
+    (0..n)
+        .map(|i| (format!("127.1.{}.{}", i / 250, i % 250 + 1), 8000))
+        .collect()
+}
+
+/// A rule of 1,024 endpoints is accepted (one more is refused naming the field and the limit),
+/// and a prefix stored by endpoint 1000 over its real ZMQ feed routes there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rule_of_1024_endpoints_routes_past_index_64() {
+    // Endpoint 1000 is 127.1.4.1; its publisher's port is the rule's kvZmqPort (the other
+    // endpoints' subscribers find nothing there and retry). No health probes: nothing serves.
+    let mut p = Publisher::bind_on("127.1.4.1", 0).await.unwrap();
+    let svc = Service::start(
+        "wide",
+        &json!([]),
+        &[
+            ("KVROUTE_HEALTH_INTERVAL_MS", "0"),
+            ("KVROUTE_SPEC_TTL_MS", "0"),
+        ],
+    );
+    let (s, v) = svc
+        .post_rule(&rule(
+            9100,
+            "vllm",
+            p.port,
+            &wide_endpoints(1025),
+            json!({}),
+        ))
+        .await;
+    assert_eq!(s, 400, "{v}");
+    assert_eq!(
+        v["problems"],
+        json!([{"field": "endpoints", "value": "1025 entries", "allowed": "at most 1024 endpoints per rule"}]),
+        "{v}"
+    );
+    let (s, v) = svc
+        .post_rule(&rule(
+            9100,
+            "vllm",
+            p.port,
+            &wide_endpoints(1024),
+            json!({}),
+        ))
+        .await;
+    assert_eq!(s, 200, "{v}");
+    let id = v["id"].to_string();
+    let keys = [0xF000u64, 0xF001, 0xF002, 0xF003];
+    let probe = batch(vec![stored(&keys, &[], false)]);
+    publish_until_seen(&svc, &mut p, &id, 1000, keys[0], &probe).await;
+    let mut held = svc.inventory(&id, 1000).await;
+    held.sort_unstable();
+    assert_eq!(held, keys);
+    assert!(svc.inventory(&id, 999).await.is_empty());
+    let body = json!({"rule": id, "keys": keys, "token_count": 64});
+    let (s, a) = svc.post("/v1/route", &body.to_string(), None).await;
+    assert_eq!(s, 200, "{a}");
+    assert_eq!(
+        (
+            a["reason"].as_str(),
+            a["endpoint"].as_str(),
+            a["matched_blocks"].as_u64()
+        ),
+        (Some("hit"), Some("127.1.4.1:8000"), Some(4)),
+        "{a}"
+    );
+    // Evicted: the prefix no longer routes there.
+    p.send(&batch(vec![removed(&keys[1..])])).await;
+    svc.wait_for("the eviction of endpoint 1000's blocks", 10, || async {
+        svc.inventory(&id, 1000).await == [0xF000]
+    })
+    .await;
+    svc.assert_metrics(r#"kvroute_index_blocks{ep="1000",rule="10.0.0.1:9100/tcp"} 1"#)
+        .await;
+}

@@ -393,3 +393,82 @@ async fn redis_restart_converges_and_rules_replicate() {
     assert_eq!(a.terminate(), Some(0), "{}", a.stderr());
     assert_eq!(b.terminate(), Some(0), "{}", b.stderr());
 }
+
+/// A rule of 1,024 endpoints installed on one replica reaches the other, and a block endpoint
+/// 1000 stores (ingested by whichever replica owns its lease) shows in both indexes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rule_of_1024_endpoints_replicates_past_index_255() {
+    const WIDE: &str = "10.0.0.1:8090";
+    const WIDE_ID: &str = "10.0.0.1:8090/tcp";
+    let redis = Redis::start().unwrap();
+    // Endpoint i is 127.1.(i / 250).(i % 250 + 1): endpoint 1000 is 127.1.4.1.
+    let mut p = Publisher::bind_on("127.1.4.1", 0).await.unwrap();
+    let eps: Vec<(String, u16)> = (0..1024)
+        .map(|i| (format!("127.1.{}.{}", i / 250, i % 250 + 1), 9))
+        .collect();
+    let wide = rule(8090, "vllm", p.port, &eps, json!({}));
+    // Nothing serves the endpoints: no health probes; leases long enough not to churn.
+    let start = |tag: &str, id: &str| {
+        let mut e = env(&redis, id);
+        e.push(("KVROUTE_HEALTH_INTERVAL_MS".into(), "0".into()));
+        e.retain(|(k, _)| k != "KVROUTE_LEASE_MS");
+        e.push(("KVROUTE_LEASE_MS".into(), "5000".into()));
+        let refs: Vec<(&str, &str)> = e.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+        Service::start(tag, &json!([]), &refs)
+    };
+    let a = start("wide-a", "a");
+    let b = start("wide-b", "b");
+    let (s, v) = a.post_rule(&wide).await;
+    assert_eq!(s, 200, "{v}");
+    b.wait_for(
+        "the 1024-endpoint rule on the other replica",
+        20,
+        || async { b.try_inventory(WIDE, 1023).await.is_some() },
+    )
+    .await;
+    let key = 0xD000u64;
+    let payload = batch(vec![stored(&[key, key + 1], &[], false)]);
+    let seen = wait_until(
+        "endpoint 1000's block in both replicas",
+        Duration::from_secs(30),
+        async || {
+            p.send_seq(0, &payload).await;
+            for s in [&a, &b] {
+                if !s
+                    .try_inventory(WIDE, 1000)
+                    .await
+                    .unwrap_or_default()
+                    .contains(&key)
+                {
+                    return false;
+                }
+            }
+            true
+        },
+    )
+    .await;
+    if seen.is_err() {
+        panic!("not replicated:\n{}\n-----\n{}", a.stderr(), b.stderr());
+    }
+    // Exactly one replica ingests endpoint 1000; the other has the block from the log.
+    let series = format!(r#"kvroute_replication_lease_owned{{ep="1000",rule="{WIDE_ID}"}}"#);
+    let mut owners = Vec::new();
+    for (i, s) in [&a, &b].iter().enumerate() {
+        if metric(&s.metrics().await, &series) == Some(1.0) {
+            owners.push(i);
+        }
+    }
+    assert_eq!(owners.len(), 1, "{owners:?}");
+    let other = [&a, &b][1 - owners[0]];
+    let mut held = other.inventory(WIDE, 1000).await;
+    held.sort_unstable();
+    assert_eq!(held, [key, key + 1]);
+    let body = json!({"rule": WIDE, "keys": [key, key + 1], "token_count": 32});
+    let (s, v) = other.post("/v1/route", &body.to_string(), None).await;
+    assert_eq!(s, 200, "{v}");
+    assert_eq!(
+        (v["endpoint"].as_str(), v["matched_blocks"].as_u64()),
+        (Some("127.1.4.1:9"), Some(2)),
+        "{v}"
+    );
+}

@@ -432,6 +432,30 @@ fn endpoint_accepted(#[case] endpoint: Value, #[case] weight: u16) {
     assert_eq!(r.endpoints()[0].capacity_blocks(), None);
 }
 
+/// `n` distinct endpoints (10.1.x.y:8000).
+fn many_endpoints(n: usize) -> Value {
+    Value::Array(
+        (0..n)
+            .map(|i| json!({"endpointIP": format!("10.1.{}.{}", i / 250, i % 250 + 1), "targetPort": 8000}))
+            .collect(),
+    )
+}
+
+/// A rule holds up to `MAX_ENDPOINTS` (1,024) endpoints; one more is rejected naming the field
+/// and the limit.
+#[test]
+fn endpoint_count_limit() {
+    assert_eq!(kvroute_core::rule::MAX_ENDPOINTS, 1024);
+    let mut b = body(json!({}));
+    b["endpoints"] = many_endpoints(1024);
+    assert_eq!(parse(&b).unwrap().endpoints().len(), 1024);
+    b["endpoints"] = many_endpoints(1025);
+    assert_one_error(
+        parse(&b),
+        "endpoints: got 1025 entries, allowed: at most 1024 endpoints per rule",
+    );
+}
+
 /// `kvCapacityBlocks`: the bounds are accepted, kept per endpoint, and listed back.
 #[rstest]
 #[case::min(1)]

@@ -123,7 +123,7 @@ impl Fleet {
                 role: e.role,
                 healthy: rt.healthy(),
                 load: rt.load(now, s.inflight_window, fresh),
-                blocks: rule.block_count(EndpointId(i as u8)),
+                blocks: rule.block_count(EndpointId(i as u16)),
                 matched: matched.get(i).copied().unwrap_or(0),
                 capacity: rule.capacity(i, s.capacity_blocks),
                 homed: rule.memory.homed(i),
@@ -165,7 +165,8 @@ impl Fleet {
         let unheld = keys.get(d.matched as usize..).unwrap_or(&[]);
         let ttl = self.settings.spec_ttl;
         if kv && !unheld.is_empty() && !ttl.is_zero() {
-            rule.index.speculate(EndpointId(ep as u8), unheld, now, ttl);
+            rule.index
+                .speculate(EndpointId(ep as u16), unheld, now, ttl);
         }
         // A miss makes the chosen endpoint the family's home; a hit refreshes it; a spill or
         // cold seed is a detour and must not be remembered, or a hot family would end up homed
@@ -186,7 +187,7 @@ impl Fleet {
         // The other replicas credit the same endpoint (speculation, memory, in-flight load).
         let shared = if kv { keys } else { &[] };
         self.replication()
-            .decision(rule, EndpointId(ep as u8), how, shared);
+            .decision(rule, EndpointId(ep as u16), how, shared);
     }
 
     /// Applies a decision another replica made `age` ago: speculative credit for what is left

@@ -90,7 +90,7 @@ impl RuleRuntime {
 
     /// Endpoint ids of the rule, in order.
     pub fn endpoint_ids(&self) -> impl Iterator<Item = EndpointId> {
-        (0..self.eps.len()).map(|i| EndpointId(i as u8))
+        (0..self.eps.len()).map(|i| EndpointId(i as u16))
     }
 
     /// Endpoints whose events feed the index: prefill endpoints in mode 1, all others otherwise.
@@ -103,7 +103,7 @@ impl RuleRuntime {
                 self.spec.exact_mode != KvMode::PrefillDecode
                     || e.role == Some(EndpointRole::Prefill)
             })
-            .map(|(i, _)| EndpointId(i as u8))
+            .map(|(i, _)| EndpointId(i as u16))
             .collect()
     }
 
@@ -216,7 +216,7 @@ fn keep_inventory(old: &RuleRuntime, new: &RuleSpec, eps: &[EpRuntime]) -> Arc<d
             e.inherit(o);
         } else {
             for r in old.ranks() {
-                index.apply(EndpointId(i as u8), r, &[IndexOp::Clear]);
+                index.apply(EndpointId(i as u16), r, &[IndexOp::Clear]);
             }
         }
     }

@@ -7,14 +7,20 @@
 //! Invariants:
 //! * Every operation of one engine message is applied under one write lock ([`BlockIndex::apply`]),
 //!   so an eviction takes effect within the message that carries it.
-//! * A key's holders are a 64-bit endpoint bitset: one `u64` per key, whatever the endpoint count,
-//!   which is what keeps an entry far below the 48-byte budget (see docs/inventory.md). The
-//!   key -> bitset table is [`KeyTable`], laid out for prefetching on the match path.
-//! * Endpoints with several data-parallel ranks keep a per-key rank mask beside the bitset, so one
-//!   rank evicting a block does not hide the copy another rank still holds.
-//! * Speculative entries (the blind spot between a routing decision and the engine's BlockStored)
-//!   live in a separate table with a deadline and never touch the per-endpoint counts.
+//! * A key's holders are one 64-bit word in its slot of [`KeyTable`] (laid out for prefetching on
+//!   the match path). While every endpoint index is below 64 the word is the endpoint bitset (the
+//!   fast path); the first endpoint at index 64 or above (up to [`MAX_ENDPOINTS`]) converts the
+//!   index once to the wide width, where the word holds up to 6 endpoint ids inline or points at a
+//!   1,024-bit bitset in an overflow arena ([`holders`]). Both widths run the same table, match
+//!   loop and operations; memory stays below 48 bytes per (key, endpoint) at either width (see
+//!   docs/inventory.md).
+//! * Endpoints with several data-parallel ranks keep a per-key rank mask beside the holder word,
+//!   so one rank evicting a block does not hide the copy another rank still holds.
+//! * Speculative credits (the blind spot between a routing decision and the engine's BlockStored)
+//!   live in a separate table, one entry per decision with a deadline, and never touch the
+//!   per-endpoint counts. An endpoint's eviction of a key cuts its credits at that key.
 
+mod holders;
 mod spec;
 mod table;
 
@@ -25,22 +31,32 @@ use std::time::{Duration, Instant};
 
 use kvroute_core::hash::BlockKey;
 
+use holders::{narrow_bit, Holders, Narrow, Wide, NARROW_ENDPOINTS};
 pub use spec::SpecTable;
 pub use table::KeyTable;
 
-/// Most endpoints one rule can have: the width of the holder bitset.
-pub const MAX_ENDPOINTS: usize = 64;
+/// Most endpoints one rule can have (the rule model's limit): endpoint ids are 10 bits in the
+/// wide holder words.
+pub const MAX_ENDPOINTS: usize = kvroute_core::rule::MAX_ENDPOINTS;
 
 /// Most data-parallel ranks per endpoint: the width of the rank mask.
 pub const MAX_RANKS: usize = 32;
 
 /// An endpoint's position in its rule's endpoint list (0-based, `< MAX_ENDPOINTS`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct EndpointId(pub u8);
+pub struct EndpointId(pub u16);
 
 impl EndpointId {
-    fn bit(self) -> u64 {
-        1u64 << (self.0 as u32 % 64)
+    /// The id of position `i`, `None` past [`MAX_ENDPOINTS`].
+    pub fn at(i: usize) -> Option<EndpointId> {
+        (i < MAX_ENDPOINTS)
+            .then(|| u16::try_from(i).ok().map(EndpointId))
+            .flatten()
+    }
+
+    /// The position in the rule's endpoint list.
+    pub fn index(self) -> usize {
+        usize::from(self.0)
     }
 }
 
@@ -129,8 +145,10 @@ pub type KeyMap<V> = HashMap<u64, V, BuildHasherDefault<KeyHasher>>;
 
 #[derive(Default)]
 struct Tables {
-    /// key -> bitset of endpoints holding it.
+    /// key -> holder word.
     holders: KeyTable,
+    /// `Some` once an endpoint index of 64 or above was seen: the words are wide.
+    wide: Option<Wide>,
     /// Per endpoint: blocks held.
     counts: Vec<u64>,
     /// Per endpoint with several ranks: key -> bitset of ranks holding it.
@@ -140,45 +158,98 @@ struct Tables {
 
 impl Tables {
     fn ensure_ep(&mut self, ep: EndpointId) {
-        let i = ep.0 as usize;
+        let i = ep.index();
+        if i >= NARROW_ENDPOINTS && self.wide.is_none() {
+            self.widen();
+        }
         if self.counts.len() <= i {
             self.counts.resize(i + 1, 0);
             self.ranks.resize_with(i + 1, || None);
         }
     }
 
+    /// Converts every word to the wide width (once per index: it never narrows back).
+    fn widen(&mut self) {
+        let mut wide = Wide::default();
+        self.holders.rebuild(|_, bits| wide.widen_word(bits));
+        self.wide = Some(wide);
+    }
+
+    /// Whether `word` names `ep`, at this index's width.
+    #[inline]
+    fn names(&self, word: u64, ep: EndpointId) -> bool {
+        match &self.wide {
+            None => Narrow.contains(word, ep.0),
+            Some(w) => w.contains(word, ep.0),
+        }
+    }
+
     fn set(&mut self, ep: EndpointId, key: u64) {
-        let bit = ep.bit();
-        if self.holders.or_bits(key, bit) & bit == 0 {
-            self.counts[ep.0 as usize] += 1;
+        let added = match self.wide.as_mut() {
+            None => {
+                let bit = narrow_bit(ep.0);
+                self.holders.update(key, |w| w | bit) & bit == 0
+            }
+            Some(wide) => {
+                let mut added = false;
+                self.holders.update(key, |w| {
+                    let (new, absent) = wide.insert(w, ep.0);
+                    added = absent;
+                    new
+                });
+                added
+            }
+        };
+        if added {
+            if let Some(c) = self.counts.get_mut(ep.index()) {
+                *c += 1;
+            }
         }
     }
 
     fn unset(&mut self, ep: EndpointId, key: u64) {
-        let bit = ep.bit();
-        if self.holders.clear_bits(key, bit) & bit != 0 {
-            let c = &mut self.counts[ep.0 as usize];
-            *c = c.saturating_sub(1);
+        let removed = match self.wide.as_mut() {
+            None => {
+                let bit = narrow_bit(ep.0);
+                self.holders.update(key, |w| w & !bit) & bit != 0
+            }
+            Some(wide) => {
+                let mut removed = false;
+                self.holders.update(key, |w| {
+                    if w == 0 {
+                        return 0;
+                    }
+                    let (new, was) = wide.remove(w, ep.0);
+                    removed = was;
+                    new
+                });
+                removed
+            }
+        };
+        if removed {
+            if let Some(c) = self.counts.get_mut(ep.index()) {
+                *c = c.saturating_sub(1);
+            }
         }
     }
 
     fn store(&mut self, ep: EndpointId, rank: Rank, keys: &[BlockKey]) {
-        let multi = rank.0 != 0 || self.ranks[ep.0 as usize].is_some();
+        let i = ep.index();
+        let multi = rank.0 != 0 || self.ranks[i].is_some();
         if multi {
             let rbit = 1u32 << (rank.0 as u32 % 32);
-            if self.ranks[ep.0 as usize].is_none() {
+            if self.ranks[i].is_none() {
                 // The first rank other than 0: what the endpoint holds so far is rank 0's, so a
                 // later eviction by another rank does not hide rank 0's copy.
-                let bit = ep.bit();
                 let seeded: KeyMap<u32> = self
                     .holders
                     .iter()
-                    .filter(|(_, h)| h & bit != 0)
+                    .filter(|(_, w)| self.names(*w, ep))
                     .map(|(k, _)| (k, 1))
                     .collect();
-                self.ranks[ep.0 as usize] = Some(seeded);
+                self.ranks[i] = Some(seeded);
             }
-            if let Some(rm) = self.ranks[ep.0 as usize].as_mut() {
+            if let Some(rm) = self.ranks[i].as_mut() {
                 for k in keys {
                     *rm.entry(k.0).or_insert(0) |= rbit;
                 }
@@ -192,7 +263,7 @@ impl Tables {
     fn remove(&mut self, ep: EndpointId, rank: Rank, keys: &[BlockKey]) {
         let rbit = 1u32 << (rank.0 as u32 % 32);
         for k in keys {
-            let still_held = match self.ranks[ep.0 as usize].as_mut() {
+            let still_held = match self.ranks[ep.index()].as_mut() {
                 Some(rm) => match rm.get_mut(&k.0) {
                     Some(mask) => {
                         *mask &= !rbit;
@@ -210,10 +281,12 @@ impl Tables {
                 self.unset(ep, k.0);
             }
         }
+        // The engine no longer has these blocks: neither does a prediction past them.
+        self.spec.evict(ep, keys);
     }
 
     fn clear(&mut self, ep: EndpointId, rank: Rank) {
-        let i = ep.0 as usize;
+        let i = ep.index();
         let mut gone: Vec<u64> = Vec::new();
         let whole = match self.ranks[i].as_mut() {
             Some(rm) => {
@@ -233,13 +306,64 @@ impl Tables {
             None => true,
         };
         if whole {
-            self.holders.clear_bits_everywhere(ep.bit());
+            let Tables { holders, wide, .. } = self;
+            match wide.as_mut() {
+                None => {
+                    let bit = narrow_bit(ep.0);
+                    holders.rebuild(|_, w| w & !bit);
+                }
+                Some(wide) => holders.rebuild(|_, w| wide.remove(w, ep.0).0),
+            }
             self.counts[i] = 0;
         } else {
             for k in gone {
                 self.unset(ep, k);
             }
         }
+    }
+
+    /// The match of [`BlockIndex::match_prefix`] at width `H`; `out` is zeroed and sized.
+    #[inline(always)]
+    fn match_keys<H: Holders>(&self, h: &H, keys: &[BlockKey], now: Instant, out: &mut [u32]) {
+        let Some(first) = keys.first() else {
+            return;
+        };
+        let mut spec = (!self.spec.is_empty()).then(|| self.spec.cursor(now));
+        // Misses dominate a cold match: start loading the next keys' slots while working on this one.
+        const AHEAD: usize = 32;
+        for k in keys.iter().take(AHEAD) {
+            self.holders.prefetch(k.0);
+        }
+        // Endpoints not holding the first key stay at 0 (`out` starts zeroed).
+        let mut alive = H::Set::default();
+        h.add_word(&mut alive, self.holders.get(first.0));
+        if let Some(c) = spec.as_mut() {
+            c.at(0, first.0, |e| H::add_ep(&mut alive, e));
+        }
+        for (i, k) in keys.iter().enumerate().skip(1) {
+            if H::is_empty(&alive) {
+                return;
+            }
+            if let Some(next) = keys.get(i + AHEAD) {
+                self.holders.prefetch(next.0);
+            }
+            let mut held = H::Set::default();
+            h.add_word(&mut held, self.holders.get(k.0));
+            if let Some(c) = spec.as_mut() {
+                c.at(i, k.0, |e| H::add_ep(&mut held, e));
+            }
+            H::retain(&mut alive, &held, |e| {
+                if let Some(o) = out.get_mut(e) {
+                    *o = i as u32;
+                }
+            });
+        }
+        let n = keys.len() as u32;
+        H::for_each(&alive, |e| {
+            if let Some(o) = out.get_mut(e) {
+                *o = n;
+            }
+        });
     }
 }
 
@@ -266,6 +390,11 @@ impl MemIndex {
         }
     }
 
+    /// Speculatively credited keys held (expired credits not yet swept included).
+    pub fn spec_key_count(&self) -> usize {
+        self.read().spec.key_count()
+    }
+
     fn read(&self) -> std::sync::RwLockReadGuard<'_, Tables> {
         // A poisoned lock only means a writer panicked mid-update; the tables are still usable
         // (worst case a stale count), and failing routing would be worse.
@@ -279,7 +408,7 @@ impl MemIndex {
 
 impl BlockIndex for MemIndex {
     fn apply(&self, ep: EndpointId, rank: Rank, ops: &[IndexOp]) {
-        if ep.0 as usize >= MAX_ENDPOINTS {
+        if ep.index() >= MAX_ENDPOINTS {
             return;
         }
         let mut t = self.write();
@@ -298,64 +427,32 @@ impl BlockIndex for MemIndex {
         let n_eps = t.counts.len().max(t.spec.endpoint_span());
         out.clear();
         out.resize(n_eps, 0);
-        let all: u64 = if n_eps >= 64 {
-            u64::MAX
-        } else {
-            (1u64 << n_eps) - 1
-        };
-        let mut alive = all;
-        let spec_live = !t.spec.is_empty();
-        // Misses dominate a cold match: start loading the next keys' slots while working on this one.
-        const AHEAD: usize = 32;
-        for k in keys.iter().take(AHEAD) {
-            t.holders.prefetch(k.0);
-        }
-        for (i, k) in keys.iter().enumerate() {
-            if let Some(next) = keys.get(i + AHEAD) {
-                t.holders.prefetch(next.0);
-            }
-            let mut held = t.holders.get(k.0);
-            if spec_live {
-                held |= t.spec.holders(k.0, now);
-            }
-            let next = alive & held;
-            let mut dropped = alive & !next;
-            while dropped != 0 {
-                let e = dropped.trailing_zeros() as usize;
-                out[e] = i as u32;
-                dropped &= dropped - 1;
-            }
-            alive = next;
-            if alive == 0 {
-                return;
-            }
-        }
-        while alive != 0 {
-            let e = alive.trailing_zeros() as usize;
-            out[e] = keys.len() as u32;
-            alive &= alive - 1;
+        match &t.wide {
+            None => t.match_keys(&Narrow, keys, now, out),
+            Some(w) => t.match_keys(w, keys, now, out),
         }
     }
 
     fn speculate(&self, ep: EndpointId, keys: &[BlockKey], now: Instant, ttl: Duration) {
-        if ep.0 as usize >= MAX_ENDPOINTS || keys.is_empty() {
+        if ep.index() >= MAX_ENDPOINTS || keys.is_empty() {
             return;
         }
         let mut t = self.write();
+        // The match names credited endpoints at the index's width.
+        t.ensure_ep(ep);
         t.spec.insert(ep, keys, now, ttl);
     }
 
     fn block_count(&self, ep: EndpointId) -> u64 {
-        self.read().counts.get(ep.0 as usize).copied().unwrap_or(0)
+        self.read().counts.get(ep.index()).copied().unwrap_or(0)
     }
 
     fn export(&self, ep: EndpointId) -> Vec<(Rank, Vec<BlockKey>)> {
         let t = self.read();
-        let bit = ep.bit();
-        let rank_map = t.ranks.get(ep.0 as usize).and_then(Option::as_ref);
+        let rank_map = t.ranks.get(ep.index()).and_then(Option::as_ref);
         let mut by_rank: Vec<Vec<BlockKey>> = Vec::new();
-        for (k, holders) in t.holders.iter() {
-            if holders & bit == 0 {
+        for (k, word) in t.holders.iter() {
+            if !t.names(word, ep) {
                 continue;
             }
             let mask = rank_map.and_then(|m| m.get(&k).copied()).unwrap_or(1);
@@ -380,11 +477,10 @@ impl BlockIndex for MemIndex {
     fn blocks(&self, ep: EndpointId, cursor: usize, limit: usize) -> BlockPage {
         let limit = limit.max(1);
         let t = self.read();
-        let bit = ep.bit();
         let mut blocks = Vec::with_capacity(limit.min(1024));
         let budget = limit.saturating_mul(PAGE_SCAN_FACTOR);
-        let next = t.holders.scan(cursor, budget, |i, k, bits| {
-            if bits & bit != 0 {
+        let next = t.holders.scan(cursor, budget, |i, k, word| {
+            if t.names(word, ep) {
                 blocks.push((i, BlockKey(k)));
             }
             blocks.len() < limit
@@ -404,15 +500,77 @@ impl BlockIndex for MemIndex {
         for rm in t.ranks.iter().flatten() {
             b += buckets(rm.capacity()) * (12 + 1);
         }
-        b + t.counts.capacity() * 8 + t.spec.heap_bytes()
+        b += t.wide.as_ref().map_or(0, Wide::heap_bytes);
+        b + t.counts.capacity() * 8 + t.ranks.capacity() * 8 + t.spec.heap_bytes()
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use rstest::rstest;
 
-    /// Every block of `ep`, sorted, by following the page cursor.
+    /// One behavioural suite over both widths: each test names endpoints 0, 1, 2, ...; at the
+    /// narrow width they are those indexes, at the wide width test endpoint `e` is index
+    /// `70 + 97 e` (all past 64, spread over the 1,024) in an index converted to wide words.
+    #[derive(Clone, Copy, Debug)]
+    enum Width {
+        Narrow,
+        Wide,
+    }
+
+    struct Fx {
+        ix: MemIndex,
+        width: Width,
+    }
+
+    impl Fx {
+        fn new(width: Width) -> Fx {
+            let ix = MemIndex::new();
+            if let Width::Wide = width {
+                ix.write().widen();
+            }
+            Fx { ix, width }
+        }
+
+        fn ep(&self, e: u16) -> EndpointId {
+            match self.width {
+                Width::Narrow => EndpointId(e),
+                Width::Wide => EndpointId(70 + 97 * e),
+            }
+        }
+
+        fn apply(&self, e: u16, rank: u8, ops: &[IndexOp]) {
+            self.ix.apply(self.ep(e), Rank(rank), ops);
+        }
+
+        fn store(&self, e: u16, keys: &[u64]) {
+            self.apply(e, 0, &[IndexOp::Store(k(keys))]);
+        }
+
+        /// The match of `keys` at `now`, for test endpoints `0..n`.
+        fn m_at(&self, keys: &[u64], now: Instant, n: u16) -> Vec<u32> {
+            let mut out = Vec::new();
+            self.ix.match_prefix(&k(keys), now, &mut out);
+            (0..n)
+                .map(|e| out.get(self.ep(e).index()).copied().unwrap_or(0))
+                .collect()
+        }
+
+        fn m(&self, keys: &[u64], n: u16) -> Vec<u32> {
+            self.m_at(keys, Instant::now(), n)
+        }
+
+        fn count(&self, e: u16) -> u64 {
+            self.ix.block_count(self.ep(e))
+        }
+
+        /// Every block of `e`, sorted, by following the page cursor.
+        fn all_blocks(&self, e: u16) -> Vec<BlockKey> {
+            all_blocks(&self.ix, self.ep(e))
+        }
+    }
+
     fn all_blocks(ix: &MemIndex, ep: EndpointId) -> Vec<BlockKey> {
         let mut out = Vec::new();
         let mut cursor = Some(0);
@@ -429,145 +587,238 @@ mod tests {
         v.iter().copied().map(BlockKey).collect()
     }
 
-    fn m(ix: &MemIndex, keys: &[u64]) -> Vec<u32> {
-        let mut out = Vec::new();
-        ix.match_prefix(&k(keys), Instant::now(), &mut out);
-        out
+    #[rstest]
+    fn leading_match_per_endpoint(#[values(Width::Narrow, Width::Wide)] w: Width) {
+        let fx = Fx::new(w);
+        fx.store(0, &[1, 2, 3]);
+        fx.store(1, &[1, 3]);
+        fx.store(2, &[2, 3]);
+        assert_eq!(fx.m(&[1, 2, 3, 4], 3), vec![3, 1, 0]);
+        assert_eq!(fx.m(&[], 3), vec![0, 0, 0]);
+        assert_eq!(fx.count(0), 3);
+        assert_eq!(fx.ix.key_count(), 3);
     }
 
-    #[test]
-    fn leading_match_per_endpoint() {
-        let ix = MemIndex::new();
-        ix.apply(EndpointId(0), Rank(0), &[IndexOp::Store(k(&[1, 2, 3]))]);
-        ix.apply(EndpointId(1), Rank(0), &[IndexOp::Store(k(&[1, 3]))]);
-        ix.apply(EndpointId(2), Rank(0), &[IndexOp::Store(k(&[2, 3]))]);
-        assert_eq!(m(&ix, &[1, 2, 3, 4]), vec![3, 1, 0]);
-        assert_eq!(m(&ix, &[]), vec![0, 0, 0]);
-        assert_eq!(ix.block_count(EndpointId(0)), 3);
-        assert_eq!(ix.key_count(), 3);
+    #[rstest]
+    fn keys_held_by_many_endpoints(#[values(Width::Narrow, Width::Wide)] w: Width) {
+        // Past the 6 inline ids of a wide word and back.
+        let fx = Fx::new(w);
+        for e in 0..10 {
+            fx.store(e, &[1, 2]);
+        }
+        fx.store(9, &[3]);
+        assert_eq!(fx.m(&[1, 2, 3], 10), vec![2, 2, 2, 2, 2, 2, 2, 2, 2, 3]);
+        for e in 0..8 {
+            fx.apply(e, 0, &[IndexOp::Remove(k(&[2]))]);
+        }
+        assert_eq!(fx.m(&[1, 2, 3], 10), vec![1, 1, 1, 1, 1, 1, 1, 1, 2, 3]);
+        fx.apply(9, 0, &[IndexOp::Clear]);
+        assert_eq!(fx.m(&[1, 2, 3], 10), vec![1, 1, 1, 1, 1, 1, 1, 1, 2, 0]);
+        assert_eq!((fx.count(8), fx.count(9), fx.ix.key_count()), (2, 0, 2));
+        assert_eq!(fx.all_blocks(8), k(&[1, 2]));
     }
 
-    #[test]
-    fn store_is_idempotent_and_remove_counts() {
-        let ix = MemIndex::new();
-        let ep = EndpointId(3);
-        ix.apply(
-            ep,
-            Rank(0),
+    #[rstest]
+    fn store_is_idempotent_and_remove_counts(#[values(Width::Narrow, Width::Wide)] w: Width) {
+        let fx = Fx::new(w);
+        fx.apply(
+            3,
+            0,
             &[IndexOp::Store(k(&[7, 8])), IndexOp::Store(k(&[7, 8]))],
         );
-        assert_eq!(ix.block_count(ep), 2);
-        ix.apply(ep, Rank(0), &[IndexOp::Remove(k(&[7, 99]))]);
-        assert_eq!(ix.block_count(ep), 1);
-        assert_eq!(all_blocks(&ix, ep), k(&[8]));
+        assert_eq!(fx.count(3), 2);
+        fx.apply(3, 0, &[IndexOp::Remove(k(&[7, 99]))]);
+        assert_eq!(fx.count(3), 1);
+        assert_eq!(fx.all_blocks(3), k(&[8]));
     }
 
-    #[test]
-    fn eviction_within_the_same_message() {
-        let ix = MemIndex::new();
-        let ep = EndpointId(0);
-        ix.apply(
-            ep,
-            Rank(0),
+    #[rstest]
+    fn eviction_within_the_same_message(#[values(Width::Narrow, Width::Wide)] w: Width) {
+        let fx = Fx::new(w);
+        fx.apply(
+            0,
+            0,
             &[
                 IndexOp::Store(k(&[1, 2])),
                 IndexOp::Remove(k(&[1])),
                 IndexOp::Store(k(&[5])),
             ],
         );
-        assert_eq!(m(&ix, &[1, 2]), vec![0]);
-        assert_eq!(ix.block_count(ep), 2);
+        assert_eq!(fx.m(&[1, 2], 1), vec![0]);
+        assert_eq!(fx.count(0), 2);
     }
 
-    #[test]
-    fn clear_only_touches_one_endpoint() {
-        let ix = MemIndex::new();
-        ix.apply(EndpointId(0), Rank(0), &[IndexOp::Store(k(&[1, 2]))]);
-        ix.apply(EndpointId(1), Rank(0), &[IndexOp::Store(k(&[1, 2]))]);
-        ix.apply(EndpointId(0), Rank(0), &[IndexOp::Clear]);
-        assert_eq!(m(&ix, &[1, 2]), vec![0, 2]);
-        assert_eq!(ix.block_count(EndpointId(0)), 0);
-        assert_eq!(ix.block_count(EndpointId(1)), 2);
+    #[rstest]
+    fn clear_only_touches_one_endpoint(#[values(Width::Narrow, Width::Wide)] w: Width) {
+        let fx = Fx::new(w);
+        fx.store(0, &[1, 2]);
+        fx.store(1, &[1, 2]);
+        fx.apply(0, 0, &[IndexOp::Clear]);
+        assert_eq!(fx.m(&[1, 2], 2), vec![0, 2]);
+        assert_eq!(fx.count(0), 0);
+        assert_eq!(fx.count(1), 2);
     }
 
-    #[test]
-    fn ranks_union_into_one_endpoint() {
-        let ix = MemIndex::new();
-        let ep = EndpointId(0);
-        ix.apply(ep, Rank(1), &[IndexOp::Store(k(&[1, 2]))]);
-        ix.apply(ep, Rank(2), &[IndexOp::Store(k(&[2, 3]))]);
-        assert_eq!(ix.block_count(ep), 3);
+    #[rstest]
+    fn ranks_union_into_one_endpoint(#[values(Width::Narrow, Width::Wide)] w: Width) {
+        let fx = Fx::new(w);
+        fx.apply(0, 1, &[IndexOp::Store(k(&[1, 2]))]);
+        fx.apply(0, 2, &[IndexOp::Store(k(&[2, 3]))]);
+        assert_eq!(fx.count(0), 3);
         // Rank 1 evicts 2; rank 2 still holds it.
-        ix.apply(ep, Rank(1), &[IndexOp::Remove(k(&[2]))]);
-        assert_eq!(ix.block_count(ep), 3);
-        ix.apply(ep, Rank(2), &[IndexOp::Clear]);
-        assert_eq!(ix.block_count(ep), 1);
-        assert_eq!(all_blocks(&ix, ep), k(&[1]));
+        fx.apply(0, 1, &[IndexOp::Remove(k(&[2]))]);
+        assert_eq!(fx.count(0), 3);
+        fx.apply(0, 2, &[IndexOp::Clear]);
+        assert_eq!(fx.count(0), 1);
+        assert_eq!(fx.all_blocks(0), k(&[1]));
     }
 
-    #[test]
-    fn speculative_entries_expire() {
-        let ix = MemIndex::new();
+    #[rstest]
+    fn speculative_entries_expire(#[values(Width::Narrow, Width::Wide)] w: Width) {
+        let fx = Fx::new(w);
         let now = Instant::now();
-        ix.apply(EndpointId(1), Rank(0), &[IndexOp::Store(k(&[1]))]);
-        ix.speculate(EndpointId(0), &k(&[1, 2]), now, Duration::from_secs(2));
-        let mut out = Vec::new();
-        ix.match_prefix(&k(&[1, 2]), now, &mut out);
-        assert_eq!(out, vec![2, 1]);
-        ix.match_prefix(&k(&[1, 2]), now + Duration::from_secs(3), &mut out);
-        assert_eq!(out, vec![0, 1]);
-        assert_eq!(ix.block_count(EndpointId(0)), 0);
+        fx.store(1, &[1]);
+        fx.ix
+            .speculate(fx.ep(0), &k(&[1, 2]), now, Duration::from_secs(2));
+        assert_eq!(fx.m_at(&[1, 2], now, 2), vec![2, 1]);
+        assert_eq!(
+            fx.m_at(&[1, 2], now + Duration::from_secs(3), 2),
+            vec![0, 1]
+        );
+        assert_eq!(fx.count(0), 0);
     }
 
-    #[test]
-    fn pagination_is_bounded_and_complete() {
-        let ix = MemIndex::new();
+    #[rstest]
+    fn speculation_extends_a_real_prefix(#[values(Width::Narrow, Width::Wide)] w: Width) {
+        // The decision credits only the keys past what the endpoint holds.
+        let fx = Fx::new(w);
+        let now = Instant::now();
+        let ttl = Duration::from_secs(2);
+        fx.store(0, &[1, 2]);
+        fx.ix.speculate(fx.ep(0), &k(&[3, 4, 5]), now, ttl);
+        fx.ix.speculate(fx.ep(1), &k(&[1, 2, 3]), now, ttl);
+        assert_eq!(fx.m_at(&[1, 2, 3, 4, 5, 6], now, 2), vec![5, 3]);
+        // A request sharing only the first two blocks, then diverging.
+        assert_eq!(fx.m_at(&[1, 2, 9, 4], now, 2), vec![2, 2]);
+    }
+
+    #[rstest]
+    fn eviction_removes_speculative_credit_from_the_key_on(
+        #[values(Width::Narrow, Width::Wide)] w: Width,
+    ) {
+        let fx = Fx::new(w);
+        let now = Instant::now();
+        let ttl = Duration::from_secs(60);
+        let run: Vec<u64> = (10..30).collect();
+        fx.ix.speculate(fx.ep(0), &k(&run), now, ttl);
+        fx.ix.speculate(fx.ep(1), &k(&run), now, ttl);
+        assert_eq!(fx.m_at(&run, now, 2), vec![20, 20]);
+        // The engine stored the first 15, then evicted the 10th (key 19).
+        fx.store(0, &run[..15]);
+        fx.apply(0, 0, &[IndexOp::Remove(k(&[19]))]);
+        // Nothing past the evicted block is predicted for 0, really or speculatively; 1 keeps all.
+        assert_eq!(fx.m_at(&run, now, 2), vec![9, 20]);
+        assert_eq!(fx.ix.spec_key_count(), 9 + 20);
+        // Evicting the first credited key drops 1's credit entirely.
+        fx.apply(1, 0, &[IndexOp::Remove(k(&[10]))]);
+        assert_eq!(fx.m_at(&run, now, 2), vec![9, 0]);
+        assert_eq!(fx.ix.spec_key_count(), 9);
+    }
+
+    #[rstest]
+    fn pagination_is_bounded_and_complete(#[values(Width::Narrow, Width::Wide)] w: Width) {
+        let fx = Fx::new(w);
         let keys: Vec<u64> = (0..5000u64).map(|i| i.wrapping_mul(0x9E37_79B9)).collect();
-        ix.apply(EndpointId(0), Rank(0), &[IndexOp::Store(k(&keys))]);
-        ix.apply(EndpointId(1), Rank(0), &[IndexOp::Store(k(&[7]))]);
+        fx.store(0, &keys);
+        fx.store(1, &[7]);
         let mut want = k(&keys);
         want.sort_unstable();
-        assert_eq!(all_blocks(&ix, EndpointId(0)), want);
-        assert_eq!(all_blocks(&ix, EndpointId(1)), k(&[7]));
+        assert_eq!(fx.all_blocks(0), want);
+        assert_eq!(fx.all_blocks(1), k(&[7]));
         // A page holds at most `limit` blocks; a sparse endpoint's page scans a bounded span.
-        let p = ix.blocks(EndpointId(0), 0, 100);
+        let p = fx.ix.blocks(fx.ep(0), 0, 100);
         assert_eq!(p.blocks.len(), 100);
-        let p = ix.blocks(EndpointId(1), 0, 1);
+        let p = fx.ix.blocks(fx.ep(1), 0, 1);
         let n = p.next.unwrap_or(usize::MAX);
         assert!(
             p.blocks.len() <= 1 && n <= PAGE_SCAN_FACTOR || p.blocks.len() == 1,
             "{p:?}"
         );
-        assert!(ix.blocks(EndpointId(0), 1 << 40, 2).blocks.is_empty());
+        assert!(fx.ix.blocks(fx.ep(0), 1 << 40, 2).blocks.is_empty());
+    }
+
+    #[rstest]
+    fn export_rebuilds_the_same_endpoint(#[values(Width::Narrow, Width::Wide)] w: Width) {
+        let fx = Fx::new(w);
+        let ep = fx.ep(1);
+        fx.apply(1, 0, &[IndexOp::Store(k(&[1, 2]))]);
+        fx.apply(1, 1, &[IndexOp::Store(k(&[2, 3]))]);
+        fx.store(0, &[9]);
+        fx.ix
+            .speculate(ep, &k(&[4]), Instant::now(), Duration::from_secs(2));
+        let mut snap = fx.ix.export(ep);
+        snap.iter_mut().for_each(|(_, v)| v.sort_unstable());
+        assert_eq!(snap, vec![(Rank(0), k(&[1, 2])), (Rank(1), k(&[2, 3]))]);
+        let copy = Fx::new(w);
+        for (r, keys) in &snap {
+            copy.ix.apply(ep, *r, &[IndexOp::Store(keys.clone())]);
+        }
+        assert_eq!(copy.ix.block_count(ep), 3);
+        // Rank 1 evicting 2 must leave rank 0's copy, as in the original.
+        copy.ix.apply(ep, Rank(1), &[IndexOp::Remove(k(&[2]))]);
+        fx.ix.apply(ep, Rank(1), &[IndexOp::Remove(k(&[2]))]);
+        assert_eq!(all_blocks(&copy.ix, ep), all_blocks(&fx.ix, ep));
+        assert!(fx.ix.export(fx.ep(5)).is_empty());
     }
 
     #[test]
-    fn export_rebuilds_the_same_endpoint() {
+    fn the_first_endpoint_past_64_widens_the_index_in_place() {
         let ix = MemIndex::new();
-        let ep = EndpointId(1);
-        ix.apply(ep, Rank(0), &[IndexOp::Store(k(&[1, 2]))]);
-        ix.apply(ep, Rank(1), &[IndexOp::Store(k(&[2, 3]))]);
-        ix.apply(EndpointId(0), Rank(0), &[IndexOp::Store(k(&[9]))]);
-        ix.speculate(ep, &k(&[4]), Instant::now(), Duration::from_secs(2));
-        let mut snap = ix.export(ep);
-        snap.iter_mut().for_each(|(_, v)| v.sort_unstable());
-        assert_eq!(snap, vec![(Rank(0), k(&[1, 2])), (Rank(1), k(&[2, 3]))]);
-        let copy = MemIndex::new();
-        for (r, keys) in &snap {
-            copy.apply(ep, *r, &[IndexOp::Store(keys.clone())]);
+        for e in 0..64u16 {
+            // Keys 1..=3 held by every endpoint (overflow once wide), key 100+e by one.
+            ix.apply(
+                EndpointId(e),
+                Rank(0),
+                &[IndexOp::Store(k(&[1, 2, 3, 100 + u64::from(e)]))],
+            );
         }
-        assert_eq!(copy.block_count(ep), 3);
-        // Rank 1 evicting 2 must leave rank 0's copy, as in the original.
-        copy.apply(ep, Rank(1), &[IndexOp::Remove(k(&[2]))]);
-        ix.apply(ep, Rank(1), &[IndexOp::Remove(k(&[2]))]);
-        assert_eq!(all_blocks(&copy, ep), all_blocks(&ix, ep));
-        assert!(ix.export(EndpointId(5)).is_empty());
+        assert!(ix.read().wide.is_none());
+        ix.apply(EndpointId(1000), Rank(0), &[IndexOp::Store(k(&[1, 2]))]);
+        assert!(ix.read().wide.is_some());
+        let mut out = Vec::new();
+        ix.match_prefix(&k(&[1, 2, 3]), Instant::now(), &mut out);
+        assert_eq!(out.len(), 1001);
+        assert!(out[..64].iter().all(|&n| n == 3));
+        assert!(out[64..1000].iter().all(|&n| n == 0));
+        assert_eq!(out[1000], 2);
+        ix.match_prefix(&k(&[1, 2, 3, 163]), Instant::now(), &mut out);
+        assert_eq!((out[62], out[63]), (3, 4));
+        for e in 0..64u16 {
+            assert_eq!(ix.block_count(EndpointId(e)), 4);
+        }
+        assert_eq!(ix.block_count(EndpointId(1000)), 2);
+        assert_eq!(all_blocks(&ix, EndpointId(1000)), k(&[1, 2]));
     }
 
     #[test]
     fn out_of_range_endpoint_is_ignored() {
         let ix = MemIndex::new();
-        ix.apply(EndpointId(200), Rank(0), &[IndexOp::Store(k(&[1]))]);
+        ix.apply(
+            EndpointId(MAX_ENDPOINTS as u16),
+            Rank(0),
+            &[IndexOp::Store(k(&[1]))],
+        );
+        ix.speculate(
+            EndpointId(MAX_ENDPOINTS as u16),
+            &k(&[1]),
+            Instant::now(),
+            Duration::from_secs(1),
+        );
         assert_eq!(ix.key_count(), 0);
+        let mut out = Vec::new();
+        ix.match_prefix(&k(&[1]), Instant::now(), &mut out);
+        assert!(out.is_empty());
+        assert_eq!(EndpointId::at(1023), Some(EndpointId(1023)));
+        assert_eq!(EndpointId::at(1024), None);
     }
 }

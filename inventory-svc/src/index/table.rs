@@ -1,16 +1,18 @@
-//! Open-addressing table from block key to endpoint bitset, built for the match path.
+//! Open-addressing table from block key to a non-zero 64-bit holder word (the endpoint bitset, or
+//! at the wide width an inline list or overflow index: see [`holders`](super::holders)), built for
+//! the match path.
 //!
 //! Why not `HashMap`: a 512-key match against a million keys is bound by cache misses, one or two
-//! per lookup. Here a key and its bitset share one 16-byte slot (one miss), and the slot of a key
+//! per lookup. Here a key and its holder word share one 16-byte slot (one miss), and the slot of a key
 //! is known before it is needed, so [`KeyTable::prefetch`] lets the match loop overlap the misses
 //! of the next keys with the work on the current one.
 //!
 //! Layout: linear probing over a power-of-two array of `(key, bits)` slots; `bits == 0` marks an
-//! empty slot (an entry whose bitset becomes 0 is removed), so any key value, 0 included, can be
+//! empty slot (an entry whose word becomes 0 is removed), so any key value, 0 included, can be
 //! stored. Deletion shifts later entries back (no tombstones). The load factor stays at or below
 //! 3/4, which bounds memory at 16 / (3/8) ≈ 43 bytes per key right after a growth, 21 at best.
 
-/// One slot: a key and the bitset of endpoints holding it (0 = empty).
+/// One slot: a key and the holder word of endpoints holding it (0 = empty).
 #[derive(Clone, Copy, Default)]
 #[repr(C, align(16))]
 struct Slot {
@@ -18,7 +20,7 @@ struct Slot {
     bits: u64,
 }
 
-/// Key -> non-zero endpoint bitset.
+/// Key -> non-zero holder word.
 pub struct KeyTable {
     slots: Vec<Slot>,
     len: usize,
@@ -87,7 +89,7 @@ impl KeyTable {
         let _ = p;
     }
 
-    /// The bitset of `key`, 0 when absent.
+    /// The holder word of `key`, 0 when absent.
     #[inline]
     pub fn get(&self, key: u64) -> u64 {
         let mask = self.mask();
@@ -131,40 +133,37 @@ impl KeyTable {
         }
     }
 
-    /// ORs `bits` (non-zero) into `key`'s bitset, inserting it; returns the previous bitset.
-    pub fn or_bits(&mut self, key: u64, bits: u64) -> u64 {
-        if bits == 0 {
-            return self.get(key);
-        }
-        if (self.len + 1) * 4 > self.slots.len() * 3 {
-            self.grow();
-        }
+    /// Replaces `key`'s word by `f(old)` (`old` is 0 when absent): a non-zero result inserts or
+    /// updates the key, 0 removes it. Returns the old word.
+    #[inline]
+    pub fn update(&mut self, key: u64, f: impl FnOnce(u64) -> u64) -> u64 {
         match self.find(key) {
             Ok(i) => {
                 let old = self.slots[i].bits;
-                self.slots[i].bits |= bits;
+                let new = f(old);
+                if new != 0 {
+                    self.slots[i].bits = new;
+                } else {
+                    self.remove_at(i);
+                }
                 old
             }
-            Err(i) => {
-                self.slots[i] = Slot { key, bits };
+            Err(mut i) => {
+                let new = f(0);
+                if new == 0 {
+                    return 0;
+                }
+                if (self.len + 1) * 4 > self.slots.len() * 3 {
+                    self.grow();
+                    i = match self.find(key) {
+                        Ok(i) | Err(i) => i,
+                    };
+                }
+                self.slots[i] = Slot { key, bits: new };
                 self.len += 1;
                 0
             }
         }
-    }
-
-    /// Clears `bits` from `key`'s bitset, removing the key when none remain; returns the
-    /// previous bitset (0 when absent).
-    pub fn clear_bits(&mut self, key: u64, bits: u64) -> u64 {
-        let Ok(i) = self.find(key) else { return 0 };
-        let old = self.slots[i].bits;
-        let new = old & !bits;
-        if new != 0 {
-            self.slots[i].bits = new;
-        } else {
-            self.remove_at(i);
-        }
-        old
     }
 
     /// Backward-shift deletion: later entries of the probe run move into the hole.
@@ -194,15 +193,24 @@ impl KeyTable {
         }
     }
 
-    /// Clears `bits` from every entry (an endpoint dropped everything), rebuilding the table.
-    pub fn clear_bits_everywhere(&mut self, bits: u64) {
+    /// Replaces every word by `f(key, word)`, dropping the keys whose result is 0, and rebuilds
+    /// the table at the size the kept keys need (an endpoint dropped everything, a width change).
+    pub fn rebuild(&mut self, mut f: impl FnMut(u64, u64) -> u64) {
         let old = std::mem::take(&mut self.slots);
-        let kept = old.iter().filter(|s| s.bits & !bits != 0).count();
-        *self = KeyTable::with_capacity(kept);
-        for s in old {
-            let b = s.bits & !bits;
-            if b != 0 {
-                self.or_bits(s.key, b);
+        let kept: Vec<Slot> = old
+            .iter()
+            .filter(|s| s.bits != 0)
+            .filter_map(|s| {
+                let bits = f(s.key, s.bits);
+                (bits != 0).then_some(Slot { key: s.key, bits })
+            })
+            .collect();
+        drop(old);
+        *self = KeyTable::with_capacity(kept.len());
+        for s in kept {
+            if let Err(i) = self.find(s.key) {
+                self.slots[i] = s;
+                self.len += 1;
             }
         }
     }
@@ -252,7 +260,7 @@ mod tests {
             let key = if step % 97 == 0 { 0 } else { x % 5000 };
             let bit = 1u64 << (x % 7);
             if x % 3 == 0 {
-                let old = t.clear_bits(key, bit);
+                let old = t.update(key, |w| w & !bit);
                 let e = m.get(&key).copied().unwrap_or(0);
                 assert_eq!(old, e);
                 let n = e & !bit;
@@ -262,7 +270,7 @@ mod tests {
                     m.insert(key, n);
                 }
             } else {
-                let old = t.or_bits(key, bit);
+                let old = t.update(key, |w| w | bit);
                 assert_eq!(old, m.get(&key).copied().unwrap_or(0));
                 *m.entry(key).or_insert(0) |= bit;
             }
@@ -272,7 +280,7 @@ mod tests {
             assert_eq!(t.get(*k), *v);
         }
         assert_eq!(t.iter().count(), m.len());
-        t.clear_bits_everywhere(1);
+        t.rebuild(|_, w| w & !1);
         for (k, v) in &m {
             assert_eq!(t.get(*k), v & !1);
         }

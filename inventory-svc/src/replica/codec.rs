@@ -4,13 +4,21 @@
 //! they came from, so a new owner can resume the subscription), a routing decision (speculative
 //! credit and placement memory), or a snapshot marker telling tailers to load an endpoint's
 //! snapshot at this point of the log. Keys are 8 bytes each; nothing is JSON on this path.
+//!
+//! Versions (the first byte of every entry and batch): 2 writes the endpoint as a `u16` (a rule
+//! holds up to 1,024 endpoints); 1 wrote it as one byte. Entries of version 1 still decode (a
+//! replica reading a log a version-1 replica wrote during a rolling upgrade); any other version
+//! is [`CodecError::Version`]. Snapshots carry no endpoint and are unchanged.
 
 use kvroute_core::hash::BlockKey;
 
 use crate::index::IndexOp;
 use crate::score::Update;
 
-const VERSION: u8 = 1;
+/// The version written.
+pub const VERSION: u8 = 2;
+/// The version before the endpoint was widened to `u16`; still decoded.
+const VERSION_U8_EP: u8 = 1;
 const SNAP_MAGIC: &[u8; 4] = b"KVS1";
 
 /// "No sequence known" on the wire.
@@ -24,14 +32,14 @@ const BATCH: u8 = b'B';
 pub enum Entry {
     /// What the owner applied for `(ep, rank)` from one engine message.
     Ops {
-        ep: u8,
+        ep: u16,
         rank: u8,
         seq: Option<u64>,
         ops: Vec<IndexOp>,
     },
     /// A routing decision: speculative credit for `ttl_ms`, and the placement memory update.
     Decision {
-        ep: u8,
+        ep: u16,
         update: Option<Update>,
         ttl_ms: u32,
         keys: Vec<BlockKey>,
@@ -39,7 +47,7 @@ pub enum Entry {
     /// The owner wrote `ep`'s snapshot right before this entry. `resync`: entries were lost
     /// (Redis outage, full outbox, takeover), so every replica loads it here; otherwise it is a
     /// periodic snapshot for replicas that start later, and replicas in sync ignore it.
-    Snapshot { ep: u8, resync: bool },
+    Snapshot { ep: u16, resync: bool },
 }
 
 /// Why bytes could not be decoded.
@@ -47,7 +55,7 @@ pub enum Entry {
 pub enum CodecError {
     #[error("truncated at byte {0}")]
     Truncated(usize),
-    #[error("unknown version {0}")]
+    #[error("replication log entry version {0} is not one this build reads (1, 2)")]
     Version(u8),
     #[error("unknown tag {0}")]
     Tag(u8),
@@ -75,6 +83,18 @@ impl<'a> Reader<'a> {
     }
     fn u8(&mut self) -> Result<u8, CodecError> {
         Ok(self.take(1)?[0])
+    }
+    fn u16(&mut self) -> Result<u16, CodecError> {
+        let s = self.take(2)?;
+        Ok(u16::from_le_bytes([s[0], s[1]]))
+    }
+    /// An endpoint as version `v` wrote it.
+    fn ep(&mut self, v: u8) -> Result<u16, CodecError> {
+        if v == VERSION_U8_EP {
+            self.u8().map(u16::from)
+        } else {
+            self.u16()
+        }
     }
     fn u32(&mut self) -> Result<u32, CodecError> {
         let s = self.take(4)?;
@@ -113,7 +133,7 @@ fn seq_out(s: u64) -> Option<u64> {
 
 impl Entry {
     /// The endpoint the entry is about.
-    pub fn ep(&self) -> u8 {
+    pub fn ep(&self) -> u16 {
         match self {
             Entry::Ops { ep, .. } | Entry::Decision { ep, .. } | Entry::Snapshot { ep, .. } => *ep,
         }
@@ -124,7 +144,9 @@ impl Entry {
         let mut out = vec![VERSION];
         match self {
             Entry::Ops { ep, rank, seq, ops } => {
-                out.extend_from_slice(&[b'O', *ep, *rank]);
+                out.push(b'O');
+                out.extend_from_slice(&ep.to_le_bytes());
+                out.push(*rank);
                 out.extend_from_slice(&seq_in(*seq).to_le_bytes());
                 out.extend_from_slice(&(ops.len() as u32).to_le_bytes());
                 for op in ops {
@@ -152,12 +174,16 @@ impl Entry {
                     Some(Update::Place) => 1,
                     Some(Update::Keep) => 2,
                 };
-                out.extend_from_slice(&[b'D', *ep, u]);
+                out.push(b'D');
+                out.extend_from_slice(&ep.to_le_bytes());
+                out.push(u);
                 out.extend_from_slice(&ttl_ms.to_le_bytes());
                 put_keys(&mut out, keys);
             }
             Entry::Snapshot { ep, resync } => {
-                out.extend_from_slice(&[b'S', *ep, u8::from(*resync)])
+                out.push(b'S');
+                out.extend_from_slice(&ep.to_le_bytes());
+                out.push(u8::from(*resync));
             }
         }
         out
@@ -167,12 +193,12 @@ impl Entry {
     pub fn decode(b: &[u8]) -> Result<Entry, CodecError> {
         let mut r = Reader { b, at: 0 };
         let v = r.u8()?;
-        if v != VERSION {
+        if v != VERSION && v != VERSION_U8_EP {
             return Err(CodecError::Version(v));
         }
         match r.u8()? {
             b'O' => {
-                let ep = r.u8()?;
+                let ep = r.ep(v)?;
                 let rank = r.u8()?;
                 let seq = seq_out(r.u64()?);
                 let n = r.u32()? as usize;
@@ -188,7 +214,7 @@ impl Entry {
                 Ok(Entry::Ops { ep, rank, seq, ops })
             }
             b'D' => {
-                let ep = r.u8()?;
+                let ep = r.ep(v)?;
                 let update = match r.u8()? {
                     0 => None,
                     1 => Some(Update::Place),
@@ -205,7 +231,7 @@ impl Entry {
                 })
             }
             b'S' => Ok(Entry::Snapshot {
-                ep: r.u8()?,
+                ep: r.ep(v)?,
                 resync: r.u8()? != 0,
             }),
             t => Err(CodecError::Tag(t)),
@@ -235,7 +261,7 @@ pub fn decode_batch(b: &[u8]) -> Result<Vec<Entry>, CodecError> {
     }
     let mut r = Reader { b, at: 0 };
     let v = r.u8()?;
-    if v != VERSION {
+    if v != VERSION && v != VERSION_U8_EP {
         return Err(CodecError::Version(v));
     }
     r.u8()?;
@@ -367,7 +393,7 @@ mod tests {
                 ops: vec![],
             },
             Entry::Decision {
-                ep: 63,
+                ep: 1023,
                 update: Some(Update::Place),
                 ttl_ms: 2000,
                 keys: k(&[5, 6]),
@@ -379,7 +405,7 @@ mod tests {
                 keys: vec![],
             },
             Entry::Snapshot {
-                ep: 9,
+                ep: 300,
                 resync: true,
             },
             Entry::Snapshot {
@@ -407,10 +433,73 @@ mod tests {
         let mut bad = e.clone();
         bad[0] = 9;
         assert_eq!(Entry::decode(&bad), Err(CodecError::Version(9)));
+        assert_eq!(
+            CodecError::Version(9).to_string(),
+            "replication log entry version 9 is not one this build reads (1, 2)"
+        );
+        let one = Entry::Snapshot {
+            ep: 1,
+            resync: false,
+        };
+        let mut batch = encode_batch(&[one.clone(), one]);
+        batch[0] = 3;
+        assert_eq!(decode_batch(&batch), Err(CodecError::Version(3)));
         // A key count larger than the payload must not allocate it.
-        let mut huge = vec![VERSION, b'D', 0, 0, 0, 0, 0, 0];
+        let mut huge = vec![VERSION, b'D', 0, 0, 0, 0, 0, 0, 0];
         huge.extend_from_slice(&u32::MAX.to_le_bytes());
         assert!(Entry::decode(&huge).is_err());
+    }
+
+    /// Bytes as version 1 wrote them (the endpoint in one byte) still decode.
+    #[test]
+    fn version_1_entries_still_decode() {
+        let mut ops = vec![1, b'O', 7, 2];
+        ops.extend_from_slice(&42u64.to_le_bytes());
+        ops.extend_from_slice(&1u32.to_le_bytes());
+        ops.push(b's');
+        ops.extend_from_slice(&1u32.to_le_bytes());
+        ops.extend_from_slice(&99u64.to_le_bytes());
+        let want_ops = Entry::Ops {
+            ep: 7,
+            rank: 2,
+            seq: Some(42),
+            ops: vec![IndexOp::Store(k(&[99]))],
+        };
+        assert_eq!(Entry::decode(&ops).unwrap(), want_ops);
+        let mut dec = vec![1, b'D', 63, 1];
+        dec.extend_from_slice(&2000u32.to_le_bytes());
+        dec.extend_from_slice(&1u32.to_le_bytes());
+        dec.extend_from_slice(&5u64.to_le_bytes());
+        let want_dec = Entry::Decision {
+            ep: 63,
+            update: Some(Update::Place),
+            ttl_ms: 2000,
+            keys: k(&[5]),
+        };
+        assert_eq!(Entry::decode(&dec).unwrap(), want_dec);
+        let snap = [1, b'S', 9, 1];
+        assert_eq!(
+            Entry::decode(&snap).unwrap(),
+            Entry::Snapshot {
+                ep: 9,
+                resync: true
+            }
+        );
+        // A version-1 batch of version-1 entries.
+        let mut batch = vec![1, b'B'];
+        batch.extend_from_slice(&2u32.to_le_bytes());
+        for e in [&ops, &dec] {
+            batch.extend_from_slice(&(e.len() as u32).to_le_bytes());
+            batch.extend_from_slice(e);
+        }
+        assert_eq!(decode_batch(&batch).unwrap(), vec![want_ops, want_dec]);
+        // What this version writes: the endpoint in two bytes, past 255.
+        let wide = Entry::Snapshot {
+            ep: 1000,
+            resync: false,
+        }
+        .encode();
+        assert_eq!(wide, vec![VERSION, b'S', 0xe8, 0x03, 0]);
     }
 
     #[test]

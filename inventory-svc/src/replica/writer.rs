@@ -32,7 +32,7 @@ struct Writer {
     state: Arc<Fleet>,
     conn: redis::aio::ConnectionManager,
     /// (log key, ep) -> id of the last entry this replica appended for the endpoint.
-    appended: HashMap<(String, u8), StreamId>,
+    appended: HashMap<(String, u16), StreamId>,
     down_since: Option<Instant>,
 }
 
@@ -100,7 +100,7 @@ impl Writer {
         let m = &self.state.metrics;
         let n = batch.len() as u64;
         // Endpoints whose inventory changes are in the batch: dirty if it cannot be written.
-        let touched: Vec<(Arc<RuleRuntime>, u8)> = batch
+        let touched: Vec<(Arc<RuleRuntime>, u16)> = batch
             .iter()
             .filter_map(|o| match o {
                 Out::Entry {
@@ -119,7 +119,7 @@ impl Writer {
         let rules_log = self.rep.rules_log_key();
         let rules_set = self.rep.rules_set_key();
         // What each XADD reply is about: (log key, endpoints with inventory entries in it).
-        let mut slots: Vec<(String, Vec<u8>)> = Vec::with_capacity(batch.len());
+        let mut slots: Vec<(String, Vec<u16>)> = Vec::with_capacity(batch.len());
         let mut outs = batch.into_iter().peekable();
         while let Some(o) = outs.next() {
             match o {
@@ -139,7 +139,7 @@ impl Writer {
                         .arg(&self.rep.origin)
                         .arg("d")
                         .arg(encode_batch(&group));
-                    let mut eps: Vec<u8> = group
+                    let mut eps: Vec<u16> = group
                         .iter()
                         .filter(|e| matches!(e, Entry::Ops { .. } | Entry::Snapshot { .. }))
                         .map(Entry::ep)
@@ -365,7 +365,7 @@ fn xadd<'a>(pipe: &'a mut redis::Pipeline, key: &str, maxlen: u64) -> &'a mut re
         .arg("*")
 }
 
-fn mark_dirty(touched: &[(Arc<RuleRuntime>, u8)]) {
+fn mark_dirty(touched: &[(Arc<RuleRuntime>, u16)]) {
     for (rule, ep) in touched {
         if let Some(e) = rule.ep(EndpointId(*ep)) {
             e.mark_dirty();

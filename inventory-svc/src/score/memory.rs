@@ -81,7 +81,7 @@ impl Heat {
 /// One remembered prefix.
 #[derive(Clone, Copy, Debug)]
 struct Entry {
-    ep: u8,
+    ep: u16,
     /// Blocks this entry credits to `ep`'s footprint.
     blocks: u32,
     last: Instant,
@@ -202,7 +202,7 @@ impl PlacementMemory {
 
     /// Records that `keys` were sent to `ep`.
     pub fn record(&self, keys: &[BlockKey], ep: usize, how: Update, now: Instant) {
-        let Ok(ep8) = u8::try_from(ep) else { return };
+        let Ok(ep16) = u16::try_from(ep) else { return };
         if self.max_entries == 0 {
             return;
         }
@@ -224,13 +224,13 @@ impl PlacementMemory {
                 Some(e) => {
                     extends = true;
                     let expired = now.saturating_duration_since(e.last) > self.ttl;
-                    if e.ep != ep8 && (how == Update::Place || expired) {
+                    if e.ep != ep16 && (how == Update::Place || expired) {
                         let old = usize::from(e.ep);
                         if let Some(h) = inner.homed.get_mut(old) {
                             *h = h.saturating_sub(u64::from(e.blocks));
                         }
                         inner.homed[ep] += u64::from(e.blocks);
-                        e.ep = ep8;
+                        e.ep = ep16;
                     }
                     e.last = now;
                     e.stamp = stamp;
@@ -244,7 +244,7 @@ impl PlacementMemory {
                     inner.map.insert(
                         k,
                         Entry {
-                            ep: ep8,
+                            ep: ep16,
                             blocks,
                             last: now,
                             stamp,
@@ -485,6 +485,18 @@ mod tests {
         assert!(m.recall(&keys(9, 8), late).is_none());
         m.record(&keys(20, 4), 0, Update::Place, late);
         assert_eq!((m.len(), m.homed(0) + m.homed(1) + m.homed(2)), (1, 4));
+    }
+
+    #[test]
+    fn homes_past_index_255_are_kept() {
+        let m = PlacementMemory::new(100, Duration::from_secs(60));
+        let now = Instant::now();
+        let a = keys(1, 8);
+        m.record(&a, 1000, Update::Place, now);
+        assert_eq!(at(m.recall(&a, now)), Some((1000, 8)));
+        assert_eq!(m.homed(1000), 8);
+        m.record(&a, 300, Update::Place, now);
+        assert_eq!((m.homed(1000), m.homed(300)), (0, 8));
     }
 
     #[test]

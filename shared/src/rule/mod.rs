@@ -60,6 +60,9 @@ pub const MAX_KV_DP_RANK_COUNT: u8 = 8;
 pub const DEFAULT_WEIGHT: u16 = 1;
 /// Largest endpoint `weight`: keeps a pool's total within Envoy's u32 weight sum.
 pub const MAX_WEIGHT: u16 = u16::MAX;
+/// Most endpoints one rule can have: the inventory indexes a rule's endpoints by position with
+/// 10-bit ids (its holder sets, the replication codec's `u16`).
+pub const MAX_ENDPOINTS: usize = 1024;
 
 /// `kvExactMode`: how requests are matched to cached prefixes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

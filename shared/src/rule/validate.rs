@@ -12,7 +12,7 @@ use super::{
     quoted, Collector, Endpoint, EndpointRole, IpPrefix, KeyMode, KvConfig, KvMode, LbMode,
     Protocol, RawEndpoint, RawRule, RawServiceArguments, Rule, RuleErrors, RuleId, Sel, ZmqAddr,
     DEFAULT_KV_BLOCK_SIZE, DEFAULT_KV_DP_RANK_COUNT, DEFAULT_KV_WARMUP_SEC, DEFAULT_KV_ZMQ_PORT,
-    DEFAULT_WEIGHT, MAX_KV_BLOCK_SIZE, MAX_KV_DP_RANK_COUNT, MAX_WEIGHT, MISSING,
+    DEFAULT_WEIGHT, MAX_ENDPOINTS, MAX_KV_BLOCK_SIZE, MAX_KV_DP_RANK_COUNT, MAX_WEIGHT, MISSING,
 };
 use crate::hash::{BlockSize, Engine, HashAlgo, HashContract, HashError, DEFAULT_NONE_HASH_SEED};
 use crate::settings::{Settings, NONE_HASH_SEED_VAR};
@@ -501,6 +501,14 @@ fn endpoints(
             "endpoints",
             if raw.is_none() { MISSING } else { "[]" },
             "at least 1 endpoint",
+        );
+        return None;
+    }
+    if list.len() > MAX_ENDPOINTS {
+        c.push(
+            "endpoints",
+            format!("{} entries", list.len()),
+            format!("at most {MAX_ENDPOINTS} endpoints per rule"),
         );
         return None;
     }
