@@ -193,7 +193,7 @@ async fn run_fleet(eps: usize, windows: u64, per_window: u64) -> Row {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "benchmark: run by scripts/bench-ingest.sh"]
 async fn bench_ingest_publishers() {
-    let sizes = env_list("KVROUTE_BENCH_ENDPOINTS", "16,64");
+    let sizes = env_list("KVROUTE_BENCH_ENDPOINTS", "16,256,1024");
     let windows = n("KVROUTE_BENCH_WINDOWS", 20);
     // Batches per endpoint per window: small enough that a ZMQ PUB's send queue (HWM 1000)
     // never drops, so every event arrives (a dropped batch is a gap, not a benchmark).

@@ -565,7 +565,7 @@ mod tests {
         let now = Instant::now();
         let home = f.route(&r, &q, now).unwrap().ep;
         let other = 1 - home;
-        let id = |i: usize| EndpointId(i as u8);
+        let id = |i: usize| EndpointId(i as u16);
         f.apply_ops(&r, id(home), Rank(0), &[IndexOp::Store(k.clone())]);
 
         f.set_healthy(&r, id(home), false);
