@@ -6,7 +6,8 @@
 //! * every event the owner ingested before, during and after the failover is in the other
 //!   replica's index (nothing lost: entries dropped while the slot had no primary, or
 //!   acknowledged by the dead primary and never replicated, come back with the owner's snapshot);
-//! * the owner keeps its endpoint (the lease outlives the failover) and resumes without a gap;
+//! * the owner keeps its endpoint (the lease outlives the failover), renews it on the promoted
+//!   primary and resumes without a gap;
 //! * both sides report it: the owner's failed writes and its resynchronisation, the other
 //!   replica's failed read and its resynchronisation;
 //! * rule changes still replicate (the rule keys live in their own slot).
@@ -220,8 +221,26 @@ async fn replication_through_a_cluster_survives_a_primary_failover() {
     }
     converge(&svcs, &want, 20, "both replicas after the failover").await;
 
-    // The owner kept its lease and resumed without a gap; both sides report the failover.
+    // The owner kept its lease and renews it on the promoted primary (its script cache starts
+    // empty: the renewal reloads the script); it resumed without a gap.
     assert_eq!(owner(&svcs).await, o);
+    let lease_key = log_key.replace(":log", ":lease:0");
+    let pttl = |c: &RedisCluster| -> i64 {
+        c.cli(promoted, &["PTTL", &lease_key])
+            .trim()
+            .parse()
+            .unwrap_or(-3)
+    };
+    let t1 = pttl(&cluster);
+    assert!(t1 > 0, "the lease is on the promoted primary: PTTL {t1}");
+    let renewed = tokio::task::block_in_place(|| {
+        Poll::new(
+            "a lease renewal on the promoted primary",
+            Duration::from_secs(10),
+        )
+        .until_blocking(|| Ok(Probe::from(pttl(&cluster) > t1)))
+    });
+    assert!(renewed.is_ok(), "{renewed:?}\n{}", own.stderr());
     let m = own.metrics().await;
     assert_eq!(
         metric(
