@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Replication benchmark: route queries/s on one replica standalone vs replicated through Redis,
-# block events/s through the replication log, bootstrap time of a late replica for 1M keys.
-# Starts its own redis-server on a free port. Writes docs/bench-replication.md.
+# block events/s through the replication log, replication lag p50/p99, bootstrap time of a late
+# replica for 1M keys; then the replicated load through a Redis Cluster (3 primaries + 3 replicas).
+# Starts its own redis-server and cluster nodes on free ports. Writes docs/bench-replication.md.
 # Usage: ./scripts/bench-replication.sh   (a few minutes; run on an idle machine)
 # Knobs: KVROUTE_BENCH_SECS (5), KVROUTE_BENCH_CONC (8), KVROUTE_BENCH_BOOT_KEYS (1000000),
 #        KVROUTE_BENCH_BATCHES (2000 batches of 64 block events).
@@ -16,8 +17,9 @@ KVROUTE_BENCH_OUT="$table" cargo test --release -p kvroute-inventory --test repl
 {
     echo "# Replication benchmark"
     echo
-    echo "Command: \`./scripts/bench-replication.sh\` (release build; three replicas and one redis-server"
-    echo "on this machine, $(nproc) cores shared with the load generator). Measured $(date -u +%Y-%m-%d)."
+    echo "Command: \`./scripts/bench-replication.sh\` (release build; three replicas and one redis-server,"
+    echo "then three replicas and a six-node Redis Cluster, on this machine, $(nproc) cores shared with the"
+    echo "load generator). Measured $(date -u +%Y-%m-%d)."
     echo "See [replication.md](replication.md) for what is measured and why."
     echo
     cat "$table"

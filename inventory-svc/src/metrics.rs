@@ -49,6 +49,8 @@ labels! {
         Write => "write",
         Ping => "ping",
         Snapshot => "snapshot",
+        /// The writer's check that its last appended entry of a log is still there.
+        Verify => "verify",
     }
 }
 
@@ -66,6 +68,9 @@ labels! {
     Resync {
         TailerReconnect => "tailer_reconnect",
         WriterReconnect => "writer_reconnect",
+        /// Entries Redis acknowledged are gone (a failover to a replica that had not received
+        /// them, or a restart): the owned endpoints of that log are snapshotted again.
+        LostWrites => "lost_writes",
     }
 }
 
@@ -364,7 +369,7 @@ impl Metrics {
             },
             repl_resyncs: cv(
                 "kvroute_replication_resyncs_total",
-                "Resynchronisations after Redis came back, by side.",
+                "Resynchronisations after Redis came back or lost acknowledged writes, by side.",
                 &["reason"],
             )?,
             repl_last_gap_seconds: {

@@ -197,9 +197,17 @@ pub const ZMQ_IDLE_RECONNECT_MS: Setting = Setting::int(
 
 pub const REDIS_URL: Setting = Setting::text(
     "KVROUTE_REDIS_URL",
-    "redis://host:port[/db] or rediss://host:port[/db]",
+    "redis://host:port[/db] or rediss://host:port[/db]; in cluster mode several, comma-separated",
     "unset (standalone)",
-    "share state across replicas through Redis; `rediss://` is TLS (rustls with the system roots)",
+    "share state across replicas through Redis; `rediss://` is TLS (rustls with the system roots); \
+     with `KVROUTE_REDIS_MODE=cluster` the URLs are seed nodes of a Redis (or Valkey) Cluster",
+);
+pub const REDIS_MODE: Setting = Setting::word(
+    "KVROUTE_REDIS_MODE",
+    &["single", "cluster"],
+    Some("single"),
+    "`single` (one Redis, or a primary behind a stable address) or `cluster` (Redis Cluster: \
+     the topology is discovered from the seed URLs, keys of one rule share a slot)",
 );
 pub const REDIS_USERNAME: Setting = Setting::text(
     "KVROUTE_REDIS_USERNAME",
@@ -284,8 +292,9 @@ pub const SERVICE_VARS: [Setting; 24] = [
 ];
 
 /// The replication variables (docs/replication.md); all but the URL need the URL.
-pub const REDIS_VARS: [Setting; 8] = [
+pub const REDIS_VARS: [Setting; 9] = [
     REDIS_URL,
+    REDIS_MODE,
     REDIS_USERNAME,
     REDIS_PASSWORD_FILE,
     REDIS_PREFIX,
@@ -418,11 +427,22 @@ impl Default for HttpLimits {
     }
 }
 
+/// How the Redis URLs are used ([`REDIS_MODE`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RedisMode {
+    /// One server (or a primary behind one address): one URL.
+    Single,
+    /// A Redis Cluster: the URLs are seed nodes, the slots are discovered from them.
+    Cluster,
+}
+
 /// Where and how replicas share state (see docs/replication.md).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct RedisSettings {
-    /// [`REDIS_URL`].
+    /// [`REDIS_URL`]: one URL, or in cluster mode comma-separated seed URLs ([`Self::urls`]).
     pub url: String,
+    /// [`REDIS_MODE`].
+    pub mode: RedisMode,
     /// [`REDIS_USERNAME`] (overrides one in the URL).
     pub username: Option<String>,
     /// [`REDIS_PASSWORD_FILE`] (read at start; trailing newline dropped).
@@ -444,6 +464,19 @@ impl RedisSettings {
     pub fn new(url: &str) -> RedisSettings {
         Env::new(&unset).redis(url.to_owned())
     }
+
+    /// The URLs of [`REDIS_URL`] (one in single mode, the seed nodes in cluster mode).
+    pub fn urls(&self) -> Vec<&str> {
+        split_urls(&self.url)
+    }
+}
+
+/// Comma-separated URLs, blanks dropped.
+fn split_urls(raw: &str) -> Vec<&str> {
+    raw.split(',')
+        .map(str::trim)
+        .filter(|u| !u.is_empty())
+        .collect()
 }
 
 impl Default for Settings {
@@ -626,16 +659,38 @@ impl<'a> Env<'a> {
             }
             return None;
         };
-        if !(url.starts_with("redis://") || url.starts_with("rediss://")) {
+        let mode = self.word(
+            &REDIS_MODE,
+            self.get(&REDIS_MODE),
+            [RedisMode::Single, RedisMode::Cluster],
+        );
+        let urls = split_urls(&url);
+        if urls.is_empty()
+            || !urls
+                .iter()
+                .all(|u| u.starts_with("redis://") || u.starts_with("rediss://"))
+        {
             REDIS_URL.reject(&url, &mut self.errs);
+        } else if urls.len() > 1 && mode == RedisMode::Single {
+            self.errs.push(FieldError::new(
+                REDIS_URL.name,
+                kvroute_core::rule::quoted(&url),
+                format!(
+                    "one URL (several seed nodes need {}=cluster)",
+                    REDIS_MODE.name
+                ),
+            ));
         }
-        Some(self.redis(url))
+        let mut r = self.redis(url);
+        r.mode = mode;
+        Some(r)
     }
 
     /// The replication settings of `url` from the other Redis variables.
     fn redis(&mut self, url: String) -> RedisSettings {
         RedisSettings {
             url,
+            mode: RedisMode::Single,
             username: self.get(&REDIS_USERNAME),
             password_file: self.get(&REDIS_PASSWORD_FILE).map(std::path::PathBuf::from),
             prefix: self.text(&REDIS_PREFIX, |p| {
@@ -818,6 +873,30 @@ mod tests {
         assert!(msgs
             .iter()
             .any(|m| m.starts_with("KVROUTE_LEASE_MS: got \"5\", allowed: 300-600000")));
+        assert_eq!(r.mode, RedisMode::Single);
+        let s = Settings::from_env(|k| match k {
+            "KVROUTE_REDIS_URL" => Some("redis://10.0.0.1:6379, redis://10.0.0.2:6379".into()),
+            "KVROUTE_REDIS_MODE" => Some("cluster".into()),
+            _ => None,
+        })
+        .unwrap();
+        let r = s.redis.unwrap();
+        assert_eq!(r.mode, RedisMode::Cluster);
+        assert_eq!(r.urls(), ["redis://10.0.0.1:6379", "redis://10.0.0.2:6379"]);
+        let e = Settings::from_env(|k| match k {
+            "KVROUTE_REDIS_URL" => Some("redis://a:1,redis://b:1".into()),
+            "KVROUTE_REDIS_MODE" => Some("sentinel".into()),
+            _ => None,
+        })
+        .unwrap_err();
+        let msgs: Vec<String> = e.0.iter().map(ToString::to_string).collect();
+        assert_eq!(
+            msgs,
+            [
+                "KVROUTE_REDIS_MODE: got \"sentinel\", allowed: single, cluster",
+                "KVROUTE_REDIS_URL: got \"redis://a:1,redis://b:1\", allowed: one URL (several seed nodes need KVROUTE_REDIS_MODE=cluster)"
+            ]
+        );
         let e =
             Settings::from_env(|k| (k == "KVROUTE_LEASE_MS").then(|| "1000".into())).unwrap_err();
         assert_eq!(

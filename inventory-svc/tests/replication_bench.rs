@@ -1,6 +1,8 @@
 //! Replication benchmark (ignored; `scripts/bench-replication.sh` runs it in release and writes
 //! docs/bench-replication.md): route queries/s on one replica standalone vs replicated, block
-//! events/s through the replication log, and bootstrap time of a late replica for 1M keys.
+//! events/s through the replication log, replication lag (`kvroute_replication_lag_seconds` of
+//! every replica during that load), and bootstrap time of a late replica for 1M keys; then the
+//! replicated load again through a Redis Cluster (3 primaries + 3 replicas).
 //! Measurements, not assertions: only correctness (counts reached) is checked.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
@@ -12,6 +14,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::{batch, bind_same_port, metric, rule, stored, Publisher, Redis, Service};
+use kvroute_test_support::RedisCluster;
 use serde_json::{json, Value};
 
 const RULE: &str = "10.0.0.1:8080";
@@ -32,7 +35,20 @@ async fn publishers() -> (Vec<Publisher>, Value) {
     (ps, json!([r]))
 }
 
-fn start(tag: &str, rules: &Value, redis: Option<&Redis>, id: &str) -> Service {
+/// The service's Redis variables for a single server.
+fn single(r: &Redis) -> Vec<(String, String)> {
+    vec![("KVROUTE_REDIS_URL".into(), r.url())]
+}
+
+/// The service's Redis variables for a cluster (every node a seed).
+fn cluster(c: &RedisCluster) -> Vec<(String, String)> {
+    vec![
+        ("KVROUTE_REDIS_URL".into(), c.urls()),
+        ("KVROUTE_REDIS_MODE".into(), "cluster".into()),
+    ]
+}
+
+fn start(tag: &str, rules: &Value, redis: Option<&[(String, String)]>, id: &str) -> Service {
     let mut env: Vec<(String, String)> = vec![
         ("KVROUTE_SPEC_TTL_MS".into(), "2000".into()),
         (
@@ -41,7 +57,7 @@ fn start(tag: &str, rules: &Value, redis: Option<&Redis>, id: &str) -> Service {
         ),
     ];
     if let Some(r) = redis {
-        env.push(("KVROUTE_REDIS_URL".into(), r.url()));
+        env.extend(r.iter().cloned());
         env.push(("KVROUTE_REPLICA_ID".into(), id.into()));
         env.push(("KVROUTE_LEASE_MS".into(), "2000".into()));
         env.push(("KVROUTE_SNAPSHOT_INTERVAL_MS".into(), "2000".into()));
@@ -172,6 +188,154 @@ async fn route_qps(svc: &Service, conc: usize, secs: f64) -> f64 {
     done.load(Ordering::Relaxed) as f64 / secs
 }
 
+/// Cumulative bucket counts of `kvroute_replication_lag_seconds` summed over `reps`, by `le`.
+async fn lag_buckets(reps: &[Service]) -> Vec<(f64, f64)> {
+    let mut sum: Vec<(f64, f64)> = Vec::new();
+    for r in reps {
+        let m = r.metrics().await;
+        for l in m.lines() {
+            let Some(rest) = l.strip_prefix(r#"kvroute_replication_lag_seconds_bucket{le=""#)
+            else {
+                continue;
+            };
+            let Some((le, count)) = rest.split_once(r#""} "#) else {
+                continue;
+            };
+            let le = if le == "+Inf" {
+                f64::INFINITY
+            } else {
+                le.parse().unwrap()
+            };
+            let count: f64 = count.trim().parse().unwrap();
+            match sum.iter_mut().find(|(b, _)| *b == le) {
+                Some((_, c)) => *c += count,
+                None => sum.push((le, count)),
+            }
+        }
+    }
+    sum.sort_by(|a, b| a.0.partial_cmp(&b.0).unwrap());
+    sum
+}
+
+/// The `q` quantile in ms of the observations between two bucket readings, interpolated within
+/// its bucket as Prometheus' `histogram_quantile` does; and the number of observations.
+fn lag_quantile(before: &[(f64, f64)], after: &[(f64, f64)], q: f64) -> (f64, u64) {
+    let d: Vec<(f64, f64)> = after
+        .iter()
+        .map(|(le, c)| {
+            let b = before.iter().find(|(l, _)| l == le).map_or(0.0, |x| x.1);
+            (*le, c - b)
+        })
+        .collect();
+    let total = d.last().map_or(0.0, |x| x.1);
+    if total == 0.0 {
+        return (f64::NAN, 0);
+    }
+    let rank = q * total;
+    let mut lo = (0.0, 0.0);
+    for &(le, c) in &d {
+        if c >= rank {
+            if le.is_infinite() {
+                return (lo.0 * 1e3, total as u64);
+            }
+            let frac = if c > lo.1 {
+                (rank - lo.1) / (c - lo.1)
+            } else {
+                1.0
+            };
+            return ((lo.0 + (le - lo.0) * frac) * 1e3, total as u64);
+        }
+        lo = (le, c);
+    }
+    (lo.0 * 1e3, total as u64)
+}
+
+/// What the replicated phases measure.
+struct Replicated {
+    qps_repl: f64,
+    cpu_repl: f64,
+    cpu_apply: f64,
+    qps_owner: f64,
+    events_s: f64,
+    total: u64,
+    lag_p50: f64,
+    lag_p99: f64,
+    lag_n: u64,
+}
+
+/// Three replicas loaded with 50k blocks on endpoint 0: route queries on a non-owner (its
+/// decisions replicated to the two others), then on the owner, then block events streamed
+/// through the owner until a non-owner holds them. Lag is every replica's histogram over all of it.
+async fn replicated_phases(
+    reps: &[Service],
+    pubs: &mut [Publisher],
+    conc: usize,
+    secs: f64,
+    stream_batches: u64,
+) -> Replicated {
+    let owner_ep0 = owner_of(reps, 0).await;
+    probe(&reps[owner_ep0], &mut pubs[0], 0, 1 << 50).await;
+    publish(&reps[owner_ep0], 0, &mut pubs[0], 0, 50, 1000).await;
+    for r in reps {
+        wait_blocks(r, 0, 50_000, 60).await;
+    }
+    let lag0 = lag_buckets(reps).await;
+    let target = (owner_ep0 + 1) % reps.len();
+    let others: Vec<&Service> = reps
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| *i != target)
+        .map(|(_, r)| r)
+        .collect();
+    let (qps_repl, cpu_repl, cpu_apply) = measured(&reps[target], &others, conc, secs).await;
+    if std::env::var("KVROUTE_BENCH_DEBUG").is_ok() {
+        let m = reps[target].metrics().await;
+        for l in m.lines().filter(|l| {
+            l.contains("replication") || l.contains("redis") || l.contains("route_duration")
+        }) {
+            println!("target: {l}");
+        }
+    }
+    let qps_owner = route_qps(&reps[owner_ep0], conc, secs).await;
+
+    let per = 64u64;
+    let before = blocks(&reps[target], 0).await;
+    let total = stream_batches * per;
+    let t0 = Instant::now();
+    publish(
+        &reps[owner_ep0],
+        0,
+        &mut pubs[0],
+        10_000_000,
+        stream_batches,
+        per,
+    )
+    .await;
+    wait_blocks(&reps[target], 0, before + total, 120).await;
+    let stream_s = t0.elapsed().as_secs_f64();
+    let lag1 = lag_buckets(reps).await;
+    if std::env::var("KVROUTE_BENCH_DEBUG").is_ok() {
+        println!("lag buckets before {lag0:?}\nafter {lag1:?}");
+    }
+    let (lag_p50, lag_n) = lag_quantile(&lag0, &lag1, 0.5);
+    let (lag_p99, _) = lag_quantile(&lag0, &lag1, 0.99);
+    println!(
+        "replicated: non-owner {qps_repl:.0} q/s, owner {qps_owner:.0} q/s; {:.0} block events/s; lag p50 {lag_p50:.2} ms p99 {lag_p99:.2} ms ({lag_n} entries)",
+        total as f64 / stream_s
+    );
+    Replicated {
+        qps_repl,
+        cpu_repl,
+        cpu_apply,
+        qps_owner,
+        events_s: total as f64 / stream_s,
+        total,
+        lag_p50,
+        lag_p99,
+        lag_n,
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "benchmark: scripts/bench-replication.sh"]
 async fn replication_benchmark() {
@@ -193,56 +357,22 @@ async fn replication_benchmark() {
     drop(pubs);
 
     let redis = Redis::start().unwrap();
+    let env = single(&redis);
     let (mut pubs, rules) = publishers().await;
     let reps: Vec<Service> = ["a", "b", "c"]
         .iter()
-        .map(|id| start(&format!("bench-{id}"), &rules, Some(&redis), id))
+        .map(|id| start(&format!("bench-{id}"), &rules, Some(&env), id))
         .collect();
-    // Wait for an owner, then load the same inventory.
-    let owner_ep0 = owner_of(&reps, 0).await;
-    probe(&reps[owner_ep0], &mut pubs[0], 0, 1 << 50).await;
-    publish(&reps[owner_ep0], 0, &mut pubs[0], 0, 50, 1000).await;
-    for r in &reps {
-        wait_blocks(r, 0, 50_000, 60).await;
-    }
-    let target = (owner_ep0 + 1) % reps.len();
-    let others: Vec<&Service> = reps
-        .iter()
-        .enumerate()
-        .filter(|(i, _)| *i != target)
-        .map(|(_, r)| r)
-        .collect();
-    let (qps_repl, cpu_repl, cpu_apply) = measured(&reps[target], &others, conc, secs).await;
-    if std::env::var("KVROUTE_BENCH_DEBUG").is_ok() {
-        let m = reps[target].metrics().await;
-        for l in m.lines().filter(|l| {
-            l.contains("replication") || l.contains("redis") || l.contains("route_duration")
-        }) {
-            println!("target: {l}");
-        }
-    }
-    let qps_owner = route_qps(&reps[owner_ep0], conc, secs).await;
-
-    // 2. Replication throughput: block events ingested by the owner until a non-owner holds them.
-    let per = 64u64;
-    let before = blocks(&reps[target], 0).await;
-    let total = stream_batches * per;
-    let t0 = Instant::now();
-    publish(
-        &reps[owner_ep0],
-        0,
-        &mut pubs[0],
-        10_000_000,
-        stream_batches,
-        per,
-    )
-    .await;
-    wait_blocks(&reps[target], 0, before + total, 120).await;
-    let stream_s = t0.elapsed().as_secs_f64();
-    println!(
-        "replicated: non-owner {qps_repl:.0} q/s, owner {qps_owner:.0} q/s; {:.0} block events/s",
-        total as f64 / stream_s
-    );
+    // 2. Replicated: route queries/s, replication throughput and lag.
+    let r = replicated_phases(&reps, &mut pubs, conc, secs, stream_batches).await;
+    let Replicated {
+        qps_repl,
+        cpu_repl,
+        cpu_apply,
+        qps_owner,
+        total,
+        ..
+    } = r;
 
     // 3. Bootstrap: 1M keys on endpoint 1, snapshotted; a late replica starts and loads them.
     let owner_ep1 = owner_of(&reps, 1).await;
@@ -271,7 +401,7 @@ async fn replication_benchmark() {
     )
     .unwrap_or(0.0);
     let t0 = Instant::now();
-    let late = start("bench-late", &json!([]), Some(&redis), "late");
+    let late = start("bench-late", &json!([]), Some(&env), "late");
     let started = t0.elapsed();
     wait_blocks(&late, 1, boot_keys + 1, 300).await;
     let boot = t0.elapsed();
@@ -285,22 +415,62 @@ async fn replication_benchmark() {
          | CPU per route query spent by the two other replicas applying its decision | {cpu_apply:.1} us (both together) |\n\
          | route queries/s, replicated, owner replica | {qps_owner:.0} ({:+.1}%) |\n\
          | replication throughput, owner ingest -> non-owner index ({total} block events in {stream_batches} batches) | {:.0} block events/s |\n\
+         | replication lag, entry age when another replica applies it (`kvroute_replication_lag_seconds` of the three replicas over the route and streaming load, {} entries): p50 / p99 | {:.2} ms / **{:.2} ms** |\n\
          | bootstrap of a late replica, {boot_keys} keys (snapshot {:.1} MB) | {:.2} s (process up in {:.2} s) |",
         (qps_repl / qps_solo - 1.0) * 100.0,
         (cpu_repl / cpu_solo - 1.0) * 100.0,
         (qps_owner / qps_solo - 1.0) * 100.0,
-        total as f64 / stream_s,
+        r.events_s,
+        r.lag_n,
+        r.lag_p50,
+        r.lag_p99,
         snap_bytes / 1e6,
         boot.as_secs_f64(),
         started.as_secs_f64(),
     );
-    println!("{out}");
-    if let Ok(path) = std::env::var("KVROUTE_BENCH_OUT") {
-        std::fs::write(path, &out).unwrap();
-    }
     if std::env::var("KVROUTE_BENCH_DEBUG").is_ok() {
         println!("{}", late.stderr());
     }
     drop(late);
     drop(reps);
+    drop(pubs);
+    drop(redis);
+
+    // 4. The replicated load again, through a Redis Cluster (3 primaries + 3 replicas).
+    let c = RedisCluster::start(3, 5000).unwrap();
+    let env = cluster(&c);
+    let (mut pubs, rules) = publishers().await;
+    let reps: Vec<Service> = ["a", "b", "c"]
+        .iter()
+        .map(|id| start(&format!("bench-cl-{id}"), &rules, Some(&env), id))
+        .collect();
+    let rc = replicated_phases(&reps, &mut pubs, conc, secs, stream_batches).await;
+    let _ = writeln!(
+        out,
+        "\nThe replicated rows again through a Redis Cluster (3 primaries + 3 replicas, every node a \
+         `redis-server` on this machine, `KVROUTE_REDIS_MODE=cluster`):\n\n\
+         | measure | single redis-server | Redis Cluster |\n|---|---|---|\n\
+         | route queries/s, replicated, non-owner replica | {:.0} | {:.0} |\n\
+         | route queries/s, replicated, owner replica | {:.0} | {:.0} |\n\
+         | replication throughput, owner ingest -> non-owner index | {:.0} block events/s | {:.0} block events/s |\n\
+         | replication lag p50 / p99 ({} / {} entries) | {:.2} / **{:.2} ms** | {:.2} / **{:.2} ms** |",
+        r.qps_repl,
+        rc.qps_repl,
+        r.qps_owner,
+        rc.qps_owner,
+        r.events_s,
+        rc.events_s,
+        r.lag_n,
+        rc.lag_n,
+        r.lag_p50,
+        r.lag_p99,
+        rc.lag_p50,
+        rc.lag_p99,
+    );
+    drop(reps);
+    drop(c);
+    println!("{out}");
+    if let Ok(path) = std::env::var("KVROUTE_BENCH_OUT") {
+        std::fs::write(path, &out).unwrap();
+    }
 }

@@ -6,7 +6,7 @@
 //! * [`process`] — free loopback ports, temp dirs and child processes that are cleaned up on drop,
 //!   and the ready line a spawned service prints.
 //! * [`http`] — one-shot GET/POST helpers that return the status and the body.
-//! * [`redis`] — a throwaway `redis-server` on a free port.
+//! * [`redis`] — a throwaway `redis-server` on a free port, and a throwaway Redis Cluster.
 //! * [`machine`] — the date and the CPU a benchmark report names.
 //!
 //! It depends on no workspace crate, so any crate can take it as a dev-dependency (the end-to-end
@@ -21,4 +21,4 @@ pub mod redis;
 
 pub use poll::{wait_until, wait_until_blocking, Poll, Probe, POLL_INTERVAL};
 pub use process::{free_port, local, ready_line, ChildGuard, TempDir};
-pub use redis::Redis;
+pub use redis::{Redis, RedisCluster};

@@ -1,11 +1,12 @@
-//! A real `redis-server` for replication tests: a free port, no persistence, killed on drop.
+//! A real `redis-server` for replication tests: a free port, no persistence, killed on drop; and
+//! a real Redis Cluster of such servers ([`RedisCluster`]).
 
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use anyhow::{Context, Result};
 
-use crate::{free_port, wait_until_blocking, TempDir};
+use crate::{free_port, wait_until_blocking, ChildGuard, Poll, Probe, TempDir};
 
 /// A `redis-server` on 127.0.0.1 and a free port, persisting nothing, killed on drop.
 pub struct Redis {
@@ -72,5 +73,212 @@ impl Redis {
 impl Drop for Redis {
     fn drop(&mut self) {
         self.kill();
+    }
+}
+
+/// A Redis Cluster on 127.0.0.1: `masters` primaries with one replica each (`redis-server
+/// --cluster-enabled yes`, joined by `redis-cli --cluster create --cluster-replicas 1`), every
+/// node on free ports (client and bus), persisting nothing; every node killed on drop.
+pub struct RedisCluster {
+    nodes: Vec<ClusterNode>,
+    dir: TempDir,
+}
+
+struct ClusterNode {
+    child: Option<ChildGuard>,
+    port: u16,
+}
+
+/// A bound on each step of bringing a cluster up or over (the test's own deadlines are shorter).
+const CLUSTER_STEP: Duration = Duration::from_secs(30);
+
+impl RedisCluster {
+    /// Starts `2 × masters` nodes, creates the cluster and waits until every node reports
+    /// `cluster_state:ok` and every primary has its replica in sync. `node_timeout_ms` is
+    /// `cluster-node-timeout`: how long a primary must be unreachable before its replica is
+    /// promoted.
+    pub fn start(masters: usize, node_timeout_ms: u64) -> Result<RedisCluster> {
+        anyhow::ensure!(masters >= 3, "a Redis Cluster needs at least 3 primaries");
+        let dir = TempDir::new("redis-cluster")?;
+        let mut c = RedisCluster {
+            nodes: Vec::new(),
+            dir,
+        };
+        for _ in 0..2 * masters {
+            let (port, bus) = (free_port()?, free_port()?);
+            let data = c.dir.path().join(port.to_string());
+            std::fs::create_dir_all(&data)?;
+            let mut cmd = Command::new("redis-server");
+            cmd.args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
+                .args(["--cluster-enabled", "yes"])
+                .args(["--cluster-port", &bus.to_string()])
+                .args(["--cluster-config-file", "nodes.conf"])
+                .args(["--cluster-node-timeout", &node_timeout_ms.to_string()])
+                .args(["--save", "", "--appendonly", "no"])
+                .arg("--dir")
+                .arg(&data);
+            let log = data.join("redis.log");
+            let child = ChildGuard::spawn(&format!("redis-server :{port}"), cmd, &log)
+                .context("redis-server (install it: apt-get install redis-server)")?;
+            c.nodes.push(ClusterNode {
+                child: Some(child),
+                port,
+            });
+        }
+        for i in 0..c.nodes.len() {
+            let what = format!("cluster node {} to answer PING", c.nodes[i].port);
+            wait_until_blocking(&what, Duration::from_secs(10), || {
+                c.cli(i, &["PING"]).trim() == "PONG"
+            })?;
+        }
+        let mut create = Command::new("redis-cli");
+        create.arg("--cluster").arg("create");
+        for n in &c.nodes {
+            create.arg(format!("127.0.0.1:{}", n.port));
+        }
+        create.args(["--cluster-replicas", "1", "--cluster-yes"]);
+        let log = c.dir.path().join("create.log");
+        let mut creating = ChildGuard::spawn("redis-cli --cluster create", create, &log)?;
+        let created = Poll::new("redis-cli --cluster create to finish", CLUSTER_STEP)
+            .until_blocking(|| {
+                Ok(creating
+                    .exited()
+                    .map_or(Probe::Pending(String::new()), Probe::Ready))
+            })
+            .with_context(|| creating.log_tail(20))?;
+        anyhow::ensure!(
+            created.success(),
+            "redis-cli --cluster create: {created}\n{}",
+            creating.log_tail(20)
+        );
+        let all: Vec<usize> = (0..c.nodes.len()).collect();
+        c.wait_ok(&all)?;
+        Poll::new("every primary's replica in sync", CLUSTER_STEP).until_blocking(|| {
+            let primaries = c.masters();
+            let synced = primaries.len() == masters
+                && primaries.iter().all(|&m| {
+                    c.cli(m, &["INFO", "replication"])
+                        .lines()
+                        .any(|l| l.starts_with("slave0:") && l.contains("state=online"))
+                });
+            Ok(Probe::from(synced))
+        })?;
+        Ok(c)
+    }
+
+    /// `redis://127.0.0.1:<port>` of every node, comma-separated (seed nodes for a client).
+    pub fn urls(&self) -> String {
+        self.nodes
+            .iter()
+            .map(|n| format!("redis://127.0.0.1:{}", n.port))
+            .collect::<Vec<_>>()
+            .join(",")
+    }
+
+    /// Client port of node `i`.
+    pub fn port(&self, i: usize) -> u16 {
+        self.nodes[i].port
+    }
+
+    /// Indexes of the running nodes that are primaries serving slots.
+    pub fn masters(&self) -> Vec<usize> {
+        (0..self.nodes.len())
+            .filter(|&i| self.nodes[i].child.is_some())
+            .filter(|&i| self.cli(i, &["ROLE"]).lines().next() == Some("master"))
+            .filter(|&i| {
+                // A restarted or demoted primary with no slots serves nothing.
+                self.cli(i, &["CLUSTER", "NODES"]).lines().any(|l| {
+                    l.contains("myself") && l.contains("master") && l.split(' ').count() > 8
+                })
+            })
+            .collect()
+    }
+
+    /// The running node that is the primary of `key`'s slot, as the cluster reports it.
+    pub fn master_of(&self, key: &str) -> Option<usize> {
+        let live = (0..self.nodes.len()).find(|&i| self.nodes[i].child.is_some())?;
+        let slot: u16 = self
+            .cli(live, &["CLUSTER", "KEYSLOT", key])
+            .trim()
+            .parse()
+            .ok()?;
+        let nodes = self.cli(live, &["CLUSTER", "NODES"]);
+        for line in nodes.lines() {
+            let f: Vec<&str> = line.split(' ').collect();
+            if f.len() < 9 || !f[2].contains("master") || f[2].contains("fail") {
+                continue;
+            }
+            let serves = f[8..].iter().any(|r| match r.split_once('-') {
+                Some((a, b)) => {
+                    a.parse::<u16>().is_ok_and(|a| a <= slot)
+                        && b.parse::<u16>().is_ok_and(|b| slot <= b)
+                }
+                None => r.parse::<u16>().is_ok_and(|s| s == slot),
+            });
+            let port = f[1]
+                .split(['@', ','])
+                .next()
+                .and_then(|a| a.rsplit_once(':'));
+            if serves {
+                let port: u16 = port.and_then(|(_, p)| p.parse().ok())?;
+                return (0..self.nodes.len())
+                    .find(|&i| self.nodes[i].port == port && self.nodes[i].child.is_some());
+            }
+        }
+        None
+    }
+
+    /// SIGKILL node `i` (no goodbye to clients or to the cluster).
+    pub fn kill(&mut self, i: usize) {
+        self.nodes[i].child = None;
+    }
+
+    /// Waits until a running node other than `dead` is the primary of `key`'s slot and every
+    /// running node reports `cluster_state:ok`; returns the new primary.
+    pub fn wait_failover(&self, key: &str, dead: usize, timeout: Duration) -> Result<usize> {
+        let promoted =
+            Poll::new(format!("a replica promoted for {key}"), timeout).until_blocking(|| {
+                Ok(match self.master_of(key) {
+                    Some(m) if m != dead => Probe::Ready(m),
+                    other => Probe::Pending(format!("primary {other:?}")),
+                })
+            })?;
+        let live: Vec<usize> = (0..self.nodes.len())
+            .filter(|&i| self.nodes[i].child.is_some())
+            .collect();
+        self.wait_ok(&live)?;
+        Ok(promoted)
+    }
+
+    /// `CLUSTER INFO` field `name` of node `i`.
+    pub fn info(&self, i: usize, name: &str) -> Option<String> {
+        self.cli(i, &["CLUSTER", "INFO"]).lines().find_map(|l| {
+            l.strip_prefix(&format!("{name}:"))
+                .map(|v| v.trim().to_owned())
+        })
+    }
+
+    /// One `redis-cli` command's output on node `i` ("" when it is down).
+    pub fn cli(&self, i: usize, args: &[&str]) -> String {
+        Command::new("redis-cli")
+            .args(["-p", &self.nodes[i].port.to_string()])
+            .args(args)
+            .output()
+            .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+            .unwrap_or_default()
+    }
+
+    /// Every node in `nodes` reports `cluster_state:ok`.
+    fn wait_ok(&self, nodes: &[usize]) -> Result<()> {
+        Poll::new("cluster_state:ok on every node", CLUSTER_STEP).until_blocking(|| {
+            let states: Vec<Option<String>> = nodes
+                .iter()
+                .map(|&i| self.info(i, "cluster_state"))
+                .collect();
+            Ok(match states.iter().all(|s| s.as_deref() == Some("ok")) {
+                true => Probe::Ready(()),
+                false => Probe::Pending(format!("{states:?}")),
+            })
+        })
     }
 }

@@ -113,7 +113,7 @@ pub(super) async fn run(
             Duration::from_secs(1),
             release
                 .key(&key)
-                .arg(&rep.id)
+                .arg(&rep.origin)
                 .invoke_async::<i64>(&mut conn),
         )
         .await;

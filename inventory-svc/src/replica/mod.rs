@@ -5,7 +5,9 @@
 //!   length). A replica taking an endpoint over resumes the engine's sequence from the replicated
 //!   state, so a gap is replayed or cleared like after any reconnect.
 //! * Replication log ([`writer`], [`tailer`]): the owner appends what it applied to a Redis Stream
-//!   per rule (`MAXLEN ~`, keys hash-tagged by rule so a Redis Cluster keeps them on one slot);
+//!   per rule (`MAXLEN ~`, keys hash-tagged by rule generation so a Redis Cluster keeps a rule's
+//!   log, snapshots and leases on one slot; [`conn`] makes single-server and cluster connections
+//!   and groups keys by slot for every multi-key command);
 //!   every replica tails the streams into its in-memory index. Routing decisions (speculative
 //!   credit, placement memory, in-flight load) and rule changes travel the same way.
 //! * Snapshots: the owner periodically writes each endpoint's inventory with the log position it
@@ -17,6 +19,7 @@
 //!   state), so nothing the engines still hold is lost. Tailers resynchronise and report the gap.
 
 pub mod codec;
+mod conn;
 mod lease;
 mod tailer;
 mod writer;
@@ -25,10 +28,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
-use anyhow::Context;
 use kvroute_core::hash::BlockKey;
-use redis::aio::{ConnectionManager, ConnectionManagerConfig};
-use redis::IntoConnectionInfo;
 use tokio::sync::mpsc;
 
 use crate::fleet::{Fleet, Origin, Replication, RuleRuntime, StartFeeds};
@@ -38,6 +38,7 @@ use crate::score::Update;
 use crate::settings::RedisSettings;
 use crate::sync::lock;
 use codec::{Entry, StreamId};
+use conn::{Backend, Conn};
 
 /// Entries waiting for the writer; past this an endpoint is marked dirty instead (its next
 /// snapshot carries the state).
@@ -68,8 +69,11 @@ pub struct Replica {
     /// restarted replica with the same id must not mistake its predecessor's entries for its own).
     pub origin: String,
     pub cfg: RedisSettings,
-    client: redis::Client,
-    conn: ConnectionManager,
+    /// Single server or cluster (`KVROUTE_REDIS_MODE`): how connections are made and which
+    /// keys may share a command.
+    backend: Backend,
+    /// The writer's and the leases' connection (the tailer has its own).
+    conn: Conn,
     tx: mpsc::Sender<Out>,
     /// Rule name -> generation this replica holds (installed locally or from Redis).
     known_rules: Mutex<HashMap<String, u64>>,
@@ -87,34 +91,8 @@ impl Replica {
     /// before installing rules and hand it to [`Fleet::set_replication`], so their endpoints
     /// start under leases; then [`Self::start_tailer`].
     pub fn start(fleet: &Arc<Fleet>, cfg: RedisSettings) -> anyhow::Result<Arc<Replica>> {
-        if cfg.url.starts_with("rediss://") {
-            // redis-rs' rustls connector uses the process-wide provider; ours is ring.
-            let _ = tokio_rustls::rustls::crypto::ring::default_provider().install_default();
-        }
-        let mut info = cfg
-            .url
-            .as_str()
-            .into_connection_info()
-            .with_context(|| format!("KVROUTE_REDIS_URL {:?}: not a Redis URL", cfg.url))?;
-        let mut rs = info.redis_settings().clone();
-        if let Some(u) = &cfg.username {
-            rs = rs.set_username(u);
-        }
-        if let Some(p) = &cfg.password_file {
-            let pw = std::fs::read_to_string(p).with_context(|| {
-                format!("KVROUTE_REDIS_PASSWORD_FILE {}: unreadable", p.display())
-            })?;
-            let pw = pw.trim_end_matches(['\r', '\n']);
-            anyhow::ensure!(
-                !pw.is_empty(),
-                "KVROUTE_REDIS_PASSWORD_FILE {}: empty",
-                p.display()
-            );
-            rs = rs.set_password(pw);
-        }
-        info = info.set_redis_settings(rs);
-        let client = redis::Client::open(info).context("KVROUTE_REDIS_URL")?;
-        let conn = manager(&client, Duration::from_secs(2))?;
+        let backend = Backend::open(&cfg)?;
+        let conn = backend.connect(Duration::from_secs(2))?;
         let id = cfg.replica_id.clone().unwrap_or_else(default_id);
         let origin = format!("{id}#{:08x}", nonce());
         let (tx, rx) = mpsc::channel(OUTBOX);
@@ -122,7 +100,7 @@ impl Replica {
             id,
             origin,
             cfg,
-            client,
+            backend,
             conn,
             tx,
             known_rules: Mutex::new(HashMap::new()),
@@ -131,7 +109,8 @@ impl Replica {
             spec_ttl: fleet.settings.spec_ttl,
             me: me.clone(),
         });
-        tracing::info!(replica = %rep.id, url = %redact(&rep.cfg.url), prefix = %rep.cfg.prefix, "replication through Redis");
+        let urls: Vec<String> = rep.cfg.urls().into_iter().map(redact).collect();
+        tracing::info!(replica = %rep.id, urls = %urls.join(","), mode = ?rep.cfg.mode, prefix = %rep.cfg.prefix, "replication through Redis");
         tokio::spawn(writer::run(rep.clone(), fleet.clone(), rx));
         Ok(rep)
     }
@@ -278,16 +257,6 @@ impl Replication for Replica {
     fn replica_id(&self) -> Option<&str> {
         Some(&self.id)
     }
-}
-
-/// A connection manager that reconnects by itself; commands fail within `timeout` while Redis is away.
-fn manager(client: &redis::Client, timeout: Duration) -> anyhow::Result<ConnectionManager> {
-    let cfg = ConnectionManagerConfig::new()
-        .set_connection_timeout(Some(Duration::from_secs(1)))
-        .set_response_timeout(Some(timeout))
-        .set_number_of_retries(1)
-        .set_max_delay(Duration::from_secs(1));
-    ConnectionManager::new_lazy_with_config(client.clone(), cfg).context("Redis connection")
 }
 
 /// `host-pid`: readable in lease values and logs.

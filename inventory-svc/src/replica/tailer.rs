@@ -5,16 +5,23 @@
 //! replica wrote about an endpoint it owns is skipped (it was applied when ingested). A snapshot
 //! marker written by another replica reloads that endpoint. A failed read resynchronises every
 //! rule (snapshots + tail) once Redis answers again, and the outage is reported as the gap.
+//!
+//! Reads block on the server (`XREAD BLOCK`). On a single server one read covers every log; in
+//! a cluster the logs are read per slot group (each rule generation's hash tag, and the rule
+//! log's), concurrently, each on its own connection ([`Reads`]).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use futures::future::BoxFuture;
+use futures::stream::{FuturesUnordered, StreamExt};
 use kvroute_core::hash::BlockKey;
 use redis::streams::StreamReadReply;
 use redis::Value;
 
 use super::codec::{decode_batch, Entry, Snapshot, StreamId};
+use super::conn::Conn;
 use super::{lock, now_ms, Replica};
 use crate::fleet::{Fleet, Origin, RuleRuntime};
 use crate::index::{EndpointId, IndexOp, Rank};
@@ -32,13 +39,15 @@ struct Tail {
 }
 
 pub(super) async fn run(rep: Arc<Replica>, state: Arc<Fleet>) {
-    // Its own connection: a blocking XREAD would stall the writer's pipeline.
-    let Ok(mut conn) = super::manager(&rep.client, Duration::from_millis(BLOCK_MS + 2000)) else {
+    // Its own connections: a blocking XREAD would stall the writer's pipeline. `conn` loads
+    // snapshots and positions; the reads block on connections of their own.
+    let Ok(mut conn) = rep.backend.connect(READ_TIMEOUT) else {
         tracing::error!("replication tailer: cannot create a Redis connection");
         return;
     };
     let cancel = state.cancel.clone();
     let mut tails: HashMap<String, Tail> = HashMap::new();
+    let mut reads = Reads::default();
     let mut rules_pos: Option<StreamId> = None;
     let mut outage: Option<Instant> = None;
     let mut backoff = Duration::from_millis(100);
@@ -48,7 +57,9 @@ pub(super) async fn run(rep: Arc<Replica>, state: Arc<Fleet>) {
                 rules_pos = Some(bootstrap_rules(&rep, &state, &mut conn).await?);
             }
             sync_tails(&rep, &state, &mut conn, &mut tails).await?;
-            read_once(&rep, &state, &mut conn, &mut tails, &mut rules_pos).await
+            reads.issue(&rep, &tails, rules_pos)?;
+            let reply = reads.next().await?;
+            apply_read(&rep, &state, &mut conn, &mut tails, &mut rules_pos, reply).await
         };
         let res = tokio::select! {
             _ = cancel.cancelled() => break,
@@ -72,6 +83,7 @@ pub(super) async fn run(rep: Arc<Replica>, state: Arc<Fleet>) {
                     outage = Some(Instant::now());
                 }
                 // Resynchronise everything once Redis answers: the log may have been lost.
+                reads.clear();
                 tails.clear();
                 rules_pos = None;
                 tokio::select! {
@@ -84,11 +96,107 @@ pub(super) async fn run(rep: Arc<Replica>, state: Arc<Fleet>) {
     }
 }
 
+/// A blocking read's connection gives up this long after the read would have returned.
+const READ_TIMEOUT: Duration = Duration::from_millis(BLOCK_MS + 2000);
+
+/// A finished read: the keys it covered, its connection (back to the pool) and what it returned.
+type Done = (
+    Vec<String>,
+    Conn,
+    redis::RedisResult<Option<StreamReadReply>>,
+);
+
+/// The blocking reads in flight, one per slot group of logs (one on a single server: every log
+/// and the rule log in one `XREAD`; in a cluster an `XREAD` may only name keys of one slot, so
+/// each rule's log and the rule log are read apart, concurrently, each on its own connection
+/// so that one group's block does not delay another's).
+#[derive(Default)]
+struct Reads {
+    inflight: FuturesUnordered<BoxFuture<'static, Done>>,
+    /// Keys some read in flight covers.
+    covered: HashSet<String>,
+    /// Idle read connections.
+    idle: Vec<Conn>,
+}
+
+impl Reads {
+    /// Starts a read for every group of keys no read in flight covers.
+    fn issue(
+        &mut self,
+        rep: &Replica,
+        tails: &HashMap<String, Tail>,
+        rules_pos: Option<StreamId>,
+    ) -> redis::RedisResult<()> {
+        let rules_key = rep.rules_log_key();
+        let mut want = vec![(rules_key, rules_pos.unwrap_or_default())];
+        want.extend(tails.iter().map(|(k, t)| (k.clone(), t.pos)));
+        let mut groups: Vec<(String, Vec<(String, StreamId)>)> = Vec::new();
+        for (key, pos) in want {
+            if self.covered.contains(&key) {
+                continue;
+            }
+            let tag = rep.backend.group(&key).to_owned();
+            match groups.iter_mut().find(|(t, _)| *t == tag) {
+                Some((_, g)) => g.push((key, pos)),
+                None => groups.push((tag, vec![(key, pos)])),
+            }
+        }
+        for (_, group) in groups {
+            let mut c = match self.idle.pop() {
+                Some(c) => c,
+                None => rep.backend.connect(READ_TIMEOUT).map_err(|e| {
+                    redis::RedisError::from((
+                        redis::ErrorKind::Io,
+                        "replication tailer connection",
+                        e.to_string(),
+                    ))
+                })?,
+            };
+            let mut cmd = redis::cmd("XREAD");
+            cmd.arg("COUNT")
+                .arg(COUNT)
+                .arg("BLOCK")
+                .arg(BLOCK_MS)
+                .arg("STREAMS");
+            for (k, _) in &group {
+                cmd.arg(k);
+            }
+            for (_, pos) in &group {
+                cmd.arg(pos.to_string());
+            }
+            let keys: Vec<String> = group.into_iter().map(|(k, _)| k).collect();
+            self.covered.extend(keys.iter().cloned());
+            self.inflight.push(Box::pin(async move {
+                let r = cmd.query_async(&mut c).await;
+                (keys, c, r)
+            }));
+        }
+        Ok(())
+    }
+
+    /// The next read to finish; its keys are uncovered and its connection idle again.
+    async fn next(&mut self) -> redis::RedisResult<Option<StreamReadReply>> {
+        let Some((keys, conn, res)) = self.inflight.next().await else {
+            return Ok(None);
+        };
+        for k in &keys {
+            self.covered.remove(k);
+        }
+        self.idle.push(conn);
+        res
+    }
+
+    /// Forgets every read in flight (their connections close with them).
+    fn clear(&mut self) {
+        self.inflight.clear();
+        self.covered.clear();
+    }
+}
 /// Installs the stored rules this replica does not hold yet; returns where to tail the rule log.
 async fn bootstrap_rules(
     rep: &Replica,
     state: &Arc<Fleet>,
-    conn: &mut redis::aio::ConnectionManager,
+    conn: &mut Conn,
 ) -> redis::RedisResult<StreamId> {
     // Position first, then the set: a change in between is seen twice, which is harmless.
     let pos = last_id(conn, &rep.rules_log_key()).await?;
@@ -134,7 +242,7 @@ fn put_rule(rep: &Replica, state: &Arc<Fleet>, name: &str, raw: &str) {
 async fn sync_tails(
     rep: &Replica,
     state: &Fleet,
-    conn: &mut redis::aio::ConnectionManager,
+    conn: &mut Conn,
     tails: &mut HashMap<String, Tail>,
 ) -> redis::RedisResult<()> {
     let rules: Vec<Arc<RuleRuntime>> = state
@@ -175,10 +283,7 @@ async fn sync_tails(
 }
 
 /// The id of the newest entry of a stream (`0-0` when empty or absent).
-async fn last_id(
-    conn: &mut redis::aio::ConnectionManager,
-    key: &str,
-) -> redis::RedisResult<StreamId> {
+async fn last_id(conn: &mut Conn, key: &str) -> redis::RedisResult<StreamId> {
     let last: Vec<(String, HashMap<String, Value>)> = redis::cmd("XREVRANGE")
         .arg(key)
         .arg("+")
@@ -198,7 +303,7 @@ async fn last_id(
 async fn load_snapshot(
     rep: &Replica,
     state: &Fleet,
-    conn: &mut redis::aio::ConnectionManager,
+    conn: &mut Conn,
     rule: &RuleRuntime,
     ep: EndpointId,
     cause: SnapshotLoad,
@@ -277,30 +382,17 @@ fn diff(mut old: Vec<BlockKey>, mut new: Vec<BlockKey>) -> (Vec<BlockKey>, Vec<B
     (gone, added)
 }
 
-/// One blocking read over every tailed log and the rule log; applies what arrives.
-async fn read_once(
+/// Applies what one read returned (entries at or before a log's position were applied already).
+async fn apply_read(
     rep: &Replica,
     state: &Arc<Fleet>,
-    conn: &mut redis::aio::ConnectionManager,
+    conn: &mut Conn,
     tails: &mut HashMap<String, Tail>,
     rules_pos: &mut Option<StreamId>,
+    reply: Option<StreamReadReply>,
 ) -> redis::RedisResult<()> {
-    let rules_key = rep.rules_log_key();
-    let keys: Vec<String> = tails.keys().cloned().collect();
-    let mut cmd = redis::cmd("XREAD");
-    cmd.arg("COUNT")
-        .arg(COUNT)
-        .arg("BLOCK")
-        .arg(BLOCK_MS)
-        .arg("STREAMS")
-        .arg(&rules_key)
-        .arg(&keys);
-    cmd.arg(rules_pos.unwrap_or_default().to_string());
-    for k in &keys {
-        cmd.arg(tails[k].pos.to_string());
-    }
-    let reply: Option<StreamReadReply> = cmd.query_async(conn).await?;
     let Some(reply) = reply else { return Ok(()) };
+    let rules_key = rep.rules_log_key();
     let now = now_ms();
     let m = &state.metrics;
     let mut read = 0usize;
@@ -322,6 +414,9 @@ async fn read_once(
             let Some(id) = StreamId::parse(&e.id) else {
                 continue;
             };
+            if id <= t.pos {
+                continue;
+            }
             t.pos = id;
             let origin: Option<String> = e.get("o");
             if origin.as_deref() == Some(rep.origin.as_str()) {
@@ -353,7 +448,7 @@ async fn read_once(
 async fn apply_entry(
     rep: &Replica,
     state: &Fleet,
-    conn: &mut redis::aio::ConnectionManager,
+    conn: &mut Conn,
     t: &mut Tail,
     id: StreamId,
     entry: Entry,

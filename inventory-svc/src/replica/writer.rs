@@ -16,6 +16,7 @@ use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
 
 use super::codec::{encode_batch, Entry, RankSnap, Snapshot, StreamId};
+use super::conn::{Backend, Conn};
 use super::{now_ms, Out, Replica};
 use crate::fleet::{Fleet, RuleRuntime};
 use crate::index::EndpointId;
@@ -30,10 +31,58 @@ const COALESCE: Duration = Duration::from_millis(1);
 struct Writer {
     rep: Arc<Replica>,
     state: Arc<Fleet>,
-    conn: redis::aio::ConnectionManager,
+    conn: Conn,
     /// (log key, ep) -> id of the last entry this replica appended for the endpoint.
     appended: HashMap<(String, u16), StreamId>,
+    /// Log key -> id of the last entry this replica appended to it (checked every tick).
+    last: HashMap<String, StreamId>,
     down_since: Option<Instant>,
+}
+
+/// One pipeline per slot group, in the order the groups first appear in a batch.
+#[derive(Default)]
+struct Groups(Vec<Group>);
+
+struct Group {
+    tag: String,
+    pipe: redis::Pipeline,
+    /// Per XADD of the pipeline: its log key ("" for the rule log) and the endpoints with
+    /// inventory entries in it.
+    replies: Vec<(String, Vec<u16>)>,
+    /// Queued items it carries (for the sent/dropped counters).
+    outs: u64,
+}
+
+impl Groups {
+    /// The group `key` belongs to.
+    fn of(&mut self, backend: &Backend, key: &str) -> &mut Group {
+        let tag = backend.group(key);
+        let at = match self.0.iter().position(|g| g.tag == tag) {
+            Some(i) => i,
+            None => {
+                self.0.push(Group {
+                    tag: tag.to_owned(),
+                    pipe: redis::pipe(),
+                    replies: Vec::new(),
+                    outs: 0,
+                });
+                self.0.len() - 1
+            }
+        };
+        &mut self.0[at]
+    }
+}
+
+/// Sends every group's pipeline at once (each to its slot's primary); one result per group.
+async fn query_all<T: redis::FromRedisValue>(
+    conn: &Conn,
+    groups: &[Group],
+) -> Vec<redis::RedisResult<T>> {
+    futures::future::join_all(groups.iter().map(|g| {
+        let mut c = conn.clone();
+        async move { g.pipe.query_async::<T>(&mut c).await }
+    }))
+    .await
 }
 
 pub(super) async fn run(rep: Arc<Replica>, state: Arc<Fleet>, mut rx: mpsc::Receiver<Out>) {
@@ -42,6 +91,7 @@ pub(super) async fn run(rep: Arc<Replica>, state: Arc<Fleet>, mut rx: mpsc::Rece
         rep,
         state,
         appended: HashMap::new(),
+        last: HashMap::new(),
         down_since: None,
     };
     w.state.metrics.redis_connected.set(1);
@@ -95,7 +145,8 @@ impl Writer {
         self.rep.cfg.stream_maxlen
     }
 
-    /// Appends a batch in one pipeline; on failure marks the endpoints dirty and goes down.
+    /// Appends a batch in one pipeline per slot group (one on a single server); on failure marks
+    /// the endpoints dirty and goes down.
     async fn write(&mut self, batch: Vec<Out>) {
         let m = &self.state.metrics;
         let n = batch.len() as u64;
@@ -115,11 +166,9 @@ impl Writer {
             mark_dirty(&touched);
             return;
         }
-        let mut pipe = redis::pipe();
         let rules_log = self.rep.rules_log_key();
         let rules_set = self.rep.rules_set_key();
-        // What each XADD reply is about: (log key, endpoints with inventory entries in it).
-        let mut slots: Vec<(String, Vec<u16>)> = Vec::with_capacity(batch.len());
+        let mut groups = Groups::default();
         let mut outs = batch.into_iter().peekable();
         while let Some(o) = outs.next() {
             match o {
@@ -134,7 +183,9 @@ impl Writer {
                         }
                     }
                     let key = self.rep.log_key(&rule);
-                    xadd(&mut pipe, &key, self.maxlen())
+                    let g = groups.of(&self.rep.backend, &key);
+                    g.outs += group.len() as u64;
+                    xadd(&mut g.pipe, &key, self.maxlen())
                         .arg("o")
                         .arg(&self.rep.origin)
                         .arg("d")
@@ -146,46 +197,80 @@ impl Writer {
                         .collect();
                     eps.sort_unstable();
                     eps.dedup();
-                    slots.push((key, eps));
+                    g.replies.push((key, eps));
                 }
                 Out::RulePut { name, raw, garbage } => {
-                    pipe.cmd("HSET")
+                    self.drop_keys(&mut groups, &garbage);
+                    let g = groups.of(&self.rep.backend, &rules_set);
+                    g.outs += 1;
+                    g.pipe
+                        .cmd("HSET")
                         .arg(&rules_set)
                         .arg(&name)
                         .arg(&raw)
                         .ignore();
-                    self.rule_entry(&mut pipe, &rules_log, "put", &name, Some(&raw), &garbage);
-                    slots.push((String::new(), Vec::new()));
+                    self.rule_entry(&mut g.pipe, &rules_log, "put", &name, Some(&raw));
+                    g.replies.push((String::new(), Vec::new()));
                 }
                 Out::RuleDel { name, garbage } => {
-                    pipe.cmd("HDEL").arg(&rules_set).arg(&name).ignore();
-                    self.rule_entry(&mut pipe, &rules_log, "del", &name, None, &garbage);
-                    slots.push((String::new(), Vec::new()));
+                    self.drop_keys(&mut groups, &garbage);
+                    let g = groups.of(&self.rep.backend, &rules_set);
+                    g.outs += 1;
+                    g.pipe.cmd("HDEL").arg(&rules_set).arg(&name).ignore();
+                    self.rule_entry(&mut g.pipe, &rules_log, "del", &name, None);
+                    g.replies.push((String::new(), Vec::new()));
                 }
             }
         }
-        match pipe.query_async::<Vec<String>>(&mut self.conn).await {
-            Ok(ids) => {
-                for ((key, eps), id) in slots.into_iter().zip(ids) {
-                    let Some(id) = StreamId::parse(&id) else {
-                        continue;
-                    };
-                    for ep in eps {
-                        self.appended.insert((key.clone(), ep), id);
+        let results = query_all::<Vec<String>>(&self.conn, &groups.0).await;
+        let mut failed = None;
+        let (mut sent, mut dropped) = (0, 0);
+        for (g, res) in groups.0.into_iter().zip(results) {
+            match res {
+                Ok(ids) => {
+                    for ((key, eps), id) in g.replies.into_iter().zip(ids) {
+                        let Some(id) = StreamId::parse(&id) else {
+                            continue;
+                        };
+                        if !key.is_empty() {
+                            self.last.insert(key.clone(), id);
+                        }
+                        for ep in eps {
+                            self.appended.insert((key.clone(), ep), id);
+                        }
                     }
+                    sent += g.outs;
                 }
-                m.repl_entry(ReplEntry::Sent).inc_by(n);
+                Err(e) => {
+                    dropped += g.outs;
+                    failed = Some(e);
+                }
             }
-            Err(e) => {
-                m.redis_error(RedisOp::Write).inc();
-                m.repl_entry(ReplEntry::Dropped).inc_by(n);
-                mark_dirty(&touched);
-                self.went_down(&e);
-            }
+        }
+        m.repl_entry(ReplEntry::Sent).inc_by(sent);
+        if let Some(e) = failed {
+            m.redis_error(RedisOp::Write).inc();
+            m.repl_entry(ReplEntry::Dropped).inc_by(dropped);
+            // Which group failed does not matter: the snapshots rewritten on recovery carry
+            // every owned endpoint's complete state.
+            mark_dirty(&touched);
+            self.went_down(&e);
         }
     }
 
-    /// Drops a replaced or deleted generation's keys and appends the change to the rule log.
+    /// `DEL` of a replaced or deleted generation's keys, in their own group.
+    fn drop_keys(&self, groups: &mut Groups, garbage: &[String]) {
+        for k in garbage {
+            groups
+                .of(&self.rep.backend, k)
+                .pipe
+                .cmd("DEL")
+                .arg(k)
+                .ignore();
+        }
+    }
+
+    /// Appends a rule change to the rule log.
     fn rule_entry(
         &self,
         pipe: &mut redis::Pipeline,
@@ -193,11 +278,7 @@ impl Writer {
         op: &str,
         name: &str,
         rule: Option<&str>,
-        garbage: &[String],
     ) {
-        for k in garbage {
-            pipe.cmd("DEL").arg(k).ignore();
-        }
         xadd(pipe, log, 10_000)
             .arg("o")
             .arg(&self.rep.origin)
@@ -220,8 +301,7 @@ impl Writer {
 
     async fn tick(&mut self) {
         if let Some(since) = self.down_since {
-            let pong: Result<String, _> = redis::cmd("PING").query_async(&mut self.conn).await;
-            if pong.is_err() {
+            if !self.probe().await {
                 self.state.metrics.redis_error(RedisOp::Ping).inc();
                 return;
             }
@@ -240,8 +320,86 @@ impl Writer {
                     }
                 }
             }
+        } else {
+            self.verify().await;
         }
         self.snapshots().await;
+    }
+
+    /// Whether Redis answers again: `PING` on a single server; in a cluster, a keyed command
+    /// in every slot this replica writes (a primary that failed over answers only once the
+    /// client follows the new slot map).
+    async fn probe(&mut self) -> bool {
+        if matches!(self.rep.backend, Backend::Single(_)) {
+            let pong: Result<String, _> = redis::cmd("PING").query_async(&mut self.conn).await;
+            return pong.is_ok();
+        }
+        let mut groups = Groups::default();
+        let mut keys = vec![self.rep.rules_set_key()];
+        keys.extend(self.state.rules().iter().map(|r| self.rep.log_key(r)));
+        for k in &keys {
+            groups.of(&self.rep.backend, k).pipe.cmd("EXISTS").arg(k);
+        }
+        query_all::<Vec<i64>>(&self.conn, &groups.0)
+            .await
+            .iter()
+            .all(Result::is_ok)
+    }
+
+    /// Checks that the last entry this replica appended to each rule log is still there. A
+    /// failover to a replica that had not received it yet (Redis replication is asynchronous),
+    /// or a restart that went unnoticed, loses acknowledged entries: the owned endpoints of that
+    /// log are then snapshotted again, and the marker makes the other replicas reload them. A
+    /// log of at least `KVROUTE_STREAM_MAXLEN` entries may have trimmed it instead: not a loss.
+    async fn verify(&mut self) {
+        let rules = self.state.rules();
+        let logs: HashMap<String, Arc<RuleRuntime>> = rules
+            .iter()
+            .map(|r| (self.rep.log_key(r), r.clone()))
+            .collect();
+        self.last.retain(|k, _| logs.contains_key(k));
+        if self.last.is_empty() {
+            return;
+        }
+        let mut groups = Groups::default();
+        for (key, id) in &self.last {
+            let g = groups.of(&self.rep.backend, key);
+            let at = id.to_string();
+            g.pipe.cmd("XRANGE").arg(key).arg(&at).arg(&at);
+            g.pipe.cmd("XLEN").arg(key);
+            g.replies.push((key.clone(), Vec::new()));
+        }
+        let results = query_all::<Vec<redis::Value>>(&self.conn, &groups.0).await;
+        let m = &self.state.metrics;
+        for (g, res) in groups.0.into_iter().zip(results) {
+            let replies = match res {
+                Ok(r) => r,
+                Err(e) => {
+                    m.redis_error(RedisOp::Verify).inc();
+                    self.went_down(&e);
+                    return;
+                }
+            };
+            for ((key, _), pair) in g.replies.into_iter().zip(replies.chunks(2)) {
+                let present = matches!(pair.first(), Some(redis::Value::Array(v)) if !v.is_empty());
+                let len = match pair.get(1) {
+                    Some(redis::Value::Int(n)) => u64::try_from(*n).unwrap_or(0),
+                    _ => 0,
+                };
+                if present || len >= self.maxlen() {
+                    continue;
+                }
+                let id = self.last.remove(&key).unwrap_or_default();
+                let Some(rule) = logs.get(&key) else { continue };
+                m.resync(Resync::LostWrites).inc();
+                tracing::warn!(replica = %self.rep.id, rule = %rule.spec.name(), entry = %id, "acknowledged replication entries are gone (failover or restart): rewriting owned snapshots");
+                for e in rule.eps() {
+                    if e.owned() {
+                        e.mark_dirty();
+                    }
+                }
+            }
+        }
     }
 
     /// Re-stores every rule this replica holds (HSETNX: a newer version stored meanwhile wins).
@@ -337,6 +495,7 @@ impl Writer {
         match pipe.query_async::<Vec<String>>(&mut self.conn).await {
             Ok(ids) => {
                 if let Some(id) = ids.first().and_then(|i| StreamId::parse(i)) {
+                    self.last.insert(log.clone(), id);
                     self.appended.insert((log, ep.0), id);
                 }
                 e.snapshot_written(Instant::now());
