@@ -79,6 +79,12 @@ pub enum Cmd {
         /// (`body_too_large`) and, failing open, streams through unpinned.
         #[arg(long, env = "KVROUTE_EPP_MAX_BODY_BYTES", default_value_t = 4_194_304, value_parser = clap::value_parser!(u64).range(1024..=67_108_864))]
         epp_max_body_bytes: u64,
+        /// Fallback endpoints the endpoint picker lists after the chosen one
+        /// (`x-gateway-destination-endpoint: chosen,fallback,...`, best first), for the proxy
+        /// to retry when the chosen one cannot be reached. Envoy's `override_host` load
+        /// balancing policy and the GIE gateways read the list; an `ORIGINAL_DST` cluster needs 0.
+        #[arg(long, env = "KVROUTE_EPP_FALLBACKS", default_value_t = 1, value_parser = clap::value_parser!(u64).range(0..=16))]
+        epp_fallbacks: u64,
     },
     /// Print the block keys kvroute computes for a prompt (parity preflight); see `hash --help`.
     Hash {

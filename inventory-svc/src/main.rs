@@ -27,6 +27,7 @@ fn main() {
         epp_failure_mode,
         epp_timeout_ms,
         epp_max_body_bytes,
+        epp_fallbacks,
     } = cli.cmd
     else {
         std::process::exit(2);
@@ -64,6 +65,7 @@ fn main() {
                 failure_mode,
                 timeout: std::time::Duration::from_millis(epp_timeout_ms),
                 max_body: usize::try_from(epp_max_body_bytes).unwrap_or(usize::MAX),
+                fallbacks: usize::try_from(epp_fallbacks).unwrap_or(0),
             }),
             Err(e) => {
                 eprintln!("kvroute-inventory: --epp-failure-mode: {e}");

@@ -139,6 +139,14 @@ pub struct Ask<'a> {
     pub only: Option<&'a [bool]>,
 }
 
+/// A decision as both front doors render it.
+pub struct Answer {
+    pub response: RouteResponse,
+    /// The other eligible healthy endpoints, best first (most matched blocks, then least
+    /// load): where a proxy retries when the chosen endpoint cannot be reached.
+    pub fallbacks: Vec<String>,
+}
+
 /// Decides `ask` for `rule` at `now` with [`Fleet::route`] (committing unless `ask.explain`)
 /// and renders the answer both front doors send.
 pub fn answer(
@@ -146,7 +154,7 @@ pub fn answer(
     rule: &Arc<RuleRuntime>,
     ask: &Ask<'_>,
     now: Instant,
-) -> Result<RouteResponse, RouteError> {
+) -> Result<Answer, RouteError> {
     let q = Question {
         keys: ask.keys,
         token_count: ask.token_count,
@@ -179,13 +187,20 @@ pub fn answer(
             .collect(),
         recall: recall.map(|r| (r.ep, r.depth)),
     });
-    Ok(RouteResponse {
-        rule_id: rule.id,
-        endpoint: addr(ep),
-        matched_blocks: d.matched,
-        tier: d.tier,
-        reason: d.reason,
-        decode_endpoint: d.decode.map(addr),
-        explain,
+    let mut others: Vec<usize> = (0..views.len())
+        .filter(|&i| i != ep && Some(i) != d.decode && views[i].healthy)
+        .collect();
+    others.sort_by_key(|&i| (std::cmp::Reverse(views[i].matched), views[i].load, i));
+    Ok(Answer {
+        response: RouteResponse {
+            rule_id: rule.id,
+            endpoint: addr(ep),
+            matched_blocks: d.matched,
+            tier: d.tier,
+            reason: d.reason,
+            decode_endpoint: d.decode.map(addr),
+            explain,
+        },
+        fallbacks: others.into_iter().map(addr).collect(),
     })
 }

@@ -129,11 +129,13 @@ pub fn answer(fleet: &Fleet, req: &RouteRequest, now: Instant) -> Result<RouteRe
         explain: req.explain,
         only: None,
     };
-    question::answer(fleet, &rule, &ask, now).map_err(|e| match e {
-        RouteError::TooManyKeys(n) => ApiError::BadRequest(format!(
-            "keys: {n} given, at most {}",
-            crate::fleet::MAX_KEYS
-        )),
-        RouteError::NoEndpoint => ApiError::NoEndpoint(rule.spec.name()),
-    })
+    question::answer(fleet, &rule, &ask, now)
+        .map(|a| a.response)
+        .map_err(|e| match e {
+            RouteError::TooManyKeys(n) => ApiError::BadRequest(format!(
+                "keys: {n} given, at most {}",
+                crate::fleet::MAX_KEYS
+            )),
+            RouteError::NoEndpoint => ApiError::NoEndpoint(rule.spec.name()),
+        })
 }

@@ -87,6 +87,8 @@ pub struct EppOptions {
     pub timeout: Duration,
     /// Largest request body held.
     pub max_body: usize,
+    /// Fallback endpoints listed after the chosen one (0: the chosen one only).
+    pub fallbacks: usize,
 }
 
 /// The picker: the fleet, the shared tokenizers and its options.
@@ -154,7 +156,12 @@ impl Picker {
             only: only.as_deref(),
         };
         match question::answer(&self.fleet, &rule, &ask, Instant::now()) {
-            Ok(r) => Verdict::Pick(r.endpoint),
+            Ok(a) => {
+                // The protocol's ordered list: the chosen endpoint, then fallbacks for retries.
+                let mut list = vec![a.response.endpoint];
+                list.extend(a.fallbacks.into_iter().take(self.opts.fallbacks));
+                Verdict::Pick(list.join(","))
+            }
             Err(RouteError::NoEndpoint) if only.is_some() => Verdict::SubsetUnavailable,
             Err(RouteError::NoEndpoint) => Verdict::Fail(EppFailure::NoEndpoint),
             Err(RouteError::TooManyKeys(_)) => Verdict::Fail(EppFailure::BadBody),
