@@ -205,8 +205,13 @@ impl Picker {
                 // The proxy ended the stream or it broke (a reset request): nothing to answer.
                 Some(Err(_)) | None => return,
             };
-            if let Some(served) = reply::served(msg.metadata_context.as_ref()) {
-                let o = match x.picked.as_deref() == Some(served.as_str()) {
+            // Only pinned requests are reported on: the chosen endpoint is the list's first, a
+            // served fallback counts as other.
+            let chosen = x.picked.as_deref().and_then(|p| p.split(',').next());
+            if let (Some(served), Some(chosen)) =
+                (reply::served(msg.metadata_context.as_ref()), chosen)
+            {
+                let o = match chosen == served {
                     true => EppServed::Picked,
                     false => EppServed::Other,
                 };
