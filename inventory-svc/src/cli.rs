@@ -23,6 +23,8 @@ pub struct Cli {
 }
 
 #[derive(Subcommand)]
+// Parsed once at start: the size of `Serve` costs nothing worth boxing it for.
+#[allow(clippy::large_enum_variant)]
 pub enum Cmd {
     /// Serve every HTTP API (routing, rules, inventory, tokenizers, health, metrics) on one listener.
     #[command(after_help = env_help())]
