@@ -878,7 +878,7 @@ pub struct EppBootstrap<'a> {
     pub body_mode: &'static str,
 }
 
-/// The shape GIE gateways program (deploy/gateways/envoy/envoy.yaml ships it): the client's
+/// The shape GIE gateways program (docs/epp.md shows it as YAML): the client's
 /// destination dropped first, the ext_proc filter (full-duplex streamed request body, response
 /// headers for the served-endpoint report, `envoy.lb` metadata both ways, failing open), and an
 /// `engines` cluster whose `override_host` policy sends each request to the picked endpoint (the

@@ -1,7 +1,7 @@
 //! The endpoint picker behind real Envoy 1.40: Envoy's ext_proc HTTP filter pointed at the real
 //! `kvroute-inventory serve --epp-listen` (fed through its real TensorRT-LLM drain ingestion),
 //! and an `engines` cluster routing by the picked endpoint (`override_host`, as GIE gateways
-//! program Envoy; see `envoy::epp_bootstrap`), in front of the engine stand-ins.
+//! program Envoy; see `envoy::epp_bootstrap` and docs/epp.md), in front of the engine stand-ins.
 //!
 //! What must hold: a request goes to the engine holding its prefix and a conversation's
 //! follow-ups stay there; the body arrives byte for byte; a client-sent
