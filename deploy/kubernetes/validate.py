@@ -31,7 +31,7 @@ import yaml
 K8S_VERSION = "1.33.0"
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCHEMAS = os.path.join(HERE, "schemas")
-ISTIO_GROUPS = ("networking.istio.io", "extensions.istio.io")
+ISTIO_GROUPS = ("networking.istio.io", "extensions.istio.io", "inference.networking.k8s.io")
 KNOWN_FIELDS = {"apiVersion", "kind", "resources", "images", "replicas", "patches"}
 
 

@@ -301,6 +301,7 @@ impl Bench {
             affinity_key: None,
             model: None,
             explain: false,
+            only: None,
         }
     }
 

@@ -23,6 +23,8 @@ pub struct Cli {
 }
 
 #[derive(Subcommand)]
+// Parsed once at start: the size of `Serve` costs nothing worth boxing it for.
+#[allow(clippy::large_enum_variant)]
 pub enum Cmd {
     /// Serve every HTTP API (routing, rules, inventory, tokenizers, health, metrics) on one listener.
     #[command(after_help = env_help())]
@@ -54,6 +56,37 @@ pub enum Cmd {
         /// PEM private key of `--tls-cert`.
         #[arg(long, env = "KVROUTE_TLS_KEY", requires = "tls_cert")]
         tls_key: Option<PathBuf>,
+        /// Also serve the Gateway API Inference Extension endpoint picker (Envoy ext_proc over
+        /// plaintext gRPC, with gRPC health) on this address, for the rule `--epp-rule`; the line
+        /// `kvroute-inventory epp listening on ADDR` is printed on stdout first (docs/epp.md).
+        #[arg(long, env = "KVROUTE_EPP_LISTEN", requires = "epp_rule")]
+        epp_listen: Option<SocketAddr>,
+        /// The rule the endpoint picker routes for (its InferencePool): id, `VIP:port/protocol`
+        /// or `VIP:port`. It may be installed after start; until then requests fail with
+        /// reason `no_rule`.
+        #[arg(long, env = "KVROUTE_EPP_RULE", requires = "epp_listen")]
+        epp_rule: Option<String>,
+        /// What the endpoint picker does when it cannot pick: `FailOpen` lets the request
+        /// through unpinned (the proxy balances it), `FailClose` rejects it (503; 400 for a bad
+        /// body, 413 for one over `--epp-max-body-bytes`). Match the InferencePool's
+        /// `endpointPickerRef.failureMode`.
+        #[arg(long, env = "KVROUTE_EPP_FAILURE_MODE", default_value = "FailOpen", value_parser = ["FailOpen", "FailClose"])]
+        epp_failure_mode: String,
+        /// Bound on one endpoint picker decision (tokenization included), in milliseconds;
+        /// past it the failure mode answers. Keep it under the proxy's ext_proc
+        /// `message_timeout` (Envoy's default: 200 ms).
+        #[arg(long, env = "KVROUTE_EPP_TIMEOUT_MS", default_value_t = 150, value_parser = clap::value_parser!(u64).range(1..=60_000))]
+        epp_timeout_ms: u64,
+        /// Largest request body the endpoint picker holds; a larger one is a failure
+        /// (`body_too_large`) and, failing open, streams through unpinned.
+        #[arg(long, env = "KVROUTE_EPP_MAX_BODY_BYTES", default_value_t = 4_194_304, value_parser = clap::value_parser!(u64).range(1024..=67_108_864))]
+        epp_max_body_bytes: u64,
+        /// Fallback endpoints the endpoint picker lists after the chosen one
+        /// (`x-gateway-destination-endpoint: chosen,fallback,...`, best first), for the proxy
+        /// to retry when the chosen one cannot be reached. Envoy's `override_host` load
+        /// balancing policy and the GIE gateways read the list; an `ORIGINAL_DST` cluster needs 0.
+        #[arg(long, env = "KVROUTE_EPP_FALLBACKS", default_value_t = 1, value_parser = clap::value_parser!(u64).range(0..=16))]
+        epp_fallbacks: u64,
     },
     /// Print the block keys kvroute computes for a prompt (parity preflight); see `hash --help`.
     Hash {

@@ -7,7 +7,9 @@
 //! * [`ingest`] — engine event ingestion (vLLM/SGLang ZMQ, TensorRT-LLM drain), key modes, parity.
 //! * [`index`] — the block inventory behind the [`index::BlockIndex`] trait (sync, no I/O).
 //! * [`score`] — Tier 1.5 scoring (pure).
-//! * [`api`] — axum routes; [`metrics`] — Prometheus; [`health`] — health checks and load scrapes.
+//! * [`api`] — axum routes; [`epp`] — the Gateway API Inference Extension endpoint picker
+//!   (Envoy ext_proc over gRPC); both ask [`question`], the one routing question (tokenize,
+//!   `Fleet::route`, the answer); [`metrics`] — Prometheus; [`health`] — health checks and load scrapes.
 //! * [`replica`] — replication through Redis (the Redis [`fleet::Replication`]).
 //! * [`rules`], [`settings`] — validated configuration; [`offload`] — offloaded tokenization.
 //! * [`cli`] — the command line; [`server`] — wiring for the `serve` subcommand;
@@ -17,6 +19,7 @@
 
 pub mod api;
 pub mod cli;
+pub mod epp;
 pub mod fleet;
 pub mod health;
 pub mod index;
@@ -25,6 +28,7 @@ pub mod listener;
 pub mod metrics;
 pub mod offload;
 pub mod preflight;
+pub mod question;
 pub mod replica;
 pub mod rules;
 pub mod score;

@@ -3,7 +3,7 @@
 
 use clap::Parser;
 use kvroute_inventory::cli::{Cli, Cmd};
-use kvroute_inventory::server::{serve, ServeOptions};
+use kvroute_inventory::server::{serve, EppOptions, ServeOptions};
 use kvroute_inventory::settings::Settings;
 use tokio_util::sync::CancellationToken;
 
@@ -22,6 +22,12 @@ fn main() {
         route_token_file,
         tls_cert,
         tls_key,
+        epp_listen,
+        epp_rule,
+        epp_failure_mode,
+        epp_timeout_ms,
+        epp_max_body_bytes,
+        epp_fallbacks,
     } = cli.cmd
     else {
         std::process::exit(2);
@@ -50,6 +56,23 @@ fn main() {
         }
     };
     let tls = tls_cert.zip(tls_key);
+    let epp = match epp_listen.zip(epp_rule) {
+        None => None,
+        Some((listen, rule)) => match epp_failure_mode.parse() {
+            Ok(failure_mode) => Some(EppOptions {
+                listen,
+                rule,
+                failure_mode,
+                timeout: std::time::Duration::from_millis(epp_timeout_ms),
+                max_body: usize::try_from(epp_max_body_bytes).unwrap_or(usize::MAX),
+                fallbacks: usize::try_from(epp_fallbacks).unwrap_or(0),
+            }),
+            Err(e) => {
+                eprintln!("kvroute-inventory: --epp-failure-mode: {e}");
+                std::process::exit(2);
+            }
+        },
+    };
     let opts = ServeOptions {
         listen,
         config,
@@ -57,6 +80,7 @@ fn main() {
         auth_token_file,
         tls,
         route_token_file,
+        epp,
     };
     match rt.block_on(serve(opts, settings, CancellationToken::new())) {
         Ok(()) => std::process::exit(0),

@@ -122,6 +122,52 @@ labels! {
     }
 }
 
+labels! {
+    /// `outcome` of `kvroute_epp_requests_total`: what the endpoint picker answered a request.
+    EppOutcome {
+        /// An endpoint was picked: the destination header and metadata were set.
+        Picked => "picked",
+        /// A failure let the request through unpinned (`--epp-failure-mode FailOpen`).
+        FailOpen => "fail_open",
+        /// A failure rejected the request (`--epp-failure-mode FailClose`).
+        FailClose => "fail_close",
+        /// The proxy's candidate subset held no eligible endpoint: 503 in either failure mode,
+        /// as the endpoint picker protocol requires.
+        SubsetUnavailable => "subset_unavailable",
+    }
+}
+
+labels! {
+    /// `reason` of `kvroute_epp_failures_total`: why the endpoint picker could not pick.
+    EppFailure {
+        /// No rule matches `--epp-rule` (not installed yet, or removed).
+        NoRule => "no_rule",
+        /// The rule routes on KV blocks but no tokenizer is staged for its model (or the rule
+        /// lacks `kvModel`, or the service runs without `--tokenizer-dir`).
+        NoTokenizer => "no_tokenizer",
+        /// The body is not an OpenAI completions or chat completions request.
+        BadBody => "bad_body",
+        /// The body is over `--epp-max-body-bytes`.
+        BodyTooLarge => "body_too_large",
+        /// The template or the tokenizer failed on the prompt.
+        Tokenize => "tokenize",
+        /// No endpoint of the rule is healthy.
+        NoEndpoint => "no_endpoint",
+        /// The decision took longer than `--epp-timeout-ms`.
+        Timeout => "timeout",
+    }
+}
+
+labels! {
+    /// `outcome` of `kvroute_epp_served_total`: the endpoint the proxy reports as having served
+    /// a request (`x-gateway-destination-endpoint-served`) against the one picked.
+    EppServed {
+        Picked => "picked",
+        /// Another endpoint served it (a proxy retry or fallback).
+        Other => "other",
+    }
+}
+
 /// Every metric the service exports, registered in one private registry.
 pub struct Metrics {
     pub registry: Registry,
@@ -158,6 +204,14 @@ pub struct Metrics {
     /// Decisions that went elsewhere because the family's remembered home is unhealthy.
     pub tier15_detours: IntCounter,
     pub route_latency: Histogram,
+    /// Endpoint picker answers: `outcome` ([`EppOutcome`]).
+    pub epp_requests: IntCounterVec,
+    /// Endpoint picker failures: `reason` ([`EppFailure`]).
+    pub epp_failures: IntCounterVec,
+    /// Served-endpoint reports from the proxy: `outcome` ([`EppServed`]).
+    pub epp_served: IntCounterVec,
+    /// Time the endpoint picker holds a request: from the end of its body to the answer.
+    pub epp_latency: Histogram,
     /// Offloaded prompts routed on a prefix of their tokens: `reason` (max_tokens, long_piece).
     pub offload_truncated: IntCounterVec,
     /// `rule`, `ep`: 1 healthy, 0 unhealthy.
@@ -280,6 +334,34 @@ impl Metrics {
                 "Offloaded prompts routed on their first tokens only: max_tokens (KVROUTE_MAX_PREFIX_TOKENS reached) or long_piece (stopped before a pre-token piece over 8 KiB, not merged).",
                 &["reason"],
             )?,
+            epp_requests: cv(
+                "kvroute_epp_requests_total",
+                "Endpoint picker (ext_proc) answers by outcome: picked, fail_open, fail_close, subset_unavailable.",
+                &["outcome"],
+            )?,
+            epp_failures: cv(
+                "kvroute_epp_failures_total",
+                "Requests the endpoint picker could not pick an endpoint for, by reason.",
+                &["reason"],
+            )?,
+            epp_served: cv(
+                "kvroute_epp_served_total",
+                "Served-endpoint reports from the proxy: the picked endpoint or another (a retry or fallback).",
+                &["outcome"],
+            )?,
+            epp_latency: {
+                let h = Histogram::with_opts(
+                    HistogramOpts::new(
+                        "kvroute_epp_decision_duration_seconds",
+                        "Time the endpoint picker holds a request: from the end of its body to the answer (tokenization included).",
+                    )
+                    .buckets(vec![
+                        0.000_05, 0.000_1, 0.000_25, 0.000_5, 0.001, 0.002_5, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
+                    ]),
+                )?;
+                registry.register(Box::new(h.clone()))?;
+                h
+            },
             route_latency: {
                 let h = Histogram::with_opts(
                     HistogramOpts::new("kvroute_route_duration_seconds", "Time to answer POST /v1/route.").buckets(vec![
@@ -415,7 +497,31 @@ impl Metrics {
         for t in kvroute_core::bpe::Truncation::ALL {
             m.offload_truncated.with_label_values(&[t.as_str()]);
         }
+        for o in EppOutcome::ALL {
+            m.epp_requests.with_label_values(&[o.as_str()]);
+        }
+        for f in EppFailure::ALL {
+            m.epp_failures.with_label_values(&[f.as_str()]);
+        }
+        for o in EppServed::ALL {
+            m.epp_served.with_label_values(&[o.as_str()]);
+        }
         Ok(m)
+    }
+
+    /// `kvroute_epp_requests_total{outcome}`.
+    pub fn epp_outcome(&self, o: EppOutcome) -> IntCounter {
+        self.epp_requests.with_label_values(&[o.as_str()])
+    }
+
+    /// `kvroute_epp_failures_total{reason}`.
+    pub fn epp_failure(&self, f: EppFailure) -> IntCounter {
+        self.epp_failures.with_label_values(&[f.as_str()])
+    }
+
+    /// `kvroute_epp_served_total{outcome}`.
+    pub fn epp_served(&self, o: EppServed) -> IntCounter {
+        self.epp_served.with_label_values(&[o.as_str()])
     }
 
     /// `kvroute_replication_entries_total{direction}`.

@@ -152,8 +152,19 @@ pub fn keys_for(
     }
     let bytes = serde_json::to_vec(&body).map_err(|e| e.to_string())?;
     let req = Request::from_json(&bytes).map_err(|e| e.to_string())?;
+    keys_for_request(loaded, contract, &req, max_prefix_tokens)
+}
+
+/// Tokenizes at most `max_prefix_tokens` tokens of a parsed OpenAI request (its chat template
+/// for messages, its `cache_salt` in the first key) and hashes them, as the filter does.
+pub fn keys_for_request(
+    loaded: &Loaded,
+    contract: &HashContract,
+    req: &Request,
+    max_prefix_tokens: usize,
+) -> Result<Keyed, String> {
     let (tokens, truncated) = PromptTokens::prefix_from_request(
-        &req,
+        req,
         loaded,
         loaded.template.as_ref(),
         PrefixCap::tokens(max_prefix_tokens),

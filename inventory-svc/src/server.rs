@@ -14,6 +14,8 @@ use anyhow::Context;
 use tokio_util::sync::CancellationToken;
 
 use crate::api::{self, ApiState};
+pub use crate::epp::EppOptions;
+use crate::epp::Picker;
 use crate::fleet::{Fleet, Origin, RuleRuntime};
 use crate::metrics::Metrics;
 use crate::rules::{parse_rule, parse_rules_file};
@@ -33,6 +35,8 @@ pub struct ServeOptions {
     pub tls: Option<(PathBuf, PathBuf)>,
     /// File holding the bearer token `POST /v1/route` requires; `None` leaves it open.
     pub route_token_file: Option<PathBuf>,
+    /// Also serve the endpoint picker (ext_proc gRPC).
+    pub epp: Option<EppOptions>,
 }
 
 /// Starts an installed rule's tasks: its event feeds and its health checks and scrapes.
@@ -109,6 +113,22 @@ pub async fn serve(
         Some((cert, key)) => Some(crate::tls::acceptor(cert, key)?),
         None => None,
     };
+    // The endpoint picker binds and prints first, so one stdout reader sees both lines.
+    let epp = match &opts.epp {
+        Some(e) => {
+            let l = tokio::net::TcpListener::bind(e.listen)
+                .await
+                .with_context(|| format!("--epp-listen {}: cannot bind", e.listen))?;
+            println!("kvroute-inventory epp listening on {}", l.local_addr()?);
+            let picker = Arc::new(Picker {
+                fleet: fleet.clone(),
+                tokenizers: state.tokenizers.clone(),
+                opts: e.clone(),
+            });
+            Some(tokio::spawn(crate::epp::serve(l, picker, cancel.clone())))
+        }
+        None => None,
+    };
     let listener = tokio::net::TcpListener::bind(opts.listen)
         .await
         .with_context(|| format!("--listen {}: cannot bind", opts.listen))?;
@@ -147,6 +167,16 @@ pub async fn serve(
         Err(_) => tracing::warn!(
             "drain grace of {DRAIN_GRACE:?} elapsed; exiting with requests in flight"
         ),
+    }
+    if let Some(epp) = epp {
+        match tokio::time::timeout(DRAIN_GRACE, epp).await {
+            Ok(Ok(Ok(()))) => {}
+            Ok(Ok(Err(e))) => tracing::warn!("endpoint picker failed: {e}"),
+            Ok(Err(e)) => tracing::warn!("endpoint picker task failed: {e}"),
+            Err(_) => tracing::warn!(
+                "drain grace of {DRAIN_GRACE:?} elapsed; endpoint picker streams in flight"
+            ),
+        }
     }
     tracing::info!("stopped");
     Ok(())

@@ -34,14 +34,16 @@ const ALLOWED: &[(&str, &[&str])] = &[
             "fleet", "index", "metrics", "rules", "score", "settings", "sync",
         ],
     ),
-    ("api", &["fleet", "index", "offload", "rules"]),
+    ("question", &["fleet", "offload"]),
+    ("api", &["fleet", "index", "offload", "question", "rules"]),
+    ("epp", &["fleet", "metrics", "offload", "question"]),
     ("listener", &["metrics", "settings"]),
     ("tls", &["listener"]),
     ("cli", &["settings"]),
     (
         "server",
         &[
-            "api", "fleet", "health", "ingest", "listener", "metrics", "replica", "rules",
+            "api", "epp", "fleet", "health", "ingest", "listener", "metrics", "replica", "rules",
             "settings", "tls",
         ],
     ),

@@ -24,6 +24,7 @@ use axum::Router;
 use serde_json::{json, Value};
 
 use crate::harness::{self, ChildGuard, Received, TempDir, BACKEND_HEADER};
+use kvroute_test_support::{Poll, Probe};
 
 /// The pin header the test configurations use (Envoy's header-based stateful session).
 pub const PIN_HEADER: &str = "x-kvroute-pin";
@@ -269,6 +270,8 @@ impl Contract {
 /// A running `kvroute-inventory serve` with the Qwen3 tokenizer staged, stopped on drop.
 pub struct Inventory {
     pub addr: SocketAddr,
+    /// The endpoint picker's gRPC address, when started with [`Inventory::start_with_epp`].
+    pub epp: Option<SocketAddr>,
     child: ChildGuard,
     _dir: TempDir,
 }
@@ -282,6 +285,41 @@ impl Inventory {
     /// [`Inventory::start`], with `/v1/route` requiring `route_token` when given
     /// (`--route-token-file`).
     pub async fn start_with_route_token(route_token: Option<&str>) -> Result<Inventory> {
+        Inventory::start_with_args(route_token, &[]).await
+    }
+
+    /// [`Inventory::start`] with the endpoint picker on 127.0.0.1:0 for the rule
+    /// [`add_rule`](Inventory::add_rule) installs, and `args` (more `--epp-*` flags).
+    pub async fn start_with_epp(args: &[&str]) -> Result<Inventory> {
+        let mut all = vec!["--epp-listen", "127.0.0.1:0", "--epp-rule", "10.0.0.1:8080"];
+        all.extend_from_slice(args);
+        Inventory::start_with_args(None, &all).await
+    }
+
+    /// Waits until the endpoint picker reports ready (its rule's tokenizer loaded).
+    pub async fn wait_for_epp_ready(&self) -> Result<()> {
+        Poll::new("the endpoint picker to be ready", Duration::from_secs(60))
+            .every(Duration::from_millis(50))
+            .until(async || {
+                let log = self.child.log();
+                Ok(
+                    match log.lines().any(|l| {
+                        l.contains("endpoint picker readiness") && l.trim_end().ends_with("true")
+                    }) {
+                        true => Probe::Ready(()),
+                        false => Probe::Pending(self.child.log_tail(5)),
+                    },
+                )
+            })
+            .await
+    }
+
+    /// The process id (to stop or continue it in a fault test).
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    async fn start_with_args(route_token: Option<&str>, args: &[&str]) -> Result<Inventory> {
         let dir = TempDir::new("inventory")?;
         let staged = dir.path().join("tokenizers").join("Qwen__Qwen3-0.6B");
         std::fs::create_dir_all(&staged)?;
@@ -298,6 +336,7 @@ impl Inventory {
             .arg(dir.path())
             .arg("--auth-token-file")
             .arg(&token)
+            .args(args)
             .env("KVROUTE_HEALTH_INTERVAL_MS", "0")
             .env("KVROUTE_TRTLLM_DRAIN_MS", "20")
             // Pure overlap argmax: the tests send bursts to one prefix, which load-capped
@@ -332,8 +371,17 @@ impl Inventory {
         let addr: SocketAddr = addr
             .parse()
             .with_context(|| format!("inventory address {addr:?}"))?;
+        // Printed before the HTTP line, so it is in the log by now.
+        let epp = child
+            .log()
+            .lines()
+            .find_map(|l| l.strip_prefix("kvroute-inventory epp listening on "))
+            .map(|a| a.trim().parse())
+            .transpose()
+            .context("endpoint picker address")?;
         Ok(Inventory {
             addr,
+            epp,
             child,
             _dir: dir,
         })
@@ -869,4 +917,117 @@ pub fn crash_hook_module() -> Result<PathBuf> {
 /// closed again), for "inventory down".
 pub fn closed_port() -> Result<SocketAddr> {
     Ok(harness::local(harness::free_port()?))
+}
+
+// ---------------------------------------------------------------------------------------------
+// The endpoint picker behind Envoy's ext_proc filter
+// ---------------------------------------------------------------------------------------------
+
+/// The destination header of the endpoint picker protocol.
+pub const DESTINATION: &str = "x-gateway-destination-endpoint";
+
+/// Inputs of an endpoint picker bootstrap.
+pub struct EppBootstrap<'a> {
+    pub listener_port: u16,
+    pub admin_port: u16,
+    pub engines: &'a [&'a Engine],
+    pub epp: SocketAddr,
+    /// ext_proc `message_timeout`: how long Envoy waits for one answer before failing open
+    /// (Envoy arms it in `BUFFERED` mode, not in `FULL_DUPLEX_STREAMED`).
+    pub message_timeout: Duration,
+    /// `request_body_mode`: `FULL_DUPLEX_STREAMED` (as GIE gateways) or `BUFFERED`.
+    pub body_mode: &'static str,
+}
+
+/// The shape GIE gateways program (docs/epp.md shows it as YAML): the client's
+/// destination dropped first, the ext_proc filter (full-duplex streamed request body, response
+/// headers for the served-endpoint report, `envoy.lb` metadata both ways, failing open), and an
+/// `engines` cluster whose `override_host` policy sends each request to the picked endpoint (the
+/// header's list in order on retries) and round-robins requests the picker left unpinned.
+pub fn epp_bootstrap(b: &EppBootstrap<'_>) -> Value {
+    let strip = json!({"name": "envoy.filters.http.header_mutation", "typed_config": {
+        "@type": "type.googleapis.com/envoy.extensions.filters.http.header_mutation.v3.HeaderMutation",
+        "mutations": {"request_mutations": [{"remove": DESTINATION}]}}});
+    let ext_proc = json!({"name": "envoy.filters.http.ext_proc", "typed_config": {
+        "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
+        "grpc_service": {"envoy_grpc": {"cluster_name": "kvroute_epp"}},
+        "failure_mode_allow": true,
+        "message_timeout": format!("{}s", b.message_timeout.as_secs_f64()),
+        "processing_mode": {
+            "request_header_mode": "SEND", "response_header_mode": "SEND",
+            "request_body_mode": b.body_mode, "request_trailer_mode": "SEND",
+            "response_body_mode": "NONE", "response_trailer_mode": "SKIP"},
+        "metadata_options": {
+            "forwarding_namespaces": {"untyped": ["envoy.lb"]},
+            "receiving_namespaces": {"untyped": ["envoy.lb"]}}}});
+    let router = json!({"name": "envoy.filters.http.router", "typed_config": {
+        "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}});
+    let route = json!({"match": {"prefix": "/"}, "route": {"cluster": "engines", "timeout": "0s",
+        "retry_policy": {"retry_on": "connect-failure,refused-stream,reset", "num_retries": 1}}});
+    let endpoints: Vec<Value> = b
+        .engines
+        .iter()
+        .map(|e| json!({"endpoint": {"address": sock("127.0.0.1", e.addr.port())}}))
+        .collect();
+    let lb_key = |k: &str| json!({"key": "envoy.lb", "path": [{"key": k}]});
+    json!({
+        "admin": {"address": sock("127.0.0.1", b.admin_port)},
+        "static_resources": {
+            "listeners": [ingress_listener(b.listener_port, route, json!([strip, ext_proc, router]))],
+            "clusters": [
+                {
+                    "name": "engines", "type": "STATIC", "connect_timeout": "1s",
+                    "load_assignment": {"cluster_name": "engines", "endpoints": [{"lb_endpoints": endpoints}]},
+                    "load_balancing_policy": {"policies": [{"typed_extension_config": {
+                        "name": "envoy.load_balancing_policies.override_host",
+                        "typed_config": {
+                            "@type": "type.googleapis.com/envoy.extensions.load_balancing_policies.override_host.v3.OverrideHost",
+                            "override_host_sources": [{"header": DESTINATION}, {"metadata": lb_key(DESTINATION)}],
+                            "selected_host_key": lb_key("x-gateway-destination-endpoint-served"),
+                            "fallback_policy": {"policies": [{"typed_extension_config": {
+                                "name": "envoy.load_balancing_policies.round_robin",
+                                "typed_config": {"@type": "type.googleapis.com/envoy.extensions.load_balancing_policies.round_robin.v3.RoundRobin"}}}]}}}}]}
+                },
+                {
+                    "name": "kvroute_epp", "type": "STATIC", "connect_timeout": "0.25s",
+                    "typed_extension_protocol_options": {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                        "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+                        "explicit_http_config": {"http2_protocol_options": {}}}},
+                    "load_assignment": {"cluster_name": "kvroute_epp", "endpoints": [{"lb_endpoints": [
+                        {"endpoint": {"address": sock(&b.epp.ip().to_string(), b.epp.port())}}]}]}
+                }
+            ]
+        }
+    })
+}
+
+/// Envoy with [`epp_bootstrap`] on fresh ports, and its client.
+pub async fn epp_gateway(
+    engines: &[&Engine],
+    epp: SocketAddr,
+    message_timeout: Duration,
+    body_mode: &'static str,
+) -> Result<Gateway> {
+    let b = EppBootstrap {
+        listener_port: harness::free_port()?,
+        admin_port: harness::free_port()?,
+        engines,
+        epp,
+        message_timeout,
+        body_mode,
+    };
+    let envoy = harness::Envoy::start(&epp_bootstrap(&b), b.admin_port).await?;
+    harness::wait_for_tcp(
+        harness::local(b.listener_port),
+        Duration::from_secs(10),
+        None,
+    )
+    .await?;
+    Ok(Gateway {
+        envoy,
+        base: format!("http://{}", harness::local(b.listener_port)),
+        client: reqwest::Client::builder()
+            .timeout(Duration::from_secs(20))
+            .build()?,
+    })
 }

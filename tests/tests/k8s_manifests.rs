@@ -131,6 +131,11 @@ fn broken_manifests_are_rejected() {
             "istio-unknown-version.yaml",
             "apiVersion: networking.istio.io/v9\nkind: EnvoyFilter\nmetadata: {name: e}\nspec: {}\n",
         ),
+        // an InferencePool with a failure mode the API does not have
+        (
+            "inferencepool-failure-mode.yaml",
+            "apiVersion: inference.networking.k8s.io/v1\nkind: InferencePool\nmetadata: {name: g}\nspec:\n  selector: {matchLabels: {a: b}}\n  targetPorts: [{number: 8000}]\n  endpointPickerRef: {name: e, port: {number: 9002}, failureMode: Sometimes}\n",
+        ),
         // not a Kubernetes object
         ("no-kind.yaml", "metadata: {name: f}\n"),
     ];
@@ -160,6 +165,86 @@ fn broken_manifests_are_rejected() {
     assert!(t.contains("'three' is not of type 'integer'"), "{t}");
     assert!(t.contains("targetPortt"), "{t}");
     assert!(t.contains("0 is not of type 'string'"), "{t}");
+    assert!(t.contains("'Sometimes' is not one of"), "{t}");
+}
+
+/// deploy/gie (kvroute as an InferencePool's endpoint picker, for Istio and kgateway) validates
+/// offline (the InferencePool against the vendored inference.networking.k8s.io/v1 CRD schema),
+/// and its parts agree: the pool's endpointPickerRef names the picker's Service and gRPC port,
+/// the picker serves the rule of the ConfigMap with the pool's failure mode, and each gateway's
+/// HTTPRoute sends to the pool. (Gateway API kinds have no vendored schema: checked here only.)
+#[test]
+fn gie_manifests_validate_and_agree() {
+    let out = validate_py(&["deploy/gie/istio", "deploy/gie/kgateway"]);
+    let t = text(&out);
+    assert!(out.status.success(), "{t}");
+    assert!(t.contains(" 0 errors"), "{t}");
+    let docs = render_dir("deploy/gie/base");
+    let pool = find(&docs, "InferencePool", "vllm-qwen3");
+    let epp_ref = &pool["spec"]["endpointPickerRef"];
+    let svc = find(&docs, "Service", epp_ref["name"].as_str().unwrap());
+    let port = svc["spec"]["ports"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["port"] == epp_ref["port"]["number"])
+        .expect("the Service has the pool's picker port");
+    let dep = find(&docs, "Deployment", "kvroute-epp");
+    let c = &dep["spec"]["template"]["spec"]["containers"][0];
+    let cport = c["ports"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["name"] == port["targetPort"])
+        .expect("the container port the Service targets");
+    let args: Vec<&str> = c["args"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| a.as_str().unwrap())
+        .collect();
+    let flag = |f: &str| args[args.iter().position(|a| *a == f).unwrap() + 1];
+    assert_eq!(
+        flag("--epp-listen"),
+        format!("0.0.0.0:{}", cport["containerPort"])
+    );
+    assert_eq!(flag("--epp-failure-mode"), epp_ref["failureMode"]);
+    let rules = find(&docs, "ConfigMap", "kvroute-epp-rules");
+    let rules: Value = serde_yaml::from_str(rules["data"]["rules.yaml"].as_str().unwrap()).unwrap();
+    let sa = &rules[0]["serviceArguments"];
+    assert_eq!(
+        flag("--epp-rule"),
+        format!("{}:{}", sa["externalIP"].as_str().unwrap(), sa["port"])
+    );
+    assert_eq!(
+        rules[0]["endpoints"][0]["targetPort"],
+        pool["spec"]["targetPorts"][0]["number"]
+    );
+    for gw in ["istio", "kgateway"] {
+        let path = harness::repo_root().join(format!("deploy/gie/{gw}/gateway.yaml"));
+        let g = yaml_docs(&std::fs::read_to_string(path).unwrap());
+        let route = find(&g, "HTTPRoute", "vllm-qwen3");
+        let backend = &route["spec"]["rules"][0]["backendRefs"][0];
+        assert_eq!(
+            (&backend["group"], &backend["kind"], &backend["name"]),
+            (
+                &Value::from("inference.networking.k8s.io"),
+                &Value::from("InferencePool"),
+                &pool["metadata"]["name"]
+            ),
+            "{gw}"
+        );
+        assert_eq!(
+            find(&g, "Gateway", "inference-gateway")["spec"]["gatewayClassName"],
+            gw
+        );
+    }
+}
+
+fn render_dir(dir: &str) -> Vec<Value> {
+    let out = validate_py(&["--render", dir]);
+    assert!(out.status.success(), "render {dir}: {}", text(&out));
+    yaml_docs(&String::from_utf8(out.stdout).unwrap())
 }
 
 #[test]

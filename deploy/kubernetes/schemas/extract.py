@@ -19,6 +19,7 @@ WANTED = [
     ("WasmPlugin", "extensions.istio.io", "v1alpha1"),
     ("DestinationRule", "networking.istio.io", "v1"),
     ("VirtualService", "networking.istio.io", "v1"),
+    ("InferencePool", "inference.networking.k8s.io", "v1"),
 ]
 
 
@@ -43,8 +44,11 @@ def main():
         crds = [d for d in yaml.safe_load_all(f) if d]
     for kind, group, version in WANTED:
         crd = next(
-            c for c in crds if c["spec"]["names"]["kind"] == kind and c["spec"]["group"] == group
+            (c for c in crds if c["spec"]["names"]["kind"] == kind and c["spec"]["group"] == group),
+            None,
         )
+        if crd is None:  # each source file holds some of the kinds
+            continue
         ver = next(v for v in crd["spec"]["versions"] if v["name"] == version)
         body = ver["schema"]["openAPIV3Schema"]
         props = dict(body.get("properties", {}))

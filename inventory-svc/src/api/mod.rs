@@ -57,8 +57,8 @@ pub struct ApiState {
     pub auth_token: Option<String>,
     /// Bearer token `POST /v1/route` requires (`--route-token-file`); `None` leaves it open.
     pub route_token: Option<String>,
-    /// Tokenizers loaded for offloaded tokenization.
-    pub tokenizers: TokenizerCache,
+    /// Tokenizers loaded for offloaded tokenization (shared with the endpoint picker).
+    pub tokenizers: Arc<TokenizerCache>,
     /// Set once the listener is bound; cleared when draining.
     pub ready: AtomicBool,
 }
@@ -74,7 +74,7 @@ impl ApiState {
             fleet,
             auth_token,
             route_token,
-            tokenizers: TokenizerCache::default(),
+            tokenizers: Arc::default(),
             ready: AtomicBool::new(false),
         }
     }

@@ -34,7 +34,8 @@ use kvroute_core::hash::BlockKey;
 
 use super::error::{parse_json, ApiError};
 use super::ApiState;
-use crate::fleet::{Fleet, Question, RouteError, Routed};
+use crate::fleet::{Fleet, RouteError};
+use crate::question::{self, Ask, KeyingError, Text};
 
 pub use kvroute_core::wire::{Explain, ExplainEndpoint, RouteRequest, RouteResponse, WireKey};
 
@@ -83,97 +84,58 @@ async fn offload(state: &Arc<ApiState>, req: &mut RouteRequest) {
     let Some(rule) = fleet.find(&req.rule) else {
         return;
     };
-    let (Some(contract), Some(slug), Some(dir)) = (
-        rule.spec.contract(),
-        rule.spec.slug.clone(),
-        fleet.tokenizer_dir().map(|d| d.to_path_buf()),
-    ) else {
-        tracing::debug!(rule = %rule.spec.name(), "offloaded tokenization needs kvModel, a KV contract and --tokenizer-dir");
-        return;
-    };
     let o = crate::offload::Offload {
         model: req.model.clone().or_else(|| rule.spec.model.clone()),
         prompt: req.prompt.take(),
         messages: req.messages.take(),
     };
-    let st = state.clone();
-    let res = tokio::task::spawn_blocking(move || {
-        let loaded = st.tokenizers.get(&dir, &slug)?;
-        crate::offload::keys_for(&loaded, &contract, &o, st.fleet.settings.max_prefix_tokens)
-    })
-    .await;
-    match res {
-        Ok(Ok(k)) => {
-            if let (Some(t), false) = (k.truncated, req.explain) {
-                fleet
-                    .metrics
-                    .offload_truncated
-                    .with_label_values(&[t.as_str()])
-                    .inc();
-            }
-            req.keys = k.keys.into_iter().map(|k| WireKey::Unsigned(k.0)).collect();
-            req.token_count = k.token_count;
+    match question::tokenize(
+        fleet,
+        &state.tokenizers,
+        &rule,
+        Text::Offload(o),
+        !req.explain,
+    )
+    .await
+    {
+        Ok(t) => {
+            req.keys = t
+                .keyed
+                .keys
+                .into_iter()
+                .map(|k| WireKey::Unsigned(k.0))
+                .collect();
+            req.token_count = t.keyed.token_count;
         }
-        Ok(Err(e)) => {
-            tracing::warn!(rule = %rule.spec.name(), "offloaded tokenization failed: {e}")
+        Err(e @ KeyingError::NotConfigured) => {
+            tracing::debug!(rule = %rule.spec.name(), "offloaded tokenization: {e}")
         }
-        Err(e) => {
-            tracing::warn!(rule = %rule.spec.name(), "offloaded tokenization task failed: {e}")
-        }
+        Err(e) => tracing::warn!(rule = %rule.spec.name(), "offloaded tokenization failed: {e}"),
     }
 }
 
-/// Decides one request against the current state (also used by tests and benches); with
-/// `req.explain` nothing is committed.
+/// Decides one request against the current state through [`question::answer`] (also used by
+/// tests and benches); with `req.explain` nothing is committed.
 pub fn answer(fleet: &Fleet, req: &RouteRequest, now: Instant) -> Result<RouteResponse, ApiError> {
     let rule = fleet
         .find(&req.rule)
         .ok_or_else(|| ApiError::NotFound(format!("unknown rule {:?}", req.rule)))?;
     let keys: Vec<BlockKey> = req.keys.iter().map(|k| k.key()).collect();
-    let q = Question {
+    let ask = Ask {
         keys: &keys,
         token_count: req.token_count,
         affinity_key: req.affinity_key.as_deref(),
         model: req.model.as_deref(),
         explain: req.explain,
+        only: None,
     };
-    let Routed {
-        decision: d,
-        ep,
-        views,
-        recall,
-    } = fleet.route(&rule, &q, now).map_err(|e| match e {
-        RouteError::TooManyKeys(n) => ApiError::BadRequest(format!(
-            "keys: {n} given, at most {}",
-            crate::fleet::MAX_KEYS
-        )),
-        RouteError::NoEndpoint => ApiError::NoEndpoint(rule.spec.name()),
-    })?;
-    let addr = |i: usize| rule.spec.endpoints[i].addr();
-    let explain = req.explain.then(|| Explain {
-        keys: u32::try_from(keys.len()).unwrap_or(u32::MAX),
-        token_count: req.token_count,
-        endpoints: views
-            .iter()
-            .enumerate()
-            .map(|(i, e)| ExplainEndpoint {
-                idx: i,
-                endpoint: addr(i),
-                healthy: e.healthy,
-                matched_blocks: e.matched,
-                blocks: e.blocks,
-                load: e.load,
-            })
-            .collect(),
-        recall: recall.map(|r| (r.ep, r.depth)),
-    });
-    Ok(RouteResponse {
-        rule_id: rule.id,
-        endpoint: addr(ep),
-        matched_blocks: d.matched,
-        tier: d.tier,
-        reason: d.reason,
-        decode_endpoint: d.decode.map(addr),
-        explain,
-    })
+    question::answer(fleet, &rule, &ask, now)
+        .map(|a| a.response)
+        .map_err(|e| match e {
+            RouteError::TooManyKeys(n) => ApiError::BadRequest(format!(
+                "keys: {n} given, at most {}",
+                crate::fleet::MAX_KEYS
+            )),
+            RouteError::NoEndpoint => ApiError::NoEndpoint(rule.spec.name()),
+        })
 }

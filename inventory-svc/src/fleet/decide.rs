@@ -32,6 +32,9 @@ pub struct Question<'a> {
     pub model: Option<&'a str>,
     /// Decide without committing anything.
     pub explain: bool,
+    /// When set, only the endpoints whose flag is true are eligible (an endpoint picker's
+    /// candidate subset), indexed like the rule's endpoints; the others are seen as unhealthy.
+    pub only: Option<&'a [bool]>,
 }
 
 /// Why a question has no answer.
@@ -65,7 +68,7 @@ impl Fleet {
         if q.keys.len() > MAX_KEYS {
             return Err(RouteError::TooManyKeys(q.keys.len()));
         }
-        let views = self.observe(rule, q.keys, now);
+        let views = self.observe(rule, q.keys, q.only, now);
         // Explain peeks: the same recall without counting it toward the family's heat.
         let recall = match q.explain {
             true => rule.memory.peek(q.keys, now),
@@ -104,8 +107,14 @@ impl Fleet {
         })
     }
 
-    /// Every endpoint of `rule` as the scorer sees it for `keys` at `now`.
-    fn observe(&self, rule: &RuleRuntime, keys: &[BlockKey], now: Instant) -> Vec<EpView> {
+    /// Every endpoint of `rule` as the scorer sees it for `keys` at `now` (outside `only`: unhealthy).
+    fn observe(
+        &self,
+        rule: &RuleRuntime,
+        keys: &[BlockKey],
+        only: Option<&[bool]>,
+        now: Instant,
+    ) -> Vec<EpView> {
         let matched = rule.match_prefix(keys, now);
         let s = &self.settings;
         let fresh = if s.scrape_interval.is_zero() {
@@ -121,7 +130,7 @@ impl Fleet {
             .map(|(i, (e, rt))| EpView {
                 weight: e.weight,
                 role: e.role,
-                healthy: rt.healthy(),
+                healthy: rt.healthy() && only.is_none_or(|o| o.get(i).copied().unwrap_or(false)),
                 load: rt.load(now, s.inflight_window, fresh),
                 blocks: rule.block_count(EndpointId(i as u16)),
                 matched: matched.get(i).copied().unwrap_or(0),

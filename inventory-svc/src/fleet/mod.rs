@@ -469,6 +469,32 @@ mod tests {
         );
     }
 
+    /// A candidate subset excludes the endpoint holding the prefix: the decision stays inside
+    /// it; a subset naming no endpoint has no answer.
+    #[test]
+    fn a_candidate_subset_bounds_the_choice() {
+        let s = Settings::default();
+        let f = fleet(s.clone());
+        let r = f.install(spec(80, 1, &s), Origin::Local).unwrap().rule;
+        f.apply_ops(&r, EndpointId(1), Rank(0), &[IndexOp::Store(keys(4))]);
+        let k = keys(6);
+        let q = |only| Question {
+            keys: &k,
+            token_count: 96,
+            affinity_key: None,
+            model: None,
+            explain: true,
+            only,
+        };
+        let now = Instant::now();
+        assert_eq!(f.route(&r, &q(None), now).unwrap().ep, 1);
+        assert_eq!(f.route(&r, &q(Some(&[true, false])), now).unwrap().ep, 0);
+        assert_eq!(
+            f.route(&r, &q(Some(&[false, false])), now).err(),
+            Some(RouteError::NoEndpoint)
+        );
+    }
+
     #[test]
     fn explaining_commits_nothing_and_routing_commits_everything() {
         let s = Settings::default();
@@ -482,6 +508,7 @@ mod tests {
             affinity_key: None,
             model: None,
             explain,
+            only: None,
         };
         let now = Instant::now();
         let peek = f.route(&r, &q(true), now).unwrap();
@@ -529,6 +556,7 @@ mod tests {
             affinity_key: None,
             model: None,
             explain: false,
+            only: None,
         };
         assert_eq!(
             f.route(&r, &q, Instant::now()).err(),
@@ -561,6 +589,7 @@ mod tests {
             affinity_key: None,
             model: None,
             explain: false,
+            only: None,
         };
         let now = Instant::now();
         let home = f.route(&r, &q, now).unwrap().ep;

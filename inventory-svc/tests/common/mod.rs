@@ -18,7 +18,7 @@ use serde_json::Value;
 use zeromq::{PubSocket, Socket, SocketSend, ZmqMessage};
 
 pub use kvroute_test_support::{free_port, Redis};
-use kvroute_test_support::{ready_line, wait_until, Poll, Probe, TempDir};
+use kvroute_test_support::{wait_until, Poll, Probe, TempDir};
 
 pub const TOKEN: &str = "s3cret-token";
 /// Env value meaning "remove this variable" (the harness sets LLB_KV_NONE_HASH_SEED=0 by default,
@@ -29,6 +29,8 @@ pub const UNSET: &str = "<unset>";
 pub struct Service {
     pub child: Child,
     pub base: String,
+    /// The endpoint picker's address, when started with `--epp-listen`.
+    pub epp: Option<String>,
     pub dir: PathBuf,
     pub http: reqwest::Client,
 }
@@ -41,6 +43,16 @@ pub fn tempdir(tag: &str) -> PathBuf {
 impl Service {
     /// Starts the service with `rules` (a JSON list) and extra env vars; waits for its address.
     pub fn start(tag: &str, rules: &Value, env: &[(&str, &str)]) -> Service {
+        Service::start_with_args(tag, rules, env, &[])
+    }
+
+    /// [`Service::start`] with extra `serve` arguments.
+    pub fn start_with_args(
+        tag: &str,
+        rules: &Value,
+        env: &[(&str, &str)],
+        args: &[&str],
+    ) -> Service {
         let dir = tempdir(tag);
         let cfg = dir.join("rules.json");
         std::fs::write(&cfg, serde_json::to_string(rules).unwrap()).unwrap();
@@ -54,6 +66,7 @@ impl Service {
             .arg(&tok)
             .arg("--tokenizer-dir")
             .arg(&dir)
+            .args(args)
             .env("KVROUTE_HEALTH_INTERVAL_MS", "0")
             .env("LLB_KV_NONE_HASH_SEED", "0")
             .env("RUST_LOG", "info")
@@ -69,17 +82,36 @@ impl Service {
             }
         }
         let mut child = cmd.spawn().expect("spawn kvroute-inventory");
-        let addr = ready_line(
-            &mut child,
-            "kvroute-inventory listening on ",
-            Duration::from_secs(20),
-        )
-        .unwrap_or_else(|e| {
-            panic!(
-                "service did not start: {e}\n{}",
-                std::fs::read_to_string(dir.join("stderr.log")).unwrap_or_default()
-            )
+        // Read the printed addresses: the endpoint picker's (with --epp-listen) comes before the
+        // HTTP listener's; the thread keeps draining stdout so the child never blocks on it.
+        let (epp_tx, epp_rx) = std::sync::mpsc::channel();
+        let stdout = child.stdout.take().unwrap();
+        let (line_tx, line_rx) = std::sync::mpsc::channel::<String>();
+        std::thread::spawn(move || {
+            use std::io::BufRead;
+            for line in std::io::BufReader::new(stdout)
+                .lines()
+                .map_while(Result::ok)
+            {
+                if let Some(a) = line.strip_prefix("kvroute-inventory epp listening on ") {
+                    let _ = epp_tx.send(a.to_owned());
+                }
+                if let Some(a) = line.strip_prefix("kvroute-inventory listening on ") {
+                    let _ = line_tx.send(a.to_owned());
+                }
+            }
         });
+        let addr = match line_rx.recv_timeout(Duration::from_secs(20)) {
+            Ok(a) => a,
+            Err(e) => {
+                let _ = child.kill();
+                panic!(
+                    "service did not start ({e}):\n{}",
+                    std::fs::read_to_string(dir.join("stderr.log")).unwrap_or_default()
+                )
+            }
+        };
+        let epp = epp_rx.try_recv().ok();
         let (scheme, addr) = match addr.strip_suffix(" (tls)") {
             Some(a) => ("https", a.to_owned()),
             None => ("http", addr),
@@ -97,6 +129,7 @@ impl Service {
         Service {
             child,
             base: format!("{scheme}://{addr}"),
+            epp,
             dir,
             http: http.build().unwrap(),
         }

@@ -1,0 +1,247 @@
+//! The endpoint picker behind real Envoy 1.40: Envoy's ext_proc HTTP filter pointed at the real
+//! `kvroute-inventory serve --epp-listen` (fed through its real TensorRT-LLM drain ingestion),
+//! and an `engines` cluster routing by the picked endpoint (`override_host`, as GIE gateways
+//! program Envoy; see `envoy::epp_bootstrap` and docs/epp.md), in front of the engine stand-ins.
+//!
+//! What must hold: a request goes to the engine holding its prefix and a conversation's
+//! follow-ups stay there; the body arrives byte for byte; a client-sent
+//! `x-gateway-destination-endpoint` never reaches an engine; a killed engine falls back to the
+//! listed fallback (and the proxy's served-endpoint report says so); a hung or killed picker
+//! fails open within the ext_proc message timeout.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::process::Command;
+use std::time::Duration;
+
+use kvroute_tests::envoy::{self, epp_gateway, Engine, Gateway, Inventory, DESTINATION};
+use kvroute_tests::harness::{self, header, BACKEND_HEADER};
+use serde_json::json;
+
+fn chat(topic: &str, turns: usize) -> Vec<u8> {
+    let mut m = vec![
+        json!({"role": "system", "content": format!("You are a careful assistant for {topic}. Réponds en français si on te parle français. 你好 🚀")}),
+    ];
+    for t in 0..turns {
+        m.push(json!({"role": "user", "content": format!("Question {t} on {topic}: explain, step by step, how a paged KV cache lets an engine reuse a prefix.")}));
+        m.push(json!({"role": "assistant", "content": format!("Answer {t} on {topic}: blocks of sixteen tokens are hashed in a chain.")}));
+    }
+    m.push(json!({"role": "user", "content": format!("And why does routing the same prefix to the same engine matter for {topic}?")}));
+    serde_json::to_vec(&json!({"model": envoy::MODEL, "messages": m, "max_tokens": 1})).unwrap()
+}
+
+/// Engines a and b, b holding `body`'s blocks, the inventory with the picker, Envoy in front.
+async fn fleet(
+    body: &[u8],
+    message_timeout: Duration,
+    body_mode: &'static str,
+) -> (Inventory, Engine, Engine, Gateway) {
+    let a = Engine::start("engine-a").await.unwrap();
+    let b = Engine::start("engine-b").await.unwrap();
+    let tokens = harness::prompt_tokens(body).unwrap();
+    let blocks = tokens.len() / envoy::BLOCK;
+    assert!(blocks >= 3, "prompt too short: {} tokens", tokens.len());
+    b.store_blocks(&tokens);
+    // A loaded debug build must not turn a decision into a timeout (the fault test sets its own).
+    let inv = Inventory::start_with_epp(&["--epp-timeout-ms", "8000"])
+        .await
+        .unwrap();
+    let rule = inv.add_rule(&[&a, &b]).await.unwrap();
+    inv.wait_for_blocks(rule, 1, blocks).await.unwrap();
+    inv.wait_for_epp_ready().await.unwrap();
+    let gw = epp_gateway(&[&a, &b], inv.epp.unwrap(), message_timeout, body_mode)
+        .await
+        .unwrap();
+    (inv, a, b, gw)
+}
+
+async fn metrics(inv: &Inventory) -> String {
+    reqwest::get(format!("http://{}/metrics", inv.addr))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap()
+}
+
+fn metric(text: &str, series: &str) -> f64 {
+    text.lines()
+        .find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
+        .unwrap_or(0.0)
+}
+
+/// Posts `body` through Envoy (with a client-sent destination when `spoof`): 200 and the engine
+/// that answered.
+async fn send(gw: &Gateway, body: &[u8], spoof: Option<&str>) -> String {
+    let headers: Vec<(&str, &str)> = spoof.map(|s| (DESTINATION, s)).into_iter().collect();
+    let r = gw
+        .post("/v1/chat/completions", body.to_vec(), &headers)
+        .await
+        .unwrap();
+    let status = r.status();
+    let engine = r
+        .headers()
+        .get(BACKEND_HEADER)
+        .map(|v| v.to_str().unwrap().to_owned());
+    let answer = r.bytes().await.unwrap();
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&answer));
+    assert_eq!(answer.as_ref(), body, "the engine echoed the body it got");
+    engine.unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_picker_pins_sticks_falls_back_and_drops_client_destinations() {
+    let body = chat("the held prefix", 2);
+    let (inv, a, b, gw) = fleet(&body, Duration::from_secs(10), "FULL_DUPLEX_STREAMED").await;
+    let (a_addr, b_addr) = (a.addr.to_string(), b.addr.to_string());
+
+    // The client names engine a itself: Envoy drops that, the picker's choice (b) wins, and
+    // the header b gets is the picker's list (b, then a as the fallback), the body unchanged.
+    let first = send(&gw, &body, Some(&a_addr)).await;
+    if first != "engine-b" {
+        let m: Vec<String> = metrics(&inv)
+            .await
+            .lines()
+            .filter(|l| l.starts_with("kvroute_epp") || l.starts_with("kvroute_route_decisions"))
+            .map(str::to_owned)
+            .collect();
+        panic!("served by {first}\n{m:#?}");
+    }
+    let got = b.received().last().cloned().unwrap();
+    if header(&got, DESTINATION) != Some(format!("{b_addr},{a_addr}").as_str()) {
+        let stats = gw.envoy.stats("ext_proc").await.unwrap();
+        let log = gw.envoy.log();
+        let tail: Vec<&str> = log.lines().rev().take(30).collect();
+        let m: Vec<String> = metrics(&inv)
+            .await
+            .lines()
+            .filter(|l| l.starts_with("kvroute_epp") || l.starts_with("kvroute_route_decisions"))
+            .map(str::to_owned)
+            .collect();
+        panic!(
+            "headers {:?}\nstats {stats:?}\nmetrics {m:#?}\nlog {}",
+            got.headers,
+            tail.join("\n")
+        );
+    }
+    assert_eq!(got.body.as_ref(), body.as_slice(), "byte for byte");
+    assert!(a.received().is_empty(), "nothing reached a");
+
+    // New conversations: each follow-up goes where its first turn went (the credit the first
+    // decision gave that engine), whichever engine that is.
+    for topic in ["routers", "caches", "schedulers", "tokenizers"] {
+        let first = send(&gw, &chat(topic, 0), None).await;
+        for turns in 1..3 {
+            assert_eq!(
+                send(&gw, &chat(topic, turns), None).await,
+                first,
+                "{topic}: follow-up {turns} stays"
+            );
+        }
+    }
+    for e in [&a, &b] {
+        for r in e.received() {
+            let d = header(&r, DESTINATION).unwrap_or_default();
+            assert!(
+                d.starts_with(&format!("{}", e.addr)),
+                "{} got a request pinned elsewhere: {d:?}",
+                e.name
+            );
+        }
+    }
+    let m = metrics(&inv).await;
+    assert_eq!(
+        metric(&m, "kvroute_epp_served_total{outcome=\"other\"}"),
+        0.0
+    );
+    assert!(
+        metric(&m, "kvroute_epp_served_total{outcome=\"picked\"}") >= 13.0,
+        "{m}"
+    );
+
+    // Engine b dies: the picker still picks it (it holds the prefix), Envoy cannot connect and
+    // retries the listed fallback, a; the proxy reports that a served it.
+    let b_port = b.addr;
+    drop(b);
+    assert_eq!(
+        send(&gw, &body, Some(&b_port.to_string())).await,
+        "engine-a"
+    );
+    let got = a.received().last().cloned().unwrap();
+    assert_eq!(
+        header(&got, DESTINATION),
+        Some(format!("{b_addr},{a_addr}").as_str()),
+        "a served as the picker's fallback"
+    );
+    assert_eq!(got.body.as_ref(), body.as_slice());
+    let m = metrics(&inv).await;
+    assert_eq!(
+        metric(&m, "kvroute_epp_served_total{outcome=\"other\"}"),
+        1.0,
+        "{m}"
+    );
+    assert_eq!(
+        metric(&m, "kvroute_epp_failures_total{reason=\"timeout\"}"),
+        0.0
+    );
+}
+
+fn signal(pid: u32, sig: &str) {
+    let ok = Command::new("kill")
+        .args([sig, &pid.to_string()])
+        .status()
+        .unwrap()
+        .success();
+    assert!(ok, "kill {sig} {pid}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hung_or_killed_picker_fails_open_within_the_message_timeout() {
+    let body = chat("fail open", 1);
+    // Buffered: Envoy arms the message timeout per message there (in FULL_DUPLEX_STREAMED mode
+    // it does not, so a hung picker holds requests: docs/epp.md).
+    let (inv, a, b, gw) = fleet(&body, Duration::from_secs(1), "BUFFERED").await;
+    assert_eq!(send(&gw, &body, None).await, "engine-b");
+    let before = a.received().len() + b.received().len();
+
+    // Hung: the picker's process is stopped; Envoy gives up after its 1 s message timeout and
+    // lets the request through unpinned (the client's destination was dropped before).
+    signal(inv.pid(), "-STOP");
+    let spoof = a.addr.to_string();
+    let hung = send(&gw, &body, Some(&spoof)).await;
+    signal(inv.pid(), "-CONT");
+    gw.envoy
+        .wait_for_stat(
+            "http.ingress.ext_proc.failure_mode_allowed",
+            Duration::from_secs(5),
+            |v| v >= 1,
+        )
+        .await
+        .unwrap();
+
+    // Killed: connections are refused, every request goes through unpinned at once.
+    drop(inv);
+    let mut served = vec![hung];
+    for _ in 0..4 {
+        served.push(send(&gw, &body, Some(&spoof)).await);
+    }
+    gw.envoy
+        .wait_for_stat(
+            "http.ingress.ext_proc.failure_mode_allowed",
+            Duration::from_secs(5),
+            |v| v >= 5,
+        )
+        .await
+        .unwrap();
+    let after: Vec<_> = a.received().into_iter().chain(b.received()).collect();
+    assert_eq!(after.len(), before + 5);
+    for r in &after {
+        assert_ne!(
+            header(r, DESTINATION),
+            Some(spoof.as_str()),
+            "a client-sent destination reached an engine"
+        );
+    }
+    // Unpinned requests are balanced over both engines (round robin).
+    assert!(served.iter().any(|e| e == "engine-a"), "{served:?}");
+    assert!(served.iter().any(|e| e == "engine-b"), "{served:?}");
+}
