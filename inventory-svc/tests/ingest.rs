@@ -43,23 +43,6 @@ async fn subscribed_vllm(tag: &str, extra: Value, env: &[(&str, &str)]) -> (Publ
     (p, svc)
 }
 
-fn vllm_keys() -> (Vec<u64>, Vec<u32>) {
-    let v = vectors("vllm-0.33.0.json");
-    let hv = v["hash_vectors"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|h| h["algo"] == "sha256_cbor" && h["PYTHONHASHSEED"] == "0")
-        .unwrap();
-    let keys = hv["sequences"]["range64"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|b| b["event_key_int_u64"].as_u64().unwrap())
-        .collect();
-    (keys, (0..64).collect())
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn vllm_golden_and_generated_payloads_feed_the_index() {
     let (mut p, svc) = subscribed_vllm("vllm", json!({"kvHashAlgo": "sha256_cbor"}), &[]).await;
@@ -71,7 +54,7 @@ async fn vllm_golden_and_generated_payloads_feed_the_index() {
         "{ep}"
     );
 
-    let (keys, tokens) = vllm_keys();
+    let (keys, tokens) = vllm_range64();
     p.send(&batch(vec![stored(&keys, &tokens, false)])).await;
     svc.wait_for("range64 keys", 10, || async {
         svc.inventory(RULE, 0).await.len() == 5
@@ -136,7 +119,7 @@ async fn parity_self_check_names_the_wrong_seed() {
         &[("LLB_KV_NONE_HASH_SEED", "1234")],
     )
     .await;
-    let (keys, tokens) = vllm_keys();
+    let (keys, tokens) = vllm_range64();
     p.send(&batch(vec![stored(&keys, &tokens, false)])).await;
     svc.wait_metric(
         r#"kvroute_ingest_parity_mismatches_total{engine="vllm"}"#,

@@ -12,7 +12,7 @@ mod common;
 use std::fmt::Write as _;
 use std::time::{Duration, Instant};
 
-use common::{batch, metric, rule, stored, Publisher, Service};
+use common::{batch, cpu_secs, metric, rule, stored, Publisher, Service};
 use kvroute_test_support::machine;
 use serde_json::json;
 
@@ -75,15 +75,6 @@ async fn wait_all(svc: &Service, want: &[u64], t0: Instant, secs: u64) -> Vec<Du
         );
         tokio::time::sleep(Duration::from_millis(2)).await;
     }
-}
-
-/// CPU seconds (user + system) a process has used so far, from /proc.
-fn cpu_secs(svc: &Service) -> f64 {
-    let stat = std::fs::read_to_string(format!("/proc/{}/stat", svc.child.id())).unwrap();
-    let rest = &stat[stat.rfind(')').unwrap() + 2..];
-    let f: Vec<&str> = rest.split_whitespace().collect();
-    let ticks: f64 = f[11].parse::<f64>().unwrap() + f[12].parse::<f64>().unwrap();
-    ticks / 100.0
 }
 
 fn pct(sorted: &[f64], q: f64) -> f64 {

@@ -270,28 +270,10 @@ mod events {
     use std::process::Stdio;
     use std::time::{Duration, Instant};
 
-    use super::common::{batch, stored, vectors, Publisher};
+    use super::common::{batch, stored, vllm_range64, Publisher};
     use serde_json::Value;
 
     use super::range;
-
-    /// vLLM's keys for tokens 0..63 with seed "0" (the golden vectors).
-    fn golden_keys() -> Vec<u64> {
-        let v = vectors("vllm-0.33.0.json");
-        let hv = v["hash_vectors"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|h| h["algo"] == "sha256_cbor" && h["PYTHONHASHSEED"] == "0")
-            .unwrap()
-            .clone();
-        hv["sequences"]["range64"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|b| b["event_key_int_u64"].as_u64().unwrap())
-            .collect()
-    }
 
     /// Runs the preflight with `args` against a publisher of the golden event; returns the exit
     /// code and the `events` verdict.
@@ -306,8 +288,8 @@ mod events {
             .stderr(Stdio::piped())
             .spawn()
             .unwrap();
-        let tokens: Vec<u32> = (0..64).collect();
-        let payload = batch(vec![stored(&golden_keys(), &tokens, false)]);
+        let (keys, tokens) = vllm_range64();
+        let payload = batch(vec![stored(&keys, &tokens, false)]);
         // A PUB drops what it sends before the subscriber has joined: send until the preflight exits.
         let deadline = Instant::now() + Duration::from_secs(30);
         let status = loop {

@@ -13,7 +13,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::{batch, bind_same_port, metric, rule, stored, Publisher, Redis, Service};
+use common::{batch, bind_same_port, cpu_secs, metric, rule, stored, Publisher, Redis, Service};
 use kvroute_test_support::RedisCluster;
 use serde_json::{json, Value};
 
@@ -129,17 +129,6 @@ async fn probe(svc: &Service, p: &mut Publisher, ep: usize, key: u64) {
         p.send(&batch(vec![stored(&[key], &[], false)])).await;
         tokio::time::sleep(Duration::from_millis(25)).await;
     }
-}
-
-/// CPU seconds (user + system) a process has used so far, from /proc.
-fn cpu_secs(svc: &Service) -> f64 {
-    let stat = std::fs::read_to_string(format!("/proc/{}/stat", svc.child.id())).unwrap();
-    // Fields after the parenthesised command name; utime and stime are the 12th and 13th.
-    let rest = &stat[stat.rfind(')').unwrap() + 2..];
-    let f: Vec<&str> = rest.split_whitespace().collect();
-    let ticks: f64 = f[11].parse::<f64>().unwrap() + f[12].parse::<f64>().unwrap();
-    // USER_HZ is 100 on Linux.
-    ticks / 100.0
 }
 
 /// Runs `route_qps` and returns (queries/s, CPU microseconds per query of `svc`, of `others`).

@@ -541,3 +541,32 @@ pub fn vectors(name: &str) -> Value {
 pub fn hx(v: &Value) -> Vec<u8> {
     hex::decode(v.as_str().unwrap()).unwrap()
 }
+
+/// vLLM's golden keys for tokens 0..63 (sha256_cbor, seed "0", block 16) and those tokens.
+pub fn vllm_range64() -> (Vec<u64>, Vec<u32>) {
+    let v = vectors("vllm-0.33.0.json");
+    let hv = v["hash_vectors"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|h| h["algo"] == "sha256_cbor" && h["PYTHONHASHSEED"] == "0")
+        .unwrap();
+    let keys = hv["sequences"]["range64"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|b| b["event_key_int_u64"].as_u64().unwrap())
+        .collect();
+    (keys, (0..64).collect())
+}
+
+/// CPU seconds (user + system) `svc` has used so far, from /proc.
+pub fn cpu_secs(svc: &Service) -> f64 {
+    let stat = std::fs::read_to_string(format!("/proc/{}/stat", svc.child.id())).unwrap();
+    // Fields after the parenthesised command name; utime and stime are the 12th and 13th.
+    let rest = &stat[stat.rfind(')').unwrap() + 2..];
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let ticks: f64 = f[11].parse::<f64>().unwrap() + f[12].parse::<f64>().unwrap();
+    // USER_HZ is 100 on Linux.
+    ticks / 100.0
+}
