@@ -30,7 +30,7 @@ use crate::config::PinMode;
 use crate::host::{Body, Callout, Headers, Host, Level};
 use crate::plugin::VmState;
 use crate::stats::{FailReason, Stat};
-use crate::usage::{self, Tail};
+use crate::usage::{self, Prediction, Tail, Verdict};
 use crate::wire::{RouteAnswer, RouteRequest, Tier};
 
 /// Upstream header naming the KV-chosen prefill endpoint in P/D mode (llm-d routing sidecar).
@@ -84,6 +84,8 @@ pub enum RequestState {
 pub struct UsageReader {
     sse: bool,
     tail: Tail,
+    /// What the pin's answer predicted the engine reuses (pinned requests only).
+    predicted: Option<Prediction>,
 }
 
 /// Why a step releases the request without a pin: the counted reason, and a detail for the log.
@@ -206,7 +208,7 @@ impl RequestFilter {
                         u.detail
                     ),
                 );
-                self.finish(host, false, None);
+                self.finish(host, false, None, None);
                 Step::Continue
             }
         };
@@ -441,12 +443,33 @@ impl RequestFilter {
                 None => Stat::DecisionOther,
             },
         );
-        self.finish(host, pinned, pinned.then_some(target));
+        let block_size = vm
+            .contract
+            .borrow()
+            .as_ref()
+            .and_then(|c| c.hash.as_ref())
+            .map(|h| u32::try_from(h.block_size.get()).unwrap_or(u32::MAX));
+        let predicted = block_size.map(|block_size| Prediction {
+            blocks: a.matched_blocks,
+            block_size,
+        });
+        self.finish(
+            host,
+            pinned,
+            pinned.then_some(target),
+            predicted.filter(|_| pinned),
+        );
     }
 
     /// Releases the request upstream: a routed request's filter time is recorded and its
     /// response read for usage.
-    fn finish(&mut self, host: &dyn Host, pinned: bool, check_pin: Option<String>) {
+    fn finish(
+        &mut self,
+        host: &dyn Host,
+        pinned: bool,
+        check_pin: Option<String>,
+        predicted: Option<Prediction>,
+    ) {
         let started_ns = match self.state {
             RequestState::ReadingBody { started_ns, .. }
             | RequestState::AwaitingRoute { started_ns, .. } => Some(started_ns),
@@ -462,7 +485,10 @@ impl RequestFilter {
         self.state = RequestState::Forwarded {
             pinned,
             check_pin,
-            usage: started_ns.map(|_| UsageReader::default()),
+            usage: started_ns.map(|_| UsageReader {
+                predicted,
+                ..UsageReader::default()
+            }),
         };
     }
 
@@ -535,6 +561,24 @@ impl RequestFilter {
                 s.inc(host, Stat::UsageParsed);
                 s.add(host, Stat::CacheHitTokens, u.hit_tokens);
                 s.add(host, Stat::CacheMissTokens, u.miss_tokens);
+                if let Some(j) = reader.predicted.and_then(|p| p.judge(&u)) {
+                    s.inc(
+                        host,
+                        match j.verdict {
+                            Verdict::Exact => Stat::PredictionExact,
+                            Verdict::Under => Stat::PredictionUnder,
+                            Verdict::Over => Stat::PredictionOver,
+                        },
+                    );
+                    s.add(host, Stat::PredictedTokens, j.predicted_tokens);
+                    if j.verdict == Verdict::Over {
+                        s.add(
+                            host,
+                            Stat::OverPredictedTokens,
+                            j.predicted_tokens.saturating_sub(j.realised_tokens),
+                        );
+                    }
+                }
             }
             *usage = None;
         }
@@ -1088,6 +1132,50 @@ mod tests {
             host.counter("kvroute_filter_cache_miss_tokens_total"),
             Some(16)
         );
+    }
+
+    /// Each pinned response's reuse is judged against the answer's matched blocks (block size 2
+    /// in this contract); an unpinned (fail-open) response is not judged.
+    #[test]
+    fn responses_judge_the_predicted_reuse() {
+        let host = FakeHost::default();
+        let p = ready(&host, CFG);
+        let respond = |answer: Option<&[u8]>, prompt: u32, cached: u32| {
+            let (mut r, _) = to_callout(&host, &p, "/v1/completions", br#"{"prompt":"hello"}"#);
+            let token = match r.state() {
+                RequestState::AwaitingRoute { token, .. } => *token,
+                s => panic!("{s:?}"),
+            };
+            match answer {
+                Some(a) => r.on_route_response(&host, token, Some("200"), a),
+                None => r.on_route_response(&host, token, Some("503"), b""),
+            }
+            r.on_response_headers(&host);
+            let body = format!(
+                r#"{{"usage":{{"prompt_tokens":{prompt},"prompt_tokens_details":{{"cached_tokens":{cached}}}}}}}"#
+            );
+            *host.response_body.borrow_mut() = body.clone().into_bytes();
+            r.on_response_body(&host, body.len(), true);
+        };
+        let count = |name: &str| host.counter(name).unwrap_or(0);
+        // HIT predicts 3 blocks = 6 tokens.
+        respond(Some(HIT), 20, 6);
+        respond(Some(HIT), 20, 2);
+        respond(Some(HIT), 20, 10);
+        // 7 tokens: only 3 full blocks precede the last token, so 3 is exact.
+        respond(Some(HIT), 7, 6);
+        respond(None, 20, 0);
+        assert_eq!(
+            (
+                count("kvroute_filter_prediction_exact_total"),
+                count("kvroute_filter_prediction_under_total"),
+                count("kvroute_filter_prediction_over_total"),
+            ),
+            (2, 1, 1)
+        );
+        assert_eq!(count("kvroute_filter_predicted_tokens_total"), 24);
+        assert_eq!(count("kvroute_filter_over_predicted_tokens_total"), 4);
+        assert_eq!(count("kvroute_filter_usage_parsed_total"), 5);
     }
 
     /// Where Envoy sent a pinned request is checked against the pin: honored, overridden (Envoy

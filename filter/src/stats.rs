@@ -107,6 +107,15 @@ pub enum Stat {
     CacheMissTokens,
     /// Responses whose usage was parsed.
     UsageParsed,
+    /// Pinned responses whose engine-reported reuse (whole blocks) equals / exceeds / falls short
+    /// of the answer's matched blocks.
+    PredictionExact,
+    PredictionUnder,
+    PredictionOver,
+    /// Tokens the answers predicted the engines would reuse (pinned responses with usage).
+    PredictedTokens,
+    /// Of those, tokens the engines did not reuse (over-predicted responses only).
+    OverPredictedTokens,
     /// Root-context loads (contract, tokenizer) that failed and will be retried.
     LoadFailures,
     /// Tokenizers loaded, one per worker VM (and per reload): the readiness signal per worker.
@@ -127,7 +136,7 @@ pub enum Stat {
 }
 
 /// How many counters and histograms `FIXED` defines (the handles array has the same length).
-const FIXED_LEN: usize = 28;
+const FIXED_LEN: usize = 33;
 
 const FIXED: [(Stat, &str, MetricKind); FIXED_LEN] = [
     (
@@ -216,6 +225,31 @@ const FIXED: [(Stat, &str, MetricKind); FIXED_LEN] = [
         MetricKind::Counter,
     ),
     (
+        Stat::PredictionExact,
+        "kvroute_filter_prediction_exact_total",
+        MetricKind::Counter,
+    ),
+    (
+        Stat::PredictionUnder,
+        "kvroute_filter_prediction_under_total",
+        MetricKind::Counter,
+    ),
+    (
+        Stat::PredictionOver,
+        "kvroute_filter_prediction_over_total",
+        MetricKind::Counter,
+    ),
+    (
+        Stat::PredictedTokens,
+        "kvroute_filter_predicted_tokens_total",
+        MetricKind::Counter,
+    ),
+    (
+        Stat::OverPredictedTokens,
+        "kvroute_filter_over_predicted_tokens_total",
+        MetricKind::Counter,
+    ),
+    (
         Stat::LoadFailures,
         "kvroute_filter_load_failures_total",
         MetricKind::Counter,
@@ -283,10 +317,20 @@ impl Stat {
 }
 
 /// Metric handles; a refused definition only disables that metric.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Stats {
     fixed: [Option<CounterId>; FIXED_LEN],
     fail: [Option<CounterId>; FailReason::ALL.len()],
+}
+
+// Arrays past 32 elements have no derived `Default`.
+impl Default for Stats {
+    fn default() -> Self {
+        Stats {
+            fixed: [None; FIXED_LEN],
+            fail: [None; FailReason::ALL.len()],
+        }
+    }
 }
 
 impl Stats {

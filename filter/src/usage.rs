@@ -59,6 +59,59 @@ pub fn parse(body: &[u8], sse: bool) -> Option<Usage> {
         .find_map(|v| v.get("usage").and_then(from_usage))
 }
 
+/// What the route answer predicted the engine would reuse: the chosen endpoint's matched blocks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Prediction {
+    pub blocks: u32,
+    pub block_size: u32,
+}
+
+/// A prediction against the engine's reported reuse, in whole blocks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Verdict {
+    /// The engine reused exactly the predicted blocks.
+    Exact,
+    /// The engine reused more than predicted (an endpoint holds blocks the inventory lacks).
+    Under,
+    /// The engine reused less than predicted (the inventory credits blocks the engine lacks:
+    /// a missed eviction, or a mismatched leg of the hash contract).
+    Over,
+}
+
+/// One judged response: the verdict and both sides in tokens.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Judged {
+    pub verdict: Verdict,
+    pub predicted_tokens: u64,
+    pub realised_tokens: u64,
+}
+
+impl Prediction {
+    /// Judges the engine's `usage`. Engines reuse whole blocks and always compute the prompt's
+    /// last token (vLLM and SGLang cap a cache hit at `prompt_tokens - 1`), so the prediction
+    /// is capped at the full blocks before the last token, and the engine's cached tokens are
+    /// counted in whole blocks.
+    pub fn judge(&self, u: &Usage) -> Option<Judged> {
+        let bs = u64::from(self.block_size);
+        if bs == 0 {
+            return None;
+        }
+        let prompt = u.hit_tokens.saturating_add(u.miss_tokens);
+        let predicted = u64::from(self.blocks).min(prompt.saturating_sub(1) / bs);
+        let realised = u.hit_tokens / bs;
+        let verdict = match realised.cmp(&predicted) {
+            std::cmp::Ordering::Equal => Verdict::Exact,
+            std::cmp::Ordering::Greater => Verdict::Under,
+            std::cmp::Ordering::Less => Verdict::Over,
+        };
+        Some(Judged {
+            verdict,
+            predicted_tokens: predicted * bs,
+            realised_tokens: u.hit_tokens,
+        })
+    }
+}
+
 /// Keeps the response bytes needed for [`parse`], bounded by [`MAX_TRACKED_BYTES`].
 #[derive(Clone, Debug, Default)]
 pub struct Tail {
@@ -132,6 +185,43 @@ mod tests {
             })
         );
         assert_eq!(parse(b"data: [DONE]\n\n", true), None);
+    }
+
+    #[test]
+    fn predictions_are_judged_in_whole_blocks_before_the_last_token() {
+        let u = |hit, miss| Usage {
+            hit_tokens: hit,
+            miss_tokens: miss,
+        };
+        let p = |blocks| Prediction {
+            blocks,
+            block_size: 16,
+        };
+        for (pred, usage, verdict, predicted) in [
+            (p(4), u(64, 36), Verdict::Exact, 64),
+            // 64 tokens all matched: the engine computes the last token, so its last block.
+            (p(4), u(48, 16), Verdict::Exact, 48),
+            (p(4), u(32, 68), Verdict::Over, 64),
+            (p(0), u(16, 84), Verdict::Under, 0),
+            // A partial block of cached tokens (an engine that reports tokens) counts whole.
+            (p(2), u(40, 60), Verdict::Exact, 32),
+            (p(0), u(0, 0), Verdict::Exact, 0),
+        ] {
+            let j = pred.judge(&usage).unwrap();
+            assert_eq!(
+                (j.verdict, j.predicted_tokens, j.realised_tokens),
+                (verdict, predicted, usage.hit_tokens),
+                "{pred:?} {usage:?}"
+            );
+        }
+        assert_eq!(
+            Prediction {
+                blocks: 1,
+                block_size: 0
+            }
+            .judge(&u(1, 1)),
+            None
+        );
     }
 
     #[test]
