@@ -5,7 +5,7 @@
 # publisher. Writes docs/bench-ingest.md. Takes a minute or two; run on an otherwise idle machine.
 #
 #   scripts/bench-ingest.sh
-#   KVROUTE_BENCH_ENDPOINTS=16,256,1024 KVROUTE_BENCH_WINDOWS=20 KVROUTE_BENCH_BATCHES=20 scripts/bench-ingest.sh
+#   KVROUTE_BENCH_ENDPOINTS=16,256,1024 KVROUTE_BENCH_WINDOWS=20 KVROUTE_BENCH_BATCHES=50 KVROUTE_BENCH_MIN_EVENTS=2000000 scripts/bench-ingest.sh
 #   KVROUTE_BENCH_OUT=/tmp/ingest.md scripts/bench-ingest.sh
 set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

@@ -562,7 +562,12 @@ pub fn vllm_range64() -> (Vec<u64>, Vec<u32>) {
 
 /// CPU seconds (user + system) `svc` has used so far, from /proc.
 pub fn cpu_secs(svc: &Service) -> f64 {
-    let stat = std::fs::read_to_string(format!("/proc/{}/stat", svc.child.id())).unwrap();
+    pid_cpu_secs(svc.child.id())
+}
+
+/// CPU seconds (user + system) process `pid` has used so far.
+pub fn pid_cpu_secs(pid: u32) -> f64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
     // Fields after the parenthesised command name; utime and stime are the 12th and 13th.
     let rest = &stat[stat.rfind(')').unwrap() + 2..];
     let f: Vec<&str> = rest.split_whitespace().collect();
