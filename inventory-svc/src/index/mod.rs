@@ -103,6 +103,10 @@ pub trait BlockIndex: Send + Sync {
     /// Blocks `ep` really holds (speculative entries excluded).
     fn block_count(&self, ep: EndpointId) -> u64;
 
+    /// [`block_count`](Self::block_count) of every endpoint, read under one lock (a decision
+    /// reads them all); `out` is resized to the endpoint count.
+    fn block_counts(&self, out: &mut Vec<u64>);
+
     /// A page of `ep`'s blocks in table order from position `cursor`, for the inventory API: at
     /// most `limit` blocks, found within a bounded scan (a page may hold fewer, even none, when the
     /// endpoint holds few of the keys). Returns `(position, key)` pairs and the cursor of the next
@@ -325,10 +329,30 @@ impl Tables {
     /// The match of [`BlockIndex::match_prefix`] at width `H`; `out` is zeroed and sized.
     #[inline(always)]
     fn match_keys<H: Holders>(&self, h: &H, keys: &[BlockKey], now: Instant, out: &mut [u32]) {
+        // Two instances of one loop: without live credits (the common case) the loop carries no
+        // credit code at all.
+        if self.spec.is_empty() {
+            self.match_loop(h, keys, out, |_, _, _| {});
+        } else {
+            let mut c = self.spec.cursor(now);
+            self.match_loop(h, keys, out, |i, k, held: &mut H::Set| {
+                c.at(i, k, |e| H::add_ep(held, e));
+            });
+        }
+    }
+
+    /// The match: `credit(i, key, held)` adds the endpoints credited with key `i`.
+    #[inline(always)]
+    fn match_loop<H: Holders>(
+        &self,
+        h: &H,
+        keys: &[BlockKey],
+        out: &mut [u32],
+        mut credit: impl FnMut(usize, u64, &mut H::Set),
+    ) {
         let Some(first) = keys.first() else {
             return;
         };
-        let mut spec = (!self.spec.is_empty()).then(|| self.spec.cursor(now));
         // Misses dominate a cold match: start loading the next keys' slots while working on this one.
         const AHEAD: usize = 32;
         for k in keys.iter().take(AHEAD) {
@@ -337,9 +361,7 @@ impl Tables {
         // Endpoints not holding the first key stay at 0 (`out` starts zeroed).
         let mut alive = H::Set::default();
         h.add_word(&mut alive, self.holders.get(first.0));
-        if let Some(c) = spec.as_mut() {
-            c.at(0, first.0, |e| H::add_ep(&mut alive, e));
-        }
+        credit(0, first.0, &mut alive);
         for (i, k) in keys.iter().enumerate().skip(1) {
             if H::is_empty(&alive) {
                 return;
@@ -349,9 +371,7 @@ impl Tables {
             }
             let mut held = H::Set::default();
             h.add_word(&mut held, self.holders.get(k.0));
-            if let Some(c) = spec.as_mut() {
-                c.at(i, k.0, |e| H::add_ep(&mut held, e));
-            }
+            credit(i, k.0, &mut held);
             H::retain(&mut alive, &held, |e| {
                 if let Some(o) = out.get_mut(e) {
                     *o = i as u32;
@@ -445,6 +465,11 @@ impl BlockIndex for MemIndex {
 
     fn block_count(&self, ep: EndpointId) -> u64 {
         self.read().counts.get(ep.index()).copied().unwrap_or(0)
+    }
+
+    fn block_counts(&self, out: &mut Vec<u64>) {
+        out.clear();
+        out.extend_from_slice(&self.read().counts);
     }
 
     fn export(&self, ep: EndpointId) -> Vec<(Rank, Vec<BlockKey>)> {
