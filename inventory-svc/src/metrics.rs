@@ -203,6 +203,11 @@ pub struct Metrics {
     pub tier15_placements: IntCounter,
     /// Decisions that went elsewhere because the family's remembered home is unhealthy.
     pub tier15_detours: IntCounter,
+    /// Blocks of prefix overlap given away per decision: the best overlap of an eligible healthy
+    /// endpoint minus the chosen endpoint's (the price of load, spill and seeding).
+    pub locality_given_away: Histogram,
+    /// Decisions that gave some overlap away: `reason`.
+    pub locality_given_away_decisions: IntCounterVec,
     pub route_latency: Histogram,
     /// Endpoint picker answers: `outcome` ([`EppOutcome`]).
     pub epp_requests: IntCounterVec,
@@ -362,6 +367,22 @@ impl Metrics {
                 registry.register(Box::new(h.clone()))?;
                 h
             },
+            locality_given_away: {
+                let h = Histogram::with_opts(
+                    HistogramOpts::new(
+                        "kvroute_route_locality_given_away_blocks",
+                        "Per decision: the best prefix overlap (blocks) of an eligible healthy endpoint minus the chosen endpoint's.",
+                    )
+                    .buckets(vec![0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0]),
+                )?;
+                registry.register(Box::new(h.clone()))?;
+                h
+            },
+            locality_given_away_decisions: cv(
+                "kvroute_route_locality_given_away_total",
+                "Decisions sent to an endpoint with less prefix overlap than the best eligible healthy one, by reason.",
+                &["reason"],
+            )?,
             route_latency: {
                 let h = Histogram::with_opts(
                     HistogramOpts::new("kvroute_route_duration_seconds", "Time to answer POST /v1/route.").buckets(vec![

@@ -16,7 +16,9 @@ use kvroute_core::hash::BlockKey;
 use super::rule::RuleRuntime;
 use super::Fleet;
 use crate::index::EndpointId;
-use crate::score::{decide, Decision, EpView, HashRing, Reason, Recall, ScoreInput, Tier, Update};
+use crate::score::{
+    decide, given_away, Decision, EpView, HashRing, Reason, Recall, ScoreInput, Tier, Update,
+};
 
 /// Most keys one request may carry (a 2 MiB body holds fewer anyway).
 pub const MAX_KEYS: usize = 1 << 16;
@@ -96,7 +98,7 @@ impl Fleet {
             settings: s,
         });
         if !q.explain {
-            self.commit(rule, &decision, q.keys, now);
+            self.commit(rule, &decision, &views, q.keys, now);
         }
         let ep = decision.ep.ok_or(RouteError::NoEndpoint)?;
         Ok(Routed {
@@ -115,7 +117,11 @@ impl Fleet {
         only: Option<&[bool]>,
         now: Instant,
     ) -> Vec<EpView> {
+        // Per-rule state is read once for all endpoints (one lock each), not per endpoint: at
+        // 1,024 endpoints the per-endpoint locks were most of a decision.
         let matched = rule.match_prefix(keys, now);
+        let blocks = rule.block_counts();
+        let homed = rule.memory.homed_all(rule.spec.endpoints.len());
         let s = &self.settings;
         let fresh = if s.scrape_interval.is_zero() {
             Duration::ZERO
@@ -132,20 +138,36 @@ impl Fleet {
                 role: e.role,
                 healthy: rt.healthy() && only.is_none_or(|o| o.get(i).copied().unwrap_or(false)),
                 load: rt.load(now, s.inflight_window, fresh),
-                blocks: rule.block_count(EndpointId(i as u16)),
+                blocks: blocks.get(i).copied().unwrap_or(0),
                 matched: matched.get(i).copied().unwrap_or(0),
                 capacity: rule.capacity(i, s.capacity_blocks),
-                homed: rule.memory.homed(i),
+                homed: homed.get(i).copied().unwrap_or(0),
             })
             .collect()
     }
 
     /// Every side effect of a decision (see the module docs).
-    fn commit(&self, rule: &Arc<RuleRuntime>, d: &Decision, keys: &[BlockKey], now: Instant) {
+    fn commit(
+        &self,
+        rule: &Arc<RuleRuntime>,
+        d: &Decision,
+        views: &[EpView],
+        keys: &[BlockKey],
+        now: Instant,
+    ) {
         let m = &self.metrics;
         m.route_decisions
             .with_label_values(&[d.tier.as_str(), d.reason.as_str()])
             .inc();
+        if d.ep.is_some() {
+            let given = given_away(rule.spec.exact_mode, views, d.matched);
+            m.locality_given_away.observe(f64::from(given));
+            if given > 0 {
+                m.locality_given_away_decisions
+                    .with_label_values(&[d.reason.as_str()])
+                    .inc();
+            }
+        }
         match d.reason {
             Reason::Spill => m.tier15_spills.inc(),
             Reason::ColdSeed => m.tier15_cold_seeds.inc(),

@@ -117,6 +117,13 @@ impl RuleRuntime {
         self.index.block_count(ep)
     }
 
+    /// Blocks every endpoint holds, read at once (indexed by endpoint; may be shorter).
+    pub fn block_counts(&self) -> Vec<u64> {
+        let mut out = Vec::new();
+        self.index.block_counts(&mut out);
+        out
+    }
+
     /// One page of endpoint `ep`'s stored blocks from table position `cursor`.
     pub fn blocks(&self, ep: EndpointId, cursor: usize, limit: usize) -> BlockPage {
         self.index.blocks(ep, cursor, limit)

@@ -297,6 +297,14 @@ impl PlacementMemory {
         lock(&self.inner).homed.get(ep).copied().unwrap_or(0)
     }
 
+    /// [`homed`](Self::homed) of endpoints `0..n`, under one lock.
+    pub fn homed_all(&self, n: usize) -> Vec<u64> {
+        let inner = lock(&self.inner);
+        (0..n)
+            .map(|ep| inner.homed.get(ep).copied().unwrap_or(0))
+            .collect()
+    }
+
     /// Live entries (for tests and gauges).
     pub fn len(&self) -> usize {
         lock(&self.inner).map.len()

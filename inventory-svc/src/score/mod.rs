@@ -120,6 +120,20 @@ pub struct Decision {
     pub detour: bool,
 }
 
+/// Blocks of overlap a decision gave away: the best exact overlap among the endpoints the scorer
+/// could pick (healthy; prefill ones in P/D mode) minus the chosen endpoint's credited depth
+/// (`matched`, which includes a remembered home's depth).
+pub fn given_away(mode: KvMode, views: &[EpView], matched: u32) -> u32 {
+    views
+        .iter()
+        .filter(|v| v.healthy)
+        .filter(|v| mode != KvMode::PrefillDecode || v.role == Some(EndpointRole::Prefill))
+        .map(|v| v.matched)
+        .max()
+        .unwrap_or(0)
+        .saturating_sub(matched)
+}
+
 /// The per-endpoint cap: `max(1, ceil(mlf * total * w / (100 * sum_w)))`.
 pub fn cap_for(total_load: u64, weight: u32, sum_w: u64, mlf: u32) -> u64 {
     let num = u128::from(mlf) * u128::from(total_load) * u128::from(weight);
@@ -520,6 +534,41 @@ mod tests {
             matched,
             capacity: 0,
             homed: 0,
+        }
+    }
+
+    #[test]
+    fn given_away_is_best_eligible_overlap_minus_chosen() {
+        let down = EpView {
+            healthy: false,
+            ..ep(9, 0)
+        };
+        let prefill = EpView {
+            role: Some(EndpointRole::Prefill),
+            ..ep(3, 0)
+        };
+        let decode = EpView {
+            role: Some(EndpointRole::Decode),
+            ..ep(8, 0)
+        };
+        let single = KvMode::SinglePool;
+        let pd = KvMode::PrefillDecode;
+        for (mode, eps, chosen, want) in [
+            (single, vec![ep(5, 0), ep(2, 0)], 5, 0),
+            (single, vec![ep(5, 0), ep(2, 0)], 2, 3),
+            // An unhealthy endpoint's overlap was never available.
+            (single, vec![down, ep(2, 0)], 2, 0),
+            // A remembered home credited past its exact match gives nothing away.
+            (single, vec![ep(4, 0), ep(0, 0)], 6, 0),
+            // P/D: only prefill endpoints are scored for overlap.
+            (pd, vec![prefill, decode], 1, 2),
+            (single, vec![], 0, 0),
+        ] {
+            assert_eq!(
+                given_away(mode, &eps, chosen),
+                want,
+                "{mode:?} {eps:?} {chosen}"
+            );
         }
     }
 
