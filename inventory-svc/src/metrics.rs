@@ -287,6 +287,12 @@ impl Metrics {
             registry.register(Box::new(c.clone()))?;
             Ok(c)
         };
+        let h =
+            |name: &str, help: &str, buckets: Vec<f64>| -> Result<Histogram, prometheus::Error> {
+                let h = Histogram::with_opts(HistogramOpts::new(name, help).buckets(buckets))?;
+                registry.register(Box::new(h.clone()))?;
+                Ok(h)
+            };
         let m = Metrics {
             events: cv("kvroute_ingest_events_total", "KV events applied, by engine and event type.", &["engine", "type"])?,
             non_gpu_blocks: cv(
@@ -354,44 +360,26 @@ impl Metrics {
                 "Served-endpoint reports from the proxy: the picked endpoint or another (a retry or fallback).",
                 &["outcome"],
             )?,
-            epp_latency: {
-                let h = Histogram::with_opts(
-                    HistogramOpts::new(
-                        "kvroute_epp_decision_duration_seconds",
-                        "Time the endpoint picker holds a request: from the end of its body to the answer (tokenization included).",
-                    )
-                    .buckets(vec![
-                        0.000_05, 0.000_1, 0.000_25, 0.000_5, 0.001, 0.002_5, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
-                    ]),
-                )?;
-                registry.register(Box::new(h.clone()))?;
-                h
-            },
-            locality_given_away: {
-                let h = Histogram::with_opts(
-                    HistogramOpts::new(
-                        "kvroute_route_locality_given_away_blocks",
-                        "Per decision: the best prefix overlap (blocks) of an eligible healthy endpoint minus the chosen endpoint's.",
-                    )
-                    .buckets(vec![0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0]),
-                )?;
-                registry.register(Box::new(h.clone()))?;
-                h
-            },
+            epp_latency: h(
+                "kvroute_epp_decision_duration_seconds",
+                "Time the endpoint picker holds a request: from the end of its body to the answer (tokenization included).",
+                vec![0.000_05, 0.000_1, 0.000_25, 0.000_5, 0.001, 0.002_5, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25],
+            )?,
+            locality_given_away: h(
+                "kvroute_route_locality_given_away_blocks",
+                "Per decision: the best prefix overlap (blocks) of an eligible healthy endpoint minus the chosen endpoint's.",
+                vec![0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0],
+            )?,
             locality_given_away_decisions: cv(
                 "kvroute_route_locality_given_away_total",
                 "Decisions sent to an endpoint with less prefix overlap than the best eligible healthy one, by reason.",
                 &["reason"],
             )?,
-            route_latency: {
-                let h = Histogram::with_opts(
-                    HistogramOpts::new("kvroute_route_duration_seconds", "Time to answer POST /v1/route.").buckets(vec![
-                        0.000_005, 0.000_01, 0.000_02, 0.000_05, 0.000_1, 0.000_25, 0.000_5, 0.001, 0.005, 0.025, 0.1,
-                    ]),
-                )?;
-                registry.register(Box::new(h.clone()))?;
-                h
-            },
+            route_latency: h(
+                "kvroute_route_duration_seconds",
+                "Time to answer POST /v1/route.",
+                vec![0.000_005, 0.000_01, 0.000_02, 0.000_05, 0.000_1, 0.000_25, 0.000_5, 0.001, 0.005, 0.025, 0.1],
+            )?,
             endpoint_healthy: gv("kvroute_endpoint_healthy", "1 when the endpoint's active health check passes.", &["rule", "ep"])?,
             endpoint_scraped_load: gv(
                 "kvroute_endpoint_scraped_load",
@@ -413,17 +401,11 @@ impl Metrics {
                 "Replication log entries by direction (sent, applied, dropped, undecodable).",
                 &["direction"],
             )?,
-            repl_lag_seconds: {
-                let h = Histogram::with_opts(
-                    HistogramOpts::new(
-                        "kvroute_replication_lag_seconds",
-                        "Age of a replication log entry when this replica applied it.",
-                    )
-                    .buckets(vec![0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0]),
-                )?;
-                registry.register(Box::new(h.clone()))?;
-                h
-            },
+            repl_lag_seconds: h(
+                "kvroute_replication_lag_seconds",
+                "Age of a replication log entry when this replica applied it.",
+                vec![0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0],
+            )?,
             repl_lag_entries: {
                 let g = IntGauge::new(
                     "kvroute_replication_lag_entries",
