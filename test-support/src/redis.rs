@@ -105,31 +105,8 @@ impl RedisCluster {
             dir,
         };
         for _ in 0..2 * masters {
-            let (port, bus) = (free_port()?, free_port()?);
-            let data = c.dir.path().join(port.to_string());
-            std::fs::create_dir_all(&data)?;
-            let mut cmd = Command::new("redis-server");
-            cmd.args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
-                .args(["--cluster-enabled", "yes"])
-                .args(["--cluster-port", &bus.to_string()])
-                .args(["--cluster-config-file", "nodes.conf"])
-                .args(["--cluster-node-timeout", &node_timeout_ms.to_string()])
-                .args(["--save", "", "--appendonly", "no"])
-                .arg("--dir")
-                .arg(&data);
-            let log = data.join("redis.log");
-            let child = ChildGuard::spawn(&format!("redis-server :{port}"), cmd, &log)
-                .context("redis-server (install it: apt-get install redis-server)")?;
-            c.nodes.push(ClusterNode {
-                child: Some(child),
-                port,
-            });
-        }
-        for i in 0..c.nodes.len() {
-            let what = format!("cluster node {} to answer PING", c.nodes[i].port);
-            wait_until_blocking(&what, Duration::from_secs(10), || {
-                c.cli(i, &["PING"]).trim() == "PONG"
-            })?;
+            let node = c.start_node(node_timeout_ms)?;
+            c.nodes.push(node);
         }
         let mut create = Command::new("redis-cli");
         create.arg("--cluster").arg("create");
@@ -164,6 +141,61 @@ impl RedisCluster {
             Ok(Probe::from(synced))
         })?;
         Ok(c)
+    }
+
+    /// Starts one cluster node on free ports and waits until it answers PING. A free port can be
+    /// taken by another process before the node binds it (an outgoing connection of a test running
+    /// beside this one), so a node that exits or stays silent is started again on new ports, up to
+    /// three times; the error names each attempt with its log tail.
+    fn start_node(&self, node_timeout_ms: u64) -> Result<ClusterNode> {
+        let mut attempts = Vec::new();
+        for _ in 0..3 {
+            let (port, bus) = (free_port()?, free_port()?);
+            if port == bus {
+                continue;
+            }
+            let data = self.dir.path().join(port.to_string());
+            std::fs::create_dir_all(&data)?;
+            let mut cmd = Command::new("redis-server");
+            cmd.args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
+                .args(["--cluster-enabled", "yes"])
+                .args(["--cluster-port", &bus.to_string()])
+                .args(["--cluster-config-file", "nodes.conf"])
+                .args(["--cluster-node-timeout", &node_timeout_ms.to_string()])
+                .args(["--save", "", "--appendonly", "no"])
+                .arg("--dir")
+                .arg(&data);
+            let log = data.join("redis.log");
+            let mut child = ChildGuard::spawn(&format!("redis-server :{port}"), cmd, &log)
+                .context("redis-server (install it: apt-get install redis-server)")?;
+            let up = Poll::new(
+                format!("cluster node {port} to answer PING"),
+                Duration::from_secs(10),
+            )
+            .until_blocking(|| {
+                if child.exited().is_some() {
+                    return Ok(Probe::Ready(false));
+                }
+                Ok(match cli_port(port, &["PING"]).trim() == "PONG" {
+                    true => Probe::Ready(true),
+                    false => Probe::Pending(String::new()),
+                })
+            });
+            match up {
+                Ok(true) => {
+                    return Ok(ClusterNode {
+                        child: Some(child),
+                        port,
+                    })
+                }
+                Ok(false) => attempts.push(format!(":{port} exited\n{}", child.log_tail(10))),
+                Err(e) => attempts.push(format!(":{port}: {e}\n{}", child.log_tail(10))),
+            }
+        }
+        anyhow::bail!(
+            "no cluster node came up in 3 attempts:\n{}",
+            attempts.join("\n")
+        )
     }
 
     /// `redis://127.0.0.1:<port>` of every node, comma-separated (seed nodes for a client).
@@ -260,12 +292,7 @@ impl RedisCluster {
 
     /// One `redis-cli` command's output on node `i` ("" when it is down).
     pub fn cli(&self, i: usize, args: &[&str]) -> String {
-        Command::new("redis-cli")
-            .args(["-p", &self.nodes[i].port.to_string()])
-            .args(args)
-            .output()
-            .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
-            .unwrap_or_default()
+        cli_port(self.nodes[i].port, args)
     }
 
     /// Every node in `nodes` reports `cluster_state:ok`.
@@ -281,4 +308,14 @@ impl RedisCluster {
             })
         })
     }
+}
+
+/// One `redis-cli` command's output against the server on `port` ("" when it is down).
+fn cli_port(port: u16, args: &[&str]) -> String {
+    Command::new("redis-cli")
+        .args(["-p", &port.to_string()])
+        .args(args)
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+        .unwrap_or_default()
 }
