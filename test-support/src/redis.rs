@@ -61,12 +61,7 @@ impl Redis {
 
     /// One `redis-cli` command's output ("" when the server is down).
     pub fn cli(&self, args: &[&str]) -> String {
-        Command::new("redis-cli")
-            .args(["-p", &self.port.to_string()])
-            .args(args)
-            .output()
-            .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
-            .unwrap_or_default()
+        cli_port(self.port, args)
     }
 }
 

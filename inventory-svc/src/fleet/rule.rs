@@ -181,14 +181,15 @@ impl RuleRuntime {
     /// Refreshes the per-endpoint placement gauges (capacity and homed blocks).
     pub fn publish_placement_gauges(&self, m: &Metrics, default_capacity: u64) {
         let name = self.spec.name();
-        for i in 0..self.eps.len() {
+        let homed = self.memory.homed_all(self.eps.len());
+        for (i, homed) in homed.into_iter().enumerate() {
             let ep = i.to_string();
             m.endpoint_capacity_blocks
                 .with_label_values(&[&name, &ep])
                 .set(i64::try_from(self.capacity(i, default_capacity)).unwrap_or(i64::MAX));
             m.endpoint_homed_blocks
                 .with_label_values(&[&name, &ep])
-                .set(i64::try_from(self.memory.homed(i)).unwrap_or(i64::MAX));
+                .set(i64::try_from(homed).unwrap_or(i64::MAX));
         }
     }
 }

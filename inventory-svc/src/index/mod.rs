@@ -104,7 +104,8 @@ pub trait BlockIndex: Send + Sync {
     fn block_count(&self, ep: EndpointId) -> u64;
 
     /// [`block_count`](Self::block_count) of every endpoint, read under one lock (a decision
-    /// reads them all); `out` is resized to the endpoint count.
+    /// reads them all), indexed by endpoint; `out` may be shorter than the rule's endpoint list
+    /// (endpoints past its end hold nothing).
     fn block_counts(&self, out: &mut Vec<u64>);
 
     /// A page of `ep`'s blocks in table order from position `cursor`, for the inventory API: at
@@ -822,6 +823,12 @@ mod tests {
             assert_eq!(ix.block_count(EndpointId(e)), 4);
         }
         assert_eq!(ix.block_count(EndpointId(1000)), 2);
+        let mut counts = Vec::new();
+        ix.block_counts(&mut counts);
+        assert_eq!(counts.len(), 1001);
+        assert!(counts[..64].iter().all(|&n| n == 4));
+        assert!(counts[64..1000].iter().all(|&n| n == 0));
+        assert_eq!(counts[1000], 2);
         assert_eq!(all_blocks(&ix, EndpointId(1000)), k(&[1, 2]));
     }
 
