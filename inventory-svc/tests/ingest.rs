@@ -5,9 +5,11 @@
 mod common;
 
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use bytes::Bytes;
 use common::*;
+use kvroute_test_support::{Poll, Probe};
 use serde_json::{json, Value};
 use zeromq::{RouterSocket, Socket, SocketRecv, SocketSend, ZmqMessage};
 
@@ -190,6 +192,43 @@ async fn bound_subscribers_take_engines_that_connect() {
         (connected(&hz, 0), connected(&hz, 1)),
         (json!([true]), json!([true])),
         "{hz}"
+    );
+}
+
+/// A bound subscriber outlives an idle engine: silence marks it not connected, and the next
+/// batch from the same publisher is applied (the crate keeps a bound port after its socket is
+/// dropped, so a session that ended on silence could never bind it again).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bound_subscribers_keep_taking_events_after_an_idle_period() {
+    let port = free_port().unwrap();
+    let eps = [("127.0.0.1".into(), 9)];
+    let mut r = rule(8080, "vllm", 5557, &eps, json!({"kvZmqBind": true}));
+    r["endpoints"][0]["kvZmqEndpoint"] = json!(format!("tcp://127.0.0.1:{port}"));
+    let svc = Service::start(
+        "zmq-bind-idle",
+        &json!([r]),
+        &[("KVROUTE_ZMQ_IDLE_RECONNECT_MS", "300")],
+    );
+    let mut p = Publisher::connect(&format!("tcp://127.0.0.1:{port}")).await;
+    let stored_one = batch(vec![stored(&[0xC1], &[], false)]);
+    publish_until_seen(&svc, &mut p, RULE, 0, 0xC1, &stored_one).await;
+    let connected =
+        async || svc.get_json("/healthz").await["rules"][0]["endpoints"][0]["connected"].clone();
+    Poll::new(
+        "the idle period to mark the endpoint not connected",
+        Duration::from_secs(10),
+    )
+    .every(Duration::from_millis(50))
+    .until(async || Ok(Probe::from(connected().await == json!([false]))))
+    .await
+    .unwrap();
+    let stored_two = batch(vec![stored(&[0xC2], &[], false)]);
+    publish_until_seen(&svc, &mut p, RULE, 0, 0xC2, &stored_two).await;
+    assert_eq!(connected().await, json!([true]));
+    assert!(
+        !svc.stderr().contains("Address already in use"),
+        "{}",
+        svc.stderr()
     );
 }
 

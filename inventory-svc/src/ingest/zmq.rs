@@ -13,9 +13,13 @@
 //! is a rewind: clear, then follow the new run.
 //!
 //! The `zeromq` crate neither reconnects nor reports a dropped publisher (its SUB silently forgets
-//! the peer) and may panic on unexpected frames, so a session runs in its own task and ends after
-//! `KVROUTE_ZMQ_IDLE_RECONNECT_MS` of silence; the next session reconnects (waiting for the
-//! engine to come back), and a restarted engine is then recognised by its sequence.
+//! the peer) and may panic on unexpected frames, so a session runs in its own task and, when it
+//! connects, ends after `KVROUTE_ZMQ_IDLE_RECONNECT_MS` of silence; the next session reconnects
+//! (waiting for the engine to come back), and a restarted engine is then recognised by its
+//! sequence. A bound session never ends on silence: the engine's publisher reconnects to the
+//! address by itself, and the crate does not release a bound port when its socket is dropped,
+//! so binding again would fail and lose every later event. Silence only marks it not connected
+//! until the next message or attach.
 
 use std::time::Duration;
 
@@ -111,9 +115,9 @@ fn bytes_key(engine: Engine) -> BytesKey {
 
 /// One connection; returns the publisher state and how the session ended. Connects to the
 /// engine's publisher, or with `kvZmqBind` binds the address the engine's publisher connects to;
-/// bound, "connected" means an engine attached (the crate reports attaching but not leaving, so
-/// a departed engine shows as silence: the session ends after the idle period and binds again,
-/// and the engine's publisher reconnects on its own).
+/// bound, "connected" means an engine attached or sent within the idle period (the crate reports
+/// attaching but not leaving, so a departed engine shows as silence; the bound socket stays and
+/// the engine's publisher reconnects to it on its own).
 async fn session(feed: Feed, mut p: Pub, cancel: CancellationToken) -> (Pub, End) {
     let Some(addr) = feed.event_addr().map(|a| a.to_string()) else {
         return (p, End::Failed("no event address for this rank".into()));
@@ -154,7 +158,12 @@ async fn session(feed: Feed, mut p: Pub, cancel: CancellationToken) -> (Pub, End
             biased;
             _ = cancel.cancelled() => return (p, End::Cancelled),
             msg = sock.recv() => match msg {
-                Ok(m) => handle(&feed, &mut p, m).await,
+                Ok(m) => {
+                    if bind {
+                        feed.set_connected(true);
+                    }
+                    handle(&feed, &mut p, m).await
+                }
                 Err(e) => return (p, End::Failed(format!("recv {addr}: {e}"))),
             },
             ev = async {
@@ -169,7 +178,9 @@ async fn session(feed: Feed, mut p: Pub, cancel: CancellationToken) -> (Pub, End
             },
             _ = silence => {
                 feed.set_connected(false);
-                return (p, End::Idle);
+                if !bind {
+                    return (p, End::Idle);
+                }
             }
         }
     }
