@@ -191,8 +191,9 @@ pub const ZMQ_IDLE_RECONNECT_MS: Setting = Setting::int(
     "KVROUTE_ZMQ_IDLE_RECONNECT_MS",
     (0, 3_600_000),
     30_000,
-    "a subscriber silent this long reconnects, 0 disables; the `zeromq` crate neither reports nor \
-     repairs a dropped publisher, so silence is how an engine restart is noticed",
+    "a connecting subscriber silent this long reconnects (a bound one stays bound and only shows \
+     not connected), 0 disables; the `zeromq` crate neither reports nor repairs a dropped \
+     publisher, so silence is how an engine restart is noticed",
 );
 
 pub const REDIS_URL: Setting = Setting::text(
