@@ -4,6 +4,8 @@
 //! Strategies:
 //! * `round-robin`: the driver rotates over the simulators.
 //! * `sticky`: jump consistent hash of the tenant (what a tenant-affinity load balancer does).
+//! * `partition`: shared prefix g on endpoint g mod n, a static partition of the prompts that
+//!   needs to know the workload (the bar a cache-aware router should reach without knowing it).
 //! * `oracle`: asks every simulator how many leading blocks of this request it holds
 //!   (`POST /debug/cache/match`) and picks the longest match, least loaded on ties.
 //! * `kvroute-engine`, `kvroute-tokens`: the driver tokenizes and hashes like the filter (engine
@@ -14,7 +16,9 @@
 //!   which proxies to the simulator it chooses.
 //!
 //! The serving simulator is read from the `x-kvroute-sim` header, or from the chunks'
-//! `system_fingerprint` (the simulator's name) when a proxy drops the header.
+//! `system_fingerprint` (the simulator's name) when a proxy drops the header. Real engines send
+//! neither: every request carries an `x-request-id` ([`Record::request_id`]), which vLLM logs
+//! with `--enable-log-requests`, and [`attribute_from_logs`] reads the engines' logs afterwards.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -39,6 +43,8 @@ pub enum Strategy {
     RoundRobin,
     /// Consistent hash of the tenant.
     Sticky,
+    /// Shared prefix g on endpoint g mod n.
+    Partition,
     /// Longest cached prefix, from the simulators themselves.
     Oracle,
     /// kvroute inventory, engine keys.
@@ -53,9 +59,10 @@ pub enum Strategy {
 
 impl Strategy {
     /// Every strategy, in report order.
-    pub const ALL: [Strategy; 7] = [
+    pub const ALL: [Strategy; 8] = [
         Strategy::RoundRobin,
         Strategy::Sticky,
+        Strategy::Partition,
         Strategy::KvrouteEngine,
         Strategy::KvrouteTokens,
         Strategy::SglangRouter,
@@ -68,6 +75,7 @@ impl Strategy {
         match self {
             Strategy::RoundRobin => "round-robin",
             Strategy::Sticky => "sticky",
+            Strategy::Partition => "partition",
             Strategy::Oracle => "oracle",
             Strategy::KvrouteEngine => "kvroute-engine",
             Strategy::KvrouteTokens => "kvroute-tokens",
@@ -96,6 +104,8 @@ pub struct Record {
     pub group: usize,
     /// Turn within the session.
     pub turn: usize,
+    /// The `x-request-id` sent with the request (unique per run and request).
+    pub request_id: String,
     /// Simulator that served (`x-kvroute-sim`).
     pub served_by: Option<String>,
     /// `usage.prompt_tokens`.
@@ -201,7 +211,7 @@ impl Router {
         self.rr.fetch_add(1, Ordering::Relaxed) % n.max(1)
     }
 
-    async fn pick(&self, body: &Value, tenant: &str) -> anyhow::Result<Pick> {
+    async fn pick(&self, body: &Value, tenant: &str, group: usize) -> anyhow::Result<Pick> {
         let n = self.sims.len();
         let simple = |i: usize| Pick {
             url: self.sims[i].clone(),
@@ -214,6 +224,7 @@ impl Router {
                 xxhash_rust::xxh3::xxh3_64(tenant.as_bytes()),
                 n,
             ))),
+            Strategy::Partition => Ok(simple(group % n)),
             Strategy::Gateway => {
                 if self.gateways.is_empty() {
                     bail!("strategy gateway needs --gateway URL");
@@ -335,10 +346,16 @@ struct Outcome {
     ttft: Duration,
 }
 
-async fn send(http: &reqwest::Client, url: &str, body: &Value) -> anyhow::Result<Outcome> {
+async fn send(
+    http: &reqwest::Client,
+    url: &str,
+    body: &Value,
+    request_id: &str,
+) -> anyhow::Result<Outcome> {
     let t = Instant::now();
     let mut resp = http
         .post(format!("{url}/v1/chat/completions"))
+        .header("x-request-id", request_id)
         .json(body)
         .timeout(Duration::from_secs(120))
         .send()
@@ -397,13 +414,73 @@ async fn send(http: &reqwest::Client, url: &str, body: &Value) -> anyhow::Result
     Ok(out)
 }
 
-/// Runs every session through `router`, at most `concurrency` requests in flight.
+/// The prefix of every request id the driver sends; [`attribute_from_logs`] looks for it.
+const REQUEST_ID_PREFIX: &str = "kvb-";
+
+/// A request id unique to this process, run and request: `kvb-<pid>x<run>x<session>x<turn>`.
+/// Digits and `x` only, so it ends where an engine appends its own suffix or punctuation.
+pub fn request_id(run: u64, session: usize, turn: usize) -> String {
+    format!(
+        "{REQUEST_ID_PREFIX}{}x{run}x{session}x{turn}",
+        std::process::id()
+    )
+}
+
+/// Request ids found in `log` (every `kvb-<digits and x>` token), each once.
+pub fn request_ids_in(log: &str) -> std::collections::HashSet<&str> {
+    let mut out = std::collections::HashSet::new();
+    let mut rest = log;
+    while let Some(at) = rest.find(REQUEST_ID_PREFIX) {
+        let tail = &rest[at..];
+        let len = REQUEST_ID_PREFIX.len()
+            + tail[REQUEST_ID_PREFIX.len()..]
+                .bytes()
+                .take_while(|b| b.is_ascii_digit() || *b == b'x')
+                .count();
+        if len > REQUEST_ID_PREFIX.len() {
+            out.insert(&tail[..len]);
+        }
+        rest = &tail[len..];
+    }
+    out
+}
+
+/// Sets every record's `served_by` from the engines' request logs: `logs[i]` is the text of the
+/// log of the engine named `names[i]` (vLLM's `--enable-log-requests` logs every request id it
+/// receives). The logs decide, over any name the response carried (vLLM's `system_fingerprint`
+/// names its version, the same on every engine); a request id found in no log or in two is
+/// left unattributed.
+pub fn attribute_from_logs(records: &mut [Record], names: &[String], logs: &[String]) {
+    let mut owner: HashMap<&str, Option<usize>> = HashMap::new();
+    for (i, log) in logs.iter().enumerate() {
+        for id in request_ids_in(log) {
+            owner
+                .entry(id)
+                .and_modify(|o| {
+                    if *o != Some(i) {
+                        *o = None
+                    }
+                })
+                .or_insert(Some(i));
+        }
+    }
+    for r in records.iter_mut() {
+        r.served_by = match owner.get(r.request_id.as_str()) {
+            Some(Some(i)) => names.get(*i).cloned(),
+            _ => None,
+        };
+    }
+}
+
+/// Runs every session through `router`, at most `concurrency` requests in flight. `run_seq`
+/// makes the request ids of this run differ from every other run of the process.
 pub async fn run(
     router: Arc<Router>,
     sessions: Vec<Session>,
     shape: &Shape,
     model: &str,
     concurrency: usize,
+    run_seq: u64,
 ) -> (Vec<Record>, Duration) {
     let sem = Arc::new(Semaphore::new(concurrency.max(1)));
     let records = Arc::new(Mutex::new(Vec::new()));
@@ -423,14 +500,14 @@ pub async fn run(
                 let Ok(permit) = sem.acquire().await else { return };
                 let t = Instant::now();
                 let mut rec = Record {
-                    session: idx, group: s.group, turn, served_by: None, prompt_tokens: 0, cached_tokens: 0,
+                    session: idx, group: s.group, turn, request_id: request_id(run_seq, idx, turn), served_by: None, prompt_tokens: 0, cached_tokens: 0,
                     ttft_ms: 0.0, latency_ms: 0.0, route_ms: None, reason: None, error: None,
                 };
-                let result = match router.pick(&body, &s.tenant).await {
+                let result = match router.pick(&body, &s.tenant, s.group).await {
                     Ok(p) => {
                         rec.route_ms = p.route.map(|d| d.as_secs_f64() * 1e3);
                         rec.reason = p.reason;
-                        send(&router.http, &p.url, &body).await
+                        send(&router.http, &p.url, &body, &rec.request_id).await
                     }
                     Err(e) => Err(e),
                 };
@@ -474,6 +551,44 @@ pub fn contract_for(strategy: Strategy, engine: HashContract) -> HashContract {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn request_ids_are_found_in_engine_logs_and_attribute_records() {
+        let a = request_id(3, 1, 0);
+        let b = request_id(3, 2, 1);
+        let c = request_id(3, 4, 2);
+        assert_ne!(a, request_id(4, 1, 0), "runs differ");
+        // vLLM's line, an id followed by an engine suffix, and an id logged by both engines.
+        let log0 =
+            format!("INFO Received request chatcmpl-{a}: params: ...\nrequest {c}-9f3e done\n");
+        let log1 = format!("INFO Received request chatcmpl-{b}: params\n{c}\nkvb- kvb-x");
+        assert_eq!(request_ids_in(&log0).len(), 2);
+        assert!(request_ids_in(&log1).contains(b.as_str()));
+        let rec = |id: &str, by: Option<&str>| Record {
+            session: 0,
+            group: 0,
+            turn: 0,
+            request_id: id.into(),
+            served_by: by.map(str::to_string),
+            prompt_tokens: 0,
+            cached_tokens: 0,
+            ttft_ms: 0.0,
+            latency_ms: 0.0,
+            route_ms: None,
+            reason: None,
+            error: None,
+        };
+        let mut records = vec![
+            rec(&a, None),
+            rec(&b, Some("vllm-0.28.0-e74e3128")),
+            rec(&c, Some("vllm-0.28.0-e74e3128")),
+            rec(&a, Some("vllm-0.28.0-e74e3128")),
+        ];
+        let names = vec!["e0".to_string(), "e1".to_string()];
+        attribute_from_logs(&mut records, &names, &[log0, log1]);
+        let by: Vec<_> = records.iter().map(|r| r.served_by.as_deref()).collect();
+        assert_eq!(by, [Some("e0"), Some("e1"), None, Some("e0")]);
+    }
 
     #[test]
     fn jump_hash_is_stable_and_spread() {

@@ -47,8 +47,9 @@ pub struct BenchArgs {
     /// Comma-separated: multi-turn, doc-qa, one-shot, hot-prefix.
     #[arg(long, default_value = "multi-turn,doc-qa,one-shot,hot-prefix")]
     pub workloads: String,
-    /// Comma-separated: round-robin, sticky, kvroute-engine, kvroute-tokens, sglang-router,
-    /// gateway, oracle. Default: all but sglang-router and gateway (gateway when --gateway is given).
+    /// Comma-separated: round-robin, sticky, partition, kvroute-engine, kvroute-tokens,
+    /// sglang-router, gateway, oracle. Default: all but partition, sglang-router and gateway
+    /// (gateway when --gateway is given).
     #[arg(long)]
     pub strategies: Option<String>,
     /// Comma-separated endpoint counts (the scale curve), e.g. 4,8,16 (default: 2 for the
@@ -116,6 +117,11 @@ pub struct BenchArgs {
     /// Use running simulators (comma-separated base URLs) instead of starting them.
     #[arg(long)]
     pub sims: Option<String>,
+    /// Engine request logs, comma-separated, one per `--sims` URL in the same order: requests
+    /// whose response names no simulator are attributed to the engine that logged their
+    /// `x-request-id` (real vLLM with `--enable-log-requests`).
+    #[arg(long)]
+    pub engine_logs: Option<String>,
     /// Gateway base URLs (Envoy + filter), comma-separated; enables the gateway strategy.
     #[arg(long)]
     pub gateway: Option<String>,
@@ -318,7 +324,7 @@ pub async fn main(args: BenchArgs) -> anyhow::Result<Vec<Summary>> {
         None => Strategy::ALL
             .into_iter()
             .filter(|s| *s != Strategy::Gateway || args.gateway.is_some())
-            .filter(|s| *s != Strategy::SglangRouter)
+            .filter(|s| !matches!(s, Strategy::SglangRouter | Strategy::Partition))
             .collect(),
     };
     let default_endpoints = if args.preset == "constrained" {
@@ -394,8 +400,17 @@ pub async fn main(args: BenchArgs) -> anyhow::Result<Vec<Summary>> {
                 .collect()
         })
         .unwrap_or_default();
+    let engine_logs: Vec<PathBuf> = args
+        .engine_logs
+        .as_ref()
+        .map(|s| s.split(',').map(|p| PathBuf::from(p.trim())).collect())
+        .unwrap_or_default();
+    if !engine_logs.is_empty() && given_sims.as_ref().map(Vec::len) != Some(engine_logs.len()) {
+        bail!("--engine-logs: give one log per --sims URL, in the same order");
+    }
     let http = reqwest::Client::new();
     let tmp = std::env::temp_dir();
+    let mut run_seq = 0u64;
 
     let mut summaries: Vec<Summary> = Vec::new();
     let mut all_records: Vec<serde_json::Value> = Vec::new();
@@ -496,14 +511,31 @@ pub async fn main(args: BenchArgs) -> anyhow::Result<Vec<Summary>> {
                     });
                     _inventory = Some(inv);
                 }
-                let (records, wall) = driver::run(
+                run_seq += 1;
+                let (mut records, wall) = driver::run(
                     Arc::new(router),
                     sessions.clone(),
                     &shape,
                     &args.model,
                     concurrency,
+                    run_seq,
                 )
                 .await;
+                if !engine_logs.is_empty() {
+                    let logs = engine_logs
+                        .iter()
+                        .map(|p| {
+                            std::fs::read(p)
+                                .map(|b| String::from_utf8_lossy(&b).into_owned())
+                                .with_context(|| format!("--engine-logs: read {}", p.display()))
+                        })
+                        .collect::<anyhow::Result<Vec<_>>>()?;
+                    let names: Vec<String> = urls
+                        .iter()
+                        .map(|u| u.trim_start_matches("http://").to_string())
+                        .collect();
+                    driver::attribute_from_logs(&mut records, &names, &logs);
+                }
                 let s =
                     report::summarize(kind.as_str(), strategy.as_str(), urls.len(), &records, wall);
                 if strategy == Strategy::RoundRobin {

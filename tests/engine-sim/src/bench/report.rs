@@ -174,6 +174,7 @@ mod tests {
             session: 0,
             group,
             turn: 0,
+            request_id: String::new(),
             served_by: Some(sim.into()),
             prompt_tokens: p,
             cached_tokens: c,
