@@ -10,8 +10,10 @@ does not have the expected shape.
 
 usage: local_envoy.py SRC DST --wasm PATH --rule RULE --listen PORT --admin PORT
                       --inventory PORT --sims IP[:PORT][,...] [--sim-port PORT] [--timeout-ms MS]
+                      [--no-filter]
 
-A simulator given without its port listens on --sim-port. The scripts (stack.sh, bench_gateways.sh)
+A simulator given without its port listens on --sim-port. --no-filter drops the Wasm filter and
+nothing else: Envoy alone, the baseline the real-vLLM bench measures kvroute's added latency against. The scripts (stack.sh, bench_gateways.sh)
 and the end-to-end test of the whole stack (tests/tests/stack_e2e.rs) write their configs with it.
 """
 
@@ -52,6 +54,11 @@ def render(src: str, a: argparse.Namespace) -> str:
         for ip, _, port in sims
     )
     y = y[: m.start(2)] + eps + y[m.end(2) :]
+    if a.no_filter:
+        w = re.search(r"\n( *)- name: envoy\.filters\.http\.wasm\n(?:\1  [^\n]*\n|\1 *#[^\n]*\n)+", y)
+        if not w:
+            sys.exit("local_envoy.py: no envoy.filters.http.wasm entry to drop")
+        y = y[: w.start() + 1] + y[w.end() :]
     if "10.0.0." in y:
         sys.exit("local_envoy.py: an example address was not rewritten (the shipped file changed?)")
     return y
@@ -65,6 +72,7 @@ def main() -> None:
         p.add_argument(flag, required=True)
     p.add_argument("--sim-port")
     p.add_argument("--timeout-ms", default="25")
+    p.add_argument("--no-filter", action="store_true")
     a = p.parse_args()
     with open(a.src) as f:
         text = render(f.read(), a)

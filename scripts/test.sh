@@ -18,6 +18,12 @@ step() {
 
 step "setup"
 ./scripts/setup.sh
+# The real-engine test (tests/tests/real_vllm.rs) runs against real vLLM engines only when asked:
+# installing vLLM downloads about 3 GB once.
+if [[ "${KVROUTE_REAL_VLLM:-}" == 1 ]]; then
+    step "installing vLLM (KVROUTE_REAL_VLLM=1)"
+    ./scripts/setup-vllm.sh
+fi
 step "building the filter .wasm"
 ./scripts/build-wasm.sh
 # shellcheck source=/dev/null

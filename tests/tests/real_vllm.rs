@@ -1,0 +1,398 @@
+//! Two real vLLM engines (CPU, `scripts/vllm-engine.sh`: dummy-weight Qwen3 with the real
+//! tokenizer, sha256_cbor, block 16) behind the shipped `envoy/envoy.yaml` with the filter, and
+//! the inventory binding one ZMQ SUB per engine (`kvZmqBind`), which each engine's publisher
+//! connects to.
+//!
+//! Asserts on the engines' own output: parity (the inventory's check of every BlockStored against
+//! its own keys says `match`), the inventory filling with the engine's blocks, a conversation
+//! sticking to the engine that holds it with the reuse the filter predicted (to the token), and a
+//! killed engine's conversation answered by the other one.
+//!
+//! Runs only with `KVROUTE_REAL_VLLM=1` (then `./scripts/test.sh` installs vLLM first, about
+//! 3 GB once); otherwise it says so and passes.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::net::{SocketAddr, TcpListener};
+use std::os::unix::process::CommandExt;
+use std::process::Command;
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use kvroute_test_support::{Poll, Probe};
+use kvroute_tests::harness::{self, ChildGuard, Envoy, TempDir};
+use serde_json::{json, Value};
+
+const MODEL: &str = "Qwen/Qwen3-0.6B";
+/// Loopback addresses no other test or bench uses.
+const ENGINE_IPS: [&str; 2] = ["127.0.0.44", "127.0.0.45"];
+
+/// A real vLLM engine, in its own process group: its engine-core child is killed with it.
+struct Engine {
+    ip: &'static str,
+    addr: SocketAddr,
+    replay: u16,
+    child: Option<ChildGuard>,
+}
+
+impl Engine {
+    fn kill(&mut self) {
+        if let Some(c) = self.child.take() {
+            // The group id is the shell's pid (process_group(0)); it exec'd python.
+            let _ = Command::new("kill")
+                .args(["-s", "KILL", "--", &format!("-{}", c.id())])
+                .status();
+            drop(c);
+        }
+    }
+
+    fn log(&self) -> String {
+        self.child.as_ref().map(ChildGuard::log).unwrap_or_default()
+    }
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+fn port_on(ip: &str) -> Result<u16> {
+    Ok(TcpListener::bind((ip, 0))?.local_addr()?.port())
+}
+
+fn start_engine(i: usize, dir: &TempDir, events: u16) -> Result<Engine> {
+    let ip = ENGINE_IPS[i];
+    let addr: SocketAddr = format!("{ip}:{}", port_on(ip)?).parse()?;
+    let replay = port_on(ip)?;
+    let mut cmd = Command::new(harness::repo_root().join("scripts/vllm-engine.sh"));
+    cmd.arg("--listen")
+        .arg(addr.to_string())
+        .args(["--events", &format!("tcp://127.0.0.1:{events}")])
+        .args(["--replay", &format!("tcp://{ip}:{replay}")])
+        .args(["--core", &(i % 2).to_string(), "--model", MODEL])
+        .env("KVROUTE_CACHE", harness::cache_dir())
+        .process_group(0);
+    let log = dir.path().join(format!("vllm-{i}.log"));
+    let child = ChildGuard::spawn(&format!("vLLM {ip}"), cmd, &log)?;
+    Ok(Engine {
+        ip,
+        addr,
+        replay,
+        child: Some(child),
+    })
+}
+
+/// Which engine logged `request_id` (vLLM logs `Received request chatcmpl-<X-Request-Id>`).
+fn served_by(engines: &[Engine], request_id: &str) -> Option<usize> {
+    let needle = format!("chatcmpl-{request_id}:");
+    let found: Vec<usize> = (0..engines.len())
+        .filter(|&i| engines[i].log().contains(&needle))
+        .collect();
+    match found[..] {
+        [i] => Some(i),
+        _ => None,
+    }
+}
+
+struct Answer {
+    engine: usize,
+    prompt_tokens: u64,
+    cached_tokens: u64,
+    content: String,
+}
+
+async fn chat(
+    client: &reqwest::Client,
+    gw: u16,
+    engines: &[Engine],
+    messages: &[Value],
+    request_id: &str,
+) -> Result<Answer> {
+    let body = json!({"model": MODEL, "messages": messages, "max_tokens": 8});
+    let r = client
+        .post(format!("http://127.0.0.1:{gw}/v1/chat/completions"))
+        .header("x-request-id", request_id)
+        .json(&body)
+        .send()
+        .await?;
+    let status = r.status();
+    let v: Value = r.json().await.with_context(|| format!("status {status}"))?;
+    if status != 200 {
+        bail!("status {status}: {v}");
+    }
+    let engine = served_by(engines, request_id)
+        .with_context(|| format!("no single engine logged request {request_id}"))?;
+    Ok(Answer {
+        engine,
+        prompt_tokens: v["usage"]["prompt_tokens"].as_u64().unwrap_or(0),
+        cached_tokens: v["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap_or(0),
+        content: v["choices"][0]["message"]["content"]
+            .as_str()
+            .unwrap_or_default()
+            .to_owned(),
+    })
+}
+
+async fn get_json(client: &reqwest::Client, url: &str) -> Result<Value> {
+    let r = client.get(url).send().await?;
+    if !r.status().is_success() {
+        bail!("GET {url}: {}", r.status());
+    }
+    Ok(r.json().await?)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn real_engines_keep_parity_fill_the_inventory_stick_and_fall_back() {
+    if std::env::var("KVROUTE_REAL_VLLM").as_deref() != Ok("1") {
+        eprintln!(
+            "real_vllm: skipped (set KVROUTE_REAL_VLLM=1 to run it against real vLLM engines)"
+        );
+        return;
+    }
+    let dir = TempDir::new("real-vllm").unwrap();
+    let events: Vec<u16> = (0..2).map(|_| harness::free_port().unwrap()).collect();
+    let mut engines: Vec<Engine> = (0..2)
+        .map(|i| start_engine(i, &dir, events[i]).unwrap())
+        .collect();
+
+    // The rule: the inventory binds each engine's event address; replay at the engine.
+    let gw_port = harness::free_port().unwrap();
+    let rule = format!("127.0.0.1:{gw_port}");
+    let eps: Vec<Value> = engines
+        .iter()
+        .enumerate()
+        .map(|(i, e)| {
+            json!({"endpointIP": e.ip, "targetPort": e.addr.port(), "weight": 1,
+                   "kvZmqEndpoint": format!("tcp://127.0.0.1:{}", events[i]),
+                   "kvReplayEndpoint": format!("tcp://{}:{}", e.ip, e.replay)})
+        })
+        .collect();
+    let rules = json!([{"serviceArguments": {"externalIP": "127.0.0.1", "port": gw_port,
+        "protocol": "tcp", "sel": 0, "mode": 4, "kvExactMode": 3, "kvEngineType": "vllm",
+        "kvHashAlgo": "sha256_cbor", "kvBlockSize": 16, "kvZmqBind": true, "kvModel": MODEL},
+        "endpoints": eps}]);
+    std::fs::write(dir.path().join("rules.json"), rules.to_string()).unwrap();
+    let staged = dir.path().join("tokenizers/Qwen__Qwen3-0.6B");
+    std::fs::create_dir_all(&staged).unwrap();
+    for f in ["tokenizer.json", "tokenizer_config.json"] {
+        std::fs::copy(harness::tokenizer_dir().unwrap().join(f), staged.join(f)).unwrap();
+    }
+    let inv_port = harness::free_port().unwrap();
+    let inv = format!("http://127.0.0.1:{inv_port}");
+    let mut cmd = Command::new(harness::repo_root().join("target/debug/kvroute-inventory"));
+    cmd.args([
+        "serve",
+        "--listen",
+        &format!("127.0.0.1:{inv_port}"),
+        "--config",
+    ])
+    .arg(dir.path().join("rules.json"))
+    .arg("--tokenizer-dir")
+    .arg(dir.path())
+    .env("LLB_KV_NONE_HASH_SEED", "0")
+    .env("KVROUTE_HEALTH_INTERVAL_MS", "200");
+    let mut inv_child =
+        ChildGuard::spawn("kvroute-inventory", cmd, &dir.path().join("inventory.log")).unwrap();
+    let client = reqwest::Client::builder()
+        .timeout(Duration::from_secs(60))
+        .build()
+        .unwrap();
+
+    // vLLM on two shared cores starts in 30 s to a few minutes.
+    Poll::new("both vLLM engines to serve", Duration::from_secs(420))
+        .every(Duration::from_millis(500))
+        .until(async || {
+            let mut up = 0;
+            for e in engines.iter_mut() {
+                e.child.as_mut().unwrap().ensure_running()?;
+                let ok = client
+                    .get(format!("http://{}/health", e.addr))
+                    .timeout(Duration::from_secs(2))
+                    .send()
+                    .await
+                    .is_ok_and(|r| r.status().is_success());
+                up += usize::from(ok);
+            }
+            Ok(match up {
+                2 => Probe::Ready(()),
+                n => Probe::Pending(format!("{n} of 2 up")),
+            })
+        })
+        .await
+        .unwrap();
+    Poll::new(
+        "both engines' publishers to attach to the inventory",
+        Duration::from_secs(60),
+    )
+    .every(Duration::from_millis(200))
+    .until(async || {
+        inv_child.ensure_running()?;
+        let hz = get_json(&client, &format!("{inv}/healthz")).await?;
+        let eps = &hz["rules"][0]["endpoints"];
+        Ok(match (0..2).all(|i| eps[i]["connected"] == json!([true])) {
+            true => Probe::Ready(()),
+            false => Probe::Pending(eps.to_string()),
+        })
+    })
+    .await
+    .unwrap();
+
+    let admin_port = harness::free_port().unwrap();
+    let cfg_path = dir.path().join("envoy.yaml");
+    let root = harness::repo_root();
+    let status = Command::new("python3")
+        .arg(root.join("scripts/local_envoy.py"))
+        .arg(root.join("envoy/envoy.yaml"))
+        .arg(&cfg_path)
+        .arg("--wasm")
+        .arg(harness::wasm_module().unwrap())
+        // The shipped 25 ms callout budget is for a dedicated gateway; here two engines, Envoy
+        // and the inventory share two cores.
+        .args(["--rule", &rule, "--timeout-ms", "500"])
+        .args([
+            "--listen",
+            &gw_port.to_string(),
+            "--admin",
+            &admin_port.to_string(),
+        ])
+        .args(["--inventory", &inv_port.to_string(), "--sims"])
+        .arg(format!("{},{}", engines[0].addr, engines[1].addr))
+        .status()
+        .unwrap();
+    assert!(status.success(), "scripts/local_envoy.py failed");
+    let mut cfg: Value =
+        serde_yaml::from_str(&std::fs::read_to_string(&cfg_path).unwrap()).unwrap();
+    let cluster = cfg["static_resources"]["clusters"]
+        .as_array_mut()
+        .unwrap()
+        .iter_mut()
+        .find(|c| c["name"] == "engines")
+        .unwrap();
+    cluster["health_checks"][0]["interval"] = json!("0.2s");
+    cluster["health_checks"][0]["no_traffic_interval"] = json!("0.2s");
+    let envoy = Envoy::start(&cfg, admin_port).await.unwrap();
+    // Until the worker VM has its tokenizer, requests pass unpinned.
+    let mut warm = 0;
+    Poll::new("the filter to load its tokenizer", Duration::from_secs(120))
+        .every(Duration::from_millis(200))
+        .until(async || {
+            if envoy.log().contains("tokenizer loaded") {
+                return Ok(Probe::Ready(()));
+            }
+            warm += 1;
+            let hi = [json!({"role": "user", "content": "warm-up"})];
+            chat(&client, gw_port, &engines, &hi, &format!("rv-warm-{warm}")).await?;
+            Ok(Probe::Pending(format!("{warm} warm-up requests")))
+        })
+        .await
+        .unwrap();
+
+    // Turn 1 lands somewhere; its blocks reach the inventory and pass the parity check.
+    let system = "You are the operations assistant of a large inference fleet. ".repeat(40);
+    let mut messages = vec![
+        json!({"role": "system", "content": system}),
+        json!({"role": "user", "content": "First question: what is prefill?"}),
+    ];
+    let first = chat(&client, gw_port, &engines, &messages, "rv-turn-1")
+        .await
+        .unwrap();
+    let home = first.engine;
+    let full_blocks = (first.prompt_tokens - 1) / 16;
+    Poll::new(
+        "the inventory to hold turn 1's blocks and check parity",
+        Duration::from_secs(30),
+    )
+    .every(Duration::from_millis(100))
+    .until(async || {
+        let url = format!(
+            "{inv}/netlox/v1/config/ai/kv/inventory?service_id={rule}&ep_idx={home}&limit=1"
+        );
+        let total = get_json(&client, &url).await?["total"]
+            .as_u64()
+            .unwrap_or(0);
+        let hz = get_json(&client, &format!("{inv}/healthz")).await?;
+        let ep = &hz["rules"][0]["endpoints"][home];
+        Ok(
+            match total >= full_blocks && ep["parity_status"] == "match" {
+                true => Probe::Ready(()),
+                false => Probe::Pending(format!("{total} of {full_blocks} blocks, {ep}")),
+            },
+        )
+    })
+    .await
+    .unwrap();
+    let hz = get_json(&client, &format!("{inv}/healthz")).await.unwrap();
+    for ep in hz["rules"][0]["endpoints"].as_array().unwrap() {
+        assert_eq!(ep["parity_mismatches"], 0, "{ep}");
+    }
+
+    // Turns 2..4 go to the engine holding the conversation and reuse all of it but the last
+    // partial block; the filter's prediction matches what the engine reported, to the token.
+    messages.push(json!({"role": "assistant", "content": first.content}));
+    let exact = async || -> Result<u64> {
+        let stats = envoy.stats("kvroute_filter_prediction").await?;
+        Ok(stats
+            .iter()
+            .filter(|(k, _)| k.ends_with("prediction_exact_total"))
+            .map(|(_, v)| v)
+            .sum())
+    };
+    let exact_before = exact().await.unwrap();
+    let mut previous = first.prompt_tokens;
+    for turn in 2..=4 {
+        messages.push(json!({"role": "user", "content": format!("Question {turn}: and decode?")}));
+        let a = chat(
+            &client,
+            gw_port,
+            &engines,
+            &messages,
+            &format!("rv-turn-{turn}"),
+        )
+        .await
+        .unwrap();
+        assert_eq!(
+            a.engine, home,
+            "turn {turn} left the engine holding its prefix"
+        );
+        assert!(
+            a.cached_tokens >= (previous - 1) / 16 * 16,
+            "turn {turn}: {} cached tokens, the previous turn filled {} blocks",
+            a.cached_tokens,
+            (previous - 1) / 16
+        );
+        previous = a.prompt_tokens;
+        messages.push(json!({"role": "assistant", "content": a.content}));
+    }
+    let exact_after = exact().await.unwrap();
+    assert!(
+        exact_after - exact_before >= 3,
+        "3 exact predictions expected: {:?}",
+        envoy.stats("kvroute_filter_prediction").await.unwrap()
+    );
+
+    // Kill the home engine: once Envoy's health check notices, the conversation is answered by
+    // the other engine.
+    let dead = engines[home].addr.to_string();
+    engines[home].kill();
+    let clusters = format!("http://127.0.0.1:{admin_port}/clusters");
+    Poll::new(
+        format!("Envoy to mark {dead} unhealthy"),
+        Duration::from_secs(30),
+    )
+    .every(Duration::from_millis(100))
+    .until(async || {
+        let text = harness::body_text(client.get(&clusters)).await?;
+        Ok(Probe::from(text.lines().any(|l| {
+            l.contains(&dead) && l.contains("health_flags") && l.contains("failed_active_hc")
+        })))
+    })
+    .await
+    .unwrap();
+    messages.push(json!({"role": "user", "content": "Last question: summarise."}));
+    let a = chat(&client, gw_port, &engines, &messages, "rv-after-kill")
+        .await
+        .unwrap();
+    assert_eq!(a.engine, 1 - home, "answered by the engine still alive");
+}
