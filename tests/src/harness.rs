@@ -269,6 +269,21 @@ impl Envoy {
         self.child.ensure_running()
     }
 
+    /// Polls `/clusters` until Envoy's active health check has failed `host` (`IP:PORT`).
+    pub async fn wait_for_failed_health_check(&self, host: &str, timeout: Duration) -> Result<()> {
+        let url = format!("http://{}/clusters", self.admin);
+        let client = reqwest::Client::new();
+        Poll::new(format!("Envoy to mark {host} unhealthy"), timeout)
+            .every(Duration::from_millis(100))
+            .until(async || {
+                let text = body_text(client.get(&url)).await?;
+                Ok(Probe::from(text.lines().any(|l| {
+                    l.contains(host) && l.contains("health_flags") && l.contains("failed_active_hc")
+                })))
+            })
+            .await
+    }
+
     /// Admin `/stats` lines containing `filter` (a regex, as Envoy's `filter` parameter takes it),
     /// as a name -> value map. Only integer stats (counters and gauges) are returned.
     pub async fn stats(&self, filter: &str) -> Result<HashMap<String, u64>> {

@@ -376,20 +376,10 @@ async fn real_engines_keep_parity_fill_the_inventory_stick_and_fall_back() {
     // the other engine.
     let dead = engines[home].addr.to_string();
     engines[home].kill();
-    let clusters = format!("http://127.0.0.1:{admin_port}/clusters");
-    Poll::new(
-        format!("Envoy to mark {dead} unhealthy"),
-        Duration::from_secs(30),
-    )
-    .every(Duration::from_millis(100))
-    .until(async || {
-        let text = harness::body_text(client.get(&clusters)).await?;
-        Ok(Probe::from(text.lines().any(|l| {
-            l.contains(&dead) && l.contains("health_flags") && l.contains("failed_active_hc")
-        })))
-    })
-    .await
-    .unwrap();
+    envoy
+        .wait_for_failed_health_check(&dead, Duration::from_secs(30))
+        .await
+        .unwrap();
     messages.push(json!({"role": "user", "content": "Last question: summarise."}));
     let a = chat(&client, gw_port, &engines, &messages, "rv-after-kill")
         .await

@@ -315,7 +315,7 @@ async fn start_stack(ips: &[&str], fast_health_checks: bool) -> Stack {
 async fn conversation_sticks_to_its_prefix_and_falls_back_when_the_engine_dies() {
     // Held whole: its other fields (the inventory process, the temp dir) must live to the end.
     let mut stack = start_stack(&SIM_IPS, true).await;
-    let (inv, gw_port, admin_port) = (stack.inv, stack.gw_port, stack.admin_port);
+    let (inv, gw_port) = (stack.inv, stack.gw_port);
     let (client, rule_id) = (stack.client.clone(), stack.rule_id.clone());
     let (envoy, sims) = (&stack.envoy, &mut stack.sims);
     let system = "You are the operations assistant of a large inference fleet. ".repeat(30);
@@ -384,21 +384,11 @@ async fn conversation_sticks_to_its_prefix_and_falls_back_when_the_engine_dies()
 
     // Kill the home simulator: once Envoy's health check sees it, the conversation falls back.
     drop(sims[home_idx].child.take());
-    let admin = format!("http://127.0.0.1:{admin_port}/clusters");
     let dead = sims[home_idx].addr.to_string();
-    Poll::new(
-        format!("Envoy to mark {dead} unhealthy"),
-        Duration::from_secs(20),
-    )
-    .every(Duration::from_millis(100))
-    .until(async || {
-        let text = harness::body_text(client.get(&admin)).await?;
-        Ok(Probe::from(text.lines().any(|l| {
-            l.contains(&dead) && l.contains("health_flags") && l.contains("failed_active_hc")
-        })))
-    })
-    .await
-    .unwrap();
+    envoy
+        .wait_for_failed_health_check(&dead, Duration::from_secs(20))
+        .await
+        .unwrap();
     messages.push(json!({"role": "user", "content": "Last question: summarise."}));
     for _ in 0..3 {
         let (sim, _, _) = chat(&client, gw_port, &messages).await.unwrap();
