@@ -453,15 +453,9 @@ pub fn request_ids_in(log: &str) -> std::collections::HashSet<&str> {
 pub fn attribute_from_logs(records: &mut [Record], names: &[String], logs: &[String]) {
     let mut owner: HashMap<&str, Option<usize>> = HashMap::new();
     for (i, log) in logs.iter().enumerate() {
+        // Each log yields an id once, so an id already present came from another log.
         for id in request_ids_in(log) {
-            owner
-                .entry(id)
-                .and_modify(|o| {
-                    if *o != Some(i) {
-                        *o = None
-                    }
-                })
-                .or_insert(Some(i));
+            owner.entry(id).and_modify(|o| *o = None).or_insert(Some(i));
         }
     }
     for r in records.iter_mut() {
