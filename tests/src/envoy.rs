@@ -566,8 +566,6 @@ pub enum Variant {
 
 /// Inputs of a test bootstrap.
 pub struct Bootstrap<'a> {
-    pub listener_port: u16,
-    pub admin_port: u16,
     pub engines: &'a [&'a Engine],
     /// Where the inventory cluster points (a closed port for "inventory down").
     pub inventory: SocketAddr,
@@ -579,8 +577,7 @@ pub struct Bootstrap<'a> {
 }
 
 impl<'a> Bootstrap<'a> {
-    /// The filter in front of `engines` with the inventory at `inventory`; the ports are left 0
-    /// for [`Gateway::start`] to choose.
+    /// The filter in front of `engines` with the inventory at `inventory`.
     pub fn new(
         engines: &'a [&'a Engine],
         inventory: SocketAddr,
@@ -588,8 +585,6 @@ impl<'a> Bootstrap<'a> {
         variant: Variant,
     ) -> Bootstrap<'a> {
         Bootstrap {
-            listener_port: 0,
-            admin_port: 0,
             engines,
             inventory,
             plugin,
@@ -681,9 +676,9 @@ pub fn bootstrap(b: &Bootstrap<'_>) -> Result<Value> {
     let route = json!({"match": {"prefix": "/"}, "route": {"cluster": "engines", "timeout": "0s"},
                        "request_body_buffer_limit": 16777216});
     Ok(json!({
-        "admin": {"address": sock("127.0.0.1", b.admin_port)},
+        "admin": {"address": sock("127.0.0.1", 0)},
         "static_resources": {
-            "listeners": [ingress_listener(b.listener_port, route, json!(filters))],
+            "listeners": [ingress_listener(0, route, json!(filters))],
             "clusters": [
                 {
                     "name": "engines", "type": "STATIC", "connect_timeout": "1s", "lb_policy": "ROUND_ROBIN",
@@ -755,41 +750,34 @@ pub struct Gateway {
 }
 
 impl Gateway {
-    /// Starts Envoy with [`bootstrap`] on fresh ports and waits for its listener.
+    /// Starts Envoy with [`bootstrap`] (its ports bound by Envoy) and waits until it probed every
+    /// engine healthy.
     pub async fn start(b: Bootstrap<'_>) -> Result<Gateway> {
         Gateway::start_with(b, |_| {}).await
     }
 
     /// [`Gateway::start`] with the bootstrap JSON changed by `edit` first (a test's own module,
     /// a filter left out).
-    pub async fn start_with(
-        mut b: Bootstrap<'_>,
-        edit: impl FnOnce(&mut Value),
-    ) -> Result<Gateway> {
-        b.listener_port = harness::free_port()?;
-        b.admin_port = harness::free_port()?;
+    pub async fn start_with(b: Bootstrap<'_>, edit: impl FnOnce(&mut Value)) -> Result<Gateway> {
         let mut config = bootstrap(&b)?;
         edit(&mut config);
-        let envoy = harness::Envoy::start(&config, b.admin_port).await?;
-        harness::wait_for_tcp(
-            harness::local(b.listener_port),
-            Duration::from_secs(10),
-            None,
-        )
-        .await?;
-        let client = reqwest::Client::builder()
-            .timeout(Duration::from_secs(20))
-            .build()?;
-        let gw = Gateway {
-            envoy,
-            base: format!("http://{}", harness::local(b.listener_port)),
-            client,
-        };
+        let gw = Gateway::on(harness::Envoy::start(&config).await?)?;
         for e in b.engines {
             gw.wait_for_health(e, "healthy", Duration::from_secs(20))
                 .await?;
         }
         Ok(gw)
+    }
+
+    /// The gateway of a started Envoy: its client talks to the `ingress` listener.
+    pub fn on(envoy: harness::Envoy) -> Result<Gateway> {
+        Ok(Gateway {
+            base: format!("http://{}", envoy.listener("ingress")?),
+            envoy,
+            client: reqwest::Client::builder()
+                .timeout(Duration::from_secs(20))
+                .build()?,
+        })
     }
 
     /// Waits until Envoy's `/clusters` shows `engine` with health flag `flag` (`healthy`, or
@@ -928,8 +916,6 @@ pub const DESTINATION: &str = "x-gateway-destination-endpoint";
 
 /// Inputs of an endpoint picker bootstrap.
 pub struct EppBootstrap<'a> {
-    pub listener_port: u16,
-    pub admin_port: u16,
     pub engines: &'a [&'a Engine],
     pub epp: SocketAddr,
     /// ext_proc `message_timeout`: how long Envoy waits for one answer before failing open
@@ -971,9 +957,9 @@ pub fn epp_bootstrap(b: &EppBootstrap<'_>) -> Value {
         .collect();
     let lb_key = |k: &str| json!({"key": "envoy.lb", "path": [{"key": k}]});
     json!({
-        "admin": {"address": sock("127.0.0.1", b.admin_port)},
+        "admin": {"address": sock("127.0.0.1", 0)},
         "static_resources": {
-            "listeners": [ingress_listener(b.listener_port, route, json!([strip, ext_proc, router]))],
+            "listeners": [ingress_listener(0, route, json!([strip, ext_proc, router]))],
             "clusters": [
                 {
                     "name": "engines", "type": "STATIC", "connect_timeout": "1s",
@@ -1001,7 +987,7 @@ pub fn epp_bootstrap(b: &EppBootstrap<'_>) -> Value {
     })
 }
 
-/// Envoy with [`epp_bootstrap`] on fresh ports, and its client.
+/// Envoy with [`epp_bootstrap`], and its client.
 pub async fn epp_gateway(
     engines: &[&Engine],
     epp: SocketAddr,
@@ -1009,25 +995,10 @@ pub async fn epp_gateway(
     body_mode: &'static str,
 ) -> Result<Gateway> {
     let b = EppBootstrap {
-        listener_port: harness::free_port()?,
-        admin_port: harness::free_port()?,
         engines,
         epp,
         message_timeout,
         body_mode,
     };
-    let envoy = harness::Envoy::start(&epp_bootstrap(&b), b.admin_port).await?;
-    harness::wait_for_tcp(
-        harness::local(b.listener_port),
-        Duration::from_secs(10),
-        None,
-    )
-    .await?;
-    Ok(Gateway {
-        envoy,
-        base: format!("http://{}", harness::local(b.listener_port)),
-        client: reqwest::Client::builder()
-            .timeout(Duration::from_secs(20))
-            .build()?,
-    })
+    Gateway::on(harness::Envoy::start(&epp_bootstrap(&b)).await?)
 }

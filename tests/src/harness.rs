@@ -215,6 +215,8 @@ pub async fn body_text(req: reqwest::RequestBuilder) -> Result<String> {
 pub struct Envoy {
     /// Admin interface address (`/ready`, `/stats`).
     pub admin: SocketAddr,
+    /// Where each static listener was bound, by listener name.
+    listeners: HashMap<String, SocketAddr>,
     child: ChildGuard,
     _dir: TempDir,
 }
@@ -223,19 +225,27 @@ impl Envoy {
     /// How long Envoy may take to become ready: V8 compiles the module on start.
     pub const READY_TIMEOUT: Duration = Duration::from_secs(60);
 
-    /// Starts Envoy with `config` (a bootstrap as JSON, which is valid YAML) whose admin listener
-    /// is on `admin_port`, and waits for `/ready`.
+    /// Starts Envoy with `config` (a bootstrap as JSON, which is valid YAML) and waits for
+    /// `/ready` and for every listener to accept connections.
+    ///
+    /// The admin and listener ports in `config` should be 0: Envoy binds them itself, the admin
+    /// address is read back from `--admin-address-path` and the listeners' from `/listeners`
+    /// ([`Envoy::listener`]). A port chosen beforehand can be taken by another test before Envoy
+    /// binds it, and since Envoy listeners set `SO_REUSEPORT`, two Envoys then share it silently.
     ///
     /// Hot restart is disabled so parallel tests need no distinct `--base-id`; one worker thread
     /// keeps stats and logs deterministic.
-    pub async fn start(config: &serde_json::Value, admin_port: u16) -> Result<Envoy> {
+    pub async fn start(config: &serde_json::Value) -> Result<Envoy> {
         let bin = envoy_bin()?;
         let dir = TempDir::new("envoy")?;
         let config_path = dir.path().join("envoy.yaml");
+        let admin_path = dir.path().join("admin-address");
         std::fs::write(&config_path, serde_json::to_vec_pretty(config)?)?;
         let mut cmd = Command::new(bin);
         cmd.arg("--config-path")
             .arg(&config_path)
+            .arg("--admin-address-path")
+            .arg(&admin_path)
             .args([
                 "--disable-hot-restart",
                 "--concurrency",
@@ -245,17 +255,42 @@ impl Envoy {
             ])
             .args(["--component-log-level", "wasm:debug"]);
         let mut child = ChildGuard::spawn("envoy", cmd, &dir.path().join("envoy.log"))?;
-        let admin = local(admin_port);
+        let written = Poll::new("Envoy to write its admin address", Self::READY_TIMEOUT)
+            .until(async || {
+                child.ensure_running()?;
+                let text = std::fs::read_to_string(&admin_path).unwrap_or_default();
+                Ok(match text.trim().parse::<SocketAddr>() {
+                    Ok(addr) => Probe::Ready(addr),
+                    Err(_) => Probe::Pending(format!("{} holds {text:?}", admin_path.display())),
+                })
+            })
+            .await;
+        let admin = written.with_context(|| format!("log tail:\n{}", child.log_tail(40)))?;
         wait_for_http(
             &format!("http://{admin}/ready"),
             Self::READY_TIMEOUT,
             Some(&mut child),
         )
         .await?;
+        let listeners = bound_listeners(admin).await?;
+        for addr in listeners.values() {
+            wait_for_tcp(*addr, Duration::from_secs(10), Some(&mut child)).await?;
+        }
         Ok(Envoy {
             admin,
+            listeners,
             child,
             _dir: dir,
+        })
+    }
+
+    /// The address static listener `name` was bound to.
+    pub fn listener(&self, name: &str) -> Result<SocketAddr> {
+        self.listeners.get(name).copied().with_context(|| {
+            format!(
+                "Envoy has no listener {name:?} (it has {:?})",
+                self.listeners.keys().collect::<Vec<_>>()
+            )
         })
     }
 
@@ -322,6 +357,39 @@ impl Envoy {
             })
             .await
     }
+}
+
+/// Admin `/listeners?format=json`: each listener's name and the address it is bound to.
+async fn bound_listeners(admin: SocketAddr) -> Result<HashMap<String, SocketAddr>> {
+    let v: serde_json::Value = reqwest::Client::new()
+        .get(format!("http://{admin}/listeners?format=json"))
+        .timeout(Duration::from_secs(5))
+        .send()
+        .await?
+        .error_for_status()?
+        .json()
+        .await?;
+    let statuses = v["listener_statuses"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
+    statuses
+        .iter()
+        .map(|l| {
+            let name = l["name"].as_str().context("a listener without a name")?;
+            let sock = &l["local_address"]["socket_address"];
+            let ip = sock["address"]
+                .as_str()
+                .context("a listener without an address")?;
+            let port = sock["port_value"]
+                .as_u64()
+                .context("a listener without a port")?;
+            let addr: SocketAddr = format!("{ip}:{port}")
+                .parse()
+                .with_context(|| format!("listener {name} at {ip}:{port}"))?;
+            Ok((name.to_owned(), addr))
+        })
+        .collect()
 }
 
 fn regex_escape(s: &str) -> String {

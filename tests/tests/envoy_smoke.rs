@@ -18,7 +18,7 @@ const START_MESSAGE: &str = concat!("kvroute-filter ", env!("CARGO_PKG_VERSION")
 const REQUESTS_STAT: &str = "wasmcustom.kvroute_filter_requests_total";
 
 /// A bootstrap with one listener running the kvroute Wasm filter in front of a STATIC cluster.
-fn smoke_config(listener_port: u16, admin_port: u16, backend: &Backend) -> Value {
+fn smoke_config(backend: &Backend) -> Value {
     let wasm = harness::wasm_module().expect("filter .wasm");
     let addr = |port: u16| json!({"socket_address": {"address": "127.0.0.1", "port_value": port}});
     let http_filters = json!([
@@ -49,9 +49,9 @@ fn smoke_config(listener_port: u16, admin_port: u16, backend: &Backend) -> Value
     ]);
     let route = json!({"match": {"prefix": "/"}, "route": {"cluster": "engines"}});
     json!({
-        "admin": {"address": addr(admin_port)},
+        "admin": {"address": addr(0)},
         "static_resources": {
-            "listeners": [envoy::ingress_listener(listener_port, route, http_filters)],
+            "listeners": [envoy::ingress_listener(0, route, http_filters)],
             "clusters": [{
                 "name": "engines",
                 "type": "STATIC",
@@ -70,19 +70,8 @@ fn smoke_config(listener_port: u16, admin_port: u16, backend: &Backend) -> Value
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn envoy_loads_filter_and_passes_requests_through() {
     let backend = Backend::start("engine-a").await.unwrap();
-    let (listener_port, admin_port) =
-        (harness::free_port().unwrap(), harness::free_port().unwrap());
-    let mut envoy = Envoy::start(
-        &smoke_config(listener_port, admin_port, &backend),
-        admin_port,
-    )
-    .await
-    .unwrap();
-    let base = format!("http://{}", harness::local(listener_port));
-    // Readiness of the admin port does not imply the listener is bound yet.
-    harness::wait_for_tcp(harness::local(listener_port), Duration::from_secs(10), None)
-        .await
-        .unwrap();
+    let mut envoy = Envoy::start(&smoke_config(&backend)).await.unwrap();
+    let base = format!("http://{}", envoy.listener("ingress").unwrap());
     let client = reqwest::Client::builder()
         .timeout(Duration::from_secs(10))
         .build()

@@ -21,8 +21,6 @@ use serde_json::{json, Value};
 
 async fn gateway(engines: &[&Engine], inv: &Inventory, with_picker: bool) -> Gateway {
     let b = EppBootstrap {
-        listener_port: harness::free_port().unwrap(),
-        admin_port: harness::free_port().unwrap(),
         engines,
         epp: inv.epp.unwrap(),
         message_timeout: Duration::from_millis(200),
@@ -37,22 +35,7 @@ async fn gateway(engines: &[&Engine], inv: &Inventory, with_picker: bool) -> Gat
             .unwrap()
             .retain(|f| f["name"] != "envoy.filters.http.ext_proc");
     }
-    let envoy = harness::Envoy::start(&config, b.admin_port).await.unwrap();
-    harness::wait_for_tcp(
-        harness::local(b.listener_port),
-        Duration::from_secs(10),
-        None,
-    )
-    .await
-    .unwrap();
-    Gateway {
-        envoy,
-        base: format!("http://{}", harness::local(b.listener_port)),
-        client: reqwest::Client::builder()
-            .timeout(Duration::from_secs(20))
-            .build()
-            .unwrap(),
-    }
+    Gateway::on(harness::Envoy::start(&config).await.unwrap()).unwrap()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

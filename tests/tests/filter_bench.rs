@@ -196,8 +196,6 @@ async fn bench_filter_latency() {
     let engines = [&a, &b];
     let inv = Inventory::start().await.unwrap();
     let mk = |plugin: Value, without_filter: bool| Bootstrap {
-        listener_port: 0,
-        admin_port: 0,
         engines: &engines,
         inventory: inv.addr,
         plugin,

@@ -334,8 +334,6 @@ async fn prometheus_scrapes_inventory_and_envoy_and_every_name_exists() {
         .unwrap();
     let engines = [&a, &b];
     let gw = Gateway::start(Bootstrap {
-        listener_port: 0,
-        admin_port: 0,
         engines: &engines,
         inventory: inv.addr,
         plugin: json!({}),

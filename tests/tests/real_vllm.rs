@@ -25,6 +25,8 @@ use serde_json::{json, Value};
 const MODEL: &str = "Qwen/Qwen3-0.6B";
 /// Loopback addresses no other test or bench uses.
 const ENGINE_IPS: [&str; 2] = ["127.0.0.44", "127.0.0.45"];
+/// The port of the rule's VIP (the rule's name).
+const RULE_PORT: u16 = 8000;
 
 /// A real vLLM engine, in its own process group: its engine-core child is killed with it.
 struct Engine {
@@ -158,8 +160,8 @@ async fn real_engines_keep_parity_fill_the_inventory_stick_and_fall_back() {
         .collect();
 
     // The rule: the inventory binds each engine's event address; replay at the engine.
-    let gw_port = harness::free_port().unwrap();
-    let rule = format!("127.0.0.1:{gw_port}");
+    // The rule's VIP (its name); Envoy's listener port is whatever it binds.
+    let rule = format!("127.0.0.1:{RULE_PORT}");
     let eps: Vec<Value> = engines
         .iter()
         .enumerate()
@@ -169,7 +171,7 @@ async fn real_engines_keep_parity_fill_the_inventory_stick_and_fall_back() {
                    "kvReplayEndpoint": format!("tcp://{}:{}", e.ip, e.replay)})
         })
         .collect();
-    let rules = json!([{"serviceArguments": {"externalIP": "127.0.0.1", "port": gw_port,
+    let rules = json!([{"serviceArguments": {"externalIP": "127.0.0.1", "port": RULE_PORT,
         "protocol": "tcp", "sel": 0, "mode": 4, "kvExactMode": 3, "kvEngineType": "vllm",
         "kvHashAlgo": "sha256_cbor", "kvBlockSize": 16, "kvZmqBind": true, "kvModel": MODEL},
         "endpoints": eps}]);
@@ -239,7 +241,6 @@ async fn real_engines_keep_parity_fill_the_inventory_stick_and_fall_back() {
     .await
     .unwrap();
 
-    let admin_port = harness::free_port().unwrap();
     let cfg_path = dir.path().join("envoy.yaml");
     let root = harness::repo_root();
     let status = Command::new("python3")
@@ -251,12 +252,7 @@ async fn real_engines_keep_parity_fill_the_inventory_stick_and_fall_back() {
         // The shipped 25 ms callout budget is for a dedicated gateway; here two engines, Envoy
         // and the inventory share two cores.
         .args(["--rule", &rule, "--timeout-ms", "500"])
-        .args([
-            "--listen",
-            &gw_port.to_string(),
-            "--admin",
-            &admin_port.to_string(),
-        ])
+        .args(["--listen", "0", "--admin", "0"])
         .args(["--inventory", &inv_port.to_string(), "--sims"])
         .arg(format!("{},{}", engines[0].addr, engines[1].addr))
         .status()
@@ -272,7 +268,8 @@ async fn real_engines_keep_parity_fill_the_inventory_stick_and_fall_back() {
         .unwrap();
     cluster["health_checks"][0]["interval"] = json!("0.2s");
     cluster["health_checks"][0]["no_traffic_interval"] = json!("0.2s");
-    let envoy = Envoy::start(&cfg, admin_port).await.unwrap();
+    let envoy = Envoy::start(&cfg).await.unwrap();
+    let gw_port = envoy.listener("kvroute_ingress").unwrap().port();
     // Until the worker VM has its tokenizer, requests pass unpinned.
     let mut warm = 0;
     Poll::new("the filter to load its tokenizer", Duration::from_secs(120))

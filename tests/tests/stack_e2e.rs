@@ -19,6 +19,8 @@ use serde_json::{json, Value};
 
 const MODEL: &str = "Qwen/Qwen3-0.6B";
 const TOKEN: &str = "stack-e2e-token";
+/// The port of the rule's VIP (the rule's name); Envoy's listener port is whatever it bound.
+const RULE_PORT: u16 = 8000;
 const SIM_IPS: [&str; 3] = ["127.0.0.31", "127.0.0.32", "127.0.0.33"];
 /// The load test's simulators: other addresses, so both tests of this file can run at once.
 const LOAD_SIM_IPS: [&str; 3] = ["127.0.0.34", "127.0.0.35", "127.0.0.36"];
@@ -93,8 +95,6 @@ async fn start_sim(ip: &str, zmq_port: u16, dir: &TempDir) -> Result<Sim> {
 /// `scripts/stack.sh`; health checks faster than production so the dead simulator is noticed
 /// within the test's deadline.
 fn envoy_config(
-    gw_port: u16,
-    admin_port: u16,
     inventory: SocketAddr,
     sims: &[Sim],
     rule: &str,
@@ -116,8 +116,8 @@ fn envoy_config(
         .arg("--sims")
         .arg(sims.join(","));
     let ports = [
-        ("--listen", gw_port),
-        ("--admin", admin_port),
+        ("--listen", 0),
+        ("--admin", 0),
         ("--inventory", inventory.port()),
     ];
     for (flag, port) in ports {
@@ -250,9 +250,8 @@ async fn start_stack(ips: &[&str], fast_health_checks: bool) -> Stack {
         .await
         .unwrap();
 
-    let gw_port = harness::free_port().unwrap();
     // The filter names the rule by VIP:port; the inventory API by the numeric id it assigns.
-    let rule = format!("127.0.0.1:{gw_port}");
+    let rule = format!("127.0.0.1:{RULE_PORT}");
     let endpoints: Vec<Value> = sims
         .iter()
         .map(|s| json!({"endpointIP": s.addr.ip().to_string(), "targetPort": s.addr.port(), "weight": 1}))
@@ -264,7 +263,7 @@ async fn start_stack(ips: &[&str], fast_health_checks: bool) -> Stack {
     let r = client
         .post(format!("http://{inv}/netlox/v1/config/loadbalancer"))
         .bearer_auth(TOKEN)
-        .json(&json!({"serviceArguments": {"externalIP": "127.0.0.1", "port": gw_port, "protocol": "tcp", "sel": 0,
+        .json(&json!({"serviceArguments": {"externalIP": "127.0.0.1", "port": RULE_PORT, "protocol": "tcp", "sel": 0,
             "mode": 4, "kvExactMode": 3, "kvEngineType": "vllm", "kvBlockSize": 16, "kvZmqPort": zmq_port, "kvModel": MODEL},
             "endpoints": endpoints}))
         .send()
@@ -280,9 +279,10 @@ async fn start_stack(ips: &[&str], fast_health_checks: bool) -> Stack {
         .expect("rule id")
         .to_string();
 
-    let admin_port = harness::free_port().unwrap();
-    let cfg = envoy_config(gw_port, admin_port, inv, &sims, &rule, fast_health_checks).unwrap();
-    let envoy = Envoy::start(&cfg, admin_port).await.unwrap();
+    let cfg = envoy_config(inv, &sims, &rule, fast_health_checks).unwrap();
+    let envoy = Envoy::start(&cfg).await.unwrap();
+    let gw_port = envoy.listener("kvroute_ingress").unwrap().port();
+    let admin_port = envoy.admin.port();
 
     // Until the worker VM has its tokenizer, requests pass unpinned: wait for it (bounded), with
     // a warm-up conversation unrelated to the one under test so no simulator holds its prefix.
