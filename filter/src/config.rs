@@ -120,6 +120,10 @@ pub struct RawConfig {
     /// Most prompt tokens routed on (1..=1048576, default 16384): tokenizing stops there.
     #[serde(default)]
     pub max_prefix_tokens: Option<u64>,
+    /// How often predicted-against-realised reuse is reported to the inventory, in milliseconds
+    /// (0 = never, else 200..=3600000; default 5000).
+    #[serde(default)]
+    pub report_ms: Option<u64>,
 }
 
 /// The checked configuration.
@@ -144,6 +148,8 @@ pub struct Config {
     pub route_token: Option<RouteToken>,
     /// Most prompt tokens routed on.
     pub max_prefix_tokens: usize,
+    /// Outcome report period (`report_ms`); `None` = never.
+    pub report: Option<Duration>,
 }
 
 /// A validated `route_token`: non-empty, printable ASCII (a header value). Its `Debug` hides it.
@@ -184,6 +190,7 @@ impl Default for Config {
             },
             route_token: None,
             max_prefix_tokens: MAX_PREFIX_TOKENS,
+            report: Some(Duration::from_secs(5)),
         }
     }
 }
@@ -195,7 +202,8 @@ pub enum ConfigError {
         "plugin configuration is not a JSON object with fields rule, inventory_cluster, inventory_authority, \
          timeout_ms, max_body_bytes, pin_header, tokenize (filter|service), tokenizer (inventory|embedded|none), \
          model, refresh_ms, pin_mode (header|filter_state), segment_cache_bytes, segment_cache_entries, \
-         piece_cache_bytes, piece_cache_entries, key_cache_bytes, key_cache_entries, route_token, max_prefix_tokens: {0}"
+         piece_cache_bytes, piece_cache_entries, key_cache_bytes, key_cache_entries, route_token, max_prefix_tokens, \
+         report_ms: {0}"
     )]
     Json(String),
     #[error("invalid plugin configuration: {}", .0.iter().map(ToString::to_string).collect::<Vec<_>>().join("; "))]
@@ -258,6 +266,10 @@ impl TryFrom<RawConfig> for Config {
             "1000..=3600000",
             30_000,
         );
+        let report = match raw.report_ms {
+            Some(0) => 0,
+            r => range("report_ms", r, 200, 3_600_000, "0 or 200..=3600000", 5000),
+        };
         let mut limits = |bytes_field: &'static str,
                           bytes: Option<u64>,
                           entries_field: &'static str,
@@ -383,6 +395,7 @@ impl TryFrom<RawConfig> for Config {
             key_cache,
             route_token,
             max_prefix_tokens: usize::try_from(max_prefix_tokens).unwrap_or(d.max_prefix_tokens),
+            report: (report > 0).then(|| Duration::from_millis(report)),
         })
     }
 }
@@ -449,6 +462,18 @@ mod tests {
                 "{err}"
             );
         }
+        assert_eq!(Config::default().report, Some(Duration::from_secs(5)));
+        for (raw, want) in [("0", None), ("200", Some(Duration::from_millis(200)))] {
+            let c = Config::parse(format!(r#"{{"report_ms":{raw}}}"#).as_bytes()).unwrap();
+            assert_eq!(c.report, want);
+        }
+        let err = Config::parse(br#"{"report_ms":199}"#)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("report_ms: got 199, allowed: 0 or 200..=3600000"),
+            "{err}"
+        );
         let err = Config::parse(br#"{"key_cache_bytes":1099511627776}"#)
             .unwrap_err()
             .to_string();

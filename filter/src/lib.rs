@@ -12,12 +12,14 @@
 //! only the [`host::Host`] trait and are unit-tested natively. [`question`] builds the route
 //! question from a body, [`config`] parses the plugin configuration, [`tokens`] tokenizes with a
 //! segment cache, [`wire`] reads the inventory contracts ([`kvroute_core::wire`]), [`usage`] reads
-//! response usage, [`stats`] names the Envoy stats. [`testkeys`] exports `kvroute_test_keys` for
+//! response usage, [`outcomes`] sums predicted against realised reuse for the inventory, [`stats`]
+//! names the Envoy stats. [`testkeys`] exports `kvroute_test_keys` for
 //! the wasm test host.
 
 pub mod cache;
 pub mod config;
 pub mod host;
+pub mod outcomes;
 pub mod plugin;
 pub mod question;
 pub mod request;

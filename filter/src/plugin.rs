@@ -22,10 +22,12 @@ use kvroute_core::hash::HashContract;
 use crate::cache::KeyCache;
 use crate::config::{Config, TokenizeMode, TokenizerSource};
 use crate::host::{Callout, Host, Level};
+use crate::outcomes::Outcomes;
 use crate::request::RequestFilter;
 use crate::stats::{Stat, Stats};
 use crate::tokens::PromptEncoder;
 use crate::wire::RuleContract;
+use kvroute_core::wire::OutcomeReport;
 
 /// Counter of HTTP requests the filter saw. Envoy exposes it as `wasmcustom.kvroute_filter_requests_total`.
 pub const REQUESTS_TOTAL: &str = "kvroute_filter_requests_total";
@@ -39,6 +41,8 @@ pub const LOADING_TICK: Duration = Duration::from_millis(100);
 pub const IDLE_TICK: Duration = Duration::from_secs(1);
 /// Timeout of the start-up callouts (the tokenizer is several MiB).
 const LOAD_TIMEOUT: Duration = Duration::from_secs(10);
+/// Timeout of an outcome report.
+const REPORT_TIMEOUT: Duration = Duration::from_secs(2);
 /// Retry backoff bounds after a failed load.
 const BACKOFF_MIN_NS: u64 = 200_000_000;
 const BACKOFF_MAX_NS: u64 = 30_000_000_000;
@@ -60,6 +64,8 @@ pub struct VmState {
     pub encoder: RefCell<Option<Rc<PromptEncoder>>>,
     /// Block keys of token prefixes seen before (bounded by `config.key_cache`).
     pub keys: RefCell<KeyCache>,
+    /// Predicted against realised reuse since the last report.
+    pub outcomes: RefCell<Outcomes>,
 }
 
 /// Which load a root callout serves.
@@ -68,6 +74,8 @@ enum Load {
     Contract,
     Tokenizer,
     TokenizerConfig,
+    /// An outcome report (held in [`Plugin::unsent`] until answered).
+    Report,
 }
 
 /// Root-context state of one VM.
@@ -83,6 +91,9 @@ pub struct Plugin {
     backoff_ns: u64,
     /// The "no tokenizer" condition is logged once per VM.
     warned_no_tokenizer: bool,
+    next_report_ns: u64,
+    /// The outcome report in flight, added back to the table if it fails.
+    unsent: Option<OutcomeReport>,
     /// Set by the first HTTP context. Only worker VMs serve requests; the main thread's VM
     /// never does, and parsing a tokenizer there would block Envoy's main thread (health
     /// checks, xDS) for a second: tokenizers load only where traffic is seen.
@@ -160,6 +171,7 @@ impl Plugin {
             contract: RefCell::new(None),
             encoder: RefCell::new(encoder),
             keys,
+            outcomes: RefCell::default(),
         });
         self.pending = None;
         self.tokenizer_json = None;
@@ -233,11 +245,51 @@ impl Plugin {
             self.dispatch(host, &path, what);
             return LOADING_TICK;
         }
+        if let Some(period) = self.vm.config.report {
+            if now >= self.next_report_ns && !self.vm.outcomes.borrow().is_empty() {
+                self.next_report_ns = now.saturating_add(nanos(period));
+                self.report(host, &rule);
+            }
+        }
         if !have_contract || wants_tokenizer {
             LOADING_TICK
         } else {
             IDLE_TICK
         }
+    }
+
+    /// Sends what was judged since the last report to `POST /v1/rules/{rule}/outcomes`.
+    fn report(&mut self, host: &dyn Host, rule: &str) {
+        let report = self.vm.outcomes.borrow_mut().take();
+        let Ok(body) = serde_json::to_vec(&report) else {
+            return;
+        };
+        let path = format!("/v1/rules/{}/outcomes", path_segment(rule));
+        let c = &self.vm.config;
+        let call = Callout {
+            cluster: &c.inventory_cluster,
+            method: "POST",
+            path: &path,
+            authority: &c.inventory_authority,
+            body: Some(&body),
+            timeout: REPORT_TIMEOUT,
+            bearer: c.route_token.as_ref().map(|t| t.as_str()),
+        };
+        match host.dispatch(&call) {
+            Some(token) => {
+                self.pending = Some((token, Load::Report));
+                self.unsent = Some(report);
+            }
+            None => self.report_failed(host, report),
+        }
+    }
+
+    /// A report that did not arrive goes back into the table for the next one.
+    fn report_failed(&mut self, host: &dyn Host, report: OutcomeReport) {
+        let s = &self.vm.stats;
+        s.inc(host, Stat::OutcomeReportFailures);
+        let dropped = self.vm.outcomes.borrow_mut().restore(report);
+        s.add(host, Stat::OutcomesDropped, dropped as u64);
     }
 
     fn dispatch(&mut self, host: &dyn Host, path: &str, what: Load) {
@@ -278,6 +330,7 @@ impl Plugin {
                 self.next_tokenizer_ns = at;
                 self.no_tokenizer(host, why);
             }
+            Load::Report => {}
         }
     }
 
@@ -306,6 +359,14 @@ impl Plugin {
             return;
         }
         self.pending = None;
+        if what == Load::Report {
+            match (status, self.unsent.take()) {
+                (Some("200"), _) => self.vm.stats.inc(host, Stat::OutcomeReports),
+                (_, Some(report)) => self.report_failed(host, report),
+                (_, None) => {}
+            }
+            return;
+        }
         if status != Some("200") {
             let why = format!("the inventory answered status {}", status.unwrap_or("none"));
             self.failed(host, what, &why);
@@ -363,6 +424,8 @@ impl Plugin {
                     Err(e) => self.failed(host, what, &e.to_string()),
                 }
             }
+            // Answered before the status check.
+            Load::Report => {}
         }
     }
 }

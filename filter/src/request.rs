@@ -452,6 +452,7 @@ impl RequestFilter {
         let predicted = block_size.map(|block_size| Prediction {
             blocks: a.matched_blocks,
             block_size,
+            endpoint: a.endpoint,
         });
         self.finish(
             host,
@@ -561,7 +562,16 @@ impl RequestFilter {
                 s.inc(host, Stat::UsageParsed);
                 s.add(host, Stat::CacheHitTokens, u.hit_tokens);
                 s.add(host, Stat::CacheMissTokens, u.miss_tokens);
-                if let Some(j) = reader.predicted.and_then(|p| p.judge(&u)) {
+                if let Some((p, j)) = reader.predicted.and_then(|p| Some((p, p.judge(&u)?))) {
+                    if self.vm.config.report.is_some()
+                        && !self
+                            .vm
+                            .outcomes
+                            .borrow_mut()
+                            .record(&p.endpoint.to_string(), &j)
+                    {
+                        s.inc(host, Stat::OutcomesDropped);
+                    }
                     s.inc(
                         host,
                         match j.verdict {
@@ -1134,29 +1144,33 @@ mod tests {
         );
     }
 
+    /// One request routed with `answer` (`None`: the callout fails, so it goes unpinned) whose
+    /// response reports `prompt` tokens, `cached` of them reused.
+    fn respond(host: &FakeHost, p: &Plugin, answer: Option<&[u8]>, prompt: u32, cached: u32) {
+        let (mut r, _) = to_callout(host, p, "/v1/completions", br#"{"prompt":"hello"}"#);
+        let token = match r.state() {
+            RequestState::AwaitingRoute { token, .. } => *token,
+            s => panic!("{s:?}"),
+        };
+        match answer {
+            Some(a) => r.on_route_response(host, token, Some("200"), a),
+            None => r.on_route_response(host, token, Some("503"), b""),
+        }
+        r.on_response_headers(host);
+        let body = format!(
+            r#"{{"usage":{{"prompt_tokens":{prompt},"prompt_tokens_details":{{"cached_tokens":{cached}}}}}}}"#
+        );
+        *host.response_body.borrow_mut() = body.clone().into_bytes();
+        r.on_response_body(host, body.len(), true);
+    }
+
     /// Each pinned response's reuse is judged against the answer's matched blocks (block size 2
     /// in this contract); an unpinned (fail-open) response is not judged.
     #[test]
     fn responses_judge_the_predicted_reuse() {
         let host = FakeHost::default();
         let p = ready(&host, CFG);
-        let respond = |answer: Option<&[u8]>, prompt: u32, cached: u32| {
-            let (mut r, _) = to_callout(&host, &p, "/v1/completions", br#"{"prompt":"hello"}"#);
-            let token = match r.state() {
-                RequestState::AwaitingRoute { token, .. } => *token,
-                s => panic!("{s:?}"),
-            };
-            match answer {
-                Some(a) => r.on_route_response(&host, token, Some("200"), a),
-                None => r.on_route_response(&host, token, Some("503"), b""),
-            }
-            r.on_response_headers(&host);
-            let body = format!(
-                r#"{{"usage":{{"prompt_tokens":{prompt},"prompt_tokens_details":{{"cached_tokens":{cached}}}}}}}"#
-            );
-            *host.response_body.borrow_mut() = body.clone().into_bytes();
-            r.on_response_body(&host, body.len(), true);
-        };
+        let respond = |answer, prompt, cached| respond(&host, &p, answer, prompt, cached);
         let count = |name: &str| host.counter(name).unwrap_or(0);
         // HIT predicts 3 blocks = 6 tokens.
         respond(Some(HIT), 20, 6);
@@ -1176,6 +1190,70 @@ mod tests {
         assert_eq!(count("kvroute_filter_predicted_tokens_total"), 24);
         assert_eq!(count("kvroute_filter_over_predicted_tokens_total"), 4);
         assert_eq!(count("kvroute_filter_usage_parsed_total"), 5);
+    }
+
+    /// Judged responses are reported per endpoint on the first tick after `report_ms`; a failed
+    /// report is added back and goes out with the next one.
+    #[test]
+    fn judged_responses_are_reported_and_a_failed_report_is_sent_again() {
+        let host = FakeHost::default();
+        let mut p = ready(&host, CFG);
+        respond(&host, &p, Some(HIT), 20, 6);
+        respond(&host, &p, Some(HIT), 20, 0);
+        respond(&host, &p, None, 20, 0);
+        let later = |host: &FakeHost| host.clock.set(host.clock.get() + 6_000_000_000);
+        let sent = |host: &FakeHost, p: &mut Plugin| {
+            host.calls.borrow_mut().clear();
+            later(host);
+            p.on_tick(host);
+            let calls = host.calls.borrow();
+            let call = calls.last()?;
+            assert_eq!(
+                (call.method.as_str(), call.path.as_str()),
+                ("POST", "/v1/rules/10.0.0.1:8080/outcomes")
+            );
+            let report: kvroute_core::wire::OutcomeReport =
+                serde_json::from_slice(&call.body).unwrap();
+            Some(report)
+        };
+        let report = sent(&host, &mut p).unwrap();
+        assert_eq!(report.endpoints.len(), 1);
+        let e = &report.endpoints[0];
+        assert_eq!(
+            (e.endpoint.as_str(), e.judged, e.exact, e.over),
+            ("127.0.0.1:8001", 2, 1, 1)
+        );
+        assert_eq!((e.qualifying, e.missed), (2, 1));
+        assert_eq!((e.predicted_blocks, e.realised_blocks), (6, 3));
+        p.on_call_response(&host, 1, Some("503"), b"");
+        let count = |name: &str| host.counter(name).unwrap_or(0);
+        assert_eq!(count("kvroute_filter_outcome_report_failures_total"), 1);
+        respond(&host, &p, Some(HIT), 20, 6);
+        let again = sent(&host, &mut p).unwrap();
+        assert_eq!(
+            (again.endpoints[0].judged, again.endpoints[0].exact),
+            (3, 2)
+        );
+        p.on_call_response(&host, 1, Some("200"), b"{}");
+        assert_eq!(count("kvroute_filter_outcome_reports_total"), 1);
+        assert!(sent(&host, &mut p).is_none(), "nothing new to report");
+    }
+
+    /// `report_ms: 0` turns reporting off.
+    #[test]
+    fn reporting_can_be_turned_off() {
+        let host = FakeHost::default();
+        let mut p = ready(&host, r#"{"rule":"10.0.0.1:8080","report_ms":0}"#);
+        respond(&host, &p, Some(HIT), 20, 6);
+        host.calls.borrow_mut().clear();
+        host.clock.set(host.clock.get() + 60_000_000_000);
+        p.on_tick(&host);
+        assert!(!host
+            .calls
+            .borrow()
+            .iter()
+            .any(|c| c.path.ends_with("/outcomes")));
+        assert!(p.vm().outcomes.borrow().is_empty());
     }
 
     /// Where Envoy sent a pinned request is checked against the pin: honored, overridden (Envoy

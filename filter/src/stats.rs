@@ -116,6 +116,12 @@ pub enum Stat {
     PredictedTokens,
     /// Of those, tokens the engines did not reuse (over-predicted responses only).
     OverPredictedTokens,
+    /// Outcome reports the inventory accepted.
+    OutcomeReports,
+    /// Outcome reports that failed (added back for the next one).
+    OutcomeReportFailures,
+    /// Judgements (or restored sums) dropped because the outcome table was full.
+    OutcomesDropped,
     /// Root-context loads (contract, tokenizer) that failed and will be retried.
     LoadFailures,
     /// Tokenizers loaded, one per worker VM (and per reload): the readiness signal per worker.
@@ -136,7 +142,7 @@ pub enum Stat {
 }
 
 /// How many counters and histograms `FIXED` defines (the handles array has the same length).
-const FIXED_LEN: usize = 33;
+const FIXED_LEN: usize = 36;
 
 const FIXED: [(Stat, &str, MetricKind); FIXED_LEN] = [
     (
@@ -247,6 +253,21 @@ const FIXED: [(Stat, &str, MetricKind); FIXED_LEN] = [
     (
         Stat::OverPredictedTokens,
         "kvroute_filter_over_predicted_tokens_total",
+        MetricKind::Counter,
+    ),
+    (
+        Stat::OutcomeReports,
+        "kvroute_filter_outcome_reports_total",
+        MetricKind::Counter,
+    ),
+    (
+        Stat::OutcomeReportFailures,
+        "kvroute_filter_outcome_report_failures_total",
+        MetricKind::Counter,
+    ),
+    (
+        Stat::OutcomesDropped,
+        "kvroute_filter_outcomes_dropped_total",
         MetricKind::Counter,
     ),
     (

@@ -64,6 +64,8 @@ pub fn parse(body: &[u8], sse: bool) -> Option<Usage> {
 pub struct Prediction {
     pub blocks: u32,
     pub block_size: u32,
+    /// The endpoint whose blocks were counted (the prefill endpoint in P/D mode).
+    pub endpoint: std::net::SocketAddr,
 }
 
 /// A prediction against the engine's reported reuse, in whole blocks.
@@ -84,6 +86,9 @@ pub struct Judged {
     pub verdict: Verdict,
     pub predicted_tokens: u64,
     pub realised_tokens: u64,
+    /// Whole blocks predicted (capped as [`Prediction::judge`] says) and reused.
+    pub predicted_blocks: u64,
+    pub realised_blocks: u64,
 }
 
 impl Prediction {
@@ -108,6 +113,8 @@ impl Prediction {
             verdict,
             predicted_tokens: predicted * bs,
             realised_tokens: u.hit_tokens,
+            predicted_blocks: predicted,
+            realised_blocks: realised,
         })
     }
 }
@@ -193,9 +200,11 @@ mod tests {
             hit_tokens: hit,
             miss_tokens: miss,
         };
+        let endpoint = std::net::SocketAddr::from(([127, 0, 0, 1], 8001));
         let p = |blocks| Prediction {
             blocks,
             block_size: 16,
+            endpoint,
         };
         for (pred, usage, verdict, predicted) in [
             (p(4), u(64, 36), Verdict::Exact, 64),
@@ -213,11 +222,16 @@ mod tests {
                 (verdict, predicted, usage.hit_tokens),
                 "{pred:?} {usage:?}"
             );
+            assert_eq!(
+                (j.predicted_blocks, j.realised_blocks),
+                (predicted / 16, usage.hit_tokens / 16)
+            );
         }
         assert_eq!(
             Prediction {
                 blocks: 1,
-                block_size: 0
+                block_size: 0,
+                endpoint,
             }
             .judge(&u(1, 1)),
             None

@@ -44,9 +44,10 @@ pub enum Cmd {
         /// refused (401).
         #[arg(long, env = "KVROUTE_AUTH_TOKEN_FILE")]
         auth_token_file: Option<PathBuf>,
-        /// File holding the bearer token `POST /v1/route` requires (`Authorization: Bearer
-        /// <token>`, compared in constant time; 401 otherwise); unset leaves `/v1/route` open to anyone who reaches
-        /// the listener. The filter sends it with its `route_token` setting.
+        /// File holding the bearer token `POST /v1/route` and `POST /v1/rules/{id}/outcomes`
+        /// require (`Authorization: Bearer <token>`, compared in constant time; 401 otherwise);
+        /// unset leaves them open to anyone who reaches the listener. The filter sends it with
+        /// its `route_token` setting.
         #[arg(long, env = "KVROUTE_ROUTE_TOKEN_FILE")]
         route_token_file: Option<PathBuf>,
         /// PEM certificate chain: serve HTTPS (rustls, HTTP/1.1 and HTTP/2) instead of HTTP, with

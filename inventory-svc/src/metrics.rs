@@ -264,6 +264,17 @@ pub struct Metrics {
     pub key_cap_refusals: IntCounterVec,
     /// Endpoint health probes: `outcome` (ok, refused, failed).
     pub health_probes: IntCounterVec,
+    /// Judged responses the filters reported: `rule`, `ep`, `verdict` (exact, under, over).
+    pub endpoint_outcomes: IntCounterVec,
+    /// Blocks the route answers predicted / the engines reused, of judged responses: `rule`, `ep`.
+    pub endpoint_predicted_blocks: IntCounterVec,
+    pub endpoint_realised_blocks: IntCounterVec,
+    /// 1 while the endpoint diverges: `rule`, `ep`.
+    pub endpoint_divergent: IntGaugeVec,
+    /// Outcome reports applied.
+    pub outcome_reports: IntCounter,
+    /// Endpoints named in outcome reports that their rule does not have.
+    pub outcome_unknown_endpoints: IntCounter,
 }
 
 impl Metrics {
@@ -494,6 +505,31 @@ impl Metrics {
                 "Endpoint health probes by outcome (ok, refused, failed).",
                 &["outcome"],
             )?,
+            endpoint_outcomes: cv(
+                "kvroute_endpoint_outcomes_total",
+                "Responses the filters judged: the engine reused exactly (exact), more (under) or fewer (over) blocks than the route answer predicted.",
+                &["rule", "ep", "verdict"],
+            )?,
+            endpoint_predicted_blocks: cv(
+                "kvroute_endpoint_predicted_blocks_total",
+                "Blocks the route answers predicted the engine reuses, over judged responses.",
+                &["rule", "ep"],
+            )?,
+            endpoint_realised_blocks: cv(
+                "kvroute_endpoint_realised_blocks_total",
+                "Blocks the engine reported reusing, over judged responses.",
+                &["rule", "ep"],
+            )?,
+            endpoint_divergent: gv(
+                "kvroute_endpoint_divergent",
+                "1 while the endpoint's engine reuses none of the predicted blocks for most requests (KVROUTE_DIVERGENCE_*).",
+                &["rule", "ep"],
+            )?,
+            outcome_reports: c("kvroute_outcome_reports_total", "Outcome reports from filters applied.")?,
+            outcome_unknown_endpoints: c(
+                "kvroute_outcome_unknown_endpoints_total",
+                "Endpoints named in outcome reports that their rule does not have (ignored).",
+            )?,
             registry,
         };
         // Every reason is exported from the start (at 0).
@@ -580,8 +616,20 @@ impl Metrics {
                 &self.endpoint_homed_blocks,
                 &self.snapshot_bytes,
                 &self.lease_owned,
+                &self.endpoint_divergent,
             ] {
                 let _ = g.remove_label_values(&labels);
+            }
+            for c in [
+                &self.endpoint_predicted_blocks,
+                &self.endpoint_realised_blocks,
+            ] {
+                let _ = c.remove_label_values(&labels);
+            }
+            for verdict in ["exact", "under", "over"] {
+                let _ = self
+                    .endpoint_outcomes
+                    .remove_label_values(&[rule, &ep, verdict]);
             }
             let _ = self.snapshot_age.remove_label_values(&labels);
             for rank in 0..ranks {

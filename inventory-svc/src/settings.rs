@@ -252,6 +252,37 @@ pub const REPLICA_ID: Setting = Setting::text(
     "host-pid-random",
     "this replica's name in lease values and logs",
 );
+pub const DIVERGENCE_WINDOW_MS: Setting = Setting::int(
+    "KVROUTE_DIVERGENCE_WINDOW_MS",
+    (1000, 86_400_000),
+    60_000,
+    "how much of the filters' predicted-against-realised reports each endpoint's divergence \
+     verdict looks at",
+);
+pub const DIVERGENCE_MIN_REQUESTS: Setting = Setting::int(
+    "KVROUTE_DIVERGENCE_MIN_REQUESTS",
+    (1, 1_000_000),
+    20,
+    "responses predicted to reuse at least 2 blocks, within the window, before an endpoint can be \
+     judged divergent (it is when the engine reused no block for 80% of them)",
+);
+pub const DIVERGENCE_POLICY: Setting = Setting::word(
+    "KVROUTE_DIVERGENCE_POLICY",
+    &["load_only", "keep"],
+    Some("load_only"),
+    "routing for a divergent endpoint: `load_only` (its prefix overlap and placement memory are \
+     ignored, so a wrong affinity cannot pile traffic on it) or `keep`",
+);
+
+/// What routing does with an endpoint whose engine does not reuse what was predicted
+/// ([`DIVERGENCE_POLICY`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DivergencePolicy {
+    /// Route to it on load only.
+    LoadOnly,
+    /// Route as before (the signal is only reported).
+    Keep,
+}
 
 /// Health check hysteresis ([`HEALTH_FALL`], [`HEALTH_RISE`], [`HEALTH_TIMEOUT_MS`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -265,7 +296,7 @@ pub struct HealthThresholds {
 }
 
 /// The service's own tuning variables, in the order errors are reported (after the shared ones).
-pub const SERVICE_VARS: [Setting; 24] = [
+pub const SERVICE_VARS: [Setting; 27] = [
     MEAN_LOAD_FACTOR,
     LB_MODE,
     LOAD_PENALTY,
@@ -290,6 +321,9 @@ pub const SERVICE_VARS: [Setting; 24] = [
     MAX_KEYS_PER_ENDPOINT,
     MAX_PREFIX_TOKENS,
     ZMQ_IDLE_RECONNECT_MS,
+    DIVERGENCE_WINDOW_MS,
+    DIVERGENCE_MIN_REQUESTS,
+    DIVERGENCE_POLICY,
 ];
 
 /// The replication variables (docs/replication.md); all but the URL need the URL.
@@ -401,6 +435,17 @@ pub struct Settings {
     /// [`MAX_KEYS_PER_ENDPOINT`]: 0 = sized from the endpoint's capacity (4 x `kvCapacityBlocks`
     /// or scraped num_gpu_blocks), else [`DEFAULT_MAX_KEYS_PER_ENDPOINT`].
     pub max_keys_per_endpoint: u64,
+    /// [`DIVERGENCE_WINDOW_MS`], [`DIVERGENCE_MIN_REQUESTS`], [`DIVERGENCE_POLICY`].
+    pub divergence: Divergence,
+}
+
+/// When an endpoint counts as divergent, and what routing does then.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Divergence {
+    pub window: Duration,
+    /// Qualifying responses (predicted >= 2 blocks) needed in the window.
+    pub min_requests: u64,
+    pub policy: DivergencePolicy,
 }
 
 /// Blocks an endpoint may hold when neither the setting nor its capacity says otherwise: far above
@@ -618,6 +663,15 @@ impl<'a> Env<'a> {
         let max_keys_per_endpoint = self.int(&MAX_KEYS_PER_ENDPOINT);
         let max_prefix_tokens = self.int(&MAX_PREFIX_TOKENS);
         let zmq_idle_reconnect = self.ms(&ZMQ_IDLE_RECONNECT_MS);
+        let divergence = Divergence {
+            window: self.ms(&DIVERGENCE_WINDOW_MS),
+            min_requests: self.int(&DIVERGENCE_MIN_REQUESTS),
+            policy: self.word(
+                &DIVERGENCE_POLICY,
+                self.get(&DIVERGENCE_POLICY),
+                [DivergencePolicy::LoadOnly, DivergencePolicy::Keep],
+            ),
+        };
         let redis = self.redis_from_env();
         Settings {
             core,
@@ -642,6 +696,7 @@ impl<'a> Env<'a> {
             redis,
             http,
             max_keys_per_endpoint,
+            divergence,
         }
     }
 

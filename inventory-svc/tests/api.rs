@@ -417,19 +417,6 @@ fn help_documents_flags_and_env() {
     }
 }
 
-/// Publishes `keys` on the rule's endpoint 0 and waits until the index holds them.
-async fn seed_ep0(svc: &Service, p: &mut Publisher, keys: &[u64]) {
-    publish_until_seen(
-        svc,
-        p,
-        "1",
-        0,
-        keys[0],
-        &batch(vec![stored(keys, &[], false)]),
-    )
-    .await;
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn spill_and_cold_seed_metrics() {
     let eps = [("127.0.0.1".to_owned(), 1), ("127.0.0.2".to_owned(), 1)];

@@ -145,17 +145,20 @@ async fn served_document_is_checked_in_valid_and_lists_every_route() {
         "in the router, not in the document"
     );
 
-    // Security: bearer on the writes, optional bearer on /v1/route, none on the reads.
+    // Security: bearer on the writes, optional bearer on the filter's posts, none on the reads.
     let schemes = &doc["components"]["securitySchemes"];
     for s in ["management_token", "route_token"] {
         assert_eq!(schemes[s]["type"], "http", "{s}");
         assert_eq!(schemes[s]["scheme"], "bearer", "{s}");
     }
     let security = |path: &str, m: &str| doc["paths"][path][m]["security"].clone();
-    assert_eq!(
-        security("/v1/route", "post"),
-        json!([{}, {"route_token": []}])
-    );
+    for path in ["/v1/route", "/v1/rules/{id}/outcomes"] {
+        assert_eq!(
+            security(path, "post"),
+            json!([{}, {"route_token": []}]),
+            "{path}"
+        );
+    }
     assert_eq!(
         security("/netlox/v1/config/loadbalancer", "post"),
         json!([{"management_token": []}])
@@ -170,6 +173,7 @@ async fn served_document_is_checked_in_valid_and_lists_every_route() {
     for (path, m) in &want {
         let op = &doc["paths"][path][m];
         if !(path == "/v1/route"
+            || path == "/v1/rules/{id}/outcomes"
             || path.starts_with("/netlox/v1/config/loadbalancer") && m != "get")
         {
             assert!(op.get("security").is_none(), "{m} {path} is open");

@@ -3,6 +3,8 @@
 //! * `GET /v1/rules/{rule}/contract` → [`RuleContract`] (`GET /v1/rules` → [`RuleContracts`]):
 //!   how to hash a rule's block keys ([`RuleContract::hash_contract`]).
 //! * `POST /v1/route` ← [`RouteRequest`], → [`RouteResponse`] with its [`Tier`] and [`Reason`].
+//! * `POST /v1/rules/{rule}/outcomes` ← [`OutcomeReport`]: what the engines reused of what the
+//!   route answers predicted, per endpoint, summed by the filter since its last report.
 //!   With `"explain": true` the service answers the same question without side effects and adds
 //!   [`Explain`] (per endpoint: matched blocks, held blocks, load, health; the placement memory's
 //!   recall). Absent options of the question are left out of its JSON.
@@ -308,6 +310,61 @@ pub struct RouteResponse {
     /// Present only when the request set `"explain": true`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub explain: Option<Explain>,
+}
+
+/// Most endpoints one [`OutcomeReport`] carries (the most a rule holds).
+pub const MAX_OUTCOME_ENDPOINTS: usize = 1024;
+
+/// Predicted against realised reuse for one endpoint, summed over the pinned responses whose
+/// `usage` the filter read. Blocks are whole blocks of the rule's size; a prediction is capped at
+/// the full blocks before the prompt's last token (engines always compute that one).
+#[derive(Clone, Debug, Default, Deserialize, Serialize, PartialEq, Eq)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(deny_unknown_fields)]
+pub struct EndpointOutcomes {
+    /// `ip:port` the requests were pinned to (the prefill endpoint in P/D mode).
+    pub endpoint: String,
+    /// Responses judged.
+    pub judged: u64,
+    /// The engine reused exactly the predicted blocks.
+    pub exact: u64,
+    /// It reused more.
+    pub under: u64,
+    /// It reused fewer.
+    pub over: u64,
+    /// Responses predicted to reuse at least 2 blocks.
+    pub qualifying: u64,
+    /// Qualifying responses whose engine reused no block at all.
+    pub missed: u64,
+    pub predicted_blocks: u64,
+    pub realised_blocks: u64,
+}
+
+impl EndpointOutcomes {
+    /// Adds `o`'s counts (saturating).
+    pub fn add(&mut self, o: &EndpointOutcomes) {
+        for (a, b) in [
+            (&mut self.judged, o.judged),
+            (&mut self.exact, o.exact),
+            (&mut self.under, o.under),
+            (&mut self.over, o.over),
+            (&mut self.qualifying, o.qualifying),
+            (&mut self.missed, o.missed),
+            (&mut self.predicted_blocks, o.predicted_blocks),
+            (&mut self.realised_blocks, o.realised_blocks),
+        ] {
+            *a = a.saturating_add(b);
+        }
+    }
+}
+
+/// The filter's report of predicted against realised reuse since its previous one.
+#[derive(Clone, Debug, Default, Deserialize, Serialize, PartialEq, Eq)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(deny_unknown_fields)]
+pub struct OutcomeReport {
+    /// At most [`MAX_OUTCOME_ENDPOINTS`].
+    pub endpoints: Vec<EndpointOutcomes>,
 }
 
 #[cfg(test)]

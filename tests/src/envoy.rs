@@ -34,6 +34,9 @@ pub const MODEL: &str = "Qwen/Qwen3-0.6B";
 pub const BLOCK: usize = 16;
 /// An engine stand-in answers SSE (with a final usage chunk) when the request carries this header.
 pub const SSE_HEADER: &str = "x-test-sse";
+/// Request header making the engine stand-in answer a JSON body whose `usage` reports
+/// `PROMPT,CACHED` tokens (instead of echoing the request).
+pub const USAGE_HEADER: &str = "x-test-usage";
 
 /// Standard base64 (the stateful-session header value is base64 of `ip:port`).
 pub fn base64(input: &[u8]) -> String {
@@ -69,7 +72,8 @@ struct EngineState {
     healthy: Arc<AtomicBool>,
 }
 
-/// An engine stand-in: echoes every request (status 200, body byte-for-byte, [`BACKEND_HEADER`]),
+/// An engine stand-in: echoes every request (status 200, body byte-for-byte, [`BACKEND_HEADER`];
+/// an SSE stream with [`SSE_HEADER`], a usage body with [`USAGE_HEADER`]),
 /// answers `/health` (200, or 503 once made unhealthy) and drains queued TensorRT-LLM KV events
 /// on `POST /kv_cache_events`. Probes and drains are not recorded as received requests.
 pub struct Engine {
@@ -196,6 +200,14 @@ async fn engine(
             HeaderValue::from_static("text/event-stream"),
         );
         r
+    } else if let Some((prompt, cached)) = headers
+        .get(USAGE_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.split_once(','))
+    {
+        let usage = json!({"choices": [{"text": "hi"}], "usage": {"prompt_tokens": prompt.parse::<u64>().unwrap_or(0),
+            "prompt_tokens_details": {"cached_tokens": cached.parse::<u64>().unwrap_or(0)}}});
+        axum::Json(usage).into_response()
     } else {
         (StatusCode::OK, body).into_response()
     };

@@ -5,15 +5,18 @@
 //! What must hold: the filter pins to the endpoint the service chose; a client's own pin header
 //! is ignored; an unhealthy chosen endpoint falls back; inventory down / slow / 500 / garbage,
 //! malformed or huge or non-UTF-8 bodies, missing fields and unknown paths are all served (200)
-//! unpinned with the body byte-for-byte; response usage lands in the filter's stats.
+//! unpinned with the body byte-for-byte; response usage lands in the filter's stats, and what the
+//! engines reused against what was predicted reaches the inventory, where an engine that reuses
+//! nothing of its predicted prefixes shows as divergent.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
+use kvroute_test_support::{Poll, Probe};
 use kvroute_tests::envoy::{
     self, base64, Bootstrap, Engine, FakeInventory, Fault, Gateway, Inventory, Variant, PIN_HEADER,
-    SSE_HEADER,
+    SSE_HEADER, USAGE_HEADER,
 };
 use kvroute_tests::harness::{self, header, BACKEND_HEADER};
 use serde_json::{json, Value};
@@ -360,6 +363,79 @@ async fn bad_requests_are_served_unpinned_byte_for_byte() {
         ],
     )
     .await;
+}
+
+/// The filter reports each pinned response's reuse to the inventory every `report_ms`: an engine
+/// that reports no cached token for prompts the inventory says it holds turns divergent in
+/// `/healthz` and `/metrics`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_that_reuses_nothing_of_its_predicted_prefix_shows_as_divergent() {
+    let body = chat_body(json!({}));
+    let (inv, a, b, blocks) = fleet(&body).await;
+    let engines = [&a, &b];
+    let gw = gateway(&engines, inv.addr, json!({"report_ms": 200})).await;
+    gw.wait_until_routing(READY).await.unwrap();
+    let prompt = (blocks * envoy::BLOCK + 5).to_string();
+    // The default verdict needs 20 qualifying responses within the window; every 16th hit is a
+    // cold seed on engine-a (predicted 0 blocks, so it does not qualify).
+    let mut on_b = 0;
+    for _ in 0..40 {
+        let usage = format!("{prompt},0");
+        let r = gw
+            .post(
+                "/v1/chat/completions",
+                body.clone(),
+                &[(USAGE_HEADER, &usage)],
+            )
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        on_b += usize::from(r.headers()[BACKEND_HEADER] == "engine-b");
+        if on_b == 20 {
+            break;
+        }
+    }
+    assert_eq!(on_b, 20);
+    let health = format!("http://{}/healthz", inv.addr);
+    let diverged = Poll::new(
+        "engine-b to be divergent in /healthz",
+        Duration::from_secs(20),
+    )
+    .every(Duration::from_millis(100))
+    .until(async || {
+        let h: Value = reqwest::get(&health).await?.json().await?;
+        let ep = h["rules"][0]["endpoints"][1].clone();
+        Ok(match ep["divergence"].is_string() {
+            true => Probe::Ready(ep),
+            false => Probe::Pending(ep.to_string()),
+        })
+    })
+    .await
+    .unwrap();
+    assert_eq!(diverged["outcomes"]["qualifying"], 20, "{diverged}");
+    assert_eq!(diverged["outcomes"]["missed"], 20, "{diverged}");
+    assert!(
+        gw.stat("kvroute_filter_outcome_reports_total")
+            .await
+            .unwrap()
+            >= 1
+    );
+    assert_eq!(
+        gw.stat("kvroute_filter_outcome_report_failures_total")
+            .await
+            .unwrap(),
+        0
+    );
+    let metrics = reqwest::get(format!("http://{}/metrics", inv.addr))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        metrics.contains(r#"kvroute_endpoint_divergent{ep="1",rule="10.0.0.1:8080/tcp"} 1"#),
+        "{metrics}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -4,6 +4,7 @@
 //! |---|---|---|
 //! | `POST /v1/route` | filter (bearer with `--route-token-file`) | routing decision ([`route`]) |
 //! | `GET /v1/rules`, `GET /v1/rules/{id}/contract` | filter | hash contract per rule |
+//! | `POST /v1/rules/{id}/outcomes` | filter (bearer with `--route-token-file`) | predicted against realised reuse ([`outcomes`]) |
 //! | `GET /v1/tokenizers/{slug}[/tokenizer_config.json]` | filter | staged tokenizers |
 //! | `POST /netlox/v1/config/loadbalancer` | operator (bearer) | add a rule |
 //! | `GET /netlox/v1/config/loadbalancer/all` | operator | list rules |
@@ -45,6 +46,8 @@ use error::{parse_json, ApiError, ErrorBody};
 
 /// Cap on management bodies (a rule with 1,024 endpoints, the most a rule holds, is 60-110 KiB).
 pub const MAX_RULE_BODY: usize = 256 * 1024;
+/// Cap on outcome reports (1,024 endpoints at about 200 bytes each).
+pub const MAX_OUTCOME_BODY: usize = 512 * 1024;
 /// Cap on route bodies (64k keys as JSON numbers).
 pub const MAX_ROUTE_BODY: usize = 2 * 1024 * 1024;
 /// Largest inventory page.
@@ -97,6 +100,10 @@ pub fn router(state: Arc<ApiState>) -> Router {
         .route(
             "/v1/route",
             post(route::route).layer(DefaultBodyLimit::max(MAX_ROUTE_BODY)),
+        )
+        .route(
+            "/v1/rules/{id}/outcomes",
+            post(outcomes).layer(DefaultBodyLimit::max(MAX_OUTCOME_BODY)),
         )
         .route_layer(middleware::from_fn_with_state(
             state.clone(),
@@ -523,6 +530,65 @@ pub struct EndpointHealth {
     pub parity_checks: u64,
     /// Of which mismatched.
     pub parity_mismatches: u64,
+    /// The filters' predicted-against-realised reports within `KVROUTE_DIVERGENCE_WINDOW_MS`
+    /// (absent before the first report).
+    pub outcomes: Option<kvroute_core::wire::EndpointOutcomes>,
+    /// Present while the endpoint diverges: its engine reused no block for most responses
+    /// predicted to reuse 2 or more; the probable cause.
+    pub divergence: Option<String>,
+}
+
+/// `POST /v1/rules/{id}/outcomes` answer.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct OutcomesApplied {
+    /// Endpoints of the rule the report named.
+    pub endpoints: usize,
+    /// Endpoints it named that the rule does not have (ignored).
+    pub unknown: usize,
+}
+
+/// A filter's report of what the engines reused of what the route answers predicted.
+#[utoipa::path(
+    post,
+    path = "/v1/rules/{id}/outcomes",
+    tag = "routing",
+    summary = "Predicted against realised reuse, per endpoint",
+    description = "Sent by the filter every `report_ms` with the sums since its last report. The service keeps each endpoint's reports for `KVROUTE_DIVERGENCE_WINDOW_MS` and judges it divergent when its engine reused no block for 80% of at least `KVROUTE_DIVERGENCE_MIN_REQUESTS` responses predicted to reuse 2 or more; `/healthz` says so and names the probable cause. A bearer token is required only with `--route-token-file`.",
+    params(("id" = String, Path, description = "Rule id or `VIP:port`")),
+    request_body = kvroute_core::wire::OutcomeReport,
+    responses(
+        (status = 200, description = "Applied", body = OutcomesApplied),
+        (status = 400, description = "Malformed body, or more endpoints than a rule holds", body = ErrorBody),
+        (status = 401, description = "Missing or wrong route token (with `--route-token-file`)", body = ErrorBody),
+        (status = 404, description = "Unknown rule", body = ErrorBody),
+        (status = 413, description = "Body over the cap"),
+    ),
+    security((), ("route_token" = [])),
+)]
+async fn outcomes(
+    State(state): State<Arc<ApiState>>,
+    Path(id): Path<String>,
+    body: Bytes,
+) -> Result<Json<OutcomesApplied>, ApiError> {
+    let r = state
+        .fleet
+        .find(&id)
+        .ok_or_else(|| ApiError::NotFound(format!("unknown rule {id:?}")))?;
+    let report: kvroute_core::wire::OutcomeReport = parse_json(&body)?;
+    let max = kvroute_core::wire::MAX_OUTCOME_ENDPOINTS;
+    if report.endpoints.len() > max {
+        return Err(ApiError::BadRequest(format!(
+            "endpoints: {} entries, at most {max}",
+            report.endpoints.len()
+        )));
+    }
+    let a = state
+        .fleet
+        .record_outcomes(&r, &report, std::time::Instant::now());
+    Ok(Json(OutcomesApplied {
+        endpoints: a.endpoints,
+        unknown: a.unknown,
+    }))
 }
 
 /// Replication state in `GET /healthz`.
@@ -533,7 +599,8 @@ pub struct ReplicationHealth {
 }
 
 /// Liveness plus the detail an operator needs for a 0% hit rate: per endpoint health, subscriber
-/// state, block count and parity verdict; per rule the tokenizer problem.
+/// state, block count, parity verdict and predicted-against-realised reuse; per rule the
+/// tokenizer problem.
 #[utoipa::path(
     get,
     path = "/healthz",
@@ -543,6 +610,7 @@ pub struct ReplicationHealth {
 )]
 async fn healthz(State(state): State<Arc<ApiState>>) -> Json<Health> {
     let mut degraded = false;
+    let now = std::time::Instant::now();
     let fleet = &state.fleet;
     let rules = fleet
         .rules()
@@ -558,6 +626,8 @@ async fn healthz(State(state): State<Arc<ApiState>>) -> Json<Health> {
                     let parity = rt.parity();
                     let (parity_status, matched, mismatched) = rt.parity_status();
                     degraded |= parity.is_some();
+                    let (sum, divergent) = rt.outcomes(now, &fleet.settings.divergence);
+                    degraded |= divergent;
                     EndpointHealth {
                         idx: i,
                         endpoint: e.addr(),
@@ -570,6 +640,11 @@ async fn healthz(State(state): State<Arc<ApiState>>) -> Json<Health> {
                         parity_status,
                         parity_checks: matched + mismatched,
                         parity_mismatches: mismatched,
+                        outcomes: (sum.judged > 0).then(|| kvroute_core::wire::EndpointOutcomes {
+                            endpoint: e.addr(),
+                            ..sum
+                        }),
+                        divergence: divergent.then(|| crate::fleet::divergence_cause(rt)),
                     }
                 })
                 .collect();
@@ -622,8 +697,10 @@ async fn readyz(State(state): State<Arc<ApiState>>) -> Response {
 async fn metrics(State(state): State<Arc<ApiState>>) -> Response {
     // Placement gauges follow every decision: computed when scraped rather than per request.
     let fleet = &state.fleet;
+    let now = std::time::Instant::now();
     for rt in fleet.rules() {
         rt.publish_placement_gauges(&fleet.metrics, fleet.settings.capacity_blocks);
+        rt.publish_divergence_gauges(&fleet.metrics, &fleet.settings.divergence, now);
     }
     (
         [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],

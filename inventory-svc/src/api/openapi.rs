@@ -19,6 +19,7 @@ use utoipa::{Modify, OpenApi};
     ),
     paths(
         super::route::route,
+        super::outcomes,
         super::list_contracts,
         super::contract,
         super::tokenizers::tokenizer_json,
@@ -66,7 +67,7 @@ impl Modify for SecuritySchemes {
                 HttpBuilder::new()
                     .scheme(HttpAuthScheme::Bearer)
                     .description(Some(
-                        "The token in `--route-token-file`; `POST /v1/route` is open without the flag.",
+                        "The token in `--route-token-file`; `POST /v1/route` and `POST /v1/rules/{id}/outcomes` are open without the flag.",
                     ))
                     .build(),
             ),

@@ -14,11 +14,12 @@ use std::time::{Duration, Instant};
 use kvroute_core::hash::BlockKey;
 
 use super::rule::RuleRuntime;
-use super::Fleet;
+use super::{EpRuntime, Fleet};
 use crate::index::EndpointId;
 use crate::score::{
     decide, given_away, Decision, EpView, HashRing, Reason, Recall, ScoreInput, Tier, Update,
 };
+use crate::settings::{DivergencePolicy, Settings};
 
 /// Most keys one request may carry (a 2 MiB body holds fewer anyway).
 pub const MAX_KEYS: usize = 1 << 16;
@@ -59,6 +60,11 @@ pub struct Routed {
     pub recall: Option<Recall>,
 }
 
+/// Whether routing ignores `ep`'s locality: it diverges and the policy is `load_only`.
+fn load_only(s: &Settings, ep: Option<&EpRuntime>) -> bool {
+    s.divergence.policy == DivergencePolicy::LoadOnly && ep.is_some_and(EpRuntime::divergent)
+}
+
 impl Fleet {
     /// Decides `q` for `rule` at `now`, and (unless `q.explain`) commits the decision.
     pub fn route(
@@ -77,6 +83,8 @@ impl Fleet {
             false => rule.memory.recall(q.keys, now),
         };
         let s = &self.settings;
+        // A divergent endpoint under `load_only` is not remembered either (see `observe`).
+        let recall = recall.filter(|r| !load_only(s, rule.eps().get(r.ep)));
         let affinity = q
             .affinity_key
             .map(|a| match (s.affinity_scope_model, q.model) {
@@ -133,15 +141,20 @@ impl Fleet {
             .iter()
             .zip(rule.eps())
             .enumerate()
-            .map(|(i, (e, rt))| EpView {
-                weight: e.weight,
-                role: e.role,
-                healthy: rt.healthy() && only.is_none_or(|o| o.get(i).copied().unwrap_or(false)),
-                load: rt.load(now, s.inflight_window, fresh),
-                blocks: blocks.get(i).copied().unwrap_or(0),
-                matched: matched.get(i).copied().unwrap_or(0),
-                capacity: rule.capacity(i, s.capacity_blocks),
-                homed: homed.get(i).copied().unwrap_or(0),
+            .map(|(i, (e, rt))| {
+                // Its engine does not reuse what the index says it holds: route on load alone.
+                let locality = !load_only(s, Some(rt));
+                EpView {
+                    weight: e.weight,
+                    role: e.role,
+                    healthy: rt.healthy()
+                        && only.is_none_or(|o| o.get(i).copied().unwrap_or(false)),
+                    load: rt.load(now, s.inflight_window, fresh),
+                    blocks: blocks.get(i).copied().unwrap_or(0),
+                    matched: matched.get(i).copied().filter(|_| locality).unwrap_or(0),
+                    capacity: rule.capacity(i, s.capacity_blocks),
+                    homed: homed.get(i).copied().filter(|_| locality).unwrap_or(0),
+                }
             })
             .collect()
     }

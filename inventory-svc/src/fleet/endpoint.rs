@@ -12,7 +12,11 @@ use std::time::{Duration, Instant};
 
 use serde::Serialize;
 
+use kvroute_core::wire::EndpointOutcomes;
+
+use super::outcomes::{diverges, OutcomeWindow};
 use crate::index::Rank;
+use crate::settings::Divergence;
 use crate::sync::lock;
 
 /// What the self-check concluded.
@@ -77,6 +81,11 @@ pub struct EpRuntime {
     dirty: AtomicBool,
     /// Replicated: when this replica last wrote the endpoint's snapshot.
     snapshot_at: Mutex<Option<Instant>>,
+    /// The filters' predicted-against-realised reports within the divergence window.
+    outcomes: Mutex<OutcomeWindow>,
+    /// The divergence verdict as of the last report or read ([`EpRuntime::outcomes`]); routing
+    /// reads only this flag, so a decision takes no lock for it.
+    divergent: AtomicBool,
 }
 
 impl EpRuntime {
@@ -92,7 +101,40 @@ impl EpRuntime {
             owned: AtomicBool::new(false),
             dirty: AtomicBool::new(false),
             snapshot_at: Mutex::new(None),
+            outcomes: Mutex::default(),
+            divergent: AtomicBool::new(false),
         }
+    }
+
+    /// Adds a filter's outcome report received at `now`; returns the divergence verdict before
+    /// and after it.
+    pub fn record_outcomes(
+        &self,
+        o: &EndpointOutcomes,
+        now: Instant,
+        d: &Divergence,
+    ) -> (bool, bool) {
+        let sum = {
+            let mut w = lock(&self.outcomes);
+            w.add(now, o, d.window);
+            w.sum(now, d.window)
+        };
+        let after = diverges(&sum, d.min_requests);
+        (self.divergent.swap(after, Ordering::Relaxed), after)
+    }
+
+    /// The reports within the window of `now` and their verdict (which the flag routing reads
+    /// then follows, so a verdict also clears once its reports leave the window).
+    pub fn outcomes(&self, now: Instant, d: &Divergence) -> (EndpointOutcomes, bool) {
+        let sum = lock(&self.outcomes).sum(now, d.window);
+        let verdict = diverges(&sum, d.min_requests);
+        self.divergent.store(verdict, Ordering::Relaxed);
+        (sum, verdict)
+    }
+
+    /// The last divergence verdict.
+    pub fn divergent(&self) -> bool {
+        self.divergent.load(Ordering::Relaxed)
     }
 
     /// Takes over what a replaced rule knew of the same engine: sequences, health, capacity.

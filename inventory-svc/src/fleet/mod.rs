@@ -24,6 +24,7 @@
 
 mod decide;
 mod endpoint;
+mod outcomes;
 mod replication;
 mod rule;
 
@@ -44,6 +45,7 @@ use crate::settings::Settings;
 
 pub use decide::{Question, RouteError, Routed, MAX_KEYS};
 pub use endpoint::{EpRuntime, ParityReport, ParityStatus};
+pub use outcomes::{divergence_cause, ReportApplied, DIVERGED_PERCENT};
 pub use replication::{Origin, Replication, Standalone, StartFeeds};
 pub use rule::RuleRuntime;
 

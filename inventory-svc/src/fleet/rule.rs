@@ -18,6 +18,7 @@ use crate::index::{BlockIndex, BlockPage, EndpointId, IndexOp, MemIndex, Rank};
 use crate::metrics::Metrics;
 use crate::rules::RuleSpec;
 use crate::score::{HashRing, PlacementMemory};
+use crate::settings::Divergence;
 use kvroute_core::rule::{EndpointRole, KvMode};
 
 /// A rule and everything live about it.
@@ -190,6 +191,18 @@ impl RuleRuntime {
             m.endpoint_homed_blocks
                 .with_label_values(&[&name, &ep])
                 .set(i64::try_from(homed).unwrap_or(i64::MAX));
+        }
+    }
+
+    /// Sets every endpoint's divergence gauge from its reports as of `now` (a verdict clears
+    /// once its reports leave the window, also when no new report arrives).
+    pub fn publish_divergence_gauges(&self, m: &Metrics, d: &Divergence, now: Instant) {
+        let name = self.spec.name();
+        for (i, rt) in self.eps.iter().enumerate() {
+            let (_, divergent) = rt.outcomes(now, d);
+            m.endpoint_divergent
+                .with_label_values(&[&name, &i.to_string()])
+                .set(i64::from(divergent));
         }
     }
 }

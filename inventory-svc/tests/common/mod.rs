@@ -575,3 +575,16 @@ pub fn pid_cpu_secs(pid: u32) -> f64 {
     // USER_HZ is 100 on Linux.
     ticks / 100.0
 }
+
+/// Publishes `keys` on the rule's endpoint 0 and waits until the index holds them.
+pub async fn seed_ep0(svc: &Service, p: &mut Publisher, keys: &[u64]) {
+    publish_until_seen(
+        svc,
+        p,
+        "1",
+        0,
+        keys[0],
+        &batch(vec![stored(keys, &[], false)]),
+    )
+    .await;
+}

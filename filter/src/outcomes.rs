@@ -1,0 +1,144 @@
+//! Predicted against realised reuse, per endpoint, summed between reports to the inventory.
+//!
+//! Every pinned response whose `usage` is read is judged ([`crate::usage::Prediction::judge`])
+//! and added here under the endpoint it was pinned to. The root context's tick sends the sums to
+//! `POST /v1/rules/{rule}/outcomes` every `report_ms` ([`crate::plugin::Plugin::on_tick`]); a
+//! report that fails is added back, so a slow or restarting inventory loses nothing. The table is
+//! bounded by [`MAX_OUTCOME_ENDPOINTS`] (the most endpoints a rule has): past it a judgement is
+//! dropped and counted.
+
+use std::collections::BTreeMap;
+
+use kvroute_core::wire::{EndpointOutcomes, OutcomeReport, MAX_OUTCOME_ENDPOINTS};
+
+use crate::usage::{Judged, Verdict};
+
+/// Predictions of at least this many blocks qualify for the divergence check (one block can be
+/// lost to the prompt's last token or a partial block and says little).
+pub const QUALIFYING_BLOCKS: u64 = 2;
+
+/// The sums since the last report.
+#[derive(Debug, Default)]
+pub struct Outcomes {
+    by_endpoint: BTreeMap<String, EndpointOutcomes>,
+}
+
+impl Outcomes {
+    /// Adds one judged response of `endpoint`; false when the table is full and it was dropped.
+    pub fn record(&mut self, endpoint: &str, j: &Judged) -> bool {
+        let one = one(endpoint, j);
+        self.add(one)
+    }
+
+    fn add(&mut self, o: EndpointOutcomes) -> bool {
+        if let Some(sum) = self.by_endpoint.get_mut(&o.endpoint) {
+            sum.add(&o);
+            return true;
+        }
+        if self.by_endpoint.len() >= MAX_OUTCOME_ENDPOINTS {
+            return false;
+        }
+        self.by_endpoint.insert(o.endpoint.clone(), o);
+        true
+    }
+
+    /// Whether nothing was judged since the last report.
+    pub fn is_empty(&self) -> bool {
+        self.by_endpoint.is_empty()
+    }
+
+    /// The report of everything since the last one, emptying the table.
+    pub fn take(&mut self) -> OutcomeReport {
+        OutcomeReport {
+            endpoints: std::mem::take(&mut self.by_endpoint)
+                .into_values()
+                .collect(),
+        }
+    }
+
+    /// Adds back a report that could not be delivered; returns how many endpoints' sums were
+    /// dropped because the table filled up meanwhile.
+    pub fn restore(&mut self, r: OutcomeReport) -> usize {
+        r.endpoints
+            .into_iter()
+            .filter(|o| !self.add(o.clone()))
+            .count()
+    }
+}
+
+/// One judged response as a sum of one.
+fn one(endpoint: &str, j: &Judged) -> EndpointOutcomes {
+    let qualifying = j.predicted_blocks >= QUALIFYING_BLOCKS;
+    EndpointOutcomes {
+        endpoint: endpoint.to_owned(),
+        judged: 1,
+        exact: u64::from(j.verdict == Verdict::Exact),
+        under: u64::from(j.verdict == Verdict::Under),
+        over: u64::from(j.verdict == Verdict::Over),
+        qualifying: u64::from(qualifying),
+        missed: u64::from(qualifying && j.realised_blocks == 0),
+        predicted_blocks: j.predicted_blocks,
+        realised_blocks: j.realised_blocks,
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+mod tests {
+    use super::*;
+
+    fn judged(predicted_blocks: u64, realised_blocks: u64) -> Judged {
+        let verdict = match realised_blocks.cmp(&predicted_blocks) {
+            std::cmp::Ordering::Equal => Verdict::Exact,
+            std::cmp::Ordering::Greater => Verdict::Under,
+            std::cmp::Ordering::Less => Verdict::Over,
+        };
+        Judged {
+            verdict,
+            predicted_tokens: predicted_blocks * 16,
+            realised_tokens: realised_blocks * 16,
+            predicted_blocks,
+            realised_blocks,
+        }
+    }
+
+    #[test]
+    fn sums_per_endpoint_and_counts_qualifying_misses() {
+        let mut o = Outcomes::default();
+        for (ep, p, r) in [("a:1", 3, 3), ("a:1", 3, 0), ("a:1", 1, 0), ("b:2", 0, 2)] {
+            assert!(o.record(ep, &judged(p, r)));
+        }
+        let r = o.take();
+        assert!(o.is_empty());
+        let a = &r.endpoints[0];
+        assert_eq!(
+            (a.endpoint.as_str(), a.judged, a.exact, a.under, a.over),
+            ("a:1", 3, 1, 0, 2)
+        );
+        assert_eq!((a.qualifying, a.missed), (2, 1));
+        assert_eq!((a.predicted_blocks, a.realised_blocks), (7, 3));
+        let b = &r.endpoints[1];
+        assert_eq!((b.judged, b.under, b.qualifying, b.missed), (1, 1, 0, 0));
+    }
+
+    #[test]
+    fn the_table_is_bounded_and_a_failed_report_comes_back() {
+        let mut o = Outcomes::default();
+        for i in 0..MAX_OUTCOME_ENDPOINTS {
+            assert!(o.record(&format!("10.0.0.1:{i}"), &judged(2, 2)));
+        }
+        assert!(!o.record("10.0.0.2:1", &judged(2, 2)));
+        assert!(o.record("10.0.0.1:0", &judged(2, 0)));
+        let sent = o.take();
+        assert_eq!(sent.endpoints.len(), MAX_OUTCOME_ENDPOINTS);
+        assert!(o.record("10.0.0.1:0", &judged(2, 2)));
+        assert_eq!(o.restore(sent), 0);
+        let back = o.take();
+        let first = back
+            .endpoints
+            .iter()
+            .find(|e| e.endpoint == "10.0.0.1:0")
+            .unwrap();
+        assert_eq!((first.judged, first.missed), (3, 1));
+    }
+}

@@ -1,0 +1,217 @@
+//! Predicted against realised reuse per endpoint, from the filters' reports
+//! (`POST /v1/rules/{rule}/outcomes`): a sliding window of reports and the divergence verdict.
+//!
+//! An endpoint diverges when, within the window, at least `min_requests` responses were predicted
+//! to reuse 2 blocks or more and the engine reused no block at all for [`DIVERGED_PERCENT`] of
+//! them. That is what a mismatched leg of the hash contract looks like from outside (a chat
+//! template, tokenizer, block size, seed or LoRA/salt key the engine does not share): the
+//! inventory's keys say the prefix is there, the engine computes it from scratch every time. A
+//! missed eviction only over-states by some blocks and rarely reuses nothing at all.
+
+use std::collections::{HashMap, VecDeque};
+use std::time::{Duration, Instant};
+
+use kvroute_core::wire::{EndpointOutcomes, OutcomeReport};
+
+use super::{EpRuntime, Fleet, RuleRuntime};
+
+/// Share of qualifying responses with no reuse at all that makes an endpoint divergent.
+pub const DIVERGED_PERCENT: u64 = 80;
+
+/// Reports kept per endpoint; past it a report is added to the newest one (the window then
+/// ends a little later than it should, never earlier).
+const MAX_REPORTS: usize = 1024;
+
+/// One endpoint's reports, newest last.
+#[derive(Debug, Default)]
+pub struct OutcomeWindow {
+    reports: VecDeque<(Instant, EndpointOutcomes)>,
+}
+
+impl OutcomeWindow {
+    /// Adds a report received at `now`, dropping those older than `window`.
+    pub fn add(&mut self, now: Instant, o: &EndpointOutcomes, window: Duration) {
+        self.prune(now, window);
+        let full = self.reports.len() >= MAX_REPORTS;
+        match self.reports.back_mut() {
+            Some((_, last)) if full => last.add(o),
+            _ => self.reports.push_back((now, o.clone())),
+        }
+    }
+
+    fn prune(&mut self, now: Instant, window: Duration) {
+        while let Some((at, _)) = self.reports.front() {
+            if now.saturating_duration_since(*at) <= window {
+                break;
+            }
+            self.reports.pop_front();
+        }
+    }
+
+    /// The sum of the reports received within `window` of `now`.
+    pub fn sum(&self, now: Instant, window: Duration) -> EndpointOutcomes {
+        let mut sum = EndpointOutcomes::default();
+        for (at, o) in &self.reports {
+            if now.saturating_duration_since(*at) <= window {
+                sum.add(o);
+            }
+        }
+        sum
+    }
+}
+
+/// Whether `sum` shows a divergent endpoint (see the module docs).
+pub fn diverges(sum: &EndpointOutcomes, min_requests: u64) -> bool {
+    sum.qualifying >= min_requests.max(1)
+        && sum.missed.saturating_mul(100) >= sum.qualifying.saturating_mul(DIVERGED_PERCENT)
+}
+
+/// What one report changed.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ReportApplied {
+    /// Endpoints of the rule the report named.
+    pub endpoints: usize,
+    /// Endpoints it named that the rule does not have (a filter with an older rule), ignored.
+    pub unknown: usize,
+}
+
+impl Fleet {
+    /// Applies a filter's outcome report for `rule` received at `now`: each named endpoint's
+    /// window, its counters and divergence gauge, and a log line when its verdict changes.
+    pub fn record_outcomes(
+        &self,
+        rule: &RuleRuntime,
+        report: &OutcomeReport,
+        now: Instant,
+    ) -> ReportApplied {
+        let by_addr: HashMap<String, usize> = rule
+            .spec
+            .endpoints
+            .iter()
+            .enumerate()
+            .map(|(i, e)| (e.addr(), i))
+            .collect();
+        let name = rule.spec.name();
+        let d = &self.settings.divergence;
+        let m = &self.metrics;
+        let mut applied = ReportApplied::default();
+        for o in &report.endpoints {
+            let Some((i, rt)) = by_addr
+                .get(&o.endpoint)
+                .and_then(|&i| Some((i, rule.eps().get(i)?)))
+            else {
+                applied.unknown += 1;
+                continue;
+            };
+            applied.endpoints += 1;
+            let ep = i.to_string();
+            let labels = [name.as_str(), ep.as_str()];
+            for (verdict, n) in [("exact", o.exact), ("under", o.under), ("over", o.over)] {
+                m.endpoint_outcomes
+                    .with_label_values(&[&name, &ep, verdict])
+                    .inc_by(n);
+            }
+            m.endpoint_predicted_blocks
+                .with_label_values(&labels)
+                .inc_by(o.predicted_blocks);
+            m.endpoint_realised_blocks
+                .with_label_values(&labels)
+                .inc_by(o.realised_blocks);
+            let (was, is) = rt.record_outcomes(o, now, d);
+            if rule.is_stopped() {
+                continue;
+            }
+            m.endpoint_divergent
+                .with_label_values(&labels)
+                .set(i64::from(is));
+            let sum = || rt.outcomes(now, d).0;
+            match (was, is) {
+                (false, true) => {
+                    let s = sum();
+                    tracing::warn!(rule = %name, ep = i, endpoint = %o.endpoint, qualifying = s.qualifying,
+                        missed = s.missed, cause = %divergence_cause(rt), "endpoint diverges: its engine reuses none of the predicted blocks");
+                }
+                (true, false) => {
+                    tracing::info!(rule = %name, ep = i, endpoint = %o.endpoint, "endpoint no longer diverges")
+                }
+                _ => {}
+            }
+        }
+        m.outcome_reports.inc();
+        m.outcome_unknown_endpoints.inc_by(applied.unknown as u64);
+        applied
+    }
+}
+
+/// The probable cause of a divergent endpoint, for `/healthz` and the log: the parity
+/// self-check's report when it found a mismatch, else the legs events cannot show.
+pub fn divergence_cause(rt: &EpRuntime) -> String {
+    match rt.parity() {
+        Some(p) => format!("the parity self-check names it: {}", p.message),
+        None => "the engine reused no block of most requests predicted to reuse 2 or more: the \
+                 gateway's tokens or block keys differ from the engine's (chat template, tokenizer, \
+                 LoRA or cache-salt keys, the model served), or the engine evicts before its \
+                 events arrive"
+            .to_owned(),
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+mod tests {
+    use super::*;
+
+    fn report(qualifying: u64, missed: u64) -> EndpointOutcomes {
+        EndpointOutcomes {
+            endpoint: "10.0.0.1:8000".into(),
+            judged: qualifying,
+            over: missed,
+            exact: qualifying - missed,
+            qualifying,
+            missed,
+            predicted_blocks: qualifying * 4,
+            realised_blocks: (qualifying - missed) * 4,
+            ..EndpointOutcomes::default()
+        }
+    }
+
+    #[test]
+    fn the_verdict_needs_enough_requests_and_mostly_nothing_reused() {
+        for (q, m, min, want) in [
+            (20, 16, 20, true),
+            (20, 15, 20, false),
+            (19, 19, 20, false),
+            (100, 100, 20, true),
+            (0, 0, 0, false),
+            (1, 1, 0, true),
+        ] {
+            assert_eq!(diverges(&report(q, m), min), want, "{q} {m} {min}");
+        }
+    }
+
+    #[test]
+    fn old_reports_leave_the_window() {
+        let t0 = Instant::now();
+        let window = Duration::from_secs(60);
+        let mut w = OutcomeWindow::default();
+        w.add(t0, &report(10, 10), window);
+        w.add(t0 + Duration::from_secs(30), &report(10, 0), window);
+        assert_eq!(w.sum(t0 + Duration::from_secs(59), window).qualifying, 20);
+        let later = w.sum(t0 + Duration::from_secs(61), window);
+        assert_eq!((later.qualifying, later.missed), (10, 0));
+        w.add(t0 + Duration::from_secs(200), &report(2, 2), window);
+        assert_eq!(w.reports.len(), 1);
+    }
+
+    #[test]
+    fn reports_past_the_bound_join_the_newest() {
+        let t0 = Instant::now();
+        let window = Duration::from_secs(60);
+        let mut w = OutcomeWindow::default();
+        for _ in 0..MAX_REPORTS + 10 {
+            w.add(t0, &report(1, 1), window);
+        }
+        assert_eq!(w.reports.len(), MAX_REPORTS);
+        assert_eq!(w.sum(t0, window).qualifying, (MAX_REPORTS + 10) as u64);
+    }
+}
