@@ -79,6 +79,8 @@ fn one(endpoint: &str, j: &Judged) -> EndpointOutcomes {
         missed: u64::from(qualifying && j.realised_blocks == 0),
         predicted_blocks: j.predicted_blocks,
         realised_blocks: j.realised_blocks,
+        prompt_tokens: j.prompt_tokens,
+        cached_tokens: j.realised_tokens,
     }
 }
 
@@ -99,6 +101,7 @@ mod tests {
             realised_tokens: realised_blocks * 16,
             predicted_blocks,
             realised_blocks,
+            prompt_tokens: 40,
         }
     }
 
@@ -117,6 +120,7 @@ mod tests {
         );
         assert_eq!((a.qualifying, a.missed), (2, 1));
         assert_eq!((a.predicted_blocks, a.realised_blocks), (7, 3));
+        assert_eq!((a.prompt_tokens, a.cached_tokens), (120, 48));
         let b = &r.endpoints[1];
         assert_eq!((b.judged, b.under, b.qualifying, b.missed), (1, 1, 0, 0));
     }

@@ -16,7 +16,7 @@ use kvroute_core::prompt::{Endpoint, Prompt, Request, RequestBody};
 use kvroute_core::wire::WireKey;
 
 use crate::config::TokenizeMode;
-use crate::host::Host;
+use crate::host::{Headers, Host};
 use crate::plugin::VmState;
 use crate::request::Unpinned;
 use crate::stats::{FailReason, Stat};
@@ -45,7 +45,7 @@ pub fn build(
     let mut route = RouteRequest {
         rule,
         model: request.model.clone(),
-        affinity_key: request.user.clone(),
+        affinity_key: affinity_key(host, endpoint, request.user.as_deref()),
         ..Default::default()
     };
     // KV off for the rule: the service applies its fallback.
@@ -127,6 +127,25 @@ fn keys(
 }
 
 /// Runs `f` (given the start time), recording how long it took in microseconds as `stat`.
+/// The request's affinity key ([`kvroute_core::affinity`]): the `user` field, else the API
+/// key's hash, else the client IP (Envoy's `source.address`).
+fn affinity_key(host: &dyn Host, endpoint: Endpoint, user: Option<&str>) -> Option<String> {
+    let authorization = host.header_bytes(Headers::Request, "authorization");
+    let x_api_key = host.header_bytes(Headers::Request, "x-api-key");
+    let key = kvroute_core::affinity::api_key(authorization.as_deref(), x_api_key.as_deref());
+    kvroute_core::affinity::affinity_key(user, key, client_ip(host), endpoint)
+}
+
+/// The downstream peer's IP (`source.address` is `ip:port`).
+fn client_ip(host: &dyn Host) -> Option<std::net::IpAddr> {
+    let raw = host.property(&["source", "address"])?;
+    let text = std::str::from_utf8(&raw).ok()?;
+    text.parse::<std::net::SocketAddr>()
+        .map(|a| a.ip())
+        .or_else(|_| text.parse())
+        .ok()
+}
+
 fn timed<T>(vm: &VmState, host: &dyn Host, stat: Stat, f: impl FnOnce(u64) -> T) -> T {
     let t0 = host.now_nanos();
     let out = f(t0);
@@ -167,7 +186,7 @@ mod tests {
                 q.model.as_deref(),
                 q.affinity_key.as_deref()
             ),
-            ("1", Some("m"), Some("t"))
+            ("1", Some("m"), Some("user:t|completions"))
         );
         assert_eq!((q.keys.len(), q.token_count), (2, 5));
         assert!(host.calls.borrow().is_empty());
@@ -190,6 +209,49 @@ mod tests {
         .unwrap();
         assert_eq!((q.prompt.as_deref(), q.keys.len()), (Some("hi"), 0));
         assert!(host.calls.borrow().is_empty());
+    }
+
+    /// The tenant is the `user` field, else the API key's hash (never the key), else the client
+    /// IP; the service type follows.
+    #[test]
+    fn affinity_keys_name_the_user_the_key_or_the_client() {
+        let host = FakeHost::default();
+        let p = loaded(&host, r#"{"rule":"1"}"#, KV_ON);
+        let ask =
+            |body: &[u8], endpoint| build(p.vm(), &host, endpoint, body).unwrap().affinity_key;
+        let chat = br#"{"model":"m","messages":[{"role":"user","content":"hi"}],"user":" u-1 "}"#;
+        let anon = br#"{"model":"m","prompt":[1,2,3]}"#;
+        host.properties
+            .borrow_mut()
+            .insert("source.address".into(), "10.1.2.3:40000".into());
+        host.request_headers
+            .borrow_mut()
+            .insert("authorization".into(), "Bearer sk-secret-1".into());
+        assert_eq!(
+            ask(chat, Endpoint::ChatCompletions).as_deref(),
+            Some("user:u-1|chat")
+        );
+        let by_key = ask(anon, Endpoint::Completions).unwrap();
+        assert!(
+            by_key.starts_with("key:") && by_key.ends_with("|completions"),
+            "{by_key}"
+        );
+        assert!(!by_key.contains("secret"), "{by_key}");
+        host.request_headers.borrow_mut().remove("authorization");
+        host.request_headers
+            .borrow_mut()
+            .insert("x-api-key".into(), "sk-secret-1".into());
+        assert_eq!(ask(anon, Endpoint::Completions), Some(by_key));
+        host.request_headers.borrow_mut().remove("x-api-key");
+        host.request_headers
+            .borrow_mut()
+            .insert("authorization".into(), "Basic dTpw".into());
+        assert_eq!(
+            ask(anon, Endpoint::Completions).as_deref(),
+            Some("ip:10.1.2.3|completions")
+        );
+        host.properties.borrow_mut().clear();
+        assert_eq!(ask(anon, Endpoint::Completions), None);
     }
 
     #[test]

@@ -686,7 +686,7 @@ mod tests {
         let body = json!({"model": "Org/M", "messages": [{"role": "user", "content": "hello hello hello"}], "user": "t1"}).to_string();
         let (mut r, sent) = to_callout(&host, &p, "/v1/chat/completions", body.as_bytes());
         assert_eq!(sent["rule"], "10.0.0.1:8080");
-        assert_eq!(sent["affinity_key"], "t1");
+        assert_eq!(sent["affinity_key"], "user:t1|chat");
         let n = sent["token_count"].as_u64().unwrap();
         assert!(n > 4, "{sent}");
         assert_eq!(sent["keys"].as_array().unwrap().len() as u64, n / 2);

@@ -89,6 +89,8 @@ pub struct Judged {
     /// Whole blocks predicted (capped as [`Prediction::judge`] says) and reused.
     pub predicted_blocks: u64,
     pub realised_blocks: u64,
+    /// The prompt's tokens (`usage`: cached plus computed).
+    pub prompt_tokens: u64,
 }
 
 impl Prediction {
@@ -115,6 +117,7 @@ impl Prediction {
             realised_tokens: u.hit_tokens,
             predicted_blocks: predicted,
             realised_blocks: realised,
+            prompt_tokens: prompt,
         })
     }
 }

@@ -269,6 +269,9 @@ pub struct Metrics {
     /// Blocks the route answers predicted / the engines reused, of judged responses: `rule`, `ep`.
     pub endpoint_predicted_blocks: IntCounterVec,
     pub endpoint_realised_blocks: IntCounterVec,
+    /// Prompt tokens of judged responses / of those the engine reported cached: `rule`, `ep`.
+    pub endpoint_prompt_tokens: IntCounterVec,
+    pub endpoint_cached_tokens: IntCounterVec,
     /// 1 while the endpoint diverges: `rule`, `ep`.
     pub endpoint_divergent: IntGaugeVec,
     /// Outcome reports applied.
@@ -518,6 +521,16 @@ impl Metrics {
             endpoint_realised_blocks: cv(
                 "kvroute_endpoint_realised_blocks_total",
                 "Blocks the engine reported reusing, over judged responses.",
+                &["rule", "ep"],
+            )?,
+            endpoint_prompt_tokens: cv(
+                "kvroute_endpoint_prompt_tokens_total",
+                "Prompt tokens of the responses the filters judged.",
+                &["rule", "ep"],
+            )?,
+            endpoint_cached_tokens: cv(
+                "kvroute_endpoint_cached_tokens_total",
+                "Of those, the tokens the engine reported as cached (cache-hit ratio = cached / prompt).",
                 &["rule", "ep"],
             )?,
             endpoint_divergent: gv(

@@ -51,8 +51,10 @@ pub struct Tokenized {
     pub keyed: Keyed,
     /// `model` of the body.
     pub model: Option<String>,
-    /// `user` of the body: the affinity key for sticky fallback, as the filter sends it.
+    /// `user` of the body (the affinity key's first choice, [`kvroute_core::affinity`]).
     pub user: Option<String>,
+    /// The body's endpoint (chat or completions), for the affinity key; none when offloaded.
+    pub endpoint: Option<kvroute_core::prompt::Endpoint>,
 }
 
 /// Tokenizes and hashes `text` for `rule` on the blocking pool (at most
@@ -72,15 +74,15 @@ pub async fn tokenize(
     let max = fleet.settings.max_prefix_tokens;
     let cache = tokenizers.clone();
     let res = tokio::task::spawn_blocking(move || {
-        let (src, model, user) = match text {
+        let (src, model, user, endpoint) = match text {
             Text::Offload(o) => {
                 let model = o.model.clone();
-                (Source::Offload(o), model, None)
+                (Source::Offload(o), model, None, None)
             }
             Text::Body(b) => {
                 let r = Request::from_json(&b).map_err(|e| KeyingError::BadBody(e.to_string()))?;
-                let (model, user) = (r.model.clone(), r.user.clone());
-                (Source::Body(r), model, user)
+                let (model, user, endpoint) = (r.model.clone(), r.user.clone(), r.endpoint());
+                (Source::Body(r), model, user, Some(endpoint))
             }
         };
         let no_keys = Keyed {
@@ -93,6 +95,7 @@ pub async fn tokenize(
                 keyed: no_keys,
                 model,
                 user,
+                endpoint,
             });
         };
         let (Some(slug), Some(dir)) = (slug, dir) else {
@@ -104,7 +107,12 @@ pub async fn tokenize(
             Source::Offload(o) => crate::offload::keys_for(&loaded, &contract, &o, max),
         }
         .map_err(KeyingError::Failed)?;
-        Ok(Tokenized { keyed, model, user })
+        Ok(Tokenized {
+            keyed,
+            model,
+            user,
+            endpoint,
+        })
     })
     .await
     .map_err(|e| KeyingError::Failed(format!("tokenization task: {e}")))?;

@@ -233,6 +233,15 @@ async fn inventory_tokenizers_and_health() {
             .0,
         404
     );
+    // loxilb numbers rules from 0; kvroute from 1, and says so.
+    let (s, b) = svc
+        .get("/netlox/v1/config/ai/kv/inventory?service_id=0&ep_idx=0")
+        .await;
+    assert_eq!(s, 404);
+    assert!(
+        b.contains("kvroute numbers rules from 1 (loxilb from 0)"),
+        "{b}"
+    );
     let v = svc
         .get_json("/netlox/v1/config/ai/kv/inventory?service_id=1&ep_idx=1")
         .await;

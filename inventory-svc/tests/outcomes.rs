@@ -16,7 +16,8 @@ const KEYS: [u64; 3] = [0xB1, 0xB2, 0xB3];
 fn report(endpoint: &str, qualifying: u64, missed: u64) -> String {
     json!({"endpoints": [{"endpoint": endpoint, "judged": qualifying, "exact": qualifying - missed,
         "under": 0, "over": missed, "qualifying": qualifying, "missed": missed,
-        "predicted_blocks": 3 * qualifying, "realised_blocks": 3 * (qualifying - missed)}]})
+        "predicted_blocks": 3 * qualifying, "realised_blocks": 3 * (qualifying - missed),
+        "prompt_tokens": 64 * qualifying, "cached_tokens": 48 * (qualifying - missed)}]})
     .to_string()
 }
 
@@ -96,6 +97,8 @@ kvroute_endpoint_divergent{ep="1",rule="10.0.0.1:9000/tcp"} 0
 kvroute_endpoint_outcomes_total{ep="0",rule="10.0.0.1:9000/tcp",verdict="over"} 5
 kvroute_endpoint_predicted_blocks_total{ep="0",rule="10.0.0.1:9000/tcp"} 15
 kvroute_endpoint_realised_blocks_total{ep="0",rule="10.0.0.1:9000/tcp"} 0
+kvroute_endpoint_prompt_tokens_total{ep="0",rule="10.0.0.1:9000/tcp"} 320
+kvroute_endpoint_cached_tokens_total{ep="0",rule="10.0.0.1:9000/tcp"} 0
 kvroute_outcome_reports_total 2"#,
     )
     .await;

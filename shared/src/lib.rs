@@ -5,11 +5,13 @@
 //! * [`tokenize`], [`chat`], [`prompt`] — HuggingFace tokenizers, chat templates and OpenAI bodies
 //!   turned into the token ids the engine would see.
 //! * [`slug`] — model name to tokenizer directory name.
+//! * [`affinity`] — the affinity key the sticky fallback keeps together.
 //! * [`rule`] — the load-balancer rule model and its validation.
 //! * [`wire`] — the service's JSON contracts with the filter: rule contract, route question and answer.
 //!
 //! No tokio and no I/O: the crate compiles for `wasm32-unknown-unknown` and native alike.
 
+pub mod affinity;
 pub mod bpe;
 pub mod chat;
 pub mod hash;

@@ -169,7 +169,8 @@ pub struct RouteRequest {
     /// Prompt length in tokens (for `LLB_KV_MIN_MATCH_TOKENS`).
     #[serde(default)]
     pub token_count: u32,
-    /// Tenant identity (API key hash) or client IP, for sticky fallback.
+    /// Who the sticky fallback keeps together ([`crate::affinity`]): `<tenant>|<service type>`,
+    /// the tenant being the `user` field, the API key's hash or the client IP.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub affinity_key: Option<String>,
     /// Raw prompt when the filter offloads tokenization.
@@ -338,6 +339,12 @@ pub struct EndpointOutcomes {
     pub missed: u64,
     pub predicted_blocks: u64,
     pub realised_blocks: u64,
+    /// Prompt tokens of the judged responses and, of those, the tokens the engine reported as
+    /// cached (`usage`), so a cumulative cache-hit ratio per endpoint is `cached / prompt`.
+    #[serde(default)]
+    pub prompt_tokens: u64,
+    #[serde(default)]
+    pub cached_tokens: u64,
 }
 
 impl EndpointOutcomes {
@@ -352,6 +359,8 @@ impl EndpointOutcomes {
             (&mut self.missed, o.missed),
             (&mut self.predicted_blocks, o.predicted_blocks),
             (&mut self.realised_blocks, o.realised_blocks),
+            (&mut self.prompt_tokens, o.prompt_tokens),
+            (&mut self.cached_tokens, o.cached_tokens),
         ] {
             *a = a.saturating_add(b);
         }

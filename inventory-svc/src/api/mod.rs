@@ -455,10 +455,15 @@ async fn inventory(
         None => num("offset", 0)?,
     };
     let limit = num("limit", 1000)?.clamp(1, MAX_PAGE);
-    let r = state
-        .fleet
-        .find(sid)
-        .ok_or_else(|| ApiError::NotFound(format!("unknown service_id {sid:?}")))?;
+    let r = state.fleet.find(sid).ok_or_else(|| match sid.as_str() {
+        // loxilb's docs query the first rule as service_id=0.
+        "0" => ApiError::NotFound(
+            "unknown service_id \"0\": kvroute numbers rules from 1 (loxilb from 0); use the \
+                 id the rule was created with (GET /netlox/v1/config/loadbalancer/all) or VIP:port"
+                .into(),
+        ),
+        _ => ApiError::NotFound(format!("unknown service_id {sid:?}")),
+    })?;
     if ep >= r.eps().len() {
         return Err(ApiError::NotFound(format!(
             "ep_idx {ep} out of range: the rule has {} endpoints",

@@ -123,6 +123,8 @@ pub struct Exchange {
     trailers_pending: bool,
     /// The candidate subset from the request headers' metadata.
     pub subset: Option<Vec<String>>,
+    /// The request's API key (for the affinity key), from its headers.
+    pub api_key: Option<Vec<u8>>,
     /// The endpoint picked, once decided.
     pub picked: Option<String>,
 }
@@ -140,6 +142,7 @@ impl Exchange {
             body_ended: false,
             trailers_pending: false,
             subset: None,
+            api_key: None,
             picked: None,
         }
     }
@@ -180,6 +183,7 @@ impl Exchange {
                     return Err(ProtocolError("request headers twice"));
                 }
                 self.subset = reply::subset(req.metadata_context.as_ref());
+                self.api_key = reply::api_key(h.headers.as_ref());
                 if h.end_of_stream || self.mode == Mode::HeadersOnly {
                     self.phase = Phase::Deciding(At::Headers);
                     return Ok(Next::Decide(Input::NoBody));

@@ -100,19 +100,29 @@ pub struct Picker {
 
 impl Picker {
     /// Decides one request: the rule, its candidates, the keys of `input`, [`question::answer`].
-    pub async fn pick(&self, input: Input, subset: Option<&[String]>) -> Verdict {
+    pub async fn pick(
+        &self,
+        input: Input,
+        subset: Option<&[String]>,
+        api_key: Option<&[u8]>,
+    ) -> Verdict {
         let body = match input {
             Input::TooLarge => return Verdict::Fail(EppFailure::BodyTooLarge),
             Input::NoBody => None,
             Input::Body(b) => Some(b),
         };
-        match tokio::time::timeout(self.opts.timeout, self.decide(body, subset)).await {
+        match tokio::time::timeout(self.opts.timeout, self.decide(body, subset, api_key)).await {
             Ok(v) => v,
             Err(_) => Verdict::Fail(EppFailure::Timeout),
         }
     }
 
-    async fn decide(&self, body: Option<bytes::Bytes>, subset: Option<&[String]>) -> Verdict {
+    async fn decide(
+        &self,
+        body: Option<bytes::Bytes>,
+        subset: Option<&[String]>,
+        api_key: Option<&[u8]>,
+    ) -> Verdict {
         let Some(rule) = self.fleet.find(&self.opts.rule) else {
             return Verdict::Fail(EppFailure::NoRule);
         };
@@ -147,10 +157,14 @@ impl Picker {
             }
             None => None,
         };
+        // As the filter forms it, without the client IP (the picker does not see the peer).
+        let affinity = t.as_ref().and_then(|t| {
+            kvroute_core::affinity::affinity_key(t.user.as_deref(), api_key, None, t.endpoint?)
+        });
         let ask = Ask {
             keys: t.as_ref().map_or(&[], |t| &t.keyed.keys),
             token_count: t.as_ref().map_or(0, |t| t.keyed.token_count),
-            affinity_key: t.as_ref().and_then(|t| t.user.as_deref()),
+            affinity_key: affinity.as_deref(),
             model: t.as_ref().and_then(|t| t.model.as_deref()),
             explain: false,
             only: only.as_deref(),
@@ -221,7 +235,9 @@ impl Picker {
                 Ok(Next::Reply(r)) => r,
                 Ok(Next::Decide(input)) => {
                     let start = Instant::now();
-                    let verdict = self.pick(input, x.subset.as_deref()).await;
+                    let verdict = self
+                        .pick(input, x.subset.as_deref(), x.api_key.as_deref())
+                        .await;
                     if let Verdict::Fail(why) = &verdict {
                         m.epp_failure(*why).inc();
                     }

@@ -3,7 +3,9 @@
 //! protocol uses them).
 
 use envoy_types::pb::envoy::config::core::v3::header_value_option::HeaderAppendAction;
-use envoy_types::pb::envoy::config::core::v3::{HeaderValue, HeaderValueOption, Metadata};
+use envoy_types::pb::envoy::config::core::v3::{
+    HeaderMap, HeaderValue, HeaderValueOption, Metadata,
+};
 use envoy_types::pb::envoy::r#type::v3::HttpStatus;
 use envoy_types::pb::envoy::service::ext_proc::v3::{
     body_mutation, processing_response, BodyMutation, BodyResponse, CommonResponse, HeaderMutation,
@@ -224,6 +226,22 @@ pub fn subset(md: Option<&Metadata>) -> Option<Vec<String>> {
     })
 }
 
+/// The API key of the request headers (`authorization: Bearer` or `x-api-key`), for the affinity
+/// key ([`kvroute_core::affinity`]); Envoy sends header values as `raw_value`.
+pub fn api_key(headers: Option<&HeaderMap>) -> Option<Vec<u8>> {
+    let value = |name: &str| {
+        headers?
+            .headers
+            .iter()
+            .find(|h| h.key.eq_ignore_ascii_case(name))
+            .map(|h| match h.raw_value.is_empty() {
+                true => h.value.as_bytes(),
+                false => h.raw_value.as_slice(),
+            })
+    };
+    kvroute_core::affinity::api_key(value("authorization"), value("x-api-key")).map(<[u8]>::to_vec)
+}
+
 /// The endpoint the proxy reports as having served the request, if it does.
 pub fn served(md: Option<&Metadata>) -> Option<String> {
     let v = md?
@@ -243,4 +261,32 @@ fn split_list(s: &str) -> Vec<String> {
         .filter(|s| !s.is_empty())
         .map(str::to_owned)
         .collect()
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_api_key_comes_from_raw_or_plain_header_values() {
+        let h = |k: &str, raw: &[u8], value: &str| HeaderValue {
+            key: k.into(),
+            raw_value: raw.to_vec(),
+            value: value.into(),
+        };
+        let map = |hs: Vec<HeaderValue>| HeaderMap { headers: hs };
+        let bearer = map(vec![
+            h(":path", b"/v1/chat/completions", ""),
+            h("Authorization", b"Bearer sk-1", ""),
+        ]);
+        assert_eq!(api_key(Some(&bearer)).as_deref(), Some(&b"sk-1"[..]));
+        let plain = map(vec![h("x-api-key", b"", "sk-2")]);
+        assert_eq!(api_key(Some(&plain)).as_deref(), Some(&b"sk-2"[..]));
+        assert_eq!(
+            api_key(Some(&map(vec![h("authorization", b"Basic x", "")]))),
+            None
+        );
+        assert_eq!(api_key(None), None);
+    }
 }

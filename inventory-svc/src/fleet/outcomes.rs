@@ -117,6 +117,12 @@ impl Fleet {
             m.endpoint_realised_blocks
                 .with_label_values(&labels)
                 .inc_by(o.realised_blocks);
+            m.endpoint_prompt_tokens
+                .with_label_values(&labels)
+                .inc_by(o.prompt_tokens);
+            m.endpoint_cached_tokens
+                .with_label_values(&labels)
+                .inc_by(o.cached_tokens);
             let (was, is) = rt.record_outcomes(o, now, d);
             if rule.is_stopped() {
                 continue;
