@@ -322,6 +322,25 @@ def filter_histograms(admin: str) -> dict:
     return out
 
 
+def reported_outcomes(fleet: Fleet, judged: int) -> dict:
+    """The filter's outcome reports as the inventory's /healthz shows them once they cover the
+    run's `judged` responses (the filter reports every 5 s; waits at most 15 s): responses
+    reported, qualifying (predicted >= 2 blocks), missed (of those, nothing reused) and the
+    endpoints judged divergent."""
+    deadline = time.monotonic() + 15
+    while True:
+        st, body = request("GET", f"http://127.0.0.1:{fleet.inv_port}/healthz")
+        eps = json.loads(body)["rules"][0]["endpoints"] if st == 200 else []
+        seen = [e.get("outcomes") or {} for e in eps]
+        got = sum(o.get("judged", 0) for o in seen)
+        if got >= judged or time.monotonic() > deadline:
+            return {"reported": got, "judged": judged,
+                    "qualifying": sum(o.get("qualifying", 0) for o in seen),
+                    "missed": sum(o.get("missed", 0) for o in seen),
+                    "divergent": [e["endpoint"] for e in eps if e.get("divergence")]}
+        time.sleep(0.2)
+
+
 def run_once(a, fleet: Fleet, strategy: str, arrival: str, tag: str, gateways: dict) -> dict:
     fleet.reset_engines()
     fleet.start_inventory()
@@ -357,6 +376,8 @@ def run_once(a, fleet: Fleet, strategy: str, arrival: str, tag: str, gateways: d
     client_ms = statistics.fmean(r["latency_ms"] for r in ok) if ok else 0.0
     pred = {k.removeprefix("kvroute_filter_").removesuffix("_total"): after_pred[k] - before_pred[k]
             for k in PRED}
+    judged = pred["prediction_exact"] + pred["prediction_under"] + pred["prediction_over"]
+    outcomes = reported_outcomes(fleet, judged) if strategy == "kvroute" else None
     turns = {}
     for r in ok:
         p, c = turns.get(r["turn"], (0, 0))
@@ -374,6 +395,7 @@ def run_once(a, fleet: Fleet, strategy: str, arrival: str, tag: str, gateways: d
         "added_ms": client_ms - engine_ms,
         "turns": {t: (c / p if p else 0.0) for t, (p, c) in sorted(turns.items())},
         "predictions": pred if strategy == "kvroute" else None,
+        "outcomes": outcomes,
         "reasons": summary["reasons"],
     }
 
@@ -542,6 +564,16 @@ def report(a, runs: list, idle: dict, started: str, minutes: float, hold: dict) 
                     f"under {spread(share('prediction_under'))}, over "
                     f"{spread(share('prediction_over'))}; over-predicted tokens per run "
                     f"{spread(over_tok, '{:.0f}')}.", ""]
+        seen = [r["outcomes"] for r in kv if r.get("outcomes")]
+        if seen:
+            div = sum(1 for o in seen if o["divergent"])
+            out += [f"The inventory's divergence check over the same runs (the filter's outcome "
+                    f"reports, read from `/healthz` after each run): "
+                    f"{sum(o['reported'] for o in seen)} of {sum(o['judged'] for o in seen)} judged "
+                    f"responses reported; {sum(o['missed'] for o in seen)} of "
+                    f"{sum(o['qualifying'] for o in seen)} responses predicted to reuse 2 blocks "
+                    f"or more reused none; an endpoint was judged divergent in {div} of "
+                    f"{len(seen)} runs.", ""]
     out += targets(by, a.rounds)
     if hold:
         out += ["## Where kvroute's gateway time goes", "",
