@@ -18,40 +18,46 @@ use super::{EpRuntime, Fleet, RuleRuntime};
 /// Share of qualifying responses with no reuse at all that makes an endpoint divergent.
 pub const DIVERGED_PERCENT: u64 = 80;
 
-/// Reports kept per endpoint; past it a report is added to the newest one (the window then
-/// ends a little later than it should, never earlier).
-const MAX_REPORTS: usize = 1024;
+/// The window is kept as this many slots: reports within one slot are summed, so an endpoint
+/// holds at most `SLOTS + 1` sums whatever the report rate, and a report leaves the window at
+/// most one slot (1/16 of the window) late.
+const SLOTS: u32 = 16;
 
-/// One endpoint's reports, newest last.
+/// One endpoint's reports, summed per slot, newest last.
 #[derive(Debug, Default)]
 pub struct OutcomeWindow {
-    reports: VecDeque<(Instant, EndpointOutcomes)>,
+    slots: VecDeque<(Instant, EndpointOutcomes)>,
 }
 
 impl OutcomeWindow {
-    /// Adds a report received at `now`, dropping those older than `window`.
+    /// Adds a report received at `now`, dropping the slots older than `window`.
     pub fn add(&mut self, now: Instant, o: &EndpointOutcomes, window: Duration) {
         self.prune(now, window);
-        let full = self.reports.len() >= MAX_REPORTS;
-        match self.reports.back_mut() {
-            Some((_, last)) if full => last.add(o),
-            _ => self.reports.push_back((now, o.clone())),
+        let slot = window / SLOTS;
+        match self.slots.back_mut() {
+            Some((start, sum)) if now.saturating_duration_since(*start) < slot => sum.add(o),
+            _ => {
+                // The sums carry no endpoint name: `add` leaves it empty (no allocation).
+                let mut sum = EndpointOutcomes::default();
+                sum.add(o);
+                self.slots.push_back((now, sum));
+            }
         }
     }
 
     fn prune(&mut self, now: Instant, window: Duration) {
-        while let Some((at, _)) = self.reports.front() {
+        while let Some((at, _)) = self.slots.front() {
             if now.saturating_duration_since(*at) <= window {
                 break;
             }
-            self.reports.pop_front();
+            self.slots.pop_front();
         }
     }
 
-    /// The sum of the reports received within `window` of `now`.
+    /// The sum of the slots that started within `window` of `now`.
     pub fn sum(&self, now: Instant, window: Duration) -> EndpointOutcomes {
         let mut sum = EndpointOutcomes::default();
-        for (at, o) in &self.reports {
+        for (at, o) in &self.slots {
             if now.saturating_duration_since(*at) <= window {
                 sum.add(o);
             }
@@ -95,6 +101,10 @@ impl Fleet {
         let d = &self.settings.divergence;
         let m = &self.metrics;
         let mut applied = ReportApplied::default();
+        // A removed rule's series are gone and must not come back (fleet invariants).
+        if rule.is_stopped() {
+            return applied;
+        }
         for o in &report.endpoints {
             let Some((i, rt)) = by_addr
                 .get(&o.endpoint)
@@ -124,9 +134,6 @@ impl Fleet {
                 .with_label_values(&labels)
                 .inc_by(o.cached_tokens);
             let (was, is) = rt.record_outcomes(o, now, d);
-            if rule.is_stopped() {
-                continue;
-            }
             m.endpoint_divergent
                 .with_label_values(&labels)
                 .set(i64::from(is));
@@ -206,18 +213,21 @@ mod tests {
         let later = w.sum(t0 + Duration::from_secs(61), window);
         assert_eq!((later.qualifying, later.missed), (10, 0));
         w.add(t0 + Duration::from_secs(200), &report(2, 2), window);
-        assert_eq!(w.reports.len(), 1);
+        assert_eq!(w.slots.len(), 1);
     }
 
     #[test]
-    fn reports_past_the_bound_join_the_newest() {
+    fn any_report_rate_keeps_at_most_one_sum_per_slot() {
         let t0 = Instant::now();
-        let window = Duration::from_secs(60);
+        let window = Duration::from_secs(16);
         let mut w = OutcomeWindow::default();
-        for _ in 0..MAX_REPORTS + 10 {
-            w.add(t0, &report(1, 1), window);
+        for ms in (0..20_000).step_by(10) {
+            w.add(t0 + Duration::from_millis(ms), &report(1, 1), window);
         }
-        assert_eq!(w.reports.len(), MAX_REPORTS);
-        assert_eq!(w.sum(t0, window).qualifying, (MAX_REPORTS + 10) as u64);
+        assert!(w.slots.len() <= SLOTS as usize + 1, "{}", w.slots.len());
+        let end = t0 + Duration::from_millis(19_990);
+        let q = w.sum(end, window).qualifying;
+        assert!((1600..=1700).contains(&q), "{q}");
+        assert!(w.slots.iter().all(|(_, s)| s.endpoint.is_empty()));
     }
 }
