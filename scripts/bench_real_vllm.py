@@ -569,9 +569,9 @@ def report(a, runs: list, idle: dict, started: str, minutes: float, hold: dict) 
             div = sum(1 for o in seen if o["divergent"])
             out += [f"The inventory's divergence check over the same runs (the filter's outcome "
                     f"reports, read from `/healthz` after each run): "
-                    f"{sum(o['reported'] for o in seen)} of {sum(o['judged'] for o in seen)} judged "
-                    f"responses reported; {sum(o['missed'] for o in seen)} of "
-                    f"{sum(o['qualifying'] for o in seen)} responses predicted to reuse 2 blocks "
+                    f"{sum(o['reported'] for o in seen):.0f} of {sum(o['judged'] for o in seen):.0f} "
+                    f"judged responses reported; {sum(o['missed'] for o in seen):.0f} of "
+                    f"{sum(o['qualifying'] for o in seen):.0f} responses predicted to reuse 2 blocks "
                     f"or more reused none; an endpoint was judged divergent in {div} of "
                     f"{len(seen)} runs.", ""]
     out += targets(by, a.rounds)
