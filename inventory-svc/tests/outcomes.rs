@@ -39,6 +39,17 @@ async fn seeded(tag: &str, env: &[(&str, &str)]) -> Service {
     svc
 }
 
+/// Rule 1 over one endpoint, 127.0.0.1:1, with no publisher.
+fn one_endpoint_rule() -> Value {
+    json!([rule(
+        9000,
+        "vllm",
+        5557,
+        &[("127.0.0.1".into(), 1)],
+        json!({})
+    )])
+}
+
 async fn route(svc: &Service) -> Value {
     let req = json!({"rule": "1", "keys": KEYS, "token_count": 48}).to_string();
     let (s, a) = svc.post("/v1/route", &req, None).await;
@@ -153,17 +164,7 @@ async fn keep_reports_but_routes_as_before_and_the_verdict_leaves_with_its_windo
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_reports_are_refused_and_unknown_endpoints_counted() {
-    let svc = Service::start(
-        "outcomes-bad",
-        &json!([rule(
-            9000,
-            "vllm",
-            5557,
-            &[("127.0.0.1".into(), 1)],
-            json!({})
-        )]),
-        &[],
-    );
+    let svc = Service::start("outcomes-bad", &one_endpoint_rule(), &[]);
     let post = |path: &'static str, body: String| {
         let svc = &svc;
         async move { svc.post(path, &body, None).await }
@@ -201,13 +202,7 @@ async fn reports_need_the_route_token_when_one_is_set() {
     std::fs::write(&token, "rt-secret\n").unwrap();
     let svc = Service::start_with_args(
         "outcomes-token",
-        &json!([rule(
-            9000,
-            "vllm",
-            5557,
-            &[("127.0.0.1".into(), 1)],
-            json!({})
-        )]),
+        &one_endpoint_rule(),
         &[],
         &["--route-token-file", token.to_str().unwrap()],
     );

@@ -326,6 +326,15 @@ impl Inventory {
             .await
     }
 
+    /// Its `/metrics` text.
+    pub async fn metrics(&self) -> Result<String> {
+        Ok(reqwest::get(format!("http://{}/metrics", self.addr))
+            .await?
+            .error_for_status()?
+            .text()
+            .await?)
+    }
+
     /// The process id (to stop or continue it in a fault test).
     pub fn pid(&self) -> u32 {
         self.child.id()

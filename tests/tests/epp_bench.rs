@@ -91,12 +91,7 @@ async fn bench_epp_latency() {
         }
         results.push((label, rows));
     }
-    let metrics = reqwest::get(format!("http://{}/metrics", inv.addr))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let metrics = inv.metrics().await.unwrap();
     let counted: Vec<&str> = metrics
         .lines()
         .filter(|l| {

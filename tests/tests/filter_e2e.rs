@@ -426,12 +426,7 @@ async fn an_engine_that_reuses_nothing_of_its_predicted_prefix_shows_as_divergen
             .unwrap(),
         0
     );
-    let metrics = reqwest::get(format!("http://{}/metrics", inv.addr))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let metrics = inv.metrics().await.unwrap();
     assert!(
         metrics.contains(r#"kvroute_endpoint_divergent{ep="1",rule="10.0.0.1:8080/tcp"} 1"#),
         "{metrics}"

@@ -121,18 +121,14 @@ impl Fleet {
                     .with_label_values(&[&name, &ep, verdict])
                     .inc_by(n);
             }
-            m.endpoint_predicted_blocks
-                .with_label_values(&labels)
-                .inc_by(o.predicted_blocks);
-            m.endpoint_realised_blocks
-                .with_label_values(&labels)
-                .inc_by(o.realised_blocks);
-            m.endpoint_prompt_tokens
-                .with_label_values(&labels)
-                .inc_by(o.prompt_tokens);
-            m.endpoint_cached_tokens
-                .with_label_values(&labels)
-                .inc_by(o.cached_tokens);
+            for (counter, n) in [
+                (&m.endpoint_predicted_blocks, o.predicted_blocks),
+                (&m.endpoint_realised_blocks, o.realised_blocks),
+                (&m.endpoint_prompt_tokens, o.prompt_tokens),
+                (&m.endpoint_cached_tokens, o.cached_tokens),
+            ] {
+                counter.with_label_values(&labels).inc_by(n);
+            }
             let (was, is) = rt.record_outcomes(o, now, d);
             m.endpoint_divergent
                 .with_label_values(&labels)
