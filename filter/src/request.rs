@@ -1239,14 +1239,15 @@ mod tests {
         assert!(sent(&host, &mut p).is_none(), "nothing new to report");
     }
 
-    /// `report_ms: 0` turns reporting off.
+    /// `report_ms: 0` turns reporting off: nothing is summed, and a tick that would report
+    /// (past the default 5 s, before the contract's 30 s refresh) sends nothing.
     #[test]
     fn reporting_can_be_turned_off() {
         let host = FakeHost::default();
         let mut p = ready(&host, r#"{"rule":"10.0.0.1:8080","report_ms":0}"#);
         respond(&host, &p, Some(HIT), 20, 6);
         host.calls.borrow_mut().clear();
-        host.clock.set(host.clock.get() + 60_000_000_000);
+        host.clock.set(host.clock.get() + 6_000_000_000);
         p.on_tick(&host);
         assert!(!host
             .calls
