@@ -314,6 +314,8 @@ struct Seen {
     /// An immediate response's status.
     rejected: Option<i32>,
     route_cleared: bool,
+    /// `x-prefiller-host-port` as set (a prefill/decode pick).
+    prefiller: Option<String>,
 }
 
 impl Seen {
@@ -371,6 +373,10 @@ impl Seen {
             }
             for s in m.set_headers {
                 let h = s.header.unwrap();
+                if h.key == "x-prefiller-host-port" {
+                    assert_eq!(s.append_action, 2, "OVERWRITE_IF_EXISTS_OR_ADD");
+                    self.prefiller = Some(String::from_utf8(h.raw_value.clone()).unwrap());
+                }
                 if h.key == DEST {
                     assert_eq!(s.append_action, 2, "OVERWRITE_IF_EXISTS_OR_ADD");
                     self.header = Some(String::from_utf8(h.raw_value).unwrap());
@@ -520,6 +526,38 @@ async fn the_clients_destination_is_dropped_and_the_body_comes_back_unchanged() 
             assert_eq!(s.body, b, "the body comes back byte for byte");
             assert!(s.body_ended);
         }
+    }
+}
+
+/// A prefill/decode rule (kvExactMode 1): the destination is the decode endpoint and
+/// `x-prefiller-host-port` names the prefill endpoint holding the prefix, as the filter pins them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefill_decode_rule_pins_the_decode_endpoint_and_names_the_prefiller() {
+    let mut r = rule(
+        9000,
+        "vllm",
+        5557,
+        &[
+            ("127.0.0.2".into(), 8000),
+            ("127.0.0.3".into(), 8000),
+            ("127.0.0.4".into(), 8000),
+        ],
+        json!({"kvExactMode": 1, "kvModel": "Qwen/Qwen3-0.6B"}),
+    );
+    for (i, role) in [1, 1, 2].into_iter().enumerate() {
+        r["endpoints"][i]["ep_role"] = json!(role);
+    }
+    let p = Picker::start("epp-pd", json!([r]), true, &[]);
+    p.wait_ready().await;
+    let b = chat(&conversation("disaggregation", 2));
+    for mode in [BodySendMode::Buffered, BodySendMode::FullDuplexStreamed] {
+        let s = p.ask(mode, &Req::new(&b)).await;
+        assert_eq!(s.list(), Some("127.0.0.4:8000"), "{mode:?}: {s:?}");
+        let prefill = s.prefiller.as_deref().unwrap_or_default();
+        assert!(
+            ["127.0.0.2:8000", "127.0.0.3:8000"].contains(&prefill),
+            "{mode:?}: {s:?}"
+        );
     }
 }
 

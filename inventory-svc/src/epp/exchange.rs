@@ -85,8 +85,10 @@ pub enum Input {
 /// The caller's decision.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Verdict {
-    /// Pin to this `ip:port`.
+    /// Pin to this `ip:port` (a comma-separated list: the chosen endpoint, then fallbacks).
     Pick(String),
+    /// Prefill/decode: pin to the decode endpoint and name the prefill one in [`reply::PREFILLER`].
+    PickPd { decode: String, prefill: String },
     /// No endpoint could be picked; the failure mode says what happens.
     Fail(EppFailure),
     /// The candidate subset held no eligible endpoint: 503 in either failure mode.
@@ -264,7 +266,10 @@ impl Exchange {
             return Err(ProtocolError("a decision nobody asked for"));
         };
         let (pin, outcome) = match verdict {
-            Verdict::Pick(ep) => (Pin::To(ep), EppOutcome::Picked),
+            Verdict::Pick(ep) => (Pin::To(ep, None), EppOutcome::Picked),
+            Verdict::PickPd { decode, prefill } => {
+                (Pin::To(decode, Some(prefill)), EppOutcome::Picked)
+            }
             Verdict::Fail(_) if mode == FailureMode::FailOpen => {
                 (Pin::Unpinned, EppOutcome::FailOpen)
             }
@@ -297,7 +302,7 @@ impl Exchange {
                 }
             }
         }
-        if let Pin::To(ep) = pin {
+        if let Pin::To(ep, _) = pin {
             self.picked = Some(ep.to_owned());
         }
         let open_body = at == At::DuplexBody && !self.body_ended && !self.trailers_pending;
@@ -432,7 +437,10 @@ mod tests {
     fn buffered_unpins_at_the_headers_and_pins_in_the_body_answer() {
         let mut x = Exchange::new(1024);
         let r = replies(x.on_message(headers(false, None, true)).unwrap());
-        assert_eq!(mutation(&r[0]).remove_headers, vec![reply::DESTINATION]);
+        assert_eq!(
+            mutation(&r[0]).remove_headers,
+            vec![reply::DESTINATION, reply::PREFILLER]
+        );
         assert_eq!(x.mode(), Mode::Buffered);
         assert_eq!(
             input(x.on_message(body(b"{}", true)).unwrap()),
@@ -454,7 +462,33 @@ mod tests {
             mutation(&r[0]).set_headers[0].append_action == 2,
             "overwrite"
         );
+        assert_eq!(mutation(&r[0]).remove_headers, vec![reply::PREFILLER]);
         assert_eq!(x.phase(), Phase::Answered);
+    }
+
+    /// Prefill/decode: the destination is the decode endpoint, and the prefill endpoint goes in
+    /// `x-prefiller-host-port`, overwriting whatever the client sent.
+    #[test]
+    fn a_prefill_decode_pick_names_both_endpoints() {
+        let mut x = Exchange::new(1024);
+        x.on_message(headers(false, None, true)).unwrap();
+        x.on_message(body(b"{}", true)).unwrap();
+        let pd = Verdict::PickPd {
+            decode: "10.0.0.9:8000".into(),
+            prefill: "10.0.0.2:8000".into(),
+        };
+        let (r, o) = x.decided(&pd, FailureMode::FailOpen).unwrap();
+        assert_eq!(o, EppOutcome::Picked);
+        assert_eq!(pinned_to(&r[0]).as_deref(), Some("10.0.0.9:8000"));
+        let m = mutation(&r[0]);
+        let prefiller = m.set_headers[1].header.as_ref().unwrap();
+        assert_eq!(
+            (prefiller.key.as_str(), prefiller.raw_value.as_slice()),
+            (reply::PREFILLER, &b"10.0.0.2:8000"[..])
+        );
+        assert_eq!(m.set_headers[1].append_action, 2, "overwrite");
+        assert!(m.remove_headers.is_empty());
+        assert_eq!(x.picked.as_deref(), Some("10.0.0.9:8000"));
     }
 
     #[test]
@@ -505,7 +539,10 @@ mod tests {
             .unwrap();
         assert_eq!(o, EppOutcome::FailOpen);
         assert_eq!(pinned_to(&r[0]), None);
-        assert_eq!(mutation(&r[0]).remove_headers, vec![reply::DESTINATION]);
+        assert_eq!(
+            mutation(&r[0]).remove_headers,
+            vec![reply::DESTINATION, reply::PREFILLER]
+        );
         let mut want = vec![1; 60];
         want.extend([2; 60]);
         assert_eq!(streamed(&r[1..]), (want, false));

@@ -170,12 +170,20 @@ impl Picker {
             only: only.as_deref(),
         };
         match question::answer(&self.fleet, &rule, &ask, Instant::now()) {
-            Ok(a) => {
-                // The protocol's ordered list: the chosen endpoint, then fallbacks for retries.
-                let mut list = vec![a.response.endpoint];
-                list.extend(a.fallbacks.into_iter().take(self.opts.fallbacks));
-                Verdict::Pick(list.join(","))
-            }
+            Ok(a) => match a.response.decode_endpoint {
+                // Prefill/decode: the request goes to the decode endpoint, which pulls the KV
+                // from the prefill one (the fallbacks are prefill endpoints: none are listed).
+                Some(decode) => Verdict::PickPd {
+                    decode,
+                    prefill: a.response.endpoint,
+                },
+                None => {
+                    // The protocol's ordered list: the chosen endpoint, then fallbacks for retries.
+                    let mut list = vec![a.response.endpoint];
+                    list.extend(a.fallbacks.into_iter().take(self.opts.fallbacks));
+                    Verdict::Pick(list.join(","))
+                }
+            },
             Err(RouteError::NoEndpoint) if only.is_some() => Verdict::SubsetUnavailable,
             Err(RouteError::NoEndpoint) => Verdict::Fail(EppFailure::NoEndpoint),
             Err(RouteError::TooManyKeys(_)) => Verdict::Fail(EppFailure::BadBody),

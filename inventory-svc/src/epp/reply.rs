@@ -15,6 +15,9 @@ use envoy_types::pb::google::protobuf::{value::Kind, Struct, Value};
 
 /// The request header (and dynamic metadata key) that carries the picked endpoint.
 pub const DESTINATION: &str = "x-gateway-destination-endpoint";
+/// The request header naming the prefill endpoint of a prefill/decode rule (as llm-d's
+/// deployments and kvroute's filter set it).
+pub const PREFILLER: &str = "x-prefiller-host-port";
 /// The dynamic metadata namespace of the picked endpoint.
 pub const DESTINATION_NAMESPACE: &str = "envoy.lb";
 /// The filter metadata namespace of the candidate subset.
@@ -31,34 +34,41 @@ pub const BODY_CHUNK: usize = 62_000;
 /// What a request-path answer does to the request's headers.
 pub enum Pin<'a> {
     /// Sets the destination to this `ip:port` (overwriting any value the client sent) and
-    /// asks the proxy to route again.
-    To(&'a str),
+    /// asks the proxy to route again; in prefill/decode mode (the destination is then the decode
+    /// endpoint) also [`PREFILLER`] to the prefill endpoint, which a client's value never is.
+    To(&'a str, Option<&'a str>),
     /// Removes any client-sent destination: the proxy load-balances as it would without us.
     Unpinned,
 }
 
 fn common(pin: &Pin<'_>) -> CommonResponse {
+    let set = |key: &str, value: &str| HeaderValueOption {
+        header: Some(HeaderValue {
+            key: key.into(),
+            raw_value: value.as_bytes().to_vec(),
+            ..HeaderValue::default()
+        }),
+        append_action: HeaderAppendAction::OverwriteIfExistsOrAdd as i32,
+        ..HeaderValueOption::default()
+    };
     let header_mutation = match pin {
-        Pin::To(ep) => HeaderMutation {
-            set_headers: vec![HeaderValueOption {
-                header: Some(HeaderValue {
-                    key: DESTINATION.into(),
-                    raw_value: ep.as_bytes().to_vec(),
-                    ..HeaderValue::default()
-                }),
-                append_action: HeaderAppendAction::OverwriteIfExistsOrAdd as i32,
-                ..HeaderValueOption::default()
-            }],
-            remove_headers: Vec::new(),
+        Pin::To(ep, prefill) => HeaderMutation {
+            set_headers: std::iter::once(set(DESTINATION, ep))
+                .chain(prefill.map(|p| set(PREFILLER, p)))
+                .collect(),
+            remove_headers: match prefill {
+                Some(_) => Vec::new(),
+                None => vec![PREFILLER.into()],
+            },
         },
         Pin::Unpinned => HeaderMutation {
             set_headers: Vec::new(),
-            remove_headers: vec![DESTINATION.into()],
+            remove_headers: vec![DESTINATION.into(), PREFILLER.into()],
         },
     };
     CommonResponse {
         header_mutation: Some(header_mutation),
-        clear_route_cache: matches!(pin, Pin::To(_)),
+        clear_route_cache: matches!(pin, Pin::To(..)),
         ..CommonResponse::default()
     }
 }
@@ -89,7 +99,7 @@ fn message(r: processing_response::Response, pin: &Pin<'_>) -> ProcessingRespons
     ProcessingResponse {
         response: Some(r),
         dynamic_metadata: match pin {
-            Pin::To(ep) => Some(destination_metadata(ep)),
+            Pin::To(ep, _) => Some(destination_metadata(ep)),
             Pin::Unpinned => None,
         },
         ..ProcessingResponse::default()
