@@ -107,20 +107,20 @@ impl EpRuntime {
     }
 
     /// Adds a filter's outcome report received at `now`; returns the divergence verdict before
-    /// and after it.
+    /// and after it, and the window's sum it was judged on.
     pub fn record_outcomes(
         &self,
         o: &EndpointOutcomes,
         now: Instant,
         d: &Divergence,
-    ) -> (bool, bool) {
+    ) -> (bool, bool, EndpointOutcomes) {
         let sum = {
             let mut w = lock(&self.outcomes);
             w.add(now, o, d.window);
             w.sum(now, d.window)
         };
         let after = diverges(&sum, d.min_requests);
-        (self.divergent.swap(after, Ordering::Relaxed), after)
+        (self.divergent.swap(after, Ordering::Relaxed), after, sum)
     }
 
     /// The reports within the window of `now` and their verdict (which the flag routing reads

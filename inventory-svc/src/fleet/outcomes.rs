@@ -129,14 +129,12 @@ impl Fleet {
             ] {
                 counter.with_label_values(&labels).inc_by(n);
             }
-            let (was, is) = rt.record_outcomes(o, now, d);
+            let (was, is, s) = rt.record_outcomes(o, now, d);
             m.endpoint_divergent
                 .with_label_values(&labels)
                 .set(i64::from(is));
-            let sum = || rt.outcomes(now, d).0;
             match (was, is) {
                 (false, true) => {
-                    let s = sum();
                     tracing::warn!(rule = %name, ep = i, endpoint = %o.endpoint, qualifying = s.qualifying,
                         missed = s.missed, cause = %divergence_cause(rt), "endpoint diverges: its engine reuses none of the predicted blocks");
                 }
