@@ -145,13 +145,15 @@ pub struct Ask<'a> {
     /// When set, only the endpoints whose flag is true may be chosen (the proxy's candidate
     /// subset), indexed like the rule's endpoints.
     pub only: Option<&'a [bool]>,
+    /// How many fallbacks the answer lists (0: none are ranked, as for `POST /v1/route`).
+    pub fallbacks: usize,
 }
 
 /// A decision as both front doors render it.
 pub struct Answer {
     pub response: RouteResponse,
-    /// The other eligible healthy endpoints, best first (most matched blocks, then least
-    /// load): where a proxy retries when the chosen endpoint cannot be reached.
+    /// Up to [`Ask::fallbacks`] other eligible healthy endpoints, best first (most matched
+    /// blocks, then least load): where a proxy retries when the chosen endpoint cannot be reached.
     pub fallbacks: Vec<String>,
 }
 
@@ -177,7 +179,7 @@ pub fn answer(
         views,
         recall,
     } = fleet.route(rule, &q, now)?;
-    let addr = |i: usize| rule.spec.endpoints[i].addr();
+    let addr = |i: usize| rule.addr(i).to_owned();
     let explain = ask.explain.then(|| Explain {
         keys: u32::try_from(ask.keys.len()).unwrap_or(u32::MAX),
         token_count: ask.token_count,
@@ -195,10 +197,18 @@ pub fn answer(
             .collect(),
         recall: recall.map(|r| (r.ep, r.depth)),
     });
-    let mut others: Vec<usize> = (0..views.len())
-        .filter(|&i| i != ep && Some(i) != d.decode && views[i].healthy)
-        .collect();
-    others.sort_by_key(|&i| (std::cmp::Reverse(views[i].matched), views[i].load, i));
+    let mut others: Vec<usize> = Vec::new();
+    if ask.fallbacks > 0 {
+        others.extend(
+            (0..views.len()).filter(|&i| i != ep && Some(i) != d.decode && views[i].healthy),
+        );
+        let rank = |&i: &usize| (std::cmp::Reverse(views[i].matched), views[i].load, i);
+        if others.len() > ask.fallbacks {
+            others.select_nth_unstable_by_key(ask.fallbacks - 1, rank);
+            others.truncate(ask.fallbacks);
+        }
+        others.sort_by_key(rank);
+    }
     Ok(Answer {
         response: RouteResponse {
             rule_id: rule.id,

@@ -128,6 +128,7 @@ pub fn answer(fleet: &Fleet, req: &RouteRequest, now: Instant) -> Result<RouteRe
         model: req.model.as_deref(),
         explain: req.explain,
         only: None,
+        fallbacks: 0,
     };
     question::answer(fleet, &rule, &ask, now)
         .map(|a| a.response)

@@ -168,6 +168,7 @@ impl Picker {
             model: t.as_ref().and_then(|t| t.model.as_deref()),
             explain: false,
             only: only.as_deref(),
+            fallbacks: self.opts.fallbacks,
         };
         match question::answer(&self.fleet, &rule, &ask, Instant::now()) {
             Ok(a) => match a.response.decode_endpoint {
@@ -180,7 +181,7 @@ impl Picker {
                 None => {
                     // The protocol's ordered list: the chosen endpoint, then fallbacks for retries.
                     let mut list = vec![a.response.endpoint];
-                    list.extend(a.fallbacks.into_iter().take(self.opts.fallbacks));
+                    list.extend(a.fallbacks);
                     Verdict::Pick(list.join(","))
                 }
             },

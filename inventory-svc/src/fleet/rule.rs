@@ -32,6 +32,8 @@ pub struct RuleRuntime {
     pub(super) index: Arc<dyn BlockIndex>,
     eps: Vec<EpRuntime>,
     pub(super) ring: HashRing,
+    /// Each endpoint's `ip:port`, as answers name it (formatted once).
+    addrs: Vec<String>,
     /// Where each prefix family was sent, remembered past eviction.
     pub(super) memory: PlacementMemory,
     pub(super) hit_seq: AtomicU64,
@@ -50,6 +52,11 @@ pub(super) struct Parts {
 }
 
 impl RuleRuntime {
+    /// Endpoint `i`'s `ip:port` as the filter pins it (IPv6 bracketed); empty past the list.
+    pub fn addr(&self, i: usize) -> &str {
+        self.addrs.get(i).map_or("", String::as_str)
+    }
+
     /// A rule's runtime; `old` is the rule it replaces, whose inventory it keeps when the new
     /// rule keys blocks the same way ([`same_keys`]).
     pub(super) fn new(spec: RuleSpec, parts: Parts, old: Option<&RuleRuntime>) -> RuleRuntime {
@@ -68,6 +75,7 @@ impl RuleRuntime {
             eps,
             index,
             ring: HashRing::new(&addrs),
+            addrs,
             memory: parts.memory,
             created: Instant::now(),
             generation: spec.generation(),
