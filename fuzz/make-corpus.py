@@ -105,6 +105,19 @@ write("openai_body", "kwargs", json.dumps({
     "chat_template_kwargs": {"enable_thinking": False}, "add_generation_prompt": True,
     "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}))
 
+# --- route_question: the route question, JSON and binary -------------------------------------
+def binary_question(head, keys):
+    h = json.dumps(head, separators=(",", ":")).encode()
+    return b"KVR1" + struct.pack("<I", len(h)) + h + b"".join(struct.pack("<Q", k) for k in keys)
+
+
+write("route_question", "json", '{"rule":"10.0.0.1:8080","model":"m","keys":[1,-2,18446744073709551615],'
+      '"token_count":48,"affinity_key":"user:a|chat|completions"}')
+write("route_question", "json-offload", '{"rule":"1","messages":[{"role":"user","content":"hi"}]}')
+write("route_question", "binary", binary_question({"rule": "1", "keys": [], "token_count": 32}, [7, 2**64 - 1]))
+write("route_question", "binary-explain", binary_question({"rule": "10.0.0.1:8080", "explain": True}, [1, 2, 3]))
+write("route_question", "binary-ragged", binary_question({"rule": "1"}, [5])[:-3])
+
 # --- filter_answer: route answers and contracts -------------------------------------------------
 write("filter_answer", "route", '{"rule_id":1,"endpoint":"127.0.0.1:9","matched_blocks":3,'
       '"tier":"tier15","reason":"hit","decode_endpoint":null}')

@@ -62,8 +62,10 @@ pub struct Callout<'a> {
     pub path: &'a str,
     /// `:authority`.
     pub authority: &'a str,
-    /// Request body (JSON) or none.
+    /// Request body or none.
     pub body: Option<&'a [u8]>,
+    /// The body's `content-type`.
+    pub content_type: &'a str,
     /// Envoy answers a synthetic 504 after this long.
     pub timeout: Duration,
     /// Sent as `authorization: Bearer <token>` when set (the inventory's route credential).
@@ -199,7 +201,7 @@ impl Host for ProxyHost {
             (":method", call.method),
             (":path", call.path),
             (":authority", call.authority),
-            ("content-type", "application/json"),
+            ("content-type", call.content_type),
         ];
         if let Some(b) = &bearer {
             headers.push(("authorization", b.as_str()));
@@ -528,6 +530,7 @@ pub(crate) mod testing {
         pub method: String,
         pub path: String,
         pub body: Vec<u8>,
+        pub content_type: String,
         pub timeout_ms: u128,
         /// The `authorization` header the real host would send.
         pub authorization: Option<String>,
@@ -702,6 +705,7 @@ pub(crate) mod testing {
                 method: call.method.into(),
                 path: call.path.into(),
                 body: call.body.unwrap_or_default().to_vec(),
+                content_type: call.content_type.into(),
                 timeout_ms: call.timeout.as_millis(),
                 authorization: call.bearer.map(|t| format!("Bearer {t}")),
             });

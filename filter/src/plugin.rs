@@ -272,6 +272,7 @@ impl Plugin {
             path: &path,
             authority: &c.inventory_authority,
             body: Some(&body),
+            content_type: "application/json",
             timeout: REPORT_TIMEOUT,
             bearer: c.route_token.as_ref().map(|t| t.as_str()),
         };
@@ -300,6 +301,7 @@ impl Plugin {
             path,
             authority: &c.inventory_authority,
             body: None,
+            content_type: "application/json",
             timeout: LOAD_TIMEOUT,
             bearer: c.route_token.as_ref().map(|t| t.as_str()),
         };

@@ -31,7 +31,7 @@ use crate::host::{Body, Callout, Headers, Host, Level};
 use crate::plugin::VmState;
 use crate::stats::{FailReason, Stat};
 use crate::usage::{self, Prediction, Tail, Verdict};
-use crate::wire::{RouteAnswer, RouteRequest, Tier};
+use crate::wire::{binary, RouteAnswer, RouteRequest, Tier};
 
 /// Upstream header naming the KV-chosen prefill endpoint in P/D mode (llm-d routing sidecar).
 pub const PREFILLER_HEADER: &str = "x-prefiller-host-port";
@@ -306,27 +306,40 @@ impl RequestFilter {
             .ok_or_else(|| Unpinned::new(FailReason::BadRequest, "body unavailable"))?;
         let prepare_ns = host.now_nanos();
         let question = crate::question::build(&self.vm, host, endpoint, &body)?;
-        self.send(host, &question, started_ns, prepare_ns)
+        self.send(host, question, started_ns, prepare_ns)
     }
 
-    /// Sends the question as the route callout and holds the request until it answers.
+    /// Sends the question as the route callout and holds the request until it answers: in the
+    /// binary form when the service advertises it and there are keys to carry, else JSON.
     fn send(
         &mut self,
         host: &dyn Host,
-        question: &RouteRequest,
+        question: RouteRequest,
         started_ns: u64,
         prepare_ns: u64,
     ) -> Result<Step, Unpinned> {
         let vm = self.vm.clone();
-        let json = serde_json::to_vec(question)
-            .map_err(|e| Unpinned::new(FailReason::BadRequest, e.to_string()))?;
+        let binary = !question.keys.is_empty()
+            && vm
+                .contract
+                .borrow()
+                .as_ref()
+                .is_some_and(|c| c.raw.accepts_binary_route());
+        let (body, content_type) = if binary {
+            (binary::encode(question), binary::CONTENT_TYPE)
+        } else {
+            let json = serde_json::to_vec(&question)
+                .map_err(|e| Unpinned::new(FailReason::BadRequest, e.to_string()))?;
+            (json, "application/json")
+        };
         let c = &vm.config;
         let call = Callout {
             cluster: &c.inventory_cluster,
             method: "POST",
             path: "/v1/route",
             authority: &c.inventory_authority,
-            body: Some(&json),
+            body: Some(&body),
+            content_type,
             timeout: c.timeout,
             bearer: c.route_token.as_ref().map(|t| t.as_str()),
         };
@@ -628,11 +641,16 @@ mod tests {
 
     /// A plugin with the contract and the tiny tokenizer loaded.
     fn ready(host: &FakeHost, config: &str) -> Plugin {
+        ready_with(host, config, CONTRACT)
+    }
+
+    /// [`ready`] with another contract answer.
+    fn ready_with(host: &FakeHost, config: &str, contract: &[u8]) -> Plugin {
         let mut p = Plugin::new();
         p.configure(host, config.as_bytes());
         p.note_traffic();
         p.on_tick(host);
-        p.on_call_response(host, 1, Some("200"), CONTRACT);
+        p.on_call_response(host, 1, Some("200"), contract);
         p.on_tick(host);
         p.on_call_response(host, 2, Some("200"), tiny_tokenizer_json().as_bytes());
         p.on_tick(host);
@@ -677,6 +695,46 @@ mod tests {
             RequestState::Forwarded { pinned, .. } => Some(*pinned),
             _ => None,
         }
+    }
+
+    #[test]
+    fn asks_in_the_binary_form_only_when_the_contract_advertises_it() {
+        let body = json!({"model": "Org/M", "messages": [{"role": "user", "content": "hello hello hello"}], "user": "t1"}).to_string();
+        // The JSON question (the contract names no content types: an older service).
+        let host = FakeHost::default();
+        let (_, json_q) = to_callout(
+            &host,
+            &ready(&host, CFG),
+            "/v1/chat/completions",
+            body.as_bytes(),
+        );
+        assert_eq!(host.calls.borrow()[0].content_type, "application/json");
+        let want: RouteRequest = serde_json::from_value(json_q).unwrap();
+        assert!(!want.keys.is_empty());
+        // The same request to a service that reads the binary form.
+        let advertised = br#"{"rule_id":1,"engine":"vllm","algo":"sha256_cbor","seed":"0","block_size":2,"key_mode":"engine","model":"Org/M","kv_enabled":true,"route_content_types":["application/json","application/vnd.kvroute.route.v1"]}"#;
+        let host = FakeHost::default();
+        let p = ready_with(&host, CFG, advertised);
+        post(&host, "/v1/chat/completions", body.as_bytes());
+        let mut r = p.new_request();
+        assert_eq!(r.on_request_headers(&host, false), Step::Pause);
+        assert_eq!(r.on_request_body(&host, body.len(), true), Step::Pause);
+        let call = host.calls.borrow().last().cloned().unwrap();
+        assert_eq!(call.content_type, binary::CONTENT_TYPE);
+        assert_eq!(&call.body[..4], b"KVR1");
+        assert_eq!(binary::decode(&call.body).unwrap(), want);
+        // A question without keys (no token ids to hash: a KV-off rule) stays JSON.
+        let off = br#"{"rule_id":1,"engine":"vllm","algo":null,"seed":null,"block_size":16,"key_mode":"engine","model":"Org/M","kv_enabled":false,"route_content_types":["application/vnd.kvroute.route.v1"]}"#;
+        let host = FakeHost::default();
+        let mut p = Plugin::new();
+        p.configure(&host, CFG.as_bytes());
+        p.note_traffic();
+        p.on_tick(&host);
+        p.on_call_response(&host, 1, Some("200"), off);
+        host.calls.borrow_mut().clear();
+        let (_, q) = to_callout(&host, &p, "/v1/chat/completions", body.as_bytes());
+        assert_eq!(q["keys"], json!([]));
+        assert_eq!(host.calls.borrow()[0].content_type, "application/json");
     }
 
     #[test]

@@ -3,8 +3,8 @@
 //! filter's reading of the route answer.
 //!
 //! * `GET /v1/rules/{rule}/contract` → [`RuleContract`]: how to hash (set in one place, the service).
-//! * `POST /v1/route` ← [`RouteRequest`], → [`RouteResponse`], read as a [`RouteAnswer`] (see
-//!   docs/inventory.md).
+//! * `POST /v1/route` ← [`RouteRequest`] ([`binary`] when the contract advertises it and there are
+//!   keys, else JSON), → [`RouteResponse`], read as a [`RouteAnswer`] (see docs/inventory.md).
 //!
 //! Answers are parsed leniently (unknown fields ignored, missing ones defaulted, any tier token
 //! accepted, so the service may grow) but checked strictly where the filter acts on them: an
@@ -12,7 +12,9 @@
 
 use std::net::SocketAddr;
 
-pub use kvroute_core::wire::{ContractError, RouteRequest, RouteResponse, RuleContract, Tier};
+pub use kvroute_core::wire::{
+    binary, ContractError, RouteRequest, RouteResponse, RuleContract, Tier,
+};
 use serde::Deserialize;
 
 /// The fields of a [`RouteResponse`] the filter acts on, as the lenient parse reads them.

@@ -173,7 +173,8 @@ async fn rule_validation_rows_and_auth() {
     assert_eq!(
         c,
         json!({"rule_id": 1, "name": "10.0.0.1:9000/tcp", "vip": "10.0.0.1:9000", "engine": "vllm", "algo": "sha256_cbor", "seed": "vllm-none-hash",
-        "block_size": 16, "key_mode": "engine", "model": null, "kv_exact_mode": 3, "kv_enabled": true})
+        "block_size": 16, "key_mode": "engine", "model": null, "kv_exact_mode": 3, "kv_enabled": true,
+        "route_content_types": ["application/json", "application/vnd.kvroute.route.v1"]})
     );
 
     let series = r#"rule="10.0.0.1:9000/tcp""#;
@@ -373,6 +374,75 @@ async fn routing_tiers_and_exact_metrics() {
         "#,
     );
     assert!(m.contains("# TYPE kvroute_route_duration_seconds histogram"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_binary_question_is_answered_like_the_json_one() {
+    use kvroute_core::wire::{binary, RouteRequest, WireKey};
+    let svc = Service::start("route-binary", &json!([good_rule(9000)]), &[]);
+    let contract = svc.get_json("/v1/rules/1/contract").await;
+    assert_eq!(
+        contract["route_content_types"],
+        json!(["application/json", binary::CONTENT_TYPE])
+    );
+    let ask = |keys: &[u64], explain: bool| {
+        binary::encode(RouteRequest {
+            rule: "10.0.0.1:9000".into(),
+            keys: keys.iter().map(|k| WireKey::Unsigned(*k)).collect(),
+            token_count: 16 * keys.len() as u32,
+            explain,
+            ..Default::default()
+        })
+    };
+    let (s, a) = svc
+        .post_bytes("/v1/route", binary::CONTENT_TYPE, ask(&[11, 12, 13], false))
+        .await;
+    assert_eq!(s, 200, "{a}");
+    assert_eq!(a["reason"], "miss_no_overlap");
+    // The decision credited the endpoint; the longer prefix now hits it, asked either way.
+    let json_q = json!({"rule": "10.0.0.1:9000", "keys": [11, 12, 13, 14], "token_count": 64, "explain": true});
+    let (_, by_json) = svc.post("/v1/route", &json_q.to_string(), None).await;
+    let (_, by_binary) = svc
+        .post_bytes(
+            "/v1/route",
+            binary::CONTENT_TYPE,
+            ask(&[11, 12, 13, 14], true),
+        )
+        .await;
+    assert_eq!(
+        (
+            &by_binary["reason"],
+            &by_binary["matched_blocks"],
+            &by_binary["endpoint"]
+        ),
+        (&json!("hit"), &json!(3), &a["endpoint"]),
+        "{by_binary}"
+    );
+    assert_eq!(by_binary, by_json);
+    // A malformed binary body is a 400 that names the part; parameters of the type are ignored.
+    let (s, e) = svc
+        .post_bytes(
+            "/v1/route",
+            binary::CONTENT_TYPE,
+            json_q.to_string().into_bytes(),
+        )
+        .await;
+    assert_eq!(s, 400);
+    assert!(e["error"].as_str().unwrap().contains("KVR1"), "{e}");
+    let mut ragged = ask(&[1, 2], false);
+    ragged.pop();
+    let (s, e) = svc
+        .post_bytes(
+            "/v1/route",
+            &format!("{}; charset=binary", binary::CONTENT_TYPE),
+            ragged,
+        )
+        .await;
+    assert_eq!(s, 400);
+    assert!(
+        e["error"].as_str().unwrap().contains("15 bytes of keys"),
+        "{e}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

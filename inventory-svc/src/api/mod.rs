@@ -309,6 +309,10 @@ fn contract_json(r: &RuleRuntime) -> RuleContract {
         model: r.spec.model.clone(),
         kv_exact_mode: r.spec.exact_mode.code(),
         kv_enabled: r.spec.kv_enabled(),
+        route_content_types: vec![
+            "application/json".into(),
+            kvroute_core::wire::binary::CONTENT_TYPE.into(),
+        ],
     }
 }
 

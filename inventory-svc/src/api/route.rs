@@ -1,5 +1,8 @@
 //! `POST /v1/route`: the filter's routing question, and the JSON contract it is asked in (the
-//! types are [`kvroute_core::wire`]'s, shared with the filter).
+//! types are [`kvroute_core::wire`]'s, shared with the filter). With
+//! `Content-Type: application/vnd.kvroute.route.v1` the same question arrives in
+//! [`kvroute_core::wire::binary`] form (a JSON head, then the keys as 8-byte words): the form the
+//! filter uses, advertised in every rule contract.
 //!
 //! Request (`RouteRequest`):
 //! ```json
@@ -29,6 +32,7 @@ use std::time::Instant;
 
 use axum::body::Bytes;
 use axum::extract::State;
+use axum::http::{header, HeaderMap};
 use axum::Json;
 use kvroute_core::hash::BlockKey;
 
@@ -37,7 +41,15 @@ use super::ApiState;
 use crate::fleet::{Fleet, RouteError};
 use crate::question::{self, Ask, KeyingError, Text};
 
+use kvroute_core::wire::binary;
 pub use kvroute_core::wire::{Explain, ExplainEndpoint, RouteRequest, RouteResponse, WireKey};
+
+/// The route question in the binary form: `KVR1`, the JSON head's length (u32 LE), the JSON head
+/// without keys, then the keys as u64 LE words.
+#[derive(utoipa::ToSchema)]
+#[schema(value_type = String, format = Binary)]
+#[allow(dead_code)]
+pub struct BinaryQuestion(Vec<u8>);
 
 /// Handler for `POST /v1/route`.
 #[utoipa::path(
@@ -46,7 +58,13 @@ pub use kvroute_core::wire::{Explain, ExplainEndpoint, RouteRequest, RouteRespon
     tag = "routing",
     summary = "Routing decision for one request",
     description = "The filter's question: block keys (or the prompt/messages when tokenization is offloaded) in, the endpoint to pin out. A bearer token is required only when the service runs with `--route-token-file`.",
-    request_body = RouteRequest,
+    request_body(
+        description = "The question as JSON, or in the binary form (`application/vnd.kvroute.route.v1`: `KVR1`, the JSON head's length as u32 LE, the JSON head without keys, then the keys as u64 LE words; kvroute_core::wire::binary)",
+        content(
+            (RouteRequest = "application/json"),
+            (BinaryQuestion = "application/vnd.kvroute.route.v1"),
+        ),
+    ),
     responses(
         (status = 200, description = "Decision", body = RouteResponse),
         (status = 400, description = "Malformed body", body = super::error::ErrorBody),
@@ -59,10 +77,15 @@ pub use kvroute_core::wire::{Explain, ExplainEndpoint, RouteRequest, RouteRespon
 )]
 pub async fn route(
     State(state): State<Arc<ApiState>>,
+    headers: HeaderMap,
     body: Bytes,
 ) -> Result<Json<RouteResponse>, ApiError> {
     let start = Instant::now();
-    let mut req: RouteRequest = parse_json(&body)?;
+    let mut req: RouteRequest = if is_binary(&headers) {
+        binary::decode(&body).map_err(|e| ApiError::BadRequest(e.to_string()))?
+    } else {
+        parse_json(&body)?
+    };
     if req.keys.is_empty() && (req.prompt.is_some() || req.messages.is_some()) {
         offload(&state, &mut req).await;
     }
@@ -75,6 +98,15 @@ pub async fn route(
             .observe(start.elapsed().as_secs_f64());
     }
     res.map(Json)
+}
+
+/// True when the body is the binary question (its content type, parameters ignored).
+fn is_binary(headers: &HeaderMap) -> bool {
+    headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.split(';').next())
+        .is_some_and(|t| t.trim().eq_ignore_ascii_case(binary::CONTENT_TYPE))
 }
 
 /// Fills `req.keys` and `req.token_count` from its prompt or messages; on failure leaves them

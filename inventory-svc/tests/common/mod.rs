@@ -53,13 +53,26 @@ impl Service {
         env: &[(&str, &str)],
         args: &[&str],
     ) -> Service {
+        Service::start_program(
+            env!("CARGO_BIN_EXE_kvroute-inventory").as_ref(),
+            tag,
+            (rules, env, args),
+        )
+    }
+
+    /// [`Service::start_with_args`] of another build of the service (benches compare builds).
+    pub fn start_program(
+        program: &std::path::Path,
+        tag: &str,
+        (rules, env, args): (&Value, &[(&str, &str)], &[&str]),
+    ) -> Service {
         let dir = tempdir(tag);
         let cfg = dir.join("rules.json");
         std::fs::write(&cfg, serde_json::to_string(rules).unwrap()).unwrap();
         let tok = dir.join("token");
         std::fs::write(&tok, format!("{TOKEN}\n")).unwrap();
         std::fs::create_dir_all(dir.join("tokenizers")).unwrap();
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvroute-inventory"));
+        let mut cmd = Command::new(program);
         cmd.args(["serve", "--listen", "127.0.0.1:0", "--config"])
             .arg(&cfg)
             .arg("--auth-token-file")
@@ -164,6 +177,21 @@ impl Service {
         let (s, b) = self.get(path).await;
         assert_eq!(s, 200, "{path}: {b}");
         serde_json::from_str(&b).unwrap()
+    }
+
+    /// `POST path` with `body` as `content_type`: the status and the answer (JSON or text).
+    pub async fn post_bytes(&self, path: &str, content_type: &str, body: Vec<u8>) -> (u16, Value) {
+        let r = self
+            .http
+            .post(format!("{}{path}", self.base))
+            .header("content-type", content_type)
+            .body(body)
+            .send()
+            .await
+            .unwrap();
+        let s = r.status().as_u16();
+        let t = r.text().await.unwrap();
+        (s, serde_json::from_str(&t).unwrap_or(Value::String(t)))
     }
 
     pub async fn post(&self, path: &str, body: &str, token: Option<&str>) -> (u16, Value) {

@@ -2,7 +2,8 @@
 //!
 //! * `GET /v1/rules/{rule}/contract` → [`RuleContract`] (`GET /v1/rules` → [`RuleContracts`]):
 //!   how to hash a rule's block keys ([`RuleContract::hash_contract`]).
-//! * `POST /v1/route` ← [`RouteRequest`], → [`RouteResponse`] with its [`Tier`] and [`Reason`].
+//! * `POST /v1/route` ← [`RouteRequest`] (JSON, or [`binary`] with the keys as 8-byte words), →
+//!   [`RouteResponse`] with its [`Tier`] and [`Reason`].
 //! * `POST /v1/rules/{rule}/outcomes` ← [`OutcomeReport`]: what the engines reused of what the
 //!   route answers predicted, per endpoint, summed by the filter since its last report.
 //!   With `"explain": true` the service answers the same question without side effects and adds
@@ -13,6 +14,8 @@
 //! contract parses leniently (fields the filter does not use may be missing) and unknown fields
 //! are ignored in every answer, so the service may grow. The filter reads route answers through
 //! its own lenient, checked parse of [`RouteResponse`]'s JSON (a newer service's tier still pins).
+
+pub mod binary;
 
 use serde::{Deserialize, Serialize};
 
@@ -52,6 +55,11 @@ pub struct RuleContract {
     #[serde(default)]
     #[cfg_attr(feature = "openapi", schema(required = true))]
     pub kv_enabled: bool,
+    /// Content types `POST /v1/route` accepts: `application/json` and, from services that read
+    /// it, `application/vnd.kvroute.route.v1` (the binary form; absent from older services,
+    /// which read JSON only).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub route_content_types: Vec<String>,
 }
 
 fn engine_key_mode() -> String {
@@ -79,6 +87,13 @@ pub enum ContractError {
 }
 
 impl RuleContract {
+    /// True when the service reads the binary question ([`binary`]).
+    pub fn accepts_binary_route(&self) -> bool {
+        self.route_content_types
+            .iter()
+            .any(|t| t == binary::CONTENT_TYPE)
+    }
+
     /// Parses the service's answer.
     pub fn parse(body: &[u8]) -> Result<RuleContract, ContractError> {
         serde_json::from_slice(body).map_err(|e| ContractError::Json(e.to_string()))
