@@ -20,6 +20,7 @@ use crate::host::{Headers, Host};
 use crate::plugin::VmState;
 use crate::request::Unpinned;
 use crate::stats::{FailReason, Stat};
+use crate::tokens::Render;
 use crate::wire::RouteRequest;
 
 /// Builds the question for `body`, a complete request to `endpoint`.
@@ -93,7 +94,12 @@ fn tokenize(
         crate::tokens::set_clock(i64::try_from(t0 / 1_000_000_000).unwrap_or(0));
         enc.tokens(request)
     });
-    let (ids, seg) = res.map_err(|e| Unpinned::new(FailReason::Tokenize, e.to_string()))?;
+    let (ids, seg, render) = res.map_err(|e| Unpinned::new(FailReason::Tokenize, e.to_string()))?;
+    match render {
+        Some(Render::Native) => vm.stats.inc(host, Stat::RenderNative),
+        Some(Render::Jinja) => vm.stats.inc(host, Stat::RenderJinja),
+        None => {}
+    }
     vm.stats.add(host, Stat::SegmentHits, seg.hits);
     vm.stats.add(host, Stat::SegmentMisses, seg.misses);
     vm.stats.add(host, Stat::PieceHits, seg.piece_hits);

@@ -811,7 +811,7 @@ mod tests {
             let (_, sent) = to_callout(&host, &p, "/v1/chat/completions", bytes.as_bytes());
             let request = Request::from_json(bytes.as_bytes()).unwrap();
             cold.clear_caches();
-            let (ids, _) = cold.tokens(&request).unwrap();
+            let (ids, _, _) = cold.tokens(&request).unwrap();
             let extra = ExtraKeys {
                 cache_salt: request.cache_salt.clone(),
                 ..ExtraKeys::default()
@@ -832,6 +832,9 @@ mod tests {
             assert_eq!(sent["token_count"].as_u64(), Some(ids.len() as u64));
         }
         assert!(host.counter("kvroute_filter_key_cache_hits_total").unwrap() > 0);
+        // The tiny test template is not one kvroute renders natively.
+        assert!(host.counter("kvroute_filter_render_jinja_total").unwrap() > 0);
+        assert_eq!(host.counter("kvroute_filter_render_native_total"), Some(0));
         assert!(
             host.counter("kvroute_filter_key_cache_misses_total")
                 .unwrap()

@@ -93,6 +93,9 @@ pub enum Stat {
     SpoofedHeaders,
     /// Requests routed without keys because no tokenizer is loaded.
     NoTokenizer,
+    /// Chat prompts rendered by a native renderer / by the Jinja VM.
+    RenderNative,
+    RenderJinja,
     /// Tokenization segments served from the segment cache / encoded.
     SegmentHits,
     SegmentMisses,
@@ -142,7 +145,7 @@ pub enum Stat {
 }
 
 /// How many counters and histograms `FIXED` defines (the handles array has the same length).
-const FIXED_LEN: usize = 36;
+const FIXED_LEN: usize = 38;
 
 const FIXED: [(Stat, &str, MetricKind); FIXED_LEN] = [
     (
@@ -183,6 +186,16 @@ const FIXED: [(Stat, &str, MetricKind); FIXED_LEN] = [
     (
         Stat::NoTokenizer,
         "kvroute_filter_no_tokenizer_total",
+        MetricKind::Counter,
+    ),
+    (
+        Stat::RenderNative,
+        "kvroute_filter_render_native_total",
+        MetricKind::Counter,
+    ),
+    (
+        Stat::RenderJinja,
+        "kvroute_filter_render_jinja_total",
         MetricKind::Counter,
     ),
     (

@@ -45,6 +45,15 @@ pub enum LoadError {
     Template(String),
 }
 
+/// Which renderer produced a chat prompt's text (`kvroute_core::chat::native`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Render {
+    /// A native renderer (a template kvroute knows by its source).
+    Native,
+    /// minijinja's VM.
+    Jinja,
+}
+
 enum Encoder {
     /// The fast exact path, with its segment cache.
     Fast(RefCell<SegmentEncoder>),
@@ -127,7 +136,10 @@ impl PromptEncoder {
     /// The first token ids the engine computes for `request` (vLLM defaults: completions with
     /// special tokens, chat without), at most `max_prefix_tokens`, and how the segment cache did
     /// (`truncated`: why ids are missing).
-    pub fn tokens(&self, request: &Request) -> Result<(Vec<u32>, SegmentStats), PromptError> {
+    pub fn tokens(
+        &self,
+        request: &Request,
+    ) -> Result<(Vec<u32>, SegmentStats, Option<Render>), PromptError> {
         match &request.body {
             RequestBody::Completion(Prompt::TokenIds(ids)) => {
                 let n = ids.len().min(self.cap.get().max_tokens);
@@ -135,15 +147,23 @@ impl PromptEncoder {
                     truncated: (n < ids.len()).then_some(Truncation::MaxTokens),
                     ..SegmentStats::default()
                 };
-                Ok((ids.get(..n).unwrap_or(&[]).to_vec(), stats))
+                Ok((ids.get(..n).unwrap_or(&[]).to_vec(), stats, None))
             }
             RequestBody::Completion(Prompt::Text(text)) => {
-                self.encode(text, request.add_special_tokens.unwrap_or(true))
+                let (ids, stats) = self.encode(text, request.add_special_tokens.unwrap_or(true))?;
+                Ok((ids, stats, None))
             }
             RequestBody::Chat(chat) => {
                 let template = self.template.as_ref().ok_or(PromptError::NoChatTemplate)?;
-                let text = template.render(chat)?;
-                self.encode(&text, request.add_special_tokens.unwrap_or(false))
+                let (text, native) = template.render_traced(chat)?;
+                let (ids, stats) =
+                    self.encode(&text, request.add_special_tokens.unwrap_or(false))?;
+                let render = if native {
+                    Render::Native
+                } else {
+                    Render::Jinja
+                };
+                Ok((ids, stats, Some(render)))
             }
         }
     }
@@ -247,17 +267,17 @@ pub(crate) mod tests {
         let first = chat(
             serde_json::json!([{"role": "system", "content": "hello hello"}, {"role": "user", "content": "hello there"}]),
         );
-        let (ids1, s1) = enc.tokens(&first).unwrap();
+        let (ids1, s1, _) = enc.tokens(&first).unwrap();
         // Within one prompt only the repeated special tokens and separators hit.
         assert!(s1.misses >= 4, "{s1:?}");
         let follow = chat(serde_json::json!([
             {"role": "system", "content": "hello hello"}, {"role": "user", "content": "hello there"},
             {"role": "assistant", "content": "hello"}, {"role": "user", "content": "more"}]));
-        let (ids2, s2) = enc.tokens(&follow).unwrap();
+        let (ids2, s2, _) = enc.tokens(&follow).unwrap();
         assert!(s2.hits > s2.misses, "{s2:?}");
         // The cached result equals a cold encode, and the first turns are a prefix.
         enc.clear_caches();
-        let (cold, _) = enc.tokens(&follow).unwrap();
+        let (cold, _, _) = enc.tokens(&follow).unwrap();
         assert_eq!(ids2, cold);
         assert_eq!(&ids2[..ids1.len() - 3], &ids1[..ids1.len() - 3]);
         assert!(ids2.contains(&1000) && ids2.contains(&1001));
@@ -323,7 +343,7 @@ mod fixture_parity {
             let req = Request::from_json(b.to_string().as_bytes()).unwrap();
             let want = PromptTokens::from_request(&req, &hf, Some(&tpl)).unwrap();
             for round in 0..2 {
-                let (got, _) = enc.tokens(&req).unwrap();
+                let (got, _, _) = enc.tokens(&req).unwrap();
                 assert_eq!(got, want, "round {round}: {b}");
             }
         }
@@ -362,7 +382,7 @@ mod fixture_prefix_cap {
             let body = serde_json::json!({"messages": [
                 {"role": "system", "content": "Be brief."}, {"role": "user", "content": content}]});
             let req = Request::from_json(body.to_string().as_bytes()).unwrap();
-            let (ids, stats) = enc.tokens(&req).unwrap();
+            let (ids, stats, _) = enc.tokens(&req).unwrap();
             assert_eq!(stats.truncated, Some(why));
             let RequestBody::Chat(chat) = &req.body else {
                 panic!()

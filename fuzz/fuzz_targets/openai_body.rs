@@ -5,7 +5,8 @@
 //! The tokenizer fixture is read from `$KVROUTE_TOKENIZER_DIR` (`source .cache/env.sh`).
 //! Besides "no panic", differential checks:
 //! * the fast encoder (cold caches, then warm) gives exactly HF `tokenizers`' ids;
-//! * the key cache gives exactly the uncached keys, after seeing a prefix of the same tokens.
+//! * the key cache gives exactly the uncached keys, after seeing a prefix of the same tokens;
+//! * the native Qwen3 renderer gives exactly the Jinja VM's text (or the VM renders alone).
 //!
 //! Bodies over [`MAX_BODY`] bytes are skipped, so a slow path shows up as a per-input timeout.
 #![no_main]
@@ -14,7 +15,7 @@ use std::sync::Arc;
 
 use kvroute_core::chat::ChatTemplate;
 use kvroute_core::hash::{BlockSize, ExtraKeys, HashAlgo, HashContract};
-use kvroute_core::prompt::{PromptTokens, Request};
+use kvroute_core::prompt::{PromptTokens, Request, RequestBody};
 use kvroute_core::tokenize::Tokenizer;
 use kvroute_filter::cache::KeyCache;
 use kvroute_filter::tokens::PromptEncoder;
@@ -28,6 +29,8 @@ struct Fixture {
     fast: PromptEncoder,
     hf: Tokenizer,
     template: ChatTemplate,
+    /// The same template rendered by the Jinja VM only.
+    jinja: ChatTemplate,
 }
 
 fn load_fixture() -> Fixture {
@@ -45,7 +48,15 @@ fn load_fixture() -> Fixture {
     let mut template = ChatTemplate::new(&config_json).expect("chat template");
     // The filter's clock reads 0 until the host sets it; render with the same instant.
     template.set_clock(Arc::new(|| 0));
-    Fixture { fast, hf, template }
+    let mut jinja = ChatTemplate::new(&config_json).expect("chat template");
+    jinja.set_clock(Arc::new(|| 0));
+    jinja.set_native(false);
+    Fixture {
+        fast,
+        hf,
+        template,
+        jinja,
+    }
 }
 
 thread_local! {
@@ -79,10 +90,17 @@ fn check(f: &Fixture, data: &[u8]) {
     let Ok(request) = Request::from_json(data) else {
         return;
     };
+    if let RequestBody::Chat(chat) = &request.body {
+        assert_eq!(
+            f.template.render(chat),
+            f.jinja.render(chat),
+            "native render differs from the Jinja VM"
+        );
+    }
     let want = PromptTokens::from_request(&request, &f.hf, Some(&f.template));
     f.fast.clear_caches();
-    let cold = f.fast.tokens(&request).map(|(ids, _)| ids);
-    let warm = f.fast.tokens(&request).map(|(ids, _)| ids);
+    let cold = f.fast.tokens(&request).map(|(ids, _, _)| ids);
+    let warm = f.fast.tokens(&request).map(|(ids, _, _)| ids);
     let ids = match (&want, &cold) {
         (Ok(want), Ok(cold)) => {
             assert_eq!(

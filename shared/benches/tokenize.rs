@@ -1,5 +1,6 @@
 //! Tokenization cost per prompt: HF tokenizers versus the fast BPE path, cold and warm, and the
-//! Qwen3 chat template's render of a multi-turn conversation (the filter renders every request).
+//! Qwen3 chat template's render of a multi-turn conversation (the filter renders every request),
+//! by the native renderer (`render`) and by the Jinja VM (`render_jinja`).
 //!
 //! "cold" clears the piece cache before every encode; "warm" repeats a prompt whose pieces are all
 //! cached (a multi-turn follow-up).
@@ -154,6 +155,8 @@ fn render(c: &mut Criterion, hf: &tokenizers::Tokenizer) {
         return;
     };
     let template = ChatTemplate::new(&config).unwrap();
+    let mut jinja = ChatTemplate::new(&config).unwrap();
+    jinja.set_native(false);
     for turns in [4usize, 32] {
         let mut messages = vec![json!({"role": "system", "content": prose(40, 7)})];
         for i in 0..turns {
@@ -169,6 +172,10 @@ fn render(c: &mut Criterion, hf: &tokenizers::Tokenizer) {
         g.bench_function(
             BenchmarkId::new("render", format!("{} messages", turns + 2)),
             |b| b.iter(|| template.render(black_box(&request)).unwrap().len()),
+        );
+        g.bench_function(
+            BenchmarkId::new("render_jinja", format!("{} messages", turns + 2)),
+            |b| b.iter(|| jinja.render(black_box(&request)).unwrap().len()),
         );
         g.finish();
     }

@@ -15,6 +15,7 @@ use std::sync::OnceLock;
 
 use common::qwen3_dir;
 use kvroute_core::chat::conversation::{build_messages, build_tools};
+use kvroute_core::chat::native::{self, Native};
 use kvroute_core::chat::{ChatRequest, ChatTemplate, ContentFormat};
 use kvroute_core::prompt::{Prompt, PromptTokens, Request, RequestBody};
 use kvroute_core::tokenize::Tokenizer;
@@ -270,5 +271,171 @@ fn other_templates_match_reference_text() {
         "{} of {count} template cases differ:\n{}",
         failures.len(),
         failures.join("\n")
+    );
+}
+
+/// The Qwen3 template, rendered by the Jinja VM only.
+fn qwen3_jinja() -> &'static ChatTemplate {
+    static T: OnceLock<ChatTemplate> = OnceLock::new();
+    T.get_or_init(|| {
+        let dir = qwen3_dir();
+        let mut t =
+            ChatTemplate::new(&std::fs::read(dir.join("tokenizer_config.json")).unwrap()).unwrap();
+        t.set_native(false);
+        t
+    })
+}
+
+/// The Python-rendered fixtures go through the native renderer wherever it applies (most of
+/// them), and the Jinja VM renders every one of them the same.
+#[test]
+fn qwen3_native_renderer_covers_the_fixtures_it_can_and_matches_the_vm() {
+    let q = qwen3();
+    assert_eq!(q.template.native(), Some(Native::Qwen3));
+    let mut native = 0;
+    let cases = fixture("qwen3-chat.json");
+    for case in &cases {
+        let name = case["name"].as_str().unwrap();
+        let request = Request::from_json(&serde_json::to_vec(&case["request"]).unwrap()).unwrap();
+        let chat = chat_of(&request);
+        let fast = q.template.render(chat);
+        assert_eq!(fast, qwen3_jinja().render(chat), "{name}");
+        let mut kwargs = chat.chat_template_kwargs.clone();
+        kwargs.remove("add_generation_prompt");
+        let inputs = native::Inputs {
+            messages: &chat.messages,
+            tools: chat.tools.as_ref().is_some_and(|t| !t.is_empty()),
+            add_generation_prompt: chat.add_generation_prompt,
+            continue_final_message: chat.continue_final_message,
+            kwargs: &kwargs,
+        };
+        if let Some(text) = Native::Qwen3.render(&inputs) {
+            assert_eq!(Ok(text), fast, "{name}");
+            native += 1;
+        }
+    }
+    assert!(
+        native * 2 >= cases.len(),
+        "the native renderer covered only {native} of {} fixtures",
+        cases.len()
+    );
+}
+
+/// A deterministic pseudo-random source (splitmix64).
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    fn pick<'a, T>(&mut self, items: &'a [T]) -> &'a T {
+        &items[(self.next() % items.len() as u64) as usize]
+    }
+}
+
+/// Text pieces that exercise every branch of the template: think tags, tool-response wrappers,
+/// leading and trailing newlines, multi-byte characters.
+const PIECES: &[&str] = &[
+    "",
+    "hello",
+    "\n",
+    "\n\n",
+    "<think>",
+    "</think>",
+    "<tool_response>",
+    "</tool_response>",
+    " plan: ",
+    "日本語 ✓",
+    "<|im_end|>",
+    "a\nb",
+];
+
+fn text(r: &mut Rng) -> String {
+    (0..r.next() % 6).map(|_| *r.pick(PIECES)).collect()
+}
+
+/// Generated conversations render the same natively and in the Jinja VM: roles in any order
+/// (system first or later, tool runs, an unknown role), assistant turns with and without
+/// reasoning (as a field or as think tags), every generation-prompt and `enable_thinking` switch.
+#[test]
+fn qwen3_native_renderer_matches_the_vm_on_generated_conversations() {
+    let mut r = Rng(7);
+    let roles = ["system", "user", "assistant", "tool", "developer"];
+    let mut native = 0;
+    const CASES: usize = 4000;
+    for case in 0..CASES {
+        let n = 1 + (r.next() % 8) as usize;
+        let messages: Vec<Value> = (0..n)
+            .map(|_| {
+                let role = *r.pick(&roles);
+                let mut m = serde_json::json!({"role": role});
+                // Content as a string, as text parts, null or absent.
+                match r.next() % 8 {
+                    0 => {
+                        let parts: Vec<Value> = (0..r.next() % 3)
+                            .map(|_| serde_json::json!({"type": "text", "text": text(&mut r)}))
+                            .collect();
+                        m["content"] = Value::Array(parts);
+                    }
+                    1 => m["content"] = Value::Null,
+                    2 => {}
+                    _ => m["content"] = Value::String(text(&mut r)),
+                }
+                // vLLM reads an assistant's `reasoning`; a client's `reasoning_content` is
+                // dropped; an empty tool-call list is no tool call.
+                match r.next() % 6 {
+                    0 => m["reasoning"] = Value::String(text(&mut r)),
+                    1 => m["reasoning"] = Value::Null,
+                    2 => m["reasoning_content"] = Value::String(text(&mut r)),
+                    3 => m["tool_calls"] = Value::Array(Vec::new()),
+                    _ => {}
+                }
+                m
+            })
+            .collect();
+        let mut chat = ChatRequest::new(messages);
+        chat.add_generation_prompt = r.next() % 4 != 0;
+        match r.next() % 4 {
+            0 => {
+                chat.chat_template_kwargs
+                    .insert("enable_thinking".into(), Value::Bool(false));
+            }
+            1 => {
+                chat.chat_template_kwargs
+                    .insert("enable_thinking".into(), Value::Bool(true));
+            }
+            2 if r.next() % 8 == 0 => {
+                chat.chat_template_kwargs
+                    .insert("enable_thinking".into(), Value::Null);
+            }
+            _ => {}
+        }
+        let want = qwen3_jinja().render(&chat);
+        let got = qwen3().template.render(&chat);
+        assert_eq!(
+            got,
+            want,
+            "case {case}: {}",
+            serde_json::to_string(&chat.messages).unwrap()
+        );
+        let inputs = native::Inputs {
+            messages: &chat.messages,
+            tools: false,
+            add_generation_prompt: chat.add_generation_prompt,
+            continue_final_message: false,
+            kwargs: &chat.chat_template_kwargs,
+        };
+        if Native::Qwen3.render(&inputs).is_some() {
+            native += 1;
+        }
+    }
+    assert_eq!(
+        native, CASES,
+        "every generated conversation is in the native domain"
     );
 }

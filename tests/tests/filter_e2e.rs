@@ -165,6 +165,8 @@ async fn pins_to_the_chosen_endpoint(variant: Variant) {
             > 0,
         "repeated prompt should hit the segment cache"
     );
+    // Qwen3's template is rendered natively (chat_template::native).
+    assert!(gw.stat("kvroute_filter_render_native_total").await.unwrap() >= 1);
 
     // An unrouted path with a spoofed pin: Envoy strips the header before the filter and
     // stateful_session (which reads request headers as they reach it and forwards them

@@ -132,7 +132,7 @@ fn text_part(text: String) -> Value {
 }
 
 /// The texts of a message's content: none for `null`, one for a string, one per text part.
-fn text_parts(index: usize, content: Option<&Value>) -> Result<Vec<&str>, ChatError> {
+pub(crate) fn text_parts(index: usize, content: Option<&Value>) -> Result<Vec<&str>, ChatError> {
     match content {
         None | Some(Value::Null) => Ok(Vec::new()),
         Some(Value::String(s)) => Ok(vec![s.as_str()]),

@@ -13,6 +13,7 @@
 //! sets with [`ChatTemplate::set_clock`] (none set: templates that call it fail to render).
 
 pub mod conversation;
+pub mod native;
 pub mod python;
 pub mod strftime;
 
@@ -145,6 +146,10 @@ pub struct ChatTemplate {
     /// Detected per template; `format_override` wins when set.
     formats: Vec<ContentFormat>,
     format_override: Option<ContentFormat>,
+    /// Per template: its native renderer, when kvroute knows the source ([`native`]).
+    natives: Vec<Option<native::Native>>,
+    /// False: every render goes through the Jinja VM (tests compare the two).
+    native_enabled: bool,
 }
 
 impl std::fmt::Debug for ChatTemplate {
@@ -276,6 +281,7 @@ impl ChatTemplate {
             sources.push(source);
         }
         let formats = sources.iter().map(|s| ContentFormat::detect(s)).collect();
+        let natives = sources.iter().map(|s| native::Native::detect(s)).collect();
         Ok(Self {
             env,
             names,
@@ -283,6 +289,8 @@ impl ChatTemplate {
             special_tokens,
             formats,
             format_override: None,
+            natives,
+            native_enabled: true,
         })
     }
 
@@ -295,6 +303,17 @@ impl ChatTemplate {
                     .map_err(|e| minijinja::Error::new(ErrorKind::InvalidOperation, e))
             },
         );
+    }
+
+    /// Turns the native renderers off (`false`) or back on: off, every conversation is rendered
+    /// by the Jinja VM (the output is the same; tests compare the two).
+    pub fn set_native(&mut self, enabled: bool) {
+        self.native_enabled = enabled;
+    }
+
+    /// The native renderer the default template uses, if any ([`native`]).
+    pub fn native(&self) -> Option<native::Native> {
+        self.natives.get(self.pick(false)).copied().flatten()
     }
 
     /// Overrides the detected content format (vLLM's `--chat-template-content-format`).
@@ -330,6 +349,12 @@ impl ChatTemplate {
 
     /// Renders a conversation to the prompt text the engine tokenizes.
     pub fn render(&self, request: &ChatRequest) -> Result<String, ChatError> {
+        self.render_traced(request).map(|(text, _)| text)
+    }
+
+    /// [`render`](Self::render), and whether the native renderer ([`native`]) produced the text
+    /// (`false`: the Jinja VM did).
+    pub fn render_traced(&self, request: &ChatRequest) -> Result<(String, bool), ChatError> {
         let mut kwargs = request.chat_template_kwargs.clone();
         for reserved in ["chat_template", "tokenize", "messages"] {
             if kwargs.contains_key(reserved) {
@@ -367,6 +392,25 @@ impl ChatTemplate {
             .unwrap_or("default");
         let source = self.sources.get(index).map(String::as_str).unwrap_or("");
 
+        // A template kvroute renders natively skips preparing the conversation for the VM.
+        if let Some(n) = self
+            .natives
+            .get(index)
+            .copied()
+            .flatten()
+            .filter(|_| self.native_enabled && self.format_of(index) == ContentFormat::String)
+        {
+            let inputs = native::Inputs {
+                messages: &request.messages,
+                tools: tools.as_ref().is_some_and(|t| !t.is_empty()),
+                add_generation_prompt,
+                continue_final_message,
+                kwargs: &kwargs,
+            };
+            if let Some(text) = n.render(&inputs) {
+                return Ok((text, true));
+            }
+        }
         let mut messages = conversation::build_messages(&request.messages, self.format_of(index))?;
         let tools = tools
             .as_deref()
@@ -401,8 +445,8 @@ impl ChatTemplate {
             .render(Value::from_serialize(&ctx))
             .map_err(|e| ChatError::Render(render_message(&e)))?;
         match final_text {
-            Some(final_text) => cut_at_tag(rendered, &final_text),
-            None => Ok(rendered),
+            Some(final_text) => cut_at_tag(rendered, &final_text).map(|t| (t, false)),
+            None => Ok((rendered, false)),
         }
     }
 }
