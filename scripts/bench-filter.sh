@@ -10,6 +10,7 @@
 #   KVROUTE_BENCH_SAMPLES=300 scripts/bench-filter.sh
 #   KVROUTE_BENCH_OUT=/tmp/bench.md scripts/bench-filter.sh
 #   KVROUTE_BENCH_ONLY="8k follow-up" KVROUTE_BENCH_OUT=/tmp/b.md scripts/bench-filter.sh  # one case
+#   scripts/bench-filter.sh --baseline REV   # also the filter built from REV, paired with this one
 #   KVROUTE_WASM=/tmp/old.wasm ...     # measure another build of the module (before/after)
 set -euo pipefail
 
@@ -19,6 +20,21 @@ cd "$REPO"
 caller_wasm="${KVROUTE_WASM:-}"
 [[ -f .cache/env.sh ]] && source .cache/env.sh
 [[ -n "$caller_wasm" ]] && export KVROUTE_WASM="$caller_wasm"
+
+# --baseline REV: also measure the filter built from git revision REV (vLLM contract) in the same
+# interleaved run, and add the paired difference of this build against it.
+if [[ "${1:-}" == --baseline ]]; then
+    base="$(git rev-parse --short "${2:?--baseline needs a revision}")"
+    wasm="$REPO/.cache/bench/kvroute_filter-$base.wasm"
+    if [[ ! -f "$wasm" ]]; then
+        wt="$(mktemp -d)/kvroute-$base"
+        git worktree add -q --detach "$wt" "$base"
+        mkdir -p "$REPO/.cache/bench"
+        KVROUTE_WASM_TARGET_DIR="$REPO/target-wasm" KVROUTE_WASM_OUT="$wasm" "$wt/scripts/build-wasm.sh"
+        git worktree remove --force "$wt"
+    fi
+    export KVROUTE_BENCH_BASELINE_WASM="$wasm" KVROUTE_BENCH_BASELINE_LABEL="$base"
+fi
 
 ./scripts/build-wasm.sh
 # A release service: a debug build's route handler (and its offload tokenizer) would dominate.

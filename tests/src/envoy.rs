@@ -595,6 +595,8 @@ pub struct Bootstrap<'a> {
     pub variant: Variant,
     /// Leave the Wasm filter out (the latency baseline).
     pub without_filter: bool,
+    /// Another build of the filter module (benches compare builds); `None`: the shipped one.
+    pub wasm: Option<std::path::PathBuf>,
 }
 
 impl<'a> Bootstrap<'a> {
@@ -611,6 +613,7 @@ impl<'a> Bootstrap<'a> {
             plugin,
             variant,
             without_filter: false,
+            wasm: None,
         }
     }
 }
@@ -646,7 +649,10 @@ pub fn strip_filter() -> Value {
 /// The bootstrap: strip → [buffer] → kvroute Wasm → stateful_session → router; clusters
 /// `engines` (health-checked, outlier detection) and `kvroute_inventory`.
 pub fn bootstrap(b: &Bootstrap<'_>) -> Result<Value> {
-    let wasm = harness::wasm_module()?;
+    let wasm = match &b.wasm {
+        Some(w) => w.clone(),
+        None => harness::wasm_module()?,
+    };
     let mut plugin = b.plugin.clone();
     if let Value::Object(m) = &mut plugin {
         m.entry("rule").or_insert(json!("10.0.0.1:8080"));

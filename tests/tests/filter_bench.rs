@@ -195,27 +195,44 @@ async fn bench_filter_latency() {
     let b = Engine::start("engine-b").await.unwrap();
     let engines = [&a, &b];
     let inv = Inventory::start().await.unwrap();
-    let mk = |plugin: Value, without_filter: bool| Bootstrap {
+    let mk = |plugin: Value, without_filter: bool, wasm: Option<std::path::PathBuf>| Bootstrap {
         engines: &engines,
         inventory: inv.addr,
         plugin,
         variant: Variant::EnvoyFilter,
         without_filter,
+        wasm,
     };
+    // KVROUTE_BENCH_BASELINE_WASM: another build of the filter (vLLM contract, tokenize: filter)
+    // measured in the same interleaved run, labelled KVROUTE_BENCH_BASELINE_LABEL.
+    let baseline = std::env::var_os("KVROUTE_BENCH_BASELINE_WASM").map(|w| {
+        let label =
+            std::env::var("KVROUTE_BENCH_BASELINE_LABEL").unwrap_or_else(|_| "baseline".into());
+        (std::path::PathBuf::from(w), label)
+    });
     // One rule per filtered setup (VIP ports 8080...), so no setup's decisions credit another's
     // keys; the production callout timeout (a slow answer shows as a fail-open, which is counted).
     let mut plans: Vec<(String, Bootstrap<'_>, Option<String>)> =
-        vec![("no filter".to_owned(), mk(json!({}), true), None)];
-    let setups_wanted = Contract::ALL
-        .iter()
-        .map(|c| (*c, "filter"))
-        .chain([(Contract::VllmSha256Cbor, "service")]);
-    for (port, (contract, tokenize)) in (8080u16..).zip(setups_wanted) {
+        vec![("no filter".to_owned(), mk(json!({}), true, None), None)];
+    let mut setups_wanted: Vec<(Contract, &str, Option<&(std::path::PathBuf, String)>)> =
+        Contract::ALL
+            .iter()
+            .map(|c| (*c, "filter", None))
+            .chain([(Contract::VllmSha256Cbor, "service", None)])
+            .collect();
+    if let Some(b) = &baseline {
+        setups_wanted.push((Contract::VllmSha256Cbor, "filter", Some(b)));
+    }
+    for (port, (contract, tokenize, other)) in (8080u16..).zip(setups_wanted) {
         inv.add_rule_for(&[&a, &b], contract, port).await.unwrap();
         let rule = format!("10.0.0.1:{port}");
         let plugin = json!({"timeout_ms": 25, "tokenize": tokenize, "rule": rule});
-        let label = format!("{}, tokenize: {tokenize}", contract.label());
-        plans.push((label, mk(plugin, false), Some(rule)));
+        let mut label = format!("{}, tokenize: {tokenize}", contract.label());
+        if let Some((_, name)) = other {
+            label.push_str(&format!(", filter built from {name}"));
+        }
+        let wasm = other.map(|(w, _)| w.clone());
+        plans.push((label, mk(plugin, false, wasm), Some(rule)));
     }
     let mut setups = Vec::new();
     for (label, bootstrap, rule) in plans {
@@ -235,6 +252,8 @@ async fn bench_filter_latency() {
     // in an order rotated by i, so drift on the machine spreads over all setups alike.
     let n = setups.len();
     let mut table: Vec<Vec<Stats>> = vec![Vec::new(); n];
+    // Per case, the paired difference of this build's vLLM filter against the baseline build's.
+    let mut builds: Vec<Stats> = Vec::new();
     for c in &cases {
         let mut lat: Vec<Vec<f64>> = vec![Vec::with_capacity(c.cold.len()); n];
         for (i, body) in c.cold.iter().enumerate() {
@@ -242,6 +261,10 @@ async fn bench_filter_latency() {
                 let j = (i + k) % n;
                 lat[j].push(one(&setups[j].1, body).await);
             }
+        }
+        if baseline.is_some() {
+            // Setup 1 is this build's vLLM filter, the last one the baseline build's.
+            builds.push(Stats::of(&lat[1], &lat[n - 1]));
         }
         for j in 0..n {
             let st = Stats::of(&lat[j], &lat[0]);
@@ -312,6 +335,21 @@ async fn bench_filter_latency() {
         }
     }
     md.push('\n');
+    if let Some((_, name)) = &baseline {
+        md.push_str(&format!(
+            "This build's filter against the filter built from {name} (vLLM `sha256_cbor`, tokenize: filter, \
+             the same inventory; its callout asks in JSON unless that build reads the contract's binary form), \
+             paired difference per sample, median (IQR); negative = this build is faster:\n\n\
+             | prompt | this build minus {name}, ms |\n|---|---|\n"
+        ));
+        for (c, st) in cases.iter().zip(&builds) {
+            md.push_str(&format!(
+                "| {} | {:.2} ({:.2} to {:.2}) |\n",
+                c.name, st.added_median, st.added_q1, st.added_q3
+            ));
+        }
+        md.push('\n');
+    }
     let load_after = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
     md.push_str(&format!(
         "/proc/loadavg before `{}`, after `{}` (other work on the machine inflates every cell).\n\n",

@@ -339,6 +339,7 @@ async fn prometheus_scrapes_inventory_and_envoy_and_every_name_exists() {
         plugin: json!({}),
         variant: Variant::EnvoyFilter,
         without_filter: false,
+        wasm: None,
     })
     .await
     .unwrap();
