@@ -24,6 +24,9 @@ use kvroute_tests::harness;
 use kvroute_tests::workload::{conversation, percentile, turns_for, Counter, Prose};
 use serde_json::{json, Value};
 
+/// Another build of the filter: its module and its label.
+type Baseline = (std::path::PathBuf, String);
+
 /// One round trip of `body` through `gw`, in ms.
 async fn one(gw: &Gateway, body: &[u8]) -> f64 {
     let t0 = Instant::now();
@@ -214,12 +217,11 @@ async fn bench_filter_latency() {
     // keys; the production callout timeout (a slow answer shows as a fail-open, which is counted).
     let mut plans: Vec<(String, Bootstrap<'_>, Option<String>)> =
         vec![("no filter".to_owned(), mk(json!({}), true, None), None)];
-    let mut setups_wanted: Vec<(Contract, &str, Option<&(std::path::PathBuf, String)>)> =
-        Contract::ALL
-            .iter()
-            .map(|c| (*c, "filter", None))
-            .chain([(Contract::VllmSha256Cbor, "service", None)])
-            .collect();
+    let mut setups_wanted: Vec<(Contract, &str, Option<&Baseline>)> = Contract::ALL
+        .iter()
+        .map(|c| (*c, "filter", None))
+        .chain([(Contract::VllmSha256Cbor, "service", None)])
+        .collect();
     if let Some(b) = &baseline {
         setups_wanted.push((Contract::VllmSha256Cbor, "filter", Some(b)));
     }
