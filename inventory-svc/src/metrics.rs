@@ -175,6 +175,8 @@ pub struct Metrics {
     pub events: IntCounterVec,
     /// Blocks stored on a medium other than GPU (not routed on): `engine`, `medium`.
     pub non_gpu_blocks: IntCounterVec,
+    /// Blocks of KV-cache groups other than full attention, not indexed: `engine`, `kind`, `event`.
+    pub partial_group_blocks: IntCounterVec,
     /// `engine`.
     pub seq_gaps: IntCounterVec,
     /// `engine`, `outcome` (ok, failed, unconfigured).
@@ -313,6 +315,11 @@ impl Metrics {
                 "kvroute_ingest_non_gpu_blocks_total",
                 "Blocks stored on a medium other than GPU (counted, not routed on).",
                 &["engine", "medium"],
+            )?,
+            partial_group_blocks: cv(
+                "kvroute_ingest_partial_attention_blocks_total",
+                "Blocks stored or removed in a KV-cache group other than full attention (sliding window, Mamba): not indexed, so they neither fake nor erase a prefix.",
+                &["engine", "kind", "event"],
             )?,
             seq_gaps: cv("kvroute_ingest_seq_gaps_total", "Sequence gaps detected per publisher.", &["engine"])?,
             replays: cv("kvroute_ingest_replays_total", "Replay attempts after a gap, by outcome.", &["engine", "outcome"])?,

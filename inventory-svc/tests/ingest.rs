@@ -692,3 +692,71 @@ async fn counted_once_in_parity(svc: &Service, series: &str) -> String {
     assert_absent(&m, "kvroute_ingest_parity_mismatches_total");
     m
 }
+
+/// A BlockStored of `keys` (no token ids) in KV-cache group `group` of kind `kind`, as a hybrid
+/// model's vLLM publishes it.
+fn grouped_store(keys: &[u64], group: u64, kind: &str) -> rmpv::Value {
+    let mut m = match stored(keys, &[], false) {
+        rmpv::Value::Map(m) => m,
+        other => panic!("{other:?}"),
+    };
+    m.push((rmpv::Value::from("group_idx"), rmpv::Value::from(group)));
+    m.push((
+        rmpv::Value::from("kv_cache_spec_kind"),
+        rmpv::Value::from(kind),
+    ));
+    rmpv::Value::Map(m)
+}
+
+/// A BlockRemoved of `keys` in group `group` (removals name no kind).
+fn grouped_remove(keys: &[u64], group: u64) -> rmpv::Value {
+    let mut m = match removed(keys) {
+        rmpv::Value::Map(m) => m,
+        other => panic!("{other:?}"),
+    };
+    m.push((rmpv::Value::from("group_idx"), rmpv::Value::from(group)));
+    rmpv::Value::Map(m)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sliding_window_group_neither_fakes_nor_erases_a_prefix() {
+    let (mut p, svc) = subscribed_vllm("hybrid", json!({}), &[]).await;
+    let prefix = [11u64, 12, 13, 14];
+    // Full attention holds the prefix; the sliding-window group stores it too, then its window
+    // moves past the first three blocks; a Mamba group stores a block of its own.
+    p.send(&batch(vec![
+        grouped_store(&prefix, 0, "full_attention"),
+        grouped_store(&prefix, 1, "sliding_window"),
+        grouped_store(&[99], 2, "mamba"),
+    ]))
+    .await;
+    p.send(&batch(vec![grouped_remove(&prefix[..3], 1)])).await;
+    svc.wait_metric(
+        r#"kvroute_ingest_partial_attention_blocks_total{engine="vllm",event="block_removed",kind="sliding_window"}"#,
+        3.0,
+    )
+    .await;
+    let mut held = svc.inventory(RULE, 0).await;
+    held.sort_unstable();
+    assert_eq!(held, [11, 12, 13, 14, 0xABCD]);
+    let req = json!({"rule": RULE, "keys": prefix, "token_count": 64});
+    let (_, body) = svc.post("/v1/route", &req.to_string(), None).await;
+    assert_eq!(
+        (&body["reason"], &body["matched_blocks"]),
+        (&json!("hit"), &json!(4)),
+        "{body}"
+    );
+    // The full-attention group's own eviction does apply.
+    p.send(&batch(vec![grouped_remove(&prefix[2..], 0)])).await;
+    svc.wait_for("the full-attention eviction", 10, || async {
+        svc.inventory(RULE, 0).await.len() == 3
+    })
+    .await;
+    assert_metrics(
+        &svc.metrics().await,
+        r#"
+        kvroute_ingest_partial_attention_blocks_total{engine="vllm",event="block_stored",kind="sliding_window"} 4
+        kvroute_ingest_partial_attention_blocks_total{engine="vllm",event="block_stored",kind="mamba"} 1
+        "#,
+    );
+}

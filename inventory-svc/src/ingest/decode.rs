@@ -40,6 +40,51 @@ impl Medium {
     }
 }
 
+/// The attention kind of the KV-cache group an event belongs to: a hybrid model (sliding-window
+/// or Mamba layers beside full attention) publishes each group's blocks with the same block
+/// hashes, `group_idx` and, on stores, `kv_cache_spec_kind`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GroupKind {
+    /// `full_attention`, `mla_attention`, `sink_full_attention`: a block's KV stays usable for
+    /// every request sharing its prefix. The only kind prefix matching indexes.
+    Full,
+    /// `sliding_window`, `sliding_window_mla`: blocks that left the window are dropped while
+    /// the prefix is still cached in the full-attention group.
+    SlidingWindow,
+    /// `mamba`: recurrent state, not a per-block prefix.
+    Mamba,
+    /// `unknown` or a kind this service does not know.
+    Other,
+}
+
+impl GroupKind {
+    /// `None` when the event does not say (engines publishing a single group).
+    fn parse(v: Option<&Value>) -> Option<GroupKind> {
+        Some(match v?.as_str()? {
+            "full_attention" | "mla_attention" | "sink_full_attention" => GroupKind::Full,
+            "sliding_window" | "sliding_window_mla" => GroupKind::SlidingWindow,
+            "mamba" => GroupKind::Mamba,
+            _ => GroupKind::Other,
+        })
+    }
+
+    /// Label value for metrics.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            GroupKind::Full => "full_attention",
+            GroupKind::SlidingWindow => "sliding_window",
+            GroupKind::Mamba => "mamba",
+            GroupKind::Other => "other",
+        }
+    }
+}
+
+/// `group_idx` when present and a small non-negative integer.
+fn group(v: Option<&Value>) -> Option<u32> {
+    v.and_then(Value::as_u64)
+        .and_then(|n| u32::try_from(n).ok())
+}
+
 /// How raw-bytes keys are folded to u64 (the engine's own event-key rule).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum BytesKey {
@@ -56,6 +101,8 @@ pub enum KvEvent {
     Removed {
         block_hashes: Vec<u64>,
         medium: Medium,
+        /// The KV-cache group (`group_idx`), when the engine says.
+        group: Option<u32>,
     },
     AllCleared,
 }
@@ -73,6 +120,9 @@ pub struct Stored {
     /// Non-nil extra keys (mm, cache salt, ...) present on some block.
     pub has_extra_keys: bool,
     pub cache_salt: Option<String>,
+    /// The KV-cache group (`group_idx`) and its kind (`kv_cache_spec_kind`), when the engine says.
+    pub group: Option<u32>,
+    pub kind: Option<GroupKind>,
 }
 
 /// One decoded payload.
@@ -267,6 +317,8 @@ fn build<'a>(
                 has_lora,
                 has_extra_keys,
                 cache_salt: f("cache_salt").and_then(Value::as_str).map(str::to_owned),
+                group: group(f("group_idx")),
+                kind: GroupKind::parse(f("kv_cache_spec_kind")),
             }))
         }
         "BlockRemoved" => Ok(KvEvent::Removed {
@@ -274,6 +326,7 @@ fn build<'a>(
                 .and_then(|v| keys(v, bk))
                 .ok_or(Skip::BadKeys)?,
             medium: Medium::parse(f("medium")),
+            group: group(f("group_idx")),
         }),
         "AllBlocksCleared" => Ok(KvEvent::AllCleared),
         _ => Err(Skip::UnknownType),
@@ -337,15 +390,77 @@ mod tests {
             vec![12687895063098490012, 1814341696565857452]
         );
         assert_eq!(s.block_size, Some(16));
-        assert_eq!(
-            b.events[1],
-            KvEvent::Removed {
-                block_hashes: vec![12687895063098490012],
-                medium: Medium::Gpu
-            }
+        assert!(
+            matches!(
+                &b.events[1],
+                KvEvent::Removed { block_hashes, medium: Medium::Gpu, .. }
+                    if block_hashes == &[12687895063098490012]
+            ),
+            "{:?}",
+            b.events[1]
         );
         assert_eq!(b.events[2], KvEvent::AllCleared);
         s
+    }
+
+    #[test]
+    fn kv_cache_groups_and_their_kinds_are_read() {
+        let ev = |ty: &str, extra: Vec<(&str, Value)>| {
+            let mut m = vec![
+                (Value::from("type"), Value::from(ty)),
+                (
+                    Value::from("block_hashes"),
+                    Value::Array(vec![Value::from(7u64)]),
+                ),
+            ];
+            m.extend(extra.into_iter().map(|(k, v)| (Value::from(k), v)));
+            Value::Map(m)
+        };
+        let events = vec![
+            ev(
+                "BlockStored",
+                vec![
+                    ("group_idx", Value::from(1)),
+                    ("kv_cache_spec_kind", Value::from("sliding_window")),
+                ],
+            ),
+            ev(
+                "BlockStored",
+                vec![
+                    ("group_idx", Value::from(0)),
+                    ("kv_cache_spec_kind", Value::from("mla_attention")),
+                ],
+            ),
+            ev(
+                "BlockStored",
+                vec![("kv_cache_spec_kind", Value::from("cross_attention"))],
+            ),
+            ev("BlockStored", vec![("group_idx", Value::Nil)]),
+            ev("BlockRemoved", vec![("group_idx", Value::from(1))]),
+        ];
+        let mut buf = Vec::new();
+        rmpv::encode::write_value(
+            &mut buf,
+            &Value::Array(vec![Value::F64(0.0), Value::Array(events), Value::Nil]),
+        )
+        .unwrap();
+        let b = decode_batch(&buf, BytesKey::Last8).unwrap();
+        let groups: Vec<(Option<u32>, Option<GroupKind>)> = (0..4)
+            .map(|i| (stored(&b, i).group, stored(&b, i).kind))
+            .collect();
+        assert_eq!(
+            groups,
+            vec![
+                (Some(1), Some(GroupKind::SlidingWindow)),
+                (Some(0), Some(GroupKind::Full)),
+                (None, Some(GroupKind::Other)),
+                (None, None)
+            ]
+        );
+        assert!(matches!(
+            b.events[4],
+            KvEvent::Removed { group: Some(1), .. }
+        ));
     }
 
     #[test]

@@ -9,6 +9,11 @@
 //!   content key in tokens mode); partial blocks are skipped; the engine hash -> key map serves
 //!   removals.
 //! * Only GPU blocks enter the index; other media are counted.
+//! * Only full-attention KV-cache groups enter the index. A hybrid model publishes its
+//!   sliding-window or Mamba group's blocks under the same hashes as the full-attention group's;
+//!   a sliding-window eviction of a block the full-attention group still holds must not erase
+//!   the prefix, nor a store fake one. A group's kind comes with its stores
+//!   (`kv_cache_spec_kind`) and is remembered for its removals, which carry only `group_idx`.
 
 use std::sync::Arc;
 
@@ -16,7 +21,7 @@ use kvroute_core::hash::{
     content_keys, trtllm, BlockKey, BlockSize, Engine, ExtraKeys, HashContract,
 };
 
-use super::decode::{EventBatch, KvEvent, Medium, Stored};
+use super::decode::{EventBatch, GroupKind, KvEvent, Medium, Stored};
 use super::parity::diagnose;
 use crate::fleet::ParityReport;
 use crate::index::{IndexOp, KeyMap};
@@ -37,6 +42,8 @@ pub struct Keyer {
     /// Parity checks (matched, mismatched) not yet handed to the endpoint ([`Keyer::take_parity`]).
     pending: (u64, u64),
     mismatches: u64,
+    /// KV-cache groups seen with a kind other than full attention, and that kind (a handful).
+    partial_groups: Vec<(u32, GroupKind)>,
 }
 
 /// Entries the engine-key map (tokens mode, TensorRT-LLM) may hold; past it the map is dropped and
@@ -62,6 +69,7 @@ impl Keyer {
             parity: None,
             pending: (0, 0),
             mismatches: 0,
+            partial_groups: Vec::new(),
         }
     }
 
@@ -91,6 +99,10 @@ impl Keyer {
                             .inc_by(s.block_hashes.len() as u64);
                         continue;
                     }
+                    if let Some(kind) = self.partial_group(s.group, s.kind) {
+                        self.skip_partial(kind, "block_stored", s.block_hashes.len());
+                        continue;
+                    }
                     if let Some(op) = self.stored(s, &mut ops) {
                         ops.push(op);
                     }
@@ -98,9 +110,14 @@ impl Keyer {
                 KvEvent::Removed {
                     block_hashes,
                     medium,
+                    group,
                 } => {
                     self.count("block_removed");
                     if *medium != Medium::Gpu {
+                        continue;
+                    }
+                    if let Some(kind) = self.partial_group(*group, None) {
+                        self.skip_partial(kind, "block_removed", block_hashes.len());
                         continue;
                     }
                     let keys = match self.key_mode {
@@ -124,6 +141,38 @@ impl Keyer {
             }
         }
         ops
+    }
+
+    /// The kind of a group that is not full attention (`None`: index the event). A store's own
+    /// kind wins and is remembered per group; an event naming no kind takes its group's
+    /// remembered kind; an event naming neither is a single-group engine's (full attention).
+    fn partial_group(&mut self, group: Option<u32>, kind: Option<GroupKind>) -> Option<GroupKind> {
+        let known = group.and_then(|g| {
+            self.partial_groups
+                .iter()
+                .find(|(idx, _)| *idx == g)
+                .map(|(_, k)| *k)
+        });
+        let kind = match (kind, group) {
+            (Some(k), Some(g)) => {
+                self.partial_groups.retain(|(idx, _)| *idx != g);
+                // Bounded: an engine has a few groups; a publisher naming thousands is ignored.
+                if k != GroupKind::Full && self.partial_groups.len() < 64 {
+                    self.partial_groups.push((g, k));
+                }
+                k
+            }
+            (Some(k), None) => k,
+            (None, _) => known.unwrap_or(GroupKind::Full),
+        };
+        (kind != GroupKind::Full).then_some(kind)
+    }
+
+    fn skip_partial(&self, kind: GroupKind, event: &str, blocks: usize) {
+        self.metrics
+            .partial_group_blocks
+            .with_label_values(&[self.engine.as_str(), kind.as_str(), event])
+            .inc_by(blocks as u64);
     }
 
     /// The engine-key map is full: forget it and clear the endpoint (counted), since removals of
@@ -411,6 +460,80 @@ mod tests {
         assert!(r.message.contains("seed"), "{}", r.message);
         assert_eq!(r.suggested_seed.as_deref(), Some("0"));
         assert_eq!(m.parity_mismatches.with_label_values(&["vllm"]).get(), 1);
+    }
+
+    fn store(hashes: &[u64], group: Option<u32>, kind: Option<GroupKind>) -> KvEvent {
+        KvEvent::Stored(Stored {
+            block_hashes: hashes.to_vec(),
+            parent: None,
+            token_ids: Vec::new(),
+            block_size: Some(16),
+            medium: Medium::Gpu,
+            has_lora: false,
+            has_extra_keys: false,
+            cache_salt: None,
+            group,
+            kind,
+        })
+    }
+
+    fn remove(hashes: &[u64], group: Option<u32>) -> KvEvent {
+        KvEvent::Removed {
+            block_hashes: hashes.to_vec(),
+            medium: Medium::Gpu,
+            group,
+        }
+    }
+
+    #[test]
+    fn only_full_attention_groups_enter_the_index() {
+        let m = metrics();
+        let mut k = Keyer::new(Engine::Vllm, KeyMode::Engine, 16, None, m.clone());
+        let batch = |events| EventBatch {
+            ts: 0.0,
+            events,
+            dp_rank: None,
+            skipped: 0,
+            skips: Vec::new(),
+        };
+        let keys = |v: &[u64]| v.iter().copied().map(BlockKey).collect::<Vec<_>>();
+        // A hybrid model stores the same blocks in its full-attention and sliding-window groups.
+        let ops = k.batch_ops(&batch(vec![
+            store(&[1, 2, 3], Some(0), Some(GroupKind::Full)),
+            store(&[1, 2, 3], Some(1), Some(GroupKind::SlidingWindow)),
+            store(&[4], Some(2), Some(GroupKind::Mamba)),
+        ]));
+        assert_eq!(ops, vec![IndexOp::Store(keys(&[1, 2, 3]))]);
+        // The window slides: group 1 drops blocks 1 and 2 (its removals name only the group),
+        // which the full-attention group still holds: nothing leaves the index.
+        let ops = k.batch_ops(&batch(vec![
+            remove(&[1, 2], Some(1)),
+            remove(&[4], Some(2)),
+        ]));
+        assert!(ops.is_empty(), "{ops:?}");
+        // The full-attention group's own eviction, and an engine that names no group, apply.
+        let ops = k.batch_ops(&batch(vec![
+            remove(&[3], Some(0)),
+            remove(&[2], None),
+            store(&[9], None, None),
+        ]));
+        assert_eq!(
+            ops,
+            vec![
+                IndexOp::Remove(keys(&[3])),
+                IndexOp::Remove(keys(&[2])),
+                IndexOp::Store(keys(&[9]))
+            ]
+        );
+        let skipped = |kind: &str, event: &str| {
+            m.partial_group_blocks
+                .with_label_values(&["vllm", kind, event])
+                .get()
+        };
+        assert_eq!(skipped("sliding_window", "block_stored"), 3);
+        assert_eq!(skipped("sliding_window", "block_removed"), 2);
+        assert_eq!(skipped("mamba", "block_stored"), 1);
+        assert_eq!(skipped("mamba", "block_removed"), 1);
     }
 
     #[test]
