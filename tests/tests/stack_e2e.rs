@@ -57,9 +57,10 @@ struct Sim {
     child: Option<ChildGuard>,
 }
 
-async fn start_sim(ip: &str, zmq_port: u16, dir: &TempDir) -> Result<Sim> {
+async fn start_sim(ip: &str, zmq_port: u16, dir: &TempDir, extra: &[&str]) -> Result<Sim> {
     let name = format!("sim-{ip}");
     let mut cmd = Command::new(bin("kvroute-engine-sim")?);
+    cmd.args(extra);
     cmd.args([
         "--listen",
         &format!("{ip}:0"),
@@ -225,11 +226,16 @@ struct Stack {
 /// Starts the stack. `fast_health_checks`: Envoy probes every 200 ms instead of the shipped 5 s
 /// (the fall-back test waits for the probe; the load test must not lean on it).
 async fn start_stack(ips: &[&str], fast_health_checks: bool) -> Stack {
+    start_stack_with(ips, fast_health_checks, &[]).await
+}
+
+/// [`start_stack`] with extra simulator flags.
+async fn start_stack_with(ips: &[&str], fast_health_checks: bool, sim_args: &[&str]) -> Stack {
     let dir = TempDir::new("stack-e2e").unwrap();
     let zmq_port = zmq_port(ips);
     let mut sims = Vec::new();
     for ip in ips {
-        sims.push(start_sim(ip, zmq_port, &dir).await.unwrap());
+        sims.push(start_sim(ip, zmq_port, &dir, sim_args).await.unwrap());
     }
 
     let staged = dir.path().join("tokenizers/Qwen__Qwen3-0.6B");
@@ -309,6 +315,66 @@ async fn start_stack(ips: &[&str], fast_health_checks: bool) -> Stack {
         envoy,
         client,
     }
+}
+
+/// Simulators of a hybrid-attention model: each publishes its sliding-window group's stores and
+/// evictions beside the full-attention group's, under the same block hashes.
+const HYBRID_SIM_IPS: [&str; 2] = ["127.0.0.37", "127.0.0.38"];
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hybrid_models_sliding_window_evictions_leave_its_prefix_routable() {
+    let stack = start_stack_with(&HYBRID_SIM_IPS, false, &["--sliding-window-blocks", "2"]).await;
+    let (inv, gw_port, client) = (stack.inv, stack.gw_port, &stack.client);
+    let system = "You answer questions about a hybrid-attention model's cache. ".repeat(30);
+    let mut messages = vec![
+        json!({"role": "system", "content": system}),
+        json!({"role": "user", "content": "First question: what does the window keep?"}),
+    ];
+    let (home, _, answer) = chat(client, gw_port, &messages).await.unwrap();
+    let home_idx = stack
+        .sims
+        .iter()
+        .position(|s| s.name == home)
+        .unwrap_or_else(|| panic!("unknown simulator {home:?}"));
+    // The window's evictions of all but 2 blocks per run reach the inventory with the stores,
+    // in the same batches; the full-attention group's blocks stay.
+    Poll::new(
+        "the sliding-window evictions to be counted",
+        Duration::from_secs(20),
+    )
+    .every(Duration::from_millis(50))
+    .until(async || {
+        let m = harness::body_text(client.get(format!("http://{inv}/metrics"))).await?;
+        let seen = m.lines().any(|l| {
+            l.starts_with("kvroute_ingest_partial_attention_blocks_total{")
+                && l.contains(r#"event="block_removed""#)
+        });
+        Ok(match seen {
+            true => Probe::Ready(()),
+            false => Probe::Pending("no sliding-window removal counted yet".into()),
+        })
+    })
+    .await
+    .unwrap();
+    let held = inventory_blocks(client, inv, &stack.rule_id, home_idx)
+        .await
+        .unwrap();
+    assert!(
+        held >= 10,
+        "the prefix was erased: {home} holds {held} blocks"
+    );
+    // The follow-up goes to the engine holding the prefix and reuses it.
+    messages.push(json!({"role": "assistant", "content": answer}));
+    messages.push(json!({"role": "user", "content": "Second question: and what is evicted?"}));
+    let (sim, cached, _) = chat(client, gw_port, &messages).await.unwrap();
+    assert_eq!(
+        sim, home,
+        "the follow-up left the engine holding its prefix"
+    );
+    assert!(
+        cached >= 160,
+        "the follow-up reused only {cached} cached tokens"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

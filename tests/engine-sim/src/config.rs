@@ -69,6 +69,10 @@ pub struct SimArgs {
     /// Name in the `x-kvroute-sim` response header; default: the bound address.
     #[arg(long)]
     pub name: Option<String>,
+    /// vLLM only: publish as a hybrid-attention model whose sliding-window KV-cache group keeps
+    /// the last N blocks of each stored run (0: a single full-attention group).
+    #[arg(long, default_value_t = 0)]
+    pub sliding_window_blocks: usize,
 }
 
 /// Why flags are invalid; each message names the flag, the value and what is allowed.
@@ -154,6 +158,8 @@ pub struct SimConfig {
     pub event_buffer: usize,
     /// Header name; `None` until the listener is bound.
     pub name: Option<String>,
+    /// Hybrid-attention imitation: the sliding-window group's window in blocks (`None`: off).
+    pub sliding_window: Option<usize>,
 }
 
 impl TryFrom<SimArgs> for SimConfig {
@@ -232,6 +238,7 @@ impl TryFrom<SimArgs> for SimConfig {
             default_max_tokens: a.default_max_tokens,
             event_buffer: a.event_buffer,
             name: a.name,
+            sliding_window: (a.sliding_window_blocks > 0).then_some(a.sliding_window_blocks),
         })
     }
 }

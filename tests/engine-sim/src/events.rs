@@ -60,6 +60,12 @@ pub struct WireOptions {
     pub layout: Layout,
     /// `medium` (`"GPU"`); `None` writes nil.
     pub medium: Option<String>,
+    /// vLLM layout only: imitate a hybrid-attention model whose sliding-window group (1) keeps
+    /// the last `n` blocks of each stored run. Every store is published for the full-attention
+    /// group (0) and again for group 1, followed by group 1's removal of the run's blocks before
+    /// the window (at once: the worst case; vLLM removes them when their slots are reused).
+    /// Removals of evicted blocks are published for both groups.
+    pub sliding_window: Option<usize>,
 }
 
 impl WireOptions {
@@ -68,6 +74,7 @@ impl WireOptions {
         WireOptions {
             layout,
             medium: Some("GPU".to_string()),
+            sliding_window: None,
         }
     }
 }
@@ -83,9 +90,27 @@ pub fn encode_batch(
     out.push(0x93);
     out.push(0xcb);
     out.extend_from_slice(&ts.to_bits().to_be_bytes());
-    array_len(&mut out, events.len());
+    // (event, group): the full-attention group 0, and a hybrid model's sliding-window group 1.
+    let mut wire: Vec<(std::borrow::Cow<'_, KvEvent>, u64)> = Vec::with_capacity(events.len());
     for e in events {
-        encode_event(&mut out, opts, e);
+        wire.push((std::borrow::Cow::Borrowed(e), 0));
+        let Some(window) = opts.sliding_window.filter(|_| opts.layout == Layout::Vllm) else {
+            continue;
+        };
+        wire.push((std::borrow::Cow::Borrowed(e), 1));
+        if let KvEvent::Stored { keys, .. } = e {
+            let outside = keys.len().saturating_sub(window);
+            if outside > 0 {
+                let gone = KvEvent::Removed {
+                    keys: keys[..outside].to_vec(),
+                };
+                wire.push((std::borrow::Cow::Owned(gone), 1));
+            }
+        }
+    }
+    array_len(&mut out, wire.len());
+    for (e, group) in &wire {
+        encode_event(&mut out, opts, e, *group);
     }
     match dp_rank {
         Some(r) => uint(&mut out, u64::from(r)),
@@ -94,7 +119,7 @@ pub fn encode_batch(
     out
 }
 
-fn encode_event(out: &mut Vec<u8>, opts: &WireOptions, e: &KvEvent) {
+fn encode_event(out: &mut Vec<u8>, opts: &WireOptions, e: &KvEvent, group: u64) {
     match e {
         KvEvent::Stored {
             keys,
@@ -151,8 +176,13 @@ fn encode_event(out: &mut Vec<u8>, opts: &WireOptions, e: &KvEvent) {
                     }
                 }
                 str_(out, "group_idx");
-                uint(out, 0);
-                kv_str(out, "kv_cache_spec_kind", "full_attention");
+                uint(out, group);
+                let kind = if group == 0 {
+                    "full_attention"
+                } else {
+                    "sliding_window"
+                };
+                kv_str(out, "kv_cache_spec_kind", kind);
             }
             if let (Layout::Sglang, Some(salt)) = (opts.layout, salt) {
                 kv_str(out, "cache_salt", salt);
@@ -165,7 +195,7 @@ fn encode_event(out: &mut Vec<u8>, opts: &WireOptions, e: &KvEvent) {
             opt_str(out, opts.medium.as_deref());
             if opts.layout == Layout::Vllm {
                 str_(out, "group_idx");
-                uint(out, 0);
+                uint(out, group);
             }
         }
         KvEvent::Cleared => {

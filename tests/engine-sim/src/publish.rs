@@ -57,10 +57,13 @@ pub async fn start(
 }
 
 fn wire_options(engine: &Engine) -> WireOptions {
-    WireOptions::gpu(match engine.cfg.engine {
-        EngineKind::Sglang => Layout::Sglang,
-        _ => Layout::Vllm,
-    })
+    WireOptions {
+        sliding_window: engine.cfg.sliding_window,
+        ..WireOptions::gpu(match engine.cfg.engine {
+            EngineKind::Sglang => Layout::Sglang,
+            _ => Layout::Vllm,
+        })
+    }
 }
 
 async fn publish_loop(

@@ -168,6 +168,7 @@ fn vllm_base_layout_matches_the_handbuilt_minimal_batch() {
     let opts = WireOptions {
         layout: Layout::VllmBase,
         medium: None,
+        sliding_window: None,
     };
     let store = KvEvent::Stored {
         keys: vec![BlockKey(1), BlockKey(2)],
