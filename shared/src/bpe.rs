@@ -186,7 +186,16 @@ impl Splitter {
             Splitter::Dfa { all, head } => {
                 let mut pos = 0;
                 while pos < bytes.len() {
-                    let Some(m) = all.search(&Input::new(seg).range(pos..)) else {
+                    // The byte-level patterns match every character, so the next match nearly
+                    // always starts where the last ended: an anchored search there finds it
+                    // without the reverse scan an unanchored one needs for the start. A match
+                    // starting at `pos` is the leftmost one, and among matches starting there
+                    // the anchored search picks the one the unanchored search would.
+                    let here = Input::new(seg).range(pos..).anchored(Anchored::Yes);
+                    let found = all
+                        .search(&here)
+                        .or_else(|| all.search(&Input::new(seg).range(pos..)));
+                    let Some(m) = found else {
                         break;
                     };
                     let (start, mut end) = (m.start(), m.end());
