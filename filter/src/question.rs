@@ -11,6 +11,7 @@
 //! | KV on | `service` | text or chat | the text or the client's `messages` |
 //! | KV on | `filter` | text or chat | the keys of its tokens (none without a tokenizer) |
 
+use kvroute_core::chat::Renderer;
 use kvroute_core::hash::{BlockKey, ExtraKeys, HashContract};
 use kvroute_core::prompt::{Endpoint, Prompt, Request, RequestBody};
 use kvroute_core::wire::WireKey;
@@ -20,7 +21,6 @@ use crate::host::{Headers, Host};
 use crate::plugin::VmState;
 use crate::request::Unpinned;
 use crate::stats::{FailReason, Stat};
-use crate::tokens::Render;
 use crate::wire::RouteRequest;
 
 /// Builds the question for `body`, a complete request to `endpoint`.
@@ -96,8 +96,8 @@ fn tokenize(
     });
     let (ids, seg, render) = res.map_err(|e| Unpinned::new(FailReason::Tokenize, e.to_string()))?;
     match render {
-        Some(Render::Native) => vm.stats.inc(host, Stat::RenderNative),
-        Some(Render::Jinja) => vm.stats.inc(host, Stat::RenderJinja),
+        Some(Renderer::Native) => vm.stats.inc(host, Stat::RenderNative),
+        Some(Renderer::Jinja) => vm.stats.inc(host, Stat::RenderJinja),
         None => {}
     }
     vm.stats.add(host, Stat::SegmentHits, seg.hits);

@@ -19,7 +19,7 @@ use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::Arc;
 
 use kvroute_core::bpe::{FastBpe, PrefixCap, Truncation};
-use kvroute_core::chat::ChatTemplate;
+use kvroute_core::chat::{ChatTemplate, Renderer};
 use kvroute_core::prompt::{Prompt, PromptError, Request, RequestBody};
 use kvroute_core::tokenize::Tokenizer;
 use serde_json::Value;
@@ -43,15 +43,6 @@ pub enum LoadError {
     Tokenizer(String),
     #[error("tokenizer_config.json chat template could not be loaded: {0}")]
     Template(String),
-}
-
-/// Which renderer produced a chat prompt's text (`kvroute_core::chat::native`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Render {
-    /// A native renderer (a template kvroute knows by its source).
-    Native,
-    /// minijinja's VM.
-    Jinja,
 }
 
 enum Encoder {
@@ -139,7 +130,7 @@ impl PromptEncoder {
     pub fn tokens(
         &self,
         request: &Request,
-    ) -> Result<(Vec<u32>, SegmentStats, Option<Render>), PromptError> {
+    ) -> Result<(Vec<u32>, SegmentStats, Option<Renderer>), PromptError> {
         match &request.body {
             RequestBody::Completion(Prompt::TokenIds(ids)) => {
                 let n = ids.len().min(self.cap.get().max_tokens);
@@ -155,15 +146,10 @@ impl PromptEncoder {
             }
             RequestBody::Chat(chat) => {
                 let template = self.template.as_ref().ok_or(PromptError::NoChatTemplate)?;
-                let (text, native) = template.render_traced(chat)?;
+                let (text, renderer) = template.render_traced(chat)?;
                 let (ids, stats) =
                     self.encode(&text, request.add_special_tokens.unwrap_or(false))?;
-                let render = if native {
-                    Render::Native
-                } else {
-                    Render::Jinja
-                };
-                Ok((ids, stats, Some(render)))
+                Ok((ids, stats, Some(renderer)))
             }
         }
     }

@@ -135,6 +135,15 @@ const SPECIAL_TOKEN_KEYS: [&str; 7] = [
 /// The suffix HF appends to the final message to find where it ends after rendering.
 const CONTINUE_TAG: &str = "CONTINUE_FINAL_MESSAGE_TAG ";
 
+/// Which renderer produced a prompt's text ([`ChatTemplate::render_traced`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Renderer {
+    /// A native renderer ([`native`]: a template kvroute knows by its source).
+    Native,
+    /// minijinja's VM.
+    Jinja,
+}
+
 /// A compiled chat template with the tokenizer's special tokens.
 pub struct ChatTemplate {
     env: Environment<'static>,
@@ -352,9 +361,8 @@ impl ChatTemplate {
         self.render_traced(request).map(|(text, _)| text)
     }
 
-    /// [`render`](Self::render), and whether the native renderer ([`native`]) produced the text
-    /// (`false`: the Jinja VM did).
-    pub fn render_traced(&self, request: &ChatRequest) -> Result<(String, bool), ChatError> {
+    /// [`render`](Self::render), and which renderer produced the text.
+    pub fn render_traced(&self, request: &ChatRequest) -> Result<(String, Renderer), ChatError> {
         let mut kwargs = request.chat_template_kwargs.clone();
         for reserved in ["chat_template", "tokenize", "messages"] {
             if kwargs.contains_key(reserved) {
@@ -408,7 +416,7 @@ impl ChatTemplate {
                 kwargs: &kwargs,
             };
             if let Some(text) = n.render(&inputs) {
-                return Ok((text, true));
+                return Ok((text, Renderer::Native));
             }
         }
         let mut messages = conversation::build_messages(&request.messages, self.format_of(index))?;
@@ -445,8 +453,8 @@ impl ChatTemplate {
             .render(Value::from_serialize(&ctx))
             .map_err(|e| ChatError::Render(render_message(&e)))?;
         match final_text {
-            Some(final_text) => cut_at_tag(rendered, &final_text).map(|t| (t, false)),
-            None => Ok((rendered, false)),
+            Some(final_text) => cut_at_tag(rendered, &final_text).map(|t| (t, Renderer::Jinja)),
+            None => Ok((rendered, Renderer::Jinja)),
         }
     }
 }
