@@ -11,6 +11,7 @@
 //! | KV on | `service` | text or chat | the text or the client's `messages` |
 //! | KV on | `filter` | text or chat | the keys of its tokens (none without a tokenizer) |
 
+use kvroute_core::bpe::Truncation;
 use kvroute_core::chat::Renderer;
 use kvroute_core::hash::{BlockKey, ExtraKeys, HashContract};
 use kvroute_core::prompt::{Endpoint, Prompt, Request, RequestBody};
@@ -55,7 +56,7 @@ pub fn build(
     };
     let offload = vm.config.tokenize == TokenizeMode::Service;
     let tokens = match &mut request.body {
-        RequestBody::Completion(Prompt::TokenIds(ids)) => Some(std::mem::take(ids)),
+        RequestBody::Completion(Prompt::TokenIds(ids)) => Some((std::mem::take(ids), None)),
         RequestBody::Completion(Prompt::Text(t)) if offload => {
             route.prompt = Some(std::mem::take(t));
             None
@@ -69,7 +70,8 @@ pub fn build(
         }
         _ => tokenize(vm, host, &request)?,
     };
-    if let Some(ids) = tokens {
+    if let Some((ids, truncated)) = tokens {
+        route.truncated = truncated;
         route.keys = keys(vm, host, &hash, &request, &ids)?
             .into_iter()
             .map(WireKey::from)
@@ -79,12 +81,12 @@ pub fn build(
     Ok(route)
 }
 
-/// The prompt's token ids with the VM's encoder; `None` (counted) while no tokenizer is loaded.
-fn tokenize(
-    vm: &VmState,
-    host: &dyn Host,
-    request: &Request,
-) -> Result<Option<Vec<u32>>, Unpinned> {
+/// A prompt's token ids, and why they stop before its end when they do.
+type Ids = (Vec<u32>, Option<Truncation>);
+
+/// The prompt's token ids with the VM's encoder, and why they stop before its end when they do;
+/// `None` (counted) while no tokenizer is loaded.
+fn tokenize(vm: &VmState, host: &dyn Host, request: &Request) -> Result<Option<Ids>, Unpinned> {
     let encoder = vm.encoder.borrow().clone();
     let Some(enc) = encoder else {
         vm.stats.inc(host, Stat::NoTokenizer);
@@ -107,7 +109,7 @@ fn tokenize(
     if let Some(t) = seg.truncated {
         vm.stats.inc(host, Stat::truncated(t));
     }
-    Ok(Some(ids))
+    Ok(Some((ids, seg.truncated)))
 }
 
 /// The block keys of `ids`; a prefix seen before comes from the key cache (exactly the hasher's

@@ -780,6 +780,62 @@ mod tests {
         assert_eq!(host.request_body.borrow().as_slice(), body.as_bytes());
     }
 
+    /// An image in the second user turn: the question carries the keys of the text before it
+    /// (the first turn's keys, a prefix of them), says why they stop, and is pinned as usual.
+    #[test]
+    fn a_media_request_is_routed_on_the_keys_before_its_first_item() {
+        let host = FakeHost::default();
+        let p = ready(&host, CFG);
+        let history = vec![
+            json!({"role": "system", "content": "hello hello, you help"}),
+            json!({"role": "user", "content": "hello there hello there"}),
+            json!({"role": "assistant", "content": "hello back"}),
+        ];
+        // The same turn with text only: its prompt has the image request's text before the
+        // image, and more.
+        let mut text_turn = history.clone();
+        text_turn.push(json!({"role": "user", "content": "what is this"}));
+        let text_only = json!({"model": "m", "messages": text_turn}).to_string();
+        let (_, whole) = to_callout(&host, &p, "/v1/chat/completions", text_only.as_bytes());
+        assert_eq!(whole.get("truncated"), None);
+        let history_only =
+            json!({"model": "m", "messages": history, "add_generation_prompt": false}).to_string();
+        let (_, old) = to_callout(&host, &p, "/v1/chat/completions", history_only.as_bytes());
+        let mut with_image = history.clone();
+        with_image.push(json!({"role": "user", "content": [
+            {"type": "text", "text": "what is this"},
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}]}));
+        let body = json!({"model": "m", "messages": with_image}).to_string();
+        let (mut r, sent) = to_callout(&host, &p, "/v1/chat/completions", body.as_bytes());
+        assert_eq!(sent["truncated"], "media");
+        let keys = sent["keys"].as_array().unwrap();
+        let whole = whole["keys"].as_array().unwrap();
+        assert!(keys.len() < whole.len(), "{sent}");
+        assert_eq!(keys[..], whole[..keys.len()]);
+        // At least every block of the earlier turns.
+        assert!(
+            keys.len() >= old["keys"].as_array().unwrap().len(),
+            "{sent} / {old}"
+        );
+        assert_eq!(
+            host.counter("kvroute_filter_prefix_truncated_media_total"),
+            Some(1)
+        );
+        let token = match r.state() {
+            RequestState::AwaitingRoute { token, .. } => *token,
+            s => panic!("{s:?}"),
+        };
+        r.on_route_response(&host, token, Some("200"), HIT);
+        assert_eq!(pinned(&r), Some(true));
+        // An unknown part type is still a request the filter cannot key: it fails open.
+        let bad = json!({"model": "m", "messages": [{"role": "user", "content": [{"type": "hologram"}]}]}).to_string();
+        post(&host, "/v1/chat/completions", bad.as_bytes());
+        let mut r = p.new_request();
+        assert_eq!(r.on_request_headers(&host, false), Step::Pause);
+        assert_eq!(r.on_request_body(&host, bad.len(), true), Step::Continue);
+        assert_eq!(pinned(&r), Some(false));
+    }
+
     /// A conversation growing turn by turn (and a fork inside it, with and without a salt): the
     /// keys sent with the caches warm are exactly the keys of a cold encoder and a fresh hasher.
     #[test]

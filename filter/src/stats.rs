@@ -130,9 +130,11 @@ pub enum Stat {
     /// Tokenizers loaded, one per worker VM (and per reload): the readiness signal per worker.
     TokenizersLoaded,
     /// Prompts routed on their first `max_prefix_tokens` ids only / on the ids before a
-    /// pre-token piece over the piece bound (not merged).
+    /// pre-token piece over the piece bound (not merged) / on the ids before a chat's first
+    /// media item.
     PrefixTruncatedMaxTokens,
     PrefixTruncatedLongPiece,
+    PrefixTruncatedMedia,
     /// Histograms (microseconds).
     TokenizeUs,
     KeysUs,
@@ -145,7 +147,7 @@ pub enum Stat {
 }
 
 /// How many counters and histograms `FIXED` defines (the handles array has the same length).
-const FIXED_LEN: usize = 38;
+const FIXED_LEN: usize = 39;
 
 const FIXED: [(Stat, &str, MetricKind); FIXED_LEN] = [
     (
@@ -304,6 +306,11 @@ const FIXED: [(Stat, &str, MetricKind); FIXED_LEN] = [
         MetricKind::Counter,
     ),
     (
+        Stat::PrefixTruncatedMedia,
+        "kvroute_filter_prefix_truncated_media_total",
+        MetricKind::Counter,
+    ),
+    (
         Stat::PinHonored,
         "kvroute_filter_pin_honored_total",
         MetricKind::Counter,
@@ -346,6 +353,7 @@ impl Stat {
         match t {
             kvroute_core::bpe::Truncation::MaxTokens => Stat::PrefixTruncatedMaxTokens,
             kvroute_core::bpe::Truncation::LongPiece => Stat::PrefixTruncatedLongPiece,
+            kvroute_core::bpe::Truncation::Media => Stat::PrefixTruncatedMedia,
         }
     }
 }

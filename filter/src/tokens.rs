@@ -20,7 +20,7 @@ use std::sync::Arc;
 
 use kvroute_core::bpe::{FastBpe, PrefixCap, Truncation};
 use kvroute_core::chat::{ChatTemplate, Renderer};
-use kvroute_core::prompt::{Prompt, PromptError, Request, RequestBody};
+use kvroute_core::prompt::{stop_before_media, Prompt, PromptError, Request, RequestBody};
 use kvroute_core::tokenize::Tokenizer;
 use serde_json::Value;
 
@@ -125,8 +125,8 @@ impl PromptEncoder {
     }
 
     /// The first token ids the engine computes for `request` (vLLM defaults: completions with
-    /// special tokens, chat without), at most `max_prefix_tokens`, and how the segment cache did
-    /// (`truncated`: why ids are missing).
+    /// special tokens, chat without), at most `max_prefix_tokens` and none past a chat's first
+    /// media item, and how the segment cache did (`truncated`: why ids are missing).
     pub fn tokens(
         &self,
         request: &Request,
@@ -146,10 +146,13 @@ impl PromptEncoder {
             }
             RequestBody::Chat(chat) => {
                 let template = self.template.as_ref().ok_or(PromptError::NoChatTemplate)?;
-                let (text, renderer) = template.render_traced(chat)?;
-                let (ids, stats) =
-                    self.encode(&text, request.add_special_tokens.unwrap_or(false))?;
-                Ok((ids, stats, Some(renderer)))
+                let rendered = template.render_prefix(chat)?;
+                let (mut ids, mut stats) =
+                    self.encode(&rendered.text, request.add_special_tokens.unwrap_or(false))?;
+                if rendered.media.is_some() {
+                    stats.truncated = stop_before_media(&mut ids, stats.truncated);
+                }
+                Ok((ids, stats, Some(rendered.renderer)))
             }
         }
     }
@@ -378,6 +381,7 @@ mod fixture_prefix_cap {
             let head = match why {
                 Truncation::MaxTokens => &text[..200_000],
                 Truncation::LongPiece => &text[..text.find("aaaa").unwrap()],
+                Truncation::Media => panic!("not a case of this test"),
             };
             let want = hf.encode(head, false).unwrap();
             match why {
@@ -389,6 +393,7 @@ mod fixture_prefix_cap {
                     assert!(ids.len() > 3 && ids.len() < 40, "{}", ids.len());
                     assert_eq!(ids, want);
                 }
+                Truncation::Media => panic!("not a case of this test"),
             }
         }
     }

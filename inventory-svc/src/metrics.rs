@@ -219,8 +219,12 @@ pub struct Metrics {
     pub epp_served: IntCounterVec,
     /// Time the endpoint picker holds a request: from the end of its body to the answer.
     pub epp_latency: Histogram,
-    /// Offloaded prompts routed on a prefix of their tokens: `reason` (max_tokens, long_piece).
+    /// Offloaded prompts routed on a prefix of their tokens: `reason` (max_tokens, long_piece,
+    /// media).
     pub offload_truncated: IntCounterVec,
+    /// Decisions on prompts whose keys stop before the prompt's end: `truncated` (why),
+    /// `reason` (the decision's).
+    pub route_truncated: IntCounterVec,
     /// `rule`, `ep`: 1 healthy, 0 unhealthy.
     pub endpoint_healthy: IntGaugeVec,
     /// `rule`, `ep`: running + waiting requests from the last engine metrics scrape.
@@ -363,8 +367,13 @@ impl Metrics {
             )?,
             offload_truncated: cv(
                 "kvroute_offload_prompts_truncated_total",
-                "Offloaded prompts routed on their first tokens only: max_tokens (KVROUTE_MAX_PREFIX_TOKENS reached) or long_piece (stopped before a pre-token piece over 8 KiB, not merged).",
+                "Offloaded prompts routed on their first tokens only: max_tokens (KVROUTE_MAX_PREFIX_TOKENS reached), long_piece (stopped before a pre-token piece over 8 KiB, not merged) or media (stopped before a chat's first image, audio, video or prompt-embeddings part).",
                 &["reason"],
+            )?,
+            route_truncated: cv(
+                "kvroute_route_truncated_total",
+                "Decisions on prompts whose keys stop before the prompt's end, by why (truncated: max_tokens, long_piece, media) and the decision's reason.",
+                &["truncated", "reason"],
             )?,
             epp_requests: cv(
                 "kvroute_epp_requests_total",
@@ -555,6 +564,10 @@ impl Metrics {
         // Every reason is exported from the start (at 0).
         for t in kvroute_core::bpe::Truncation::ALL {
             m.offload_truncated.with_label_values(&[t.as_str()]);
+            for r in kvroute_core::wire::Reason::ALL {
+                m.route_truncated
+                    .with_label_values(&[t.as_str(), r.as_str()]);
+            }
         }
         for o in EppOutcome::ALL {
             m.epp_requests.with_label_values(&[o.as_str()]);

@@ -232,5 +232,33 @@ mod tests {
         let w = keys_for(&fast, &contract, &word, 16_384).unwrap();
         assert_eq!(w.truncated, Some(Truncation::LongPiece));
         assert!(w.token_count > 0 && w.token_count < 16, "{}", w.token_count);
+        // An image after a long system prompt: the keys of the text before it, fast path and HF
+        // path alike, a prefix of the same turn's keys without the image.
+        let system = json!({"role": "system", "content": sentence.repeat(20)});
+        let image =
+            json!({"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}});
+        let with_image = Offload {
+            model: None,
+            prompt: None,
+            messages: Some(
+                json!([system, {"role": "user", "content": [image, {"type": "text", "text": "What is it? ".repeat(8)}]}]),
+            ),
+        };
+        let text_only = Offload {
+            model: None,
+            prompt: None,
+            messages: Some(json!([system, {"role": "user", "content": "What is it? ".repeat(8)}])),
+        };
+        let m = keys_for(&fast, &contract, &with_image, 16_384).unwrap();
+        assert_eq!(m.truncated, Some(Truncation::Media));
+        assert_eq!(keys_for(&hf, &contract, &with_image, 16_384).unwrap(), m);
+        let t = keys_for(&fast, &contract, &text_only, 16_384).unwrap();
+        assert!(
+            m.keys.len() >= 15 && m.keys.len() < t.keys.len(),
+            "{} / {}",
+            m.keys.len(),
+            t.keys.len()
+        );
+        assert_eq!(m.keys[..], t.keys[..m.keys.len()]);
     }
 }

@@ -11,6 +11,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
+use kvroute_core::bpe::Truncation;
 use kvroute_core::hash::BlockKey;
 use kvroute_core::prompt::Request;
 
@@ -147,6 +148,8 @@ pub struct Ask<'a> {
     pub only: Option<&'a [bool]>,
     /// How many fallbacks the answer lists (0: none are ranked, as for `POST /v1/route`).
     pub fallbacks: usize,
+    /// Why the keys stop before the prompt's end, when they do.
+    pub truncated: Option<Truncation>,
 }
 
 /// A decision as both front doors render it.
@@ -179,6 +182,13 @@ pub fn answer(
         views,
         recall,
     } = fleet.route(rule, &q, now)?;
+    if let (Some(why), false) = (ask.truncated, ask.explain) {
+        fleet
+            .metrics
+            .route_truncated
+            .with_label_values(&[why.as_str(), d.reason.as_str()])
+            .inc();
+    }
     let addr = |i: usize| rule.addr(i).to_owned();
     let explain = ask.explain.then(|| Explain {
         keys: u32::try_from(ask.keys.len()).unwrap_or(u32::MAX),

@@ -109,24 +109,35 @@ impl PrefixCap {
     }
 }
 
-/// Why an encode under a [`PrefixCap`] returned fewer ids than the full encode has.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// Why the ids of a prompt stop before its end: a bound of a [`PrefixCap`], or a media item.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "snake_case")]
 pub enum Truncation {
     /// The cap's token count was reached.
     MaxTokens,
     /// A piece longer than the cap's piece bound came next; the ids stop before it.
     LongPiece,
+    /// A chat message holds a media part (image, audio, video, prompt embeddings): the ids are
+    /// those of the text before its placeholder, less the last one (whose piece the
+    /// placeholder may change), so every full block of them is hashed as the engine hashes it.
+    Media,
 }
 
 impl Truncation {
     /// Every case, in counter order.
-    pub const ALL: [Truncation; 2] = [Truncation::MaxTokens, Truncation::LongPiece];
+    pub const ALL: [Truncation; 3] = [
+        Truncation::MaxTokens,
+        Truncation::LongPiece,
+        Truncation::Media,
+    ];
 
     /// The label value.
     pub fn as_str(self) -> &'static str {
         match self {
             Truncation::MaxTokens => "max_tokens",
             Truncation::LongPiece => "long_piece",
+            Truncation::Media => "media",
         }
     }
 }

@@ -293,15 +293,31 @@ impl PromptTokens {
             )?),
             RequestBody::Chat(chat) => {
                 let template = template.ok_or(PromptError::NoChatTemplate)?;
-                let text = template.render(chat)?;
-                Ok(tokenizer.encode_text_prefix(
-                    &text,
+                let rendered = template.render_prefix(chat)?;
+                let (mut ids, truncated) = tokenizer.encode_text_prefix(
+                    &rendered.text,
                     request.add_special_tokens.unwrap_or(false),
                     cap,
-                )?)
+                )?;
+                let truncated = match rendered.media {
+                    Some(_) => stop_before_media(&mut ids, truncated),
+                    None => truncated,
+                };
+                Ok((ids, truncated))
             }
         }
     }
+}
+
+/// The ids of a chat prompt's text before its first media item, as routed: a bound that already
+/// cut them stays the reason; otherwise the last id goes (the placeholder that follows in the
+/// engine's prompt may join its piece) and the reason is [`Truncation::Media`].
+pub fn stop_before_media(ids: &mut Vec<u32>, truncated: Option<Truncation>) -> Option<Truncation> {
+    if truncated.is_some() {
+        return truncated;
+    }
+    ids.pop();
+    Some(Truncation::Media)
 }
 
 fn parse_object(body: &[u8]) -> Result<Map<String, Value>, PromptError> {

@@ -126,7 +126,7 @@ fn qwen3_conversation_preparation_matches_reference() {
     for case in fixture("qwen3-chat.json") {
         let name = case["name"].as_str().unwrap();
         let messages = case["request"]["messages"].as_array().unwrap();
-        let built = build_messages(messages, q.template.content_format()).unwrap();
+        let built = build_messages(messages, q.template.content_format(), None).unwrap();
         // The fixture records vLLM's conversation; HF's null-dropping and reasoning aliasing
         // come after it, so compare on messages without reasoning.
         let want = case["conversation"].as_array().unwrap();
@@ -210,13 +210,83 @@ fn qwen3_token_id_prompts_pass_through_and_chat_needs_a_template() {
     );
 }
 
+/// Conversations with images, audio or video: the ids routed on are exactly the engine's ids
+/// before the first item's placeholder, less the last one. The engine's prompt is rendered as
+/// vLLM builds it for a Qwen-VL model (the item's placeholder in front of its message's text) and
+/// tokenized whole; text-only conversations are routed whole.
 #[test]
-fn qwen3_images_are_not_routed() {
+fn qwen3_media_requests_are_routed_on_the_ids_before_the_first_item() {
     let q = qwen3();
-    let body = br#"{"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "what is this"}, {"type": "image_url", "image_url": {"url": "data:,"}}]}]}"#;
+    let vision_start = q.tokenizer.token_to_id("<|vision_start|>").unwrap();
+    let placeholder = "<|vision_start|><|image_pad|><|vision_end|>";
+    let media = [
+        serde_json::json!({"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}),
+        serde_json::json!({"type": "input_audio", "input_audio": {"data": "AA==", "format": "wav"}}),
+        serde_json::json!({"type": "video_url", "video_url": {"url": "https://x/v.mp4"}}),
+    ];
+    let roles = ["system", "user", "assistant", "user", "user"];
+    let mut r = Rng(11);
+    let mut cut = 0;
+    for case in 0..600 {
+        let n = 1 + (r.next() % 6) as usize;
+        let messages: Vec<Value> = (0..n)
+            .map(|_| {
+                let role = *r.pick(&roles);
+                let mut parts: Vec<Value> = (0..r.next() % 3)
+                    .map(|_| serde_json::json!({"type": "text", "text": text(&mut r)}))
+                    .collect();
+                if role == "user" && r.next() % 3 == 0 {
+                    let at = (r.next() % (parts.len() as u64 + 1)) as usize;
+                    parts.insert(at, r.pick(&media).clone());
+                }
+                serde_json::json!({"role": role, "content": parts})
+            })
+            .collect();
+        let mut chat = ChatRequest::new(messages);
+        chat.add_generation_prompt = r.next() % 4 != 0;
+        let body = serde_json::json!({"messages": chat.messages, "add_generation_prompt": chat.add_generation_prompt});
+        let request = Request::from_json(body.to_string().as_bytes()).unwrap();
+        let (routed, truncated) = PromptTokens::prefix_from_request(
+            &request,
+            &q.tokenizer,
+            Some(&q.template),
+            kvroute_core::bpe::PrefixCap::tokens(kvroute_core::bpe::MAX_PREFIX_TOKENS),
+        )
+        .unwrap();
+        let engine_text = q.template.render_with_media(&chat, placeholder).unwrap();
+        let engine = q.tokenizer.encode(&engine_text, false).unwrap();
+        let context = serde_json::to_string(&chat.messages).unwrap();
+        match engine.iter().position(|&t| t == vision_start) {
+            Some(p) => {
+                cut += 1;
+                assert_eq!(
+                    truncated,
+                    Some(kvroute_core::bpe::Truncation::Media),
+                    "case {case}: {context}"
+                );
+                assert_eq!(
+                    routed[..],
+                    engine[..p.saturating_sub(1)],
+                    "case {case}: {context}"
+                );
+            }
+            None => {
+                assert_eq!(truncated, None, "case {case}: {context}");
+                assert_eq!(routed, engine, "case {case}: {context}");
+            }
+        }
+    }
+    assert!(cut > 150, "only {cut} conversations held media");
+}
+
+/// A part type vLLM does not know is still an error: no prefix is guessed.
+#[test]
+fn qwen3_unknown_content_parts_are_not_routed() {
+    let q = qwen3();
+    let body = br#"{"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "what is this"}, {"type": "hologram", "hologram": {}}]}]}"#;
     let request = Request::from_json(body).unwrap();
     let err = PromptTokens::from_request(&request, &q.tokenizer, Some(&q.template)).unwrap_err();
-    assert!(err.to_string().contains("image_url"), "{err}");
+    assert!(err.to_string().contains("hologram"), "{err}");
 }
 
 /// Other models' templates (Llama 3, Gemma 3 with "openai" content, DeepSeek V3) and a

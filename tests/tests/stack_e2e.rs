@@ -377,6 +377,75 @@ async fn a_hybrid_models_sliding_window_evictions_leave_its_prefix_routable() {
     );
 }
 
+/// Simulators imitating a vision-language model: an image becomes 64 tokens hashed with the
+/// image, published with it in the blocks' extra keys.
+const MEDIA_SIM_IPS: [&str; 2] = ["127.0.0.43", "127.0.0.46"];
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_conversation_with_an_image_is_routed_on_its_text_before_the_image() {
+    let stack = start_stack_with(&MEDIA_SIM_IPS, false, &[]).await;
+    let (inv, gw_port, client) = (stack.inv, stack.gw_port, &stack.client);
+    let image =
+        json!({"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}});
+    // Conversations with their own system prompts; each turn carries an image, so only the
+    // text before the first one can be matched exactly.
+    for c in 0..3 {
+        let system =
+            format!("You are vision assistant {c}: describe pictures of the fleet. ").repeat(20);
+        let mut messages = vec![
+            json!({"role": "system", "content": system}),
+            json!({"role": "user", "content": [image, {"type": "text", "text": format!("Picture {c}: what is shown?")}]}),
+        ];
+        let (home, _, answer) = chat(client, gw_port, &messages).await.unwrap();
+        let home_idx = stack
+            .sims
+            .iter()
+            .position(|s| s.name == home)
+            .unwrap_or_else(|| panic!("unknown simulator {home:?}"));
+        Poll::new(
+            format!("the inventory to show {home}'s blocks of conversation {c}"),
+            Duration::from_secs(20),
+        )
+        .every(Duration::from_millis(50))
+        .until(async || {
+            let n = inventory_blocks(client, inv, &stack.rule_id, home_idx).await?;
+            Ok(match n >= 10 * (c + 1) as u64 {
+                true => Probe::Ready(()),
+                false => Probe::Pending(format!("{n} blocks")),
+            })
+        })
+        .await
+        .unwrap();
+        messages.push(json!({"role": "assistant", "content": answer}));
+        messages.push(
+            json!({"role": "user", "content": [{"type": "text", "text": "And this one?"}, image]}),
+        );
+        let (sim, cached, _) = chat(client, gw_port, &messages).await.unwrap();
+        assert_eq!(
+            sim, home,
+            "conversation {c}: the follow-up left the engine holding its prefix"
+        );
+        // The system prompt's blocks, and the image's (the same image, the same blocks).
+        assert!(
+            cached >= 160,
+            "conversation {c}: only {cached} cached tokens"
+        );
+    }
+    let m = harness::body_text(client.get(format!("http://{inv}/metrics")))
+        .await
+        .unwrap();
+    let hits = m
+        .lines()
+        .find(|l| {
+            l.starts_with("kvroute_route_truncated_total{")
+                && l.contains(r#"reason="hit""#)
+                && l.contains(r#"truncated="media""#)
+        })
+        .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .unwrap_or(0.0);
+    assert!(hits >= 3.0, "media decisions counted as hits: {hits}\n{m}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn conversation_sticks_to_its_prefix_and_falls_back_when_the_engine_dies() {
     // Held whole: its other fields (the inventory process, the temp dir) must live to the end.

@@ -138,6 +138,7 @@ async fn offload(state: &Arc<ApiState>, req: &mut RouteRequest) {
                 .map(|k| WireKey::Unsigned(k.0))
                 .collect();
             req.token_count = t.keyed.token_count;
+            req.truncated = t.keyed.truncated;
         }
         Err(e @ KeyingError::NotConfigured) => {
             tracing::debug!(rule = %rule.spec.name(), "offloaded tokenization: {e}")
@@ -161,6 +162,7 @@ pub fn answer(fleet: &Fleet, req: &RouteRequest, now: Instant) -> Result<RouteRe
         explain: req.explain,
         only: None,
         fallbacks: 0,
+        truncated: req.truncated,
     };
     question::answer(fleet, &rule, &ask, now)
         .map(|a| a.response)

@@ -169,6 +169,7 @@ impl Picker {
             explain: false,
             only: only.as_deref(),
             fallbacks: self.opts.fallbacks,
+            truncated: t.as_ref().and_then(|t| t.keyed.truncated),
         };
         match question::answer(&self.fleet, &rule, &ask, Instant::now()) {
             Ok(a) => match a.response.decode_endpoint {

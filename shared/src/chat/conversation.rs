@@ -17,8 +17,14 @@
 //! HuggingFace (`apply_chat_template`, transformers 5): keys whose value is `null` are dropped
 //! and reasoning is aliased as `{"thinking": r, ..., "reasoning_content": r}`.
 //!
-//! Non-text content (images, audio, ...) changes the engine's tokens in ways a router cannot
-//! reproduce, so it is an error here and the caller routes without a prefix.
+//! Non-text content (images, audio, video, prompt embeddings) becomes tokens a router cannot
+//! reproduce: the engine expands a placeholder into as many tokens as the item needs and folds the
+//! item's hash into the blocks it overlaps. What comes before the first such part is plain text,
+//! so [`build_messages`] can put a given placeholder where vLLM puts the item's (the caller cuts
+//! the rendered prompt there); without one, a non-text part is an error. vLLM's placement: for
+//! templates reading `content` as a string, the placeholders of a message's media items go first,
+//! each followed by `"\n"`, then its text (a `prompt_embeds` part stays where it is); for
+//! templates iterating over parts, each item stays a part in its place.
 
 use serde_json::{Map, Value};
 
@@ -72,8 +78,73 @@ const TEXT_PARTS: [(&str, &str); 5] = [
     ("thinking", "thinking"),
 ];
 
+/// Media part types vLLM accepts, and whether vLLM keeps the part where it is in a
+/// string-content message (`prompt_embeds`) instead of moving its placeholder to the front.
+const MEDIA_PARTS: [(&str, bool); 10] = [
+    ("image_url", false),
+    ("input_image", false),
+    ("image_pil", false),
+    ("image_embeds", false),
+    ("audio_url", false),
+    ("input_audio", false),
+    ("audio_embeds", false),
+    ("video_url", false),
+    ("video_embeds", false),
+    ("prompt_embeds", true),
+];
+
+/// One content part as vLLM reads it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Part<'a> {
+    Text(&'a str),
+    /// A media item: `part` is its index in `content`, `inline` true for `prompt_embeds`.
+    Media {
+        part: usize,
+        part_type: &'a str,
+        inline: bool,
+    },
+}
+
+/// Where the first non-text content part of a conversation is.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MediaCut {
+    /// Index in `messages`.
+    pub message: usize,
+    /// Index in that message's `content`.
+    pub part: usize,
+    /// The part's `type` (`image_url`, `input_audio`, ...).
+    pub part_type: String,
+}
+
+/// The part's `type` when it is one vLLM accepts as media.
+pub fn media_type(part: &Value) -> Option<&str> {
+    let kind = part.get("type")?.as_str()?;
+    MEDIA_PARTS.iter().any(|(t, _)| *t == kind).then_some(kind)
+}
+
+/// The first media part of `messages`, if any. Malformed messages are left to
+/// [`build_messages`] to report.
+pub fn first_media(messages: &[Value]) -> Option<MediaCut> {
+    messages.iter().enumerate().find_map(|(message, m)| {
+        let parts = m.get("content")?.as_array()?;
+        parts.iter().enumerate().find_map(|(part, p)| {
+            media_type(p).map(|kind| MediaCut {
+                message,
+                part,
+                part_type: kind.to_owned(),
+            })
+        })
+    })
+}
+
 /// Builds the template's `messages` from validated OpenAI messages (objects with a string `role`).
-pub fn build_messages(messages: &[Value], format: ContentFormat) -> Result<Vec<Value>, ChatError> {
+/// `media`: the text standing for each media item, placed where vLLM places the item's
+/// placeholder; `None` makes a media part an error.
+pub fn build_messages(
+    messages: &[Value],
+    format: ContentFormat,
+    media: Option<&str>,
+) -> Result<Vec<Value>, ChatError> {
     let mut out = Vec::with_capacity(messages.len());
     for (index, message) in messages.iter().enumerate() {
         let Some(message) = message.as_object() else {
@@ -88,16 +159,30 @@ pub fn build_messages(messages: &[Value], format: ContentFormat) -> Result<Vec<V
                 reason: "`role` must be a string".into(),
             });
         };
-        let texts = text_parts(index, message.get("content"))?;
+        let parts = content_parts(index, message.get("content"))?;
+        let media = match media {
+            Some(m) => m,
+            None => {
+                if let Some(err) = parts.iter().find_map(|p| media_error(index, p)) {
+                    return Err(err);
+                }
+                ""
+            }
+        };
         let mut conv = Map::new();
         conv.insert("role".into(), Value::from(role));
         let content = match format {
-            ContentFormat::String => Value::from(texts.join("\n")),
             // vLLM keeps tool results as one string even for "openai" templates.
-            ContentFormat::OpenAi if role == "tool" => Value::from(texts.join("\n")),
-            ContentFormat::OpenAi => {
-                Value::Array(texts.into_iter().map(|t| text_part(t.to_owned())).collect())
-            }
+            ContentFormat::OpenAi if role != "tool" => Value::Array(
+                parts
+                    .iter()
+                    .map(|p| match p {
+                        Part::Text(t) => text_part((*t).to_owned()),
+                        Part::Media { .. } => text_part(media.to_owned()),
+                    })
+                    .collect(),
+            ),
+            _ => Value::from(string_content(&parts, media)),
         };
         conv.insert("content".into(), content);
         if role == "assistant" {
@@ -124,6 +209,43 @@ pub fn build_messages(messages: &[Value], format: ContentFormat) -> Result<Vec<V
     Ok(out)
 }
 
+/// A string-content message as vLLM joins it: media placeholders first, then the text parts
+/// (and inline placeholders) joined with `"\n"`.
+fn string_content(parts: &[Part<'_>], media: &str) -> String {
+    let front = parts
+        .iter()
+        .filter(|p| matches!(p, Part::Media { inline: false, .. }))
+        .count();
+    let texts: Vec<&str> = parts
+        .iter()
+        .filter_map(|p| match p {
+            Part::Text(t) => Some(*t),
+            Part::Media { inline: true, .. } => Some(media),
+            Part::Media { .. } => None,
+        })
+        .collect();
+    let text = texts.join("\n");
+    let mut all: Vec<&str> = std::iter::repeat_n(media, front).collect();
+    if !text.is_empty() {
+        all.push(&text);
+    }
+    all.join("\n")
+}
+
+/// The error for a media part where no stand-in can be placed; `None` for a text part.
+fn media_error(index: usize, part: &Part<'_>) -> Option<ChatError> {
+    match part {
+        Part::Media {
+            part, part_type, ..
+        } => Some(ChatError::UnsupportedContentPart {
+            index,
+            part: *part,
+            part_type: (*part_type).to_owned(),
+        }),
+        Part::Text(_) => None,
+    }
+}
+
 fn text_part(text: String) -> Value {
     let mut part = Map::new();
     part.insert("type".into(), Value::from("text"));
@@ -131,18 +253,48 @@ fn text_part(text: String) -> Value {
     Value::Object(part)
 }
 
-/// The texts of a message's content: none for `null`, one for a string, one per text part.
+/// The texts of a message's content: none for `null`, one for a string, one per text part; a
+/// media part is an error.
 pub(crate) fn text_parts(index: usize, content: Option<&Value>) -> Result<Vec<&str>, ChatError> {
+    let parts = content_parts(index, content)?;
+    if let Some(err) = parts.iter().find_map(|p| media_error(index, p)) {
+        return Err(err);
+    }
+    Ok(parts
+        .into_iter()
+        .filter_map(|p| match p {
+            Part::Text(t) => Some(t),
+            Part::Media { .. } => None,
+        })
+        .collect())
+}
+
+/// A message's content parts: none for `null`, one text for a string, one per text or media
+/// part (text parts whose text is null are skipped, as vLLM skips them).
+pub(crate) fn content_parts(
+    index: usize,
+    content: Option<&Value>,
+) -> Result<Vec<Part<'_>>, ChatError> {
     match content {
         None | Some(Value::Null) => Ok(Vec::new()),
-        Some(Value::String(s)) => Ok(vec![s.as_str()]),
+        Some(Value::String(s)) => Ok(vec![Part::Text(s.as_str())]),
         Some(Value::Array(parts)) => {
             let mut texts = Vec::with_capacity(parts.len());
             for (part_index, part) in parts.iter().enumerate() {
                 match part {
-                    Value::String(s) => texts.push(s.as_str()),
+                    Value::String(s) => texts.push(Part::Text(s.as_str())),
                     Value::Object(obj) => {
                         let kind = obj.get("type").and_then(Value::as_str).unwrap_or("");
+                        if let Some((part_type, inline)) =
+                            MEDIA_PARTS.iter().find(|(t, _)| *t == kind)
+                        {
+                            texts.push(Part::Media {
+                                part: part_index,
+                                part_type,
+                                inline: *inline,
+                            });
+                            continue;
+                        }
                         let Some((_, field)) = TEXT_PARTS.iter().find(|(t, _)| *t == kind) else {
                             return Err(ChatError::UnsupportedContentPart {
                                 index,
@@ -157,7 +309,7 @@ pub(crate) fn text_parts(index: usize, content: Option<&Value>) -> Result<Vec<&s
                         // vLLM skips a text part whose text is null or absent.
                         match obj.get(*field) {
                             None | Some(Value::Null) => {}
-                            Some(Value::String(s)) => texts.push(s.as_str()),
+                            Some(Value::String(s)) => texts.push(Part::Text(s.as_str())),
                             Some(_) => {
                                 return Err(ChatError::InvalidMessage {
                                     index,
@@ -337,7 +489,7 @@ mod tests {
             json!({"role": "user", "content": [{"type": "text", "text": "a"}, "b", {"type": "text", "text": null}]}),
             json!({"role": "assistant", "content": null, "tool_calls": [], "extra": 1}),
         ];
-        let out = build_messages(&messages, ContentFormat::String).unwrap();
+        let out = build_messages(&messages, ContentFormat::String, None).unwrap();
         assert_eq!(
             out,
             vec![
@@ -345,7 +497,7 @@ mod tests {
                 json!({"role": "assistant", "content": ""})
             ]
         );
-        let out = build_messages(&messages, ContentFormat::OpenAi).unwrap();
+        let out = build_messages(&messages, ContentFormat::OpenAi, None).unwrap();
         assert_eq!(
             out[0],
             json!({"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]})
@@ -354,11 +506,56 @@ mod tests {
     }
 
     #[test]
+    fn media_stand_ins_go_where_vllm_puts_placeholders() {
+        let img = json!({"type": "image_url", "image_url": {"url": "x"}});
+        let emb = json!({"type": "prompt_embeds", "prompt_embeds": "AA=="});
+        let messages = vec![
+            json!({"role": "user", "content": [{"type": "text", "text": "a"}, img, {"type": "text", "text": "b"}, img]}),
+            json!({"role": "user", "content": [{"type": "text", "text": "a"}, emb, {"type": "text", "text": "b"}]}),
+            json!({"role": "user", "content": [img]}),
+            json!({"role": "tool", "content": [{"type": "text", "text": "t"}, img]}),
+        ];
+        let out = build_messages(&messages, ContentFormat::String, Some("<I>")).unwrap();
+        let contents: Vec<&Value> = out.iter().map(|m| &m["content"]).collect();
+        assert_eq!(
+            contents,
+            [
+                &json!("<I>\n<I>\na\nb"),
+                &json!("a\n<I>\nb"),
+                &json!("<I>"),
+                &json!("<I>\nt")
+            ]
+        );
+        let out = build_messages(&messages, ContentFormat::OpenAi, Some("<I>")).unwrap();
+        assert_eq!(
+            out[0]["content"],
+            json!([{"type": "text", "text": "a"}, {"type": "text", "text": "<I>"}, {"type": "text", "text": "b"}, {"type": "text", "text": "<I>"}])
+        );
+        assert_eq!(out[3]["content"], json!("<I>\nt"));
+        assert_eq!(
+            first_media(&messages),
+            Some(MediaCut {
+                message: 0,
+                part: 1,
+                part_type: "image_url".into()
+            })
+        );
+        assert_eq!(
+            first_media(&messages[1..2]).unwrap().part_type,
+            "prompt_embeds"
+        );
+        assert_eq!(
+            first_media(&[json!({"role": "user", "content": "x"})]),
+            None
+        );
+    }
+
+    #[test]
     fn rejects_images() {
         let messages = vec![
             json!({"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}),
         ];
-        let err = build_messages(&messages, ContentFormat::String).unwrap_err();
+        let err = build_messages(&messages, ContentFormat::String, None).unwrap_err();
         assert!(err.to_string().contains("image_url"), "{err}");
     }
 
@@ -370,7 +567,7 @@ mod tests {
                 {"id": "2", "function": {"name": "g", "arguments": "[1]"}}
             ]}),
         ];
-        let out = build_messages(&messages, ContentFormat::String).unwrap();
+        let out = build_messages(&messages, ContentFormat::String, None).unwrap();
         let text = serde_json::to_string(&out[0]).unwrap();
         assert_eq!(
             text,

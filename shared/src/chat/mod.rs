@@ -23,7 +23,7 @@ use minijinja::value::Kwargs;
 use minijinja::{Environment, ErrorKind, UndefinedBehavior, Value};
 use serde_json::{Map, Value as Json};
 
-pub use conversation::ContentFormat;
+pub use conversation::{ContentFormat, MediaCut};
 
 /// Why a template could not be loaded or a conversation could not be rendered.
 #[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
@@ -143,6 +143,20 @@ pub enum Renderer {
     /// minijinja's VM.
     Jinja,
 }
+
+/// What [`ChatTemplate::render_prefix`] rendered.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Rendered {
+    /// The prompt text, or its part before the first media item.
+    pub text: String,
+    pub renderer: Renderer,
+    /// Where the first media item is, when the text stops before it.
+    pub media: Option<MediaCut>,
+}
+
+/// Stands for a media item while rendering: private-use code points no template emits on its
+/// own. A client's text containing it only shortens its own routed prefix.
+const MEDIA_STAND_IN: &str = "\u{e000}kvroute:media\u{e001}";
 
 /// A compiled chat template with the tokenizer's special tokens.
 pub struct ChatTemplate {
@@ -363,6 +377,56 @@ impl ChatTemplate {
 
     /// [`render`](Self::render), and which renderer produced the text.
     pub fn render_traced(&self, request: &ChatRequest) -> Result<(String, Renderer), ChatError> {
+        self.render_inner(request, None)
+    }
+
+    /// The part of the prompt a router can reproduce: the whole rendered prompt, or, when a
+    /// message holds a media part (image, audio, video, prompt embeddings), the text the engine's
+    /// prompt has before the first item's placeholder. The media items are replaced by a
+    /// stand-in placed where vLLM places their placeholders, and the rendering is cut at the
+    /// first stand-in.
+    pub fn render_prefix(&self, request: &ChatRequest) -> Result<Rendered, ChatError> {
+        let Some(cut) = conversation::first_media(&request.messages) else {
+            let (text, renderer) = self.render_inner(request, None)?;
+            return Ok(Rendered {
+                text,
+                renderer,
+                media: None,
+            });
+        };
+        let (mut text, renderer) = self.render_inner(request, Some(MEDIA_STAND_IN))?;
+        // A template that drops the item leaves nothing to cut at: no prefix can be known.
+        let at = text
+            .find(MEDIA_STAND_IN)
+            .ok_or_else(|| ChatError::UnsupportedContentPart {
+                index: cut.message,
+                part: cut.part,
+                part_type: cut.part_type.clone(),
+            })?;
+        text.truncate(at);
+        Ok(Rendered {
+            text,
+            renderer,
+            media: Some(cut),
+        })
+    }
+
+    /// The whole prompt with `placeholder` standing for each media item, placed as vLLM places a
+    /// model's placeholder before its processor expands it (the engine simulator's view).
+    pub fn render_with_media(
+        &self,
+        request: &ChatRequest,
+        placeholder: &str,
+    ) -> Result<String, ChatError> {
+        self.render_inner(request, Some(placeholder))
+            .map(|(text, _)| text)
+    }
+
+    fn render_inner(
+        &self,
+        request: &ChatRequest,
+        media: Option<&str>,
+    ) -> Result<(String, Renderer), ChatError> {
         let mut kwargs = request.chat_template_kwargs.clone();
         for reserved in ["chat_template", "tokenize", "messages"] {
             if kwargs.contains_key(reserved) {
@@ -401,13 +465,9 @@ impl ChatTemplate {
         let source = self.sources.get(index).map(String::as_str).unwrap_or("");
 
         // A template kvroute renders natively skips preparing the conversation for the VM.
-        if let Some(n) = self
-            .natives
-            .get(index)
-            .copied()
-            .flatten()
-            .filter(|_| self.native_enabled && self.format_of(index) == ContentFormat::String)
-        {
+        if let Some(n) = self.natives.get(index).copied().flatten().filter(|_| {
+            self.native_enabled && media.is_none() && self.format_of(index) == ContentFormat::String
+        }) {
             let inputs = native::Inputs {
                 messages: &request.messages,
                 tools: tools.as_ref().is_some_and(|t| !t.is_empty()),
@@ -419,7 +479,8 @@ impl ChatTemplate {
                 return Ok((text, Renderer::Native));
             }
         }
-        let mut messages = conversation::build_messages(&request.messages, self.format_of(index))?;
+        let mut messages =
+            conversation::build_messages(&request.messages, self.format_of(index), media)?;
         let tools = tools
             .as_deref()
             .map(conversation::build_tools)

@@ -194,6 +194,10 @@ pub struct RouteRequest {
     /// Chat messages when the filter offloads tokenization.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub messages: Option<serde_json::Value>,
+    /// Why `keys` stop before the prompt's end (`max_tokens`, `long_piece`, `media`), when they
+    /// do: counted per decision reason in `kvroute_route_truncated_total`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub truncated: Option<crate::bpe::Truncation>,
     /// Decide without committing anything, and say why (see the module docs).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub explain: bool,

@@ -18,7 +18,7 @@ use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
 use crate::config::SimConfig;
 use crate::events::KvEvent;
 use crate::kv::{Allocation, KvCache, KvError};
-use crate::prompt::{fake_output, Encoded, Encoder};
+use crate::prompt::{fake_output, hash_view, Encoded, Encoder, MediaItem};
 
 /// Locks a mutex, taking the data even if a panicking thread poisoned it (the cache stays
 /// consistent between calls: every mutation completes under one lock).
@@ -121,6 +121,8 @@ pub struct Admitted {
     /// Prompt tokens served from the cache.
     pub cached_tokens: usize,
     salt: Option<String>,
+    /// The prompt's media items (their blocks are hashed and published with them).
+    media: Vec<MediaItem>,
     _permit: OwnedSemaphorePermit,
 }
 
@@ -170,14 +172,21 @@ impl Admitted {
         let full = upto / bs;
         while self.keys.len() < full {
             let i = self.keys.len();
-            match self.hasher.push_block(&self.seq[i * bs..(i + 1) * bs]) {
+            let view = hash_view(&self.seq[i * bs..(i + 1) * bs], i * bs, &self.media);
+            match self.hasher.push_block(&view) {
                 Some(k) => self.keys.push(k),
                 None => break,
             }
         }
         let rank = &self.engine.ranks[self.rank];
         if let Some(alloc) = self.alloc.as_mut() {
-            lock(&rank.kv).commit(alloc, &self.keys, &self.seq, self.salt.as_deref());
+            lock(&rank.kv).commit_with_media(
+                alloc,
+                &self.keys,
+                &self.seq,
+                self.salt.as_deref(),
+                &self.media,
+            );
         }
         rank.step.notify_one();
     }
@@ -273,7 +282,7 @@ impl Engine {
             ..Default::default()
         };
         let mut hasher = self.cfg.contract.hasher(&extra)?;
-        let keys = hasher.push_tokens(&enc.tokens);
+        let keys = hasher.push_tokens(&hash_view(&enc.tokens, 0, &enc.media));
         let n_out = enc.max_tokens.unwrap_or(self.cfg.default_max_tokens);
         let text = fake_output(&enc.tokens, n_out);
         let words: Vec<String> = if n_out == 0 {
@@ -327,6 +336,7 @@ impl Engine {
             output_ids,
             cached_tokens,
             salt,
+            media: enc.media,
             _permit: permit,
         })
     }

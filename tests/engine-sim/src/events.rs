@@ -31,6 +31,9 @@ pub enum KvEvent {
         /// The request's `cache_salt`: vLLM puts `[salt]` in the first block's `extra_keys`,
         /// SGLang adds a `cache_salt` field.
         salt: Option<String>,
+        /// vLLM: per block (empty: none in this run), the media items it overlaps as vLLM puts
+        /// them in `extra_keys`: `(identifier, item offset minus the block's first position)`.
+        media: Vec<Vec<(String, i64)>>,
     },
     /// Cached blocks were evicted.
     Removed {
@@ -127,6 +130,7 @@ fn encode_event(out: &mut Vec<u8>, opts: &WireOptions, e: &KvEvent, group: u64) 
             token_ids,
             block_size,
             salt,
+            media,
         } => {
             let n = match opts.layout {
                 Layout::Vllm => 11,
@@ -166,13 +170,22 @@ fn encode_event(out: &mut Vec<u8>, opts: &WireOptions, e: &KvEvent, group: u64) 
                 str_(out, "extra_keys");
                 array_len(out, keys.len());
                 for i in 0..keys.len() {
-                    match salt {
-                        // vLLM's cache_salt enters block 0 of a prompt only.
-                        Some(salt) if i == 0 && parent.is_none() => {
-                            array_len(out, 1);
-                            str_(out, salt);
-                        }
-                        _ => out.push(0xc0),
+                    // vLLM's order: media items, then the cache_salt (block 0 of a prompt only).
+                    let items = media.get(i).map_or(&[][..], Vec::as_slice);
+                    let salt = salt.as_deref().filter(|_| i == 0 && parent.is_none());
+                    let n = items.len() + usize::from(salt.is_some());
+                    if n == 0 {
+                        out.push(0xc0);
+                        continue;
+                    }
+                    array_len(out, n);
+                    for (id, offset) in items {
+                        array_len(out, 2);
+                        str_(out, id);
+                        int(out, *offset);
+                    }
+                    if let Some(salt) = salt {
+                        str_(out, salt);
                     }
                 }
                 str_(out, "group_idx");

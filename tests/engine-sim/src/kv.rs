@@ -18,6 +18,8 @@ use std::collections::{BTreeMap, HashMap, VecDeque};
 
 use kvroute_core::hash::BlockKey;
 
+use crate::prompt::MediaItem;
+
 use crate::events::KvEvent;
 
 /// Why a request cannot be admitted.
@@ -218,6 +220,19 @@ impl KvCache {
         tokens: &[u32],
         salt: Option<&str>,
     ) {
+        self.commit_with_media(alloc, keys, tokens, salt, &[]);
+    }
+
+    /// [`commit`](Self::commit) for a sequence holding media items: the events list the items
+    /// each block overlaps in its extra keys.
+    pub fn commit_with_media(
+        &mut self,
+        alloc: &mut Allocation,
+        keys: &[BlockKey],
+        tokens: &[u32],
+        salt: Option<&str>,
+        media: &[MediaItem],
+    ) {
         let upto = keys.len().min(alloc.blocks.len());
         let mut run: Vec<BlockKey> = Vec::new();
         let mut run_start = alloc.committed;
@@ -233,11 +248,11 @@ impl KvCache {
                 }
                 run.push(k);
             } else if !run.is_empty() {
-                self.flush_run(&mut run, run_start, keys, tokens, salt);
+                self.flush_run(&mut run, run_start, keys, tokens, (salt, media));
             }
         }
         if !run.is_empty() {
-            self.flush_run(&mut run, run_start, keys, tokens, salt);
+            self.flush_run(&mut run, run_start, keys, tokens, (salt, media));
         }
         alloc.committed = alloc.committed.max(upto);
     }
@@ -248,9 +263,16 @@ impl KvCache {
         start: usize,
         keys: &[BlockKey],
         tokens: &[u32],
-        salt: Option<&str>,
+        (salt, media): (Option<&str>, &[MediaItem]),
     ) {
         let bs = self.block_size;
+        let items = if media.is_empty() {
+            Vec::new()
+        } else {
+            (start..start + run.len())
+                .map(|b| crate::prompt::overlapping(media, b * bs, bs))
+                .collect()
+        };
         let end = (start + run.len()) * bs;
         let token_ids = tokens
             .get(start * bs..end.min(tokens.len()))
@@ -267,6 +289,7 @@ impl KvCache {
             token_ids,
             block_size: bs as u32,
             salt: salt.map(str::to_string),
+            media: items,
         });
     }
 

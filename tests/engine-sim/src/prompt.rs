@@ -6,10 +6,18 @@
 //! token per whitespace-separated word, id from a hash of the word; chat messages rendered as
 //! `<|role|>\ncontent\n`), which is fast and deterministic for benchmarks; the driver's "direct"
 //! strategy uses this same module, so both sides agree either way.
+//!
+//! Chat requests with images, audio or video (with a tokenizer that has Qwen-VL's vision tokens)
+//! become what vLLM makes of them for a Qwen-VL model: each item's placeholder
+//! [`MEDIA_PLACEHOLDER`] where vLLM puts it (the chat template renders it), its `<|image_pad|>`
+//! expanded to [`MEDIA_TOKENS`] tokens, and the item tracked ([`MediaItem`]) so the blocks it
+//! overlaps are hashed with it and published with it in their `extra_keys`, as vLLM does. The
+//! items' identifiers are a hash of the part as sent (vLLM hashes the decoded media).
 
 use std::path::Path;
 
-use kvroute_core::chat::ChatTemplate;
+use kvroute_core::chat::conversation::{first_media, media_type};
+use kvroute_core::chat::{ChatRequest, ChatTemplate};
 use kvroute_core::prompt::{Endpoint, Prompt, PromptError, PromptTokens, Request, RequestBody};
 use kvroute_core::tokenize::Tokenizer;
 use serde_json::Value;
@@ -46,6 +54,60 @@ pub struct Encoded {
     pub stream: bool,
     /// `stream_options.include_usage` (`None` when absent).
     pub include_usage: Option<bool>,
+    /// The media items of the prompt, in order.
+    pub media: Vec<MediaItem>,
+}
+
+/// The placeholder vLLM renders for an image of a Qwen-VL model; the simulator uses it for every
+/// media item.
+pub const MEDIA_PLACEHOLDER: &str = "<|vision_start|><|image_pad|><|vision_end|>";
+
+/// Prompt tokens one media item becomes (its `<|image_pad|>` repeated).
+pub const MEDIA_TOKENS: usize = 64;
+
+/// One media item of a prompt, as vLLM tracks it for block hashing.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MediaItem {
+    /// Position of its first token in the prompt.
+    pub offset: usize,
+    /// Its tokens.
+    pub len: usize,
+    /// Its identifier (vLLM: the media hash).
+    pub id: String,
+}
+
+/// The items overlapping the `len` tokens from `start`, as vLLM lists them in a block's
+/// `extra_keys`: `(identifier, item offset - start)`.
+pub fn overlapping(media: &[MediaItem], start: usize, len: usize) -> Vec<(String, i64)> {
+    media
+        .iter()
+        .filter(|m| m.offset < start + len && start < m.offset + m.len)
+        .map(|m| (m.id.clone(), m.offset as i64 - start as i64))
+        .collect()
+}
+
+/// The ids the simulator hashes for the `tokens` from `start`: a media item's tokens stand for
+/// the item itself, so blocks holding different items get different keys (vLLM mixes the
+/// identifier in through the block's extra keys).
+pub fn hash_view<'a>(
+    tokens: &'a [u32],
+    start: usize,
+    media: &[MediaItem],
+) -> std::borrow::Cow<'a, [u32]> {
+    if overlapping(media, start, tokens.len()).is_empty() {
+        return std::borrow::Cow::Borrowed(tokens);
+    }
+    let mut out = tokens.to_vec();
+    for m in media {
+        for (i, t) in out.iter_mut().enumerate() {
+            let pos = start + i;
+            if (m.offset..m.offset + m.len).contains(&pos) {
+                let mix = format!("{}:{}", m.id, pos - m.offset);
+                *t = (xxh3_64(mix.as_bytes()) as u32) | 0x8000_0000;
+            }
+        }
+    }
+    std::borrow::Cow::Owned(out)
 }
 
 /// Turns bodies into tokens, with the model's tokenizer or the word fallback.
@@ -110,12 +172,30 @@ impl Encoder {
     /// Parses and tokenizes a body sent to `endpoint`.
     pub fn encode(&self, body: &[u8], endpoint: Endpoint) -> Result<Encoded, PromptError> {
         let req = Request::from_json_for(body, endpoint)?;
-        let tokens = match self {
-            Encoder::Hf {
+        let (tokens, media) = match (self, &req.body) {
+            (
+                Encoder::Hf {
+                    tokenizer,
+                    template: Some(template),
+                },
+                RequestBody::Chat(chat),
+            ) if first_media(&chat.messages).is_some() => media_tokens(
+                chat,
                 tokenizer,
                 template,
-            } => PromptTokens::from_request(&req, &**tokenizer, template.as_deref())?,
-            Encoder::Words => words_tokens(&req),
+                req.add_special_tokens.unwrap_or(false),
+            )?,
+            (
+                Encoder::Hf {
+                    tokenizer,
+                    template,
+                },
+                _,
+            ) => (
+                PromptTokens::from_request(&req, &**tokenizer, template.as_deref())?,
+                Vec::new(),
+            ),
+            (Encoder::Words, _) => (words_tokens(&req), Vec::new()),
         };
         let opts: Value = serde_json::from_slice(body).unwrap_or(Value::Null);
         let max_tokens = opts
@@ -133,6 +213,7 @@ impl Encoder {
                 .get("stream_options")
                 .and_then(|s| s.get("include_usage"))
                 .and_then(Value::as_bool),
+            media,
         })
     }
 
@@ -143,6 +224,46 @@ impl Encoder {
             Encoder::Words => text.split_whitespace().map(word_id).collect(),
         }
     }
+}
+
+/// A chat with media parts as vLLM tokenizes it for a Qwen-VL model (see the module docs).
+fn media_tokens(
+    chat: &ChatRequest,
+    tokenizer: &Tokenizer,
+    template: &ChatTemplate,
+    add_special_tokens: bool,
+) -> Result<(Vec<u32>, Vec<MediaItem>), PromptError> {
+    let text = template.render_with_media(chat, MEDIA_PLACEHOLDER)?;
+    let ids = tokenizer.encode(&text, add_special_tokens)?;
+    // Identifiers in the order the placeholders appear (vLLM keeps each message's items in
+    // part order; the messages come in order).
+    let ids_of_items: Vec<String> = chat
+        .messages
+        .iter()
+        .filter_map(|m| m.get("content")?.as_array())
+        .flatten()
+        .filter(|p| media_type(p).is_some())
+        .map(|p| format!("{:016x}", xxh3_64(p.to_string().as_bytes())))
+        .collect();
+    let Some(pad) = tokenizer.token_to_id("<|image_pad|>") else {
+        return Ok((ids, Vec::new()));
+    };
+    let mut out = Vec::with_capacity(ids.len() + ids_of_items.len() * MEDIA_TOKENS);
+    let mut media = Vec::new();
+    for t in ids {
+        match ids_of_items.get(media.len()) {
+            Some(id) if t == pad => {
+                media.push(MediaItem {
+                    offset: out.len(),
+                    len: MEDIA_TOKENS,
+                    id: id.clone(),
+                });
+                out.extend(std::iter::repeat_n(pad, MEDIA_TOKENS));
+            }
+            _ => out.push(t),
+        }
+    }
+    Ok((out, media))
 }
 
 /// The word tokenizer's id for one word.
@@ -217,6 +338,41 @@ pub fn fake_output(prompt: &[u32], n: usize) -> String {
 mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
+
+    #[test]
+    fn media_items_change_the_blocks_they_overlap_and_only_those() {
+        let media = vec![
+            MediaItem {
+                offset: 5,
+                len: 8,
+                id: "a".into(),
+            },
+            MediaItem {
+                offset: 20,
+                len: 4,
+                id: "b".into(),
+            },
+        ];
+        // Blocks of 4: [0,4) none, [4,8) a at +1, [12,16) a at -7, [16,20) none, [20,24) b.
+        assert!(overlapping(&media, 0, 4).is_empty());
+        assert_eq!(overlapping(&media, 4, 4), vec![("a".to_string(), 1)]);
+        assert_eq!(overlapping(&media, 12, 4), vec![("a".to_string(), -7)]);
+        assert!(overlapping(&media, 16, 4).is_empty());
+        assert_eq!(overlapping(&media, 20, 4), vec![("b".to_string(), 0)]);
+        let tokens: Vec<u32> = (0..24).collect();
+        let view = hash_view(&tokens, 0, &media);
+        assert_eq!(view[..5], tokens[..5]);
+        assert_eq!(view[13..20], tokens[13..20]);
+        assert!(view[5..13].iter().all(|t| t & 0x8000_0000 != 0));
+        // Another image at the same place: other ids; the same image: the same ids.
+        let other = vec![MediaItem {
+            offset: 5,
+            len: 8,
+            id: "c".into(),
+        }];
+        assert_ne!(hash_view(&tokens, 0, &other)[5..13], view[5..13]);
+        assert_eq!(hash_view(&tokens[4..8], 4, &media)[..], view[4..8]);
+    }
 
     #[test]
     fn words_encoder_handles_both_endpoints() {

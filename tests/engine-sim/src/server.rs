@@ -31,7 +31,7 @@ use tokio::sync::mpsc;
 
 use crate::engine::{lock, Engine, SimError, Usage};
 use crate::events::{trtllm_created, trtllm_envelope, KvEvent};
-use crate::prompt::Encoded;
+use crate::prompt::{hash_view, Encoded};
 
 /// The response header naming the simulator.
 pub const SIM_HEADER: &str = "x-kvroute-sim";
@@ -418,7 +418,10 @@ async fn match_body(
         _ => Endpoint::Completions,
     };
     let enc = encode(&engine, body, endpoint).await?;
-    let keys = engine.keys_for(&enc.tokens, enc.cache_salt.as_deref())?;
+    let keys = engine.keys_for(
+        &hash_view(&enc.tokens, 0, &enc.media),
+        enc.cache_salt.as_deref(),
+    )?;
     let per_rank = engine.match_keys(&keys);
     let best = per_rank.iter().max().copied().unwrap_or(0);
     let bs = engine.cfg.contract.block_size.get();

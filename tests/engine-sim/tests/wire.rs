@@ -47,6 +47,7 @@ fn events_of(decoded: &Value, block_size: u32) -> Vec<KvEvent> {
                     .collect(),
                 block_size,
                 salt: e["cache_salt"].as_str().map(str::to_string),
+                media: Vec::new(),
             },
             "BlockRemoved" => KvEvent::Removed {
                 keys: u64s(&e["block_hashes"]).into_iter().map(BlockKey).collect(),
@@ -75,6 +76,7 @@ fn vllm_batches_are_byte_identical_to_vllm_0_33() {
                 token_ids: tokens.clone(),
                 block_size: 16,
                 salt: None,
+                media: Vec::new(),
             },
             KvEvent::Removed {
                 keys: vec![keys[0]],
@@ -176,6 +178,7 @@ fn vllm_base_layout_matches_the_handbuilt_minimal_batch() {
         token_ids: vec![],
         block_size: 16,
         salt: None,
+        media: Vec::new(),
     };
     let got = encode_batch(&opts, ts_of(&want), std::slice::from_ref(&store), Some(3));
     // Same header and the same store bytes: [0x93, f64, array(3)] then the map.
