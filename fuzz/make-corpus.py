@@ -98,6 +98,15 @@ for fixture, prefix in (("qwen3-chat.json", "chat-"), ("qwen3-completions.json",
         body = json.dumps(case["request"], ensure_ascii=False).encode()
         if len(body) <= 2048:
             write("openai_body", prefix + case["name"], body)
+for case in load(FIX / "chat" / "anthropic.json")["cases"]:
+    body = json.dumps(case["request"], ensure_ascii=False).encode()
+    if len(body) <= 2048:
+        write("openai_body", "anthropic-" + case["name"], body)
+write("openai_body", "media", json.dumps({"messages": [
+    {"role": "system", "content": "You describe pictures."},
+    {"role": "user", "content": [{"type": "text", "text": "what is it"},
+                                 {"type": "image_url", "image_url": {"url": "data:,x"}},
+                                 {"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}]}]}))
 write("openai_body", "token-ids", json.dumps({"model": "m", "prompt": [[1, 2, 3] * 12],
                                                "cache_salt": "s"}))
 write("openai_body", "kwargs", json.dumps({

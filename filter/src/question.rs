@@ -61,7 +61,12 @@ pub fn build(
             route.prompt = Some(std::mem::take(t));
             None
         }
-        // Offloaded chat: the messages travel as the client sent them (re-read from the body).
+        // Offloaded chat: the messages travel as the client sent them (re-read from the body);
+        // an Anthropic conversation as the chat messages vLLM converts it to.
+        RequestBody::Chat(chat) if offload && endpoint == Endpoint::Messages => {
+            route.messages = Some(serde_json::Value::Array(std::mem::take(&mut chat.messages)));
+            None
+        }
         RequestBody::Chat(_) if offload => {
             route.messages = serde_json::from_slice::<serde_json::Value>(body)
                 .ok()

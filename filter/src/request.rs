@@ -124,15 +124,6 @@ fn duration_ns(d: std::time::Duration) -> u64 {
     u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
 }
 
-fn routed_endpoint(path: &str) -> Option<Endpoint> {
-    let path = path.split(['?', '#']).next().unwrap_or(path);
-    match path {
-        "/v1/completions" => Some(Endpoint::Completions),
-        "/v1/chat/completions" => Some(Endpoint::ChatCompletions),
-        _ => None,
-    }
-}
-
 impl RequestFilter {
     /// A request that has not been seen yet.
     pub fn new(vm: Rc<VmState>) -> Self {
@@ -239,7 +230,7 @@ impl RequestFilter {
         let endpoint = host
             .header(Headers::Request, ":path")
             .as_deref()
-            .and_then(routed_endpoint);
+            .and_then(Endpoint::from_path);
         let (Some("POST"), Some(endpoint)) = (method.as_deref(), endpoint) else {
             return Ok(Step::Continue);
         };
@@ -830,6 +821,34 @@ mod tests {
         // An unknown part type is still a request the filter cannot key: it fails open.
         let bad = json!({"model": "m", "messages": [{"role": "user", "content": [{"type": "hologram"}]}]}).to_string();
         post(&host, "/v1/chat/completions", bad.as_bytes());
+        let mut r = p.new_request();
+        assert_eq!(r.on_request_headers(&host, false), Step::Pause);
+        assert_eq!(r.on_request_body(&host, bad.len(), true), Step::Continue);
+        assert_eq!(pinned(&r), Some(false));
+    }
+
+    /// An Anthropic Messages request is routed like the chat completions request vLLM converts
+    /// it to: the same keys, its own affinity service type.
+    #[test]
+    fn an_anthropic_messages_request_is_routed_like_its_chat_conversion() {
+        let host = FakeHost::default();
+        let p = ready(&host, CFG);
+        let anthropic = json!({"model": "m", "max_tokens": 16, "metadata": {"user_id": "t1"},
+            "system": [{"type": "text", "text": "hello hello, you help", "cache_control": {"type": "ephemeral"}}],
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "hello there hello there"}]}]})
+        .to_string();
+        let chat = json!({"model": "m", "messages": [
+            {"role": "system", "content": "hello hello, you help"},
+            {"role": "user", "content": "hello there hello there"}]})
+        .to_string();
+        let (_, a) = to_callout(&host, &p, "/v1/messages", anthropic.as_bytes());
+        let (_, c) = to_callout(&host, &p, "/v1/chat/completions", chat.as_bytes());
+        assert!(a["keys"].as_array().is_some_and(|k| k.len() > 4), "{a}");
+        assert_eq!(a["keys"], c["keys"]);
+        assert_eq!(a["affinity_key"], "user:t1|messages");
+        // A malformed one fails open, counted as a bad request.
+        let bad = br#"{"model": "m", "messages": [{"role": "user", "content": []}]}"#;
+        post(&host, "/v1/messages", bad);
         let mut r = p.new_request();
         assert_eq!(r.on_request_headers(&host, false), Step::Pause);
         assert_eq!(r.on_request_body(&host, bad.len(), true), Step::Continue);

@@ -1,10 +1,13 @@
 //! OpenAI `usage` in upstream responses, for the cache hit/miss token stats.
 //!
-//! Two shapes exist: `usage.prompt_tokens_details.cached_tokens` (OpenAI, vLLM) and
-//! `usage.prompt_cache_hit_tokens` / `prompt_cache_miss_tokens` (DeepSeek-style). Missing fields
-//! count as 0; a miss count absent in the first shape is `prompt_tokens - cached_tokens`.
-//! Streaming responses carry usage in the final SSE chunk (`stream_options.include_usage`), so
-//! SSE bodies are searched from the last `data:` line backwards.
+//! Three shapes exist: `usage.prompt_tokens_details.cached_tokens` (OpenAI, vLLM),
+//! `usage.prompt_cache_hit_tokens` / `prompt_cache_miss_tokens` (DeepSeek-style), and Anthropic
+//! Messages' `input_tokens` (the uncached tokens), `cache_read_input_tokens` (hits) and
+//! `cache_creation_input_tokens` (written to the cache: misses too), as vLLM's `/v1/messages`
+//! reports them. Missing fields count as 0; a miss count absent in the first shape is
+//! `prompt_tokens - cached_tokens`. Streaming responses carry usage in the final SSE chunk
+//! (`stream_options.include_usage`; Anthropic's `message_delta` event), so SSE bodies are
+//! searched from the last `data:` line backwards.
 
 use serde_json::Value;
 
@@ -26,6 +29,15 @@ fn field(v: &Value, name: &str) -> Option<u64> {
 pub fn from_usage(u: &Value) -> Option<Usage> {
     if !u.is_object() {
         return None;
+    }
+    if u.get("prompt_tokens").is_none() {
+        if let Some(uncached) = field(u, "input_tokens") {
+            return Some(Usage {
+                hit_tokens: field(u, "cache_read_input_tokens").unwrap_or(0),
+                miss_tokens: uncached
+                    .saturating_add(field(u, "cache_creation_input_tokens").unwrap_or(0)),
+            });
+        }
     }
     let hit = u
         .get("prompt_tokens_details")
@@ -180,6 +192,39 @@ mod tests {
         );
         assert_eq!(parse(br#"{"choices":[]}"#, false), None);
         assert_eq!(parse(b"\xff\xfe", false), None);
+    }
+
+    /// vLLM's `/v1/messages` usage: `input_tokens` excludes the cache reads and creations.
+    #[test]
+    fn anthropic_usage_whole_and_streamed() {
+        let j = br#"{"type":"message","usage":{"input_tokens":36,"output_tokens":5,"cache_read_input_tokens":64}}"#;
+        assert_eq!(
+            parse(j, false),
+            Some(Usage {
+                hit_tokens: 64,
+                miss_tokens: 36
+            })
+        );
+        let j =
+            br#"{"usage":{"input_tokens":10,"output_tokens":1,"cache_creation_input_tokens":6}}"#;
+        assert_eq!(
+            parse(j, false),
+            Some(Usage {
+                hit_tokens: 0,
+                miss_tokens: 16
+            })
+        );
+        let s = b"event: message_start\ndata: {\"type\":\"message_start\",\"message\":{\"usage\":{\"input_tokens\":100,\"output_tokens\":0}}}\n\n\
+                  event: content_block_delta\ndata: {\"type\":\"content_block_delta\",\"delta\":{\"type\":\"text_delta\",\"text\":\"hi\"}}\n\n\
+                  event: message_delta\ndata: {\"type\":\"message_delta\",\"delta\":{\"stop_reason\":\"end_turn\"},\"usage\":{\"input_tokens\":36,\"output_tokens\":8,\"cache_read_input_tokens\":64}}\n\n\
+                  event: message_stop\ndata: {\"type\":\"message_stop\"}\n\n";
+        assert_eq!(
+            parse(s, true),
+            Some(Usage {
+                hit_tokens: 64,
+                miss_tokens: 36
+            })
+        );
     }
 
     #[test]

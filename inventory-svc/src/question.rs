@@ -24,9 +24,10 @@ pub use kvroute_core::wire::{Explain, ExplainEndpoint, RouteResponse};
 pub enum Text {
     /// The prompt or messages the filter sent instead of keys.
     Offload(Offload),
-    /// A whole OpenAI request body (completions or chat completions), as the endpoint picker
-    /// receives it from the proxy.
-    Body(bytes::Bytes),
+    /// A whole request body (completions, chat completions or Anthropic messages), as the
+    /// endpoint picker receives it from the proxy, and the API its path names (`None`: told
+    /// from the body's fields, chat or completions).
+    Body(bytes::Bytes, Option<kvroute_core::prompt::Endpoint>),
 }
 
 /// Why a prompt has no keys.
@@ -80,8 +81,12 @@ pub async fn tokenize(
                 let model = o.model.clone();
                 (Source::Offload(o), model, None, None)
             }
-            Text::Body(b) => {
-                let r = Request::from_json(&b).map_err(|e| KeyingError::BadBody(e.to_string()))?;
+            Text::Body(b, endpoint) => {
+                let r = match endpoint {
+                    Some(e) => Request::from_json_for(&b, e),
+                    None => Request::from_json(&b),
+                }
+                .map_err(|e| KeyingError::BadBody(e.to_string()))?;
                 let (model, user, endpoint) = (r.model.clone(), r.user.clone(), r.endpoint());
                 (Source::Body(r), model, user, Some(endpoint))
             }

@@ -45,6 +45,7 @@ pub fn affinity_key(
     let service = match endpoint {
         Endpoint::ChatCompletions => "chat",
         Endpoint::Completions => "completions",
+        Endpoint::Messages => "messages",
     };
     Some(format!("{tenant}|{service}"))
 }

@@ -88,13 +88,16 @@ pub enum PromptError {
     Tokenize(#[from] TokenizeError),
 }
 
-/// The two OpenAI endpoints kvroute routes.
+/// The endpoints kvroute routes: OpenAI's two and Anthropic's Messages.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Endpoint {
     /// `/v1/completions`: a `prompt`.
     Completions,
     /// `/v1/chat/completions`: `messages`.
     ChatCompletions,
+    /// `/v1/messages` (Anthropic Messages): `messages` and `system`, converted as vLLM converts
+    /// them ([`crate::chat::anthropic`]).
+    Messages,
 }
 
 impl Endpoint {
@@ -103,7 +106,16 @@ impl Endpoint {
         match self {
             Self::Completions => "/v1/completions",
             Self::ChatCompletions => "/v1/chat/completions",
+            Self::Messages => "/v1/messages",
         }
+    }
+
+    /// The endpoint of a request path (a query or fragment ignored).
+    pub fn from_path(path: &str) -> Option<Endpoint> {
+        let path = path.split(['?', '#']).next().unwrap_or(path);
+        [Self::Completions, Self::ChatCompletions, Self::Messages]
+            .into_iter()
+            .find(|e| e.path() == path)
     }
 }
 
@@ -142,6 +154,8 @@ pub struct Request {
     /// An explicit LoRA adapter (`lora_path` as SGLang names it, or `lora`); vLLM has none
     /// and names the adapter in `model`.
     pub lora: Option<String>,
+    /// The endpoint the body was parsed for.
+    pub endpoint: Endpoint,
 }
 
 impl Request {
@@ -175,10 +189,7 @@ impl Request {
 
     /// The endpoint this request belongs to.
     pub fn endpoint(&self) -> Endpoint {
-        match self.body {
-            RequestBody::Completion(_) => Endpoint::Completions,
-            RequestBody::Chat(_) => Endpoint::ChatCompletions,
-        }
+        self.endpoint
     }
 
     /// Builds the request from the parsed body, taking the messages out of it (no copy of the
@@ -200,10 +211,37 @@ impl Request {
                         endpoint: endpoint.path(),
                     })?
                     .take();
-                RequestBody::Chat(parse_chat(&obj, messages)?)
+                let tools = opt_list(&obj, "tools")?;
+                RequestBody::Chat(parse_chat(&obj, messages, tools)?)
+            }
+            Endpoint::Messages => {
+                let (messages, tools) = crate::chat::anthropic::to_chat(&obj)?;
+                // vLLM's converted request keeps only the template kwargs of the chat switches.
+                let mut chat = Map::new();
+                if let Some(kwargs) = obj.get("chat_template_kwargs") {
+                    chat.insert("chat_template_kwargs".into(), kwargs.clone());
+                }
+                RequestBody::Chat(parse_chat(&chat, Value::Array(messages), tools)?)
             }
         };
         let obj = &obj;
+        if endpoint == Endpoint::Messages {
+            // Anthropic's own fields; vLLM's converted request carries only the salt.
+            let user = match obj.get("metadata") {
+                None | Some(Value::Null) => None,
+                Some(Value::Object(meta)) => opt_string(meta, "user_id")?,
+                Some(other) => return Err(wrong("metadata", "an object", other)),
+            };
+            return Ok(Self {
+                model: opt_string(obj, "model")?,
+                body,
+                add_special_tokens: None,
+                cache_salt: opt_string(obj, "cache_salt")?,
+                user,
+                lora: None,
+                endpoint,
+            });
+        }
         Ok(Self {
             model: opt_string(obj, "model")?,
             body,
@@ -214,6 +252,7 @@ impl Request {
                 Some(path) => Some(path),
                 None => opt_string(obj, "lora")?,
             },
+            endpoint,
         })
     }
 }
@@ -329,7 +368,7 @@ fn parse_object(body: &[u8]) -> Result<Map<String, Value>, PromptError> {
 }
 
 /// The JSON type name used in error messages.
-fn json_type(v: &Value) -> &'static str {
+pub(crate) fn json_type(v: &Value) -> &'static str {
     match v {
         Value::Null => "null",
         Value::Bool(_) => "a boolean",
@@ -415,7 +454,23 @@ fn token_ids(field: &str, items: &[Value]) -> Result<Vec<u32>, PromptError> {
         .collect()
 }
 
-fn parse_chat(obj: &Map<String, Value>, messages: Value) -> Result<ChatRequest, PromptError> {
+/// An optional array field.
+fn opt_list(
+    obj: &Map<String, Value>,
+    field: &'static str,
+) -> Result<Option<Vec<Value>>, PromptError> {
+    match obj.get(field) {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::Array(items)) => Ok(Some(items.clone())),
+        Some(other) => Err(wrong(field, "an array", other)),
+    }
+}
+
+fn parse_chat(
+    obj: &Map<String, Value>,
+    messages: Value,
+    tools: Option<Vec<Value>>,
+) -> Result<ChatRequest, PromptError> {
     let Value::Array(messages) = messages else {
         return Err(wrong("messages", "an array of message objects", &messages));
     };
@@ -451,13 +506,6 @@ fn parse_chat(obj: &Map<String, Value>, messages: Value) -> Result<ChatRequest, 
             }
         }
     }
-    let list = |field: &'static str| -> Result<Option<Vec<Value>>, PromptError> {
-        match obj.get(field) {
-            None | Some(Value::Null) => Ok(None),
-            Some(Value::Array(items)) => Ok(Some(items.clone())),
-            Some(other) => Err(wrong(field, "an array", other)),
-        }
-    };
     let chat_template_kwargs = match obj.get("chat_template_kwargs") {
         None | Some(Value::Null) => Map::new(),
         Some(Value::Object(kwargs)) => kwargs.clone(),
@@ -465,8 +513,8 @@ fn parse_chat(obj: &Map<String, Value>, messages: Value) -> Result<ChatRequest, 
     };
     Ok(ChatRequest {
         messages,
-        tools: list("tools")?,
-        documents: list("documents")?,
+        tools,
+        documents: opt_list(obj, "documents")?,
         add_generation_prompt: opt_bool(obj, "add_generation_prompt")?.unwrap_or(true),
         continue_final_message: opt_bool(obj, "continue_final_message")?.unwrap_or(false),
         chat_template_kwargs,

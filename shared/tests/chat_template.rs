@@ -17,7 +17,7 @@ use common::qwen3_dir;
 use kvroute_core::chat::conversation::{build_messages, build_tools};
 use kvroute_core::chat::native::{self, Native};
 use kvroute_core::chat::{ChatRequest, ChatTemplate, ContentFormat};
-use kvroute_core::prompt::{Prompt, PromptTokens, Request, RequestBody};
+use kvroute_core::prompt::{Endpoint, Prompt, PromptTokens, Request, RequestBody};
 use kvroute_core::tokenize::Tokenizer;
 use serde_json::Value;
 
@@ -277,6 +277,109 @@ fn qwen3_media_requests_are_routed_on_the_ids_before_the_first_item() {
         }
     }
     assert!(cut > 150, "only {cut} conversations held media");
+}
+
+/// Anthropic Messages bodies: converted to the chat request vLLM 0.28's own conversion code
+/// produced (messages, and tools as vLLM dumps them), rendered to the same ids; a body with
+/// images is routed on the ids before the first one.
+#[test]
+fn anthropic_messages_match_vllms_conversion_and_ids() {
+    let q = qwen3();
+    let cases = fixture("anthropic.json");
+    assert!(
+        cases.len() >= 12,
+        "expected Anthropic fixtures, found {}",
+        cases.len()
+    );
+    let mut rendered = 0;
+    for case in &cases {
+        let name = case["name"].as_str().unwrap();
+        let body = serde_json::to_vec(&case["request"]).unwrap();
+        let request = Request::from_json_for(&body, Endpoint::Messages).unwrap();
+        assert_eq!(request.endpoint(), Endpoint::Messages);
+        let chat = chat_of(&request);
+        let want: Vec<Value> = serde_json::from_value(case["messages"].clone()).unwrap();
+        assert_eq!(chat.messages, want, "{name}: messages");
+        let tools = chat.tools.as_deref().map(build_tools).transpose().unwrap();
+        let want_tools: Option<Vec<Value>> = serde_json::from_value(case["tools"].clone()).unwrap();
+        assert_eq!(tools, want_tools, "{name}: tools");
+        assert_eq!(
+            request.cache_salt.as_deref(),
+            case["request"]["cache_salt"].as_str(),
+            "{name}"
+        );
+        match case.get("expected_ids") {
+            Some(ids) => {
+                let ids: Vec<u32> = serde_json::from_value(ids.clone()).unwrap();
+                let got =
+                    PromptTokens::from_request(&request, &q.tokenizer, Some(&q.template)).unwrap();
+                assert_eq!(got, ids, "{name}: ids");
+                rendered += 1;
+            }
+            None => {
+                let (_, truncated) = PromptTokens::prefix_from_request(
+                    &request,
+                    &q.tokenizer,
+                    Some(&q.template),
+                    kvroute_core::bpe::PrefixCap::tokens(kvroute_core::bpe::MAX_PREFIX_TOKENS),
+                )
+                .unwrap();
+                assert_eq!(
+                    truncated,
+                    Some(kvroute_core::bpe::Truncation::Media),
+                    "{name}"
+                );
+            }
+        }
+    }
+    assert!(rendered >= 10, "only {rendered} cases rendered");
+}
+
+/// Malformed Anthropic bodies are errors naming the field, never panics.
+#[test]
+fn anthropic_messages_errors_name_the_field() {
+    let cases = [
+        (r#"{"model": "m", "messages": []}"#, "messages"),
+        (r#"{"model": "m"}"#, "messages"),
+        (
+            r#"{"model": "m", "messages": [{"role": "tool", "content": "x"}]}"#,
+            "messages[0].role",
+        ),
+        (
+            r#"{"model": "m", "messages": [{"role": "user", "content": []}]}"#,
+            "messages[0].content",
+        ),
+        (
+            r#"{"model": "m", "messages": [{"role": "user", "content": [{"type": "video"}]}]}"#,
+            "messages[0].content[0].type",
+        ),
+        (
+            r#"{"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": 3}]}]}"#,
+            "messages[0].content[0].text",
+        ),
+        (
+            r#"{"model": "m", "system": 5, "messages": [{"role": "user", "content": "x"}]}"#,
+            "system",
+        ),
+        (
+            r#"{"model": "m", "tools": [{"name": "f"}], "messages": [{"role": "user", "content": "x"}]}"#,
+            "tools[0].input_schema",
+        ),
+        (
+            r#"{"model": "m", "metadata": {"user_id": 7}, "messages": [{"role": "user", "content": "x"}]}"#,
+            "user_id",
+        ),
+    ];
+    for (body, field) in cases {
+        let err = Request::from_json_for(body.as_bytes(), Endpoint::Messages).unwrap_err();
+        assert!(err.to_string().contains(field), "{body}: {err}");
+    }
+    let ok = Request::from_json_for(
+        br#"{"model": "m", "metadata": {"user_id": "u-1"}, "messages": [{"role": "user", "content": "x"}]}"#,
+        Endpoint::Messages,
+    )
+    .unwrap();
+    assert_eq!(ok.user.as_deref(), Some("u-1"));
 }
 
 /// A part type vLLM does not know is still an error: no prefix is guessed.

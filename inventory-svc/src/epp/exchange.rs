@@ -127,6 +127,9 @@ pub struct Exchange {
     pub subset: Option<Vec<String>>,
     /// The request's API key (for the affinity key), from its headers.
     pub api_key: Option<Vec<u8>>,
+    /// The API the request's `:path` names (completions, chat completions, Anthropic
+    /// messages); `None` for another path (the body tells chat from completions).
+    pub endpoint: Option<kvroute_core::prompt::Endpoint>,
     /// The endpoint picked, once decided.
     pub picked: Option<String>,
 }
@@ -145,6 +148,7 @@ impl Exchange {
             trailers_pending: false,
             subset: None,
             api_key: None,
+            endpoint: None,
             picked: None,
         }
     }
@@ -186,6 +190,9 @@ impl Exchange {
                 }
                 self.subset = reply::subset(req.metadata_context.as_ref());
                 self.api_key = reply::api_key(h.headers.as_ref());
+                self.endpoint = reply::header(h.headers.as_ref(), ":path")
+                    .and_then(|p| std::str::from_utf8(p).ok())
+                    .and_then(kvroute_core::prompt::Endpoint::from_path);
                 if h.end_of_stream || self.mode == Mode::HeadersOnly {
                     self.phase = Phase::Deciding(At::Headers);
                     return Ok(Next::Decide(Input::NoBody));
@@ -437,6 +444,11 @@ mod tests {
     fn buffered_unpins_at_the_headers_and_pins_in_the_body_answer() {
         let mut x = Exchange::new(1024);
         let r = replies(x.on_message(headers(false, None, true)).unwrap());
+        // The path names the API the body is parsed for.
+        assert_eq!(
+            x.endpoint,
+            Some(kvroute_core::prompt::Endpoint::ChatCompletions)
+        );
         assert_eq!(
             mutation(&r[0]).remove_headers,
             vec![reply::DESTINATION, reply::PREFILLER]

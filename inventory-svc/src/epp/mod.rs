@@ -33,6 +33,7 @@ use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::{
 };
 use envoy_types::pb::envoy::service::ext_proc::v3::{ProcessingRequest, ProcessingResponse};
 use futures::{Stream, StreamExt};
+use kvroute_core::prompt::Endpoint;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status, Streaming};
@@ -105,13 +106,15 @@ impl Picker {
         input: Input,
         subset: Option<&[String]>,
         api_key: Option<&[u8]>,
+        endpoint: Option<Endpoint>,
     ) -> Verdict {
         let body = match input {
             Input::TooLarge => return Verdict::Fail(EppFailure::BodyTooLarge),
             Input::NoBody => None,
             Input::Body(b) => Some(b),
         };
-        match tokio::time::timeout(self.opts.timeout, self.decide(body, subset, api_key)).await {
+        let decision = self.decide(body.map(|b| (b, endpoint)), subset, api_key);
+        match tokio::time::timeout(self.opts.timeout, decision).await {
             Ok(v) => v,
             Err(_) => Verdict::Fail(EppFailure::Timeout),
         }
@@ -119,7 +122,7 @@ impl Picker {
 
     async fn decide(
         &self,
-        body: Option<bytes::Bytes>,
+        body: Option<(bytes::Bytes, Option<Endpoint>)>,
         subset: Option<&[String]>,
         api_key: Option<&[u8]>,
     ) -> Verdict {
@@ -138,10 +141,9 @@ impl Picker {
             return Verdict::SubsetUnavailable;
         }
         let t = match body {
-            Some(b) => {
-                match question::tokenize(&self.fleet, &self.tokenizers, &rule, Text::Body(b), true)
-                    .await
-                {
+            Some((b, endpoint)) => {
+                let text = Text::Body(b, endpoint);
+                match question::tokenize(&self.fleet, &self.tokenizers, &rule, text, true).await {
                     Ok(t) => Some(t),
                     Err(e) => {
                         tracing::debug!(rule = %rule.spec.name(), "epp: {e}");
@@ -246,7 +248,7 @@ impl Picker {
                 Ok(Next::Decide(input)) => {
                     let start = Instant::now();
                     let verdict = self
-                        .pick(input, x.subset.as_deref(), x.api_key.as_deref())
+                        .pick(input, x.subset.as_deref(), x.api_key.as_deref(), x.endpoint)
                         .await;
                     if let Verdict::Fail(why) = &verdict {
                         m.epp_failure(*why).inc();

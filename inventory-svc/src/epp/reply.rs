@@ -239,17 +239,20 @@ pub fn subset(md: Option<&Metadata>) -> Option<Vec<String>> {
 /// The API key of the request headers (`authorization: Bearer` or `x-api-key`), for the affinity
 /// key ([`kvroute_core::affinity`]); Envoy sends header values as `raw_value`.
 pub fn api_key(headers: Option<&HeaderMap>) -> Option<Vec<u8>> {
-    let value = |name: &str| {
-        headers?
-            .headers
-            .iter()
-            .find(|h| h.key.eq_ignore_ascii_case(name))
-            .map(|h| match h.raw_value.is_empty() {
-                true => h.value.as_bytes(),
-                false => h.raw_value.as_slice(),
-            })
-    };
+    let value = |name: &str| header(headers, name);
     kvroute_core::affinity::api_key(value("authorization"), value("x-api-key")).map(<[u8]>::to_vec)
+}
+
+/// A request header's bytes (its raw value when the proxy sends one).
+pub fn header<'a>(headers: Option<&'a HeaderMap>, name: &str) -> Option<&'a [u8]> {
+    headers?
+        .headers
+        .iter()
+        .find(|h| h.key.eq_ignore_ascii_case(name))
+        .map(|h| match h.raw_value.is_empty() {
+            true => h.value.as_bytes(),
+            false => h.raw_value.as_slice(),
+        })
 }
 
 /// The endpoint the proxy reports as having served the request, if it does.

@@ -12,6 +12,7 @@
 //! Invariant: rendering reads no clock and no file; `strftime_now` uses the clock the caller
 //! sets with [`ChatTemplate::set_clock`] (none set: templates that call it fail to render).
 
+pub mod anthropic;
 pub mod conversation;
 pub mod native;
 pub mod python;

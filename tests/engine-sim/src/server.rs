@@ -3,6 +3,7 @@
 //! | route | engine | what |
 //! |---|---|---|
 //! | `POST /v1/completions`, `POST /v1/chat/completions` | all | OpenAI, JSON or SSE (`stream: true`) |
+//! | `POST /v1/messages` | all | Anthropic Messages, JSON or its SSE events; usage with `cache_read_input_tokens` |
 //! | `GET /v1/models`, `GET /health` | all | as vLLM |
 //! | `GET /metrics` | all | the engine's own metric names ([`crate::metrics`]) |
 //! | `GET /server_info`, `GET /get_server_info`, `GET /model_info`, `GET /get_model_info` | all | SGLang's (page size, model path) |
@@ -41,6 +42,7 @@ pub fn router(engine: Arc<Engine>) -> Router {
     Router::new()
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/messages", post(messages))
         .route("/v1/models", get(models))
         .route("/health", get(|| async { StatusCode::OK }))
         .route("/metrics", get(metrics))
@@ -119,6 +121,103 @@ async fn chat_completions(State(engine): State<Arc<Engine>>, body: Bytes) -> Res
     serve(engine, body, Endpoint::ChatCompletions)
         .await
         .unwrap_or_else(IntoResponse::into_response)
+}
+
+/// Anthropic Messages, as vLLM serves them: the body converted to a chat request
+/// (kvroute-core's conversion, vLLM's rules), the answer and its usage in Anthropic's shape
+/// (`input_tokens` = prompt tokens not read from the cache), streamed as Anthropic's events.
+async fn messages(State(engine): State<Arc<Engine>>, body: Bytes) -> Response {
+    serve_messages(engine, body)
+        .await
+        .unwrap_or_else(IntoResponse::into_response)
+}
+
+fn anthropic_usage(u: &Usage) -> Value {
+    json!({"input_tokens": u.prompt_tokens - u.cached_tokens, "output_tokens": u.completion_tokens,
+           "cache_read_input_tokens": u.cached_tokens})
+}
+
+async fn serve_messages(engine: Arc<Engine>, body: Bytes) -> Result<Response, ApiError> {
+    let enc = encode(&engine, body, Endpoint::Messages).await?;
+    let model = enc
+        .model
+        .clone()
+        .unwrap_or_else(|| engine.cfg.model.clone());
+    let stream = enc.stream;
+    let mut rx = spawn_request(engine.clone(), enc);
+    match rx.recv().await {
+        Some(Piece::Admitted) => {}
+        Some(Piece::Failed(e)) => return Err(e.into()),
+        _ => {
+            return Err(ApiError(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "request task ended early".into(),
+            ))
+        }
+    }
+    let id = format!("msg_sim{}", engine.next_id());
+    let mut text = String::new();
+    let mut usage = None;
+    let mut events = String::new();
+    let event = |out: &mut String, name: &str, v: Value| {
+        out.push_str(&format!("event: {name}\ndata: {v}\n\n"));
+    };
+    event(
+        &mut events,
+        "message_start",
+        json!({"type": "message_start", "message": {"id": id, "type": "message", "role": "assistant",
+               "model": model, "content": [], "stop_reason": null, "usage": {"input_tokens": 0, "output_tokens": 0}}}),
+    );
+    event(
+        &mut events,
+        "content_block_start",
+        json!({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}),
+    );
+    while let Some(p) = rx.recv().await {
+        match p {
+            Piece::Word(w) => {
+                event(
+                    &mut events,
+                    "content_block_delta",
+                    json!({"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": w}}),
+                );
+                text.push_str(&w);
+            }
+            Piece::Done(u) => usage = Some(u),
+            Piece::Admitted | Piece::Failed(_) => {}
+        }
+    }
+    let usage = usage.ok_or_else(|| {
+        ApiError(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "request task ended early".into(),
+        )
+    })?;
+    if !stream {
+        return Ok(Json(json!({"id": id, "type": "message", "role": "assistant", "model": model,
+            "content": [{"type": "text", "text": text}], "stop_reason": "max_tokens", "stop_sequence": null,
+            "usage": anthropic_usage(&usage)}))
+        .into_response());
+    }
+    // The whole answer in one body: the simulator's timing is in when the body starts, and a
+    // client reads the same events.
+    event(
+        &mut events,
+        "content_block_stop",
+        json!({"type": "content_block_stop", "index": 0}),
+    );
+    event(
+        &mut events,
+        "message_delta",
+        json!({"type": "message_delta", "delta": {"stop_reason": "max_tokens", "stop_sequence": null},
+               "usage": anthropic_usage(&usage)}),
+    );
+    event(&mut events, "message_stop", json!({"type": "message_stop"}));
+    Response::builder()
+        .header("content-type", "text/event-stream")
+        .header("cache-control", "no-cache")
+        .body(Body::from(events))
+        .map_err(|e| ApiError(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))
 }
 
 /// What the request task reports, in order.
