@@ -6,6 +6,8 @@
 #                                       10 system prompts of ~600 tokens, 40 users x 4 turns),
 #                                       staggered and burst (9 runs each, medians): round robin, sticky, kvroute,
 #                                       sglang-router 0.3.2, oracle; one-shot and hot-prefix; targets
+#   anthropic  docs/bench-anthropic.md  the constrained multi-turn workload as chat completions and
+#                                       as Anthropic Messages, interleaved (5 runs per arrival)
 #   scale      docs/bench-scale.md      multi-turn at 4, 8 and 16 endpoints
 #   gateways   docs/bench-gateways.md   1 vs 4 Envoy gateways (kvroute filter) sharing one inventory
 #
@@ -13,7 +15,7 @@
 # bench-small-ttft.svg, bench-placement.svg and bench-placement-ttft-{staggered,burst}.svg,
 # bench-scale.svg), which the page embeds.
 #
-# Usage: scripts/bench.sh [small|placement|scale|gateways]...   (default: all four)
+# Usage: scripts/bench.sh [small|placement|anthropic|scale|gateways]...   (default: all five)
 #
 # Before measuring it installs what is missing, idempotently: scripts/setup.sh (Envoy, the Qwen3
 # tokenizer fixture, the wasm toolchain, sglang-router==0.3.2 into $KVROUTE_CACHE/sglang-router-venv),
@@ -21,7 +23,8 @@
 # Raw results (JSON) go to $KVROUTE_CACHE/bench/. KVROUTE_INVENTORY_BIN=PATH measures that
 # kvroute-inventory binary instead of building the workspace's (e.g. a reviewed build while the
 # tree is mid-change). KVROUTE_PLACEMENT_RUNS=N sets the placement part's runs per arrival
-# (default 9; one run measures every strategy for ~3 s). Every process a part starts is stopped when it
+# (default 9; one run measures every strategy for ~3 s); KVROUTE_ANTHROPIC_RUNS=N the anthropic
+# part's (default 3). Every process a part starts is stopped when it
 # ends (kvroute-bench kills its children on exit; this script kills the gateways' processes).
 set -euo pipefail
 
@@ -39,12 +42,12 @@ die() {
 
 parts=("$@")
 if ((${#parts[@]} == 0)); then
-    parts=(small placement scale gateways)
+    parts=(small placement anthropic scale gateways)
 fi
 for p in "${parts[@]}"; do
     case "$p" in
-    small | placement | scale | gateways) ;;
-    *) die "unknown part '$p' (allowed: small placement scale gateways)" ;;
+    small | placement | anthropic | scale | gateways) ;;
+    *) die "unknown part '$p' (allowed: small placement anthropic scale gateways)" ;;
     esac
 done
 want() {
@@ -137,6 +140,35 @@ if want placement; then
     bench "${common[@]}" --workloads one-shot,hot-prefix \
         --json "$OUT/placement-other.json" --markdown "$OUT/placement-other.md"
     report placement "$OUT" "$REPO/docs/bench-placement.md"
+fi
+
+if want anthropic; then
+    # The same constrained multi-turn workload sent as OpenAI chat completions and as Anthropic
+    # Messages (system prompt as a block with a cache_control breakpoint), interleaved run by run
+    # on fresh fleets: the two shapes must save the same prefill. sglang-router serves no
+    # /v1/messages, so it is not in this part.
+    common=(--preset constrained --tokenizer-dir "$KVROUTE_TOKENIZER_DIR" --workloads multi-turn
+        --strategies round-robin,sticky,kvroute-engine,oracle)
+    runs="${KVROUTE_ANTHROPIC_RUNS:-5}"
+    [[ "$runs" =~ ^[1-9][0-9]*$ ]] || die "KVROUTE_ANTHROPIC_RUNS=$runs: allowed a positive integer"
+    export KVROUTE_ANTHROPIC_RUNS="$runs"
+    rm -f "$OUT"/anthropic-*.json "$OUT"/anthropic-*.md
+    total=$((4 * runs)) finished=0
+    for arrival in staggered burst; do
+        for run in $(seq 1 "$runs"); do
+            for api in openai anthropic; do
+                what="$api, $arrival arrival, run $run of $runs"
+                progress "$finished" "$total" "$what"
+                bench "${common[@]}" --api "$api" --arrival "$arrival" \
+                    --progress-label "bench.sh: anthropic $finished/$total, $what" \
+                    --json "$OUT/anthropic-$arrival-$api-$run.json" --markdown "$OUT/anthropic-$arrival-$api-$run.md"
+                finished=$((finished + 1))
+            done
+        done
+    done
+    progress "$finished" "$total" "finished"
+    if [[ -t 2 ]]; then echo >&2; fi
+    report anthropic "$OUT" "$REPO/docs/bench-anthropic.md"
 fi
 
 if want scale; then

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Writes the measured pages in docs/ (every markdown report the scripts produce).
 
-usage: report.py PART RESULTS_DIR OUT.md     PART: small, placement, scale, gateways (scripts/bench.sh)
+usage: report.py PART RESULTS_DIR OUT.md     PART: small, placement, anthropic, scale, gateways (scripts/bench.sh)
        report.py hash CRITERION_DIR WASM.json OPENSSL.txt    docs/bench-hash.md on stdout (scripts/bench-hash.sh)
        report.py soak SAMPLES.tsv OUT.md      figures in SOAK_* variables (scripts/soak.sh)
        report.py fuzz DOC.md RESULTS          one row per target run, other rows kept (scripts/fuzz.sh)
@@ -280,6 +280,53 @@ def placement(res: Path, out: Path):
     out.write_text(text)
 
 
+def anthropic(res: Path, out: Path):
+    """OpenAI chat completions against Anthropic Messages on the same workload, paired by run."""
+    RUNS = int(os.environ.get("KVROUTE_ANTHROPIC_RUNS", "5"))
+    strategies = ["round-robin", "sticky", "kvroute-engine", "oracle"]
+    text = (
+        "# Benchmark: Anthropic Messages against chat completions\n\n"
+        f"Measured {stamp()} by `scripts/bench.sh anthropic` on {cpu_model('an unknown CPU')} "
+        f"({os.cpu_count()} cores): the constrained multi-turn workload (kvroute-bench `--preset constrained`, "
+        "2 simulated vLLM engines x 256 blocks, the Qwen3 tokenizer) sent as `POST /v1/chat/completions` "
+        "(`--api openai`) and as `POST /v1/messages` (`--api anthropic`: the system prompt as a block with a "
+        "`cache_control` breakpoint, turns as text blocks, the usage read from `message_delta`), "
+        f"{RUNS} runs per arrival, the two shapes interleaved run by run on fresh fleets. "
+        "The simulators convert the Anthropic body as vLLM does (kvroute-core `chat::anthropic`); kvroute "
+        "keys it through the same conversion. Both shapes render to the same prompt, so the same "
+        "prefill must be saved: **paired ratio** = Anthropic / OpenAI cached-token ratio of the same run, "
+        "median (min-max).\n\n"
+        "Regenerate: `./scripts/bench.sh anthropic` (`KVROUTE_ANTHROPIC_RUNS=N` for more runs).\n\n"
+    )
+    for a in ("staggered", "burst"):
+        runs = {
+            api: [load(res / f"anthropic-{a}-{api}-{i}.json") for i in range(1, RUNS + 1)]
+            for api in ("openai", "anthropic")
+        }
+        text += f"## {a.capitalize()} arrival\n\n"
+        text += (
+            "| strategy | OpenAI cached-token ratio, median (min-max) | Anthropic cached-token ratio, median (min-max) "
+            "| paired ratio | Anthropic TTFT p50 ms, median | errors |\n|---|---|---|---|---|---|\n"
+        )
+        for st in strategies:
+            o = [find(r["summaries"], "multi-turn", st) for r in runs["openai"]]
+            n = [find(r["summaries"], "multi-turn", st) for r in runs["anthropic"]]
+            if any(s is None for s in o + n):
+                continue
+            ov = [s["cached_ratio"] for s in o]
+            nv = [s["cached_ratio"] for s in n]
+            ratios = [b / x for x, b in zip(ov, nv) if x > 0]
+            span = lambda v: f"{pct(median(v))} ({pct(min(v))}-{pct(max(v))})"  # noqa: E731
+            pr = f"{median(ratios):.3f} ({min(ratios):.3f}-{max(ratios):.3f})" if ratios else "-"
+            errors = sum(s["errors"] for s in o + n)
+            text += (
+                f"| {st} | {span(ov)} | {span(nv)} | {pr} | {median([s['ttft_p50_ms'] for s in n]):.1f} | {errors} |\n"
+            )
+        text += "\n"
+    text += command_of(res / "anthropic-staggered-anthropic-1.md")
+    out.write_text(text)
+
+
 def reasons_of(summaries):
     parts = []
     for s in summaries:
@@ -495,9 +542,10 @@ def main():
         soak_page(*sys.argv[2:4])
     elif part == "fuzz" and len(sys.argv) == 4:
         fuzz_page(*sys.argv[2:4])
-    elif part in ("small", "placement", "scale", "gateways") and len(sys.argv) == 4:
+    elif part in ("small", "placement", "anthropic", "scale", "gateways") and len(sys.argv) == 4:
         res, out = Path(sys.argv[2]), Path(sys.argv[3])
-        {"small": small, "placement": placement, "scale": scale, "gateways": gateways}[part](res, out)
+        parts = {"small": small, "placement": placement, "anthropic": anthropic, "scale": scale, "gateways": gateways}
+        parts[part](res, out)
         print(f"report.py: wrote {out}")
     else:
         sys.exit(__doc__)

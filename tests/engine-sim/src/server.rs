@@ -508,11 +508,14 @@ async fn match_keys(
 }
 
 /// The oracle's question: how much of this request would hit here, and how busy is the engine.
+/// `?api=anthropic` reads an Anthropic Messages body; otherwise `messages` means chat.
 async fn match_body(
     State(engine): State<Arc<Engine>>,
+    Query(q): Query<std::collections::HashMap<String, String>>,
     body: Bytes,
 ) -> Result<Json<Value>, ApiError> {
     let endpoint = match serde_json::from_slice::<Value>(&body) {
+        _ if q.get("api").is_some_and(|a| a == "anthropic") => Endpoint::Messages,
         Ok(v) if v.get("messages").is_some() => Endpoint::ChatCompletions,
         _ => Endpoint::Completions,
     };

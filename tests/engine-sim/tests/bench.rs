@@ -119,6 +119,41 @@ fn bench_routes_through_the_inventory() {
     }
 }
 
+/// The Anthropic Messages shape: the simulators serve `/v1/messages`, the oracle and kvroute
+/// key the body through the same conversion, the usage comes from the `message_delta` event.
+#[test]
+fn bench_sends_anthropic_messages() {
+    assert!(
+        inventory_built(),
+        "kvroute-inventory is not built next to kvroute-bench: run ./scripts/test.sh (it builds every binary first)"
+    );
+    let v = bench(&[
+        "--api",
+        "anthropic",
+        "--workloads",
+        "multi-turn",
+        "--strategies",
+        "round-robin,kvroute-engine,oracle",
+    ]);
+    for strategy in ["round-robin", "kvroute-engine", "oracle"] {
+        let s = find(&v, "multi-turn", strategy);
+        assert_eq!(s["errors"], 0, "{strategy}: {s}");
+        assert!(s["cached_ratio"].as_f64().unwrap() > 0.1, "{strategy}: {s}");
+    }
+    let kv = find(&v, "multi-turn", "kvroute-engine");
+    assert!(
+        kv["reasons"]["hit"].as_u64().unwrap_or(0) > 0,
+        "the inventory found hits: {kv}"
+    );
+    assert!(
+        kv["cached_ratio"].as_f64().unwrap()
+            > find(&v, "multi-turn", "round-robin")["cached_ratio"]
+                .as_f64()
+                .unwrap(),
+        "kvroute beats round robin on Anthropic requests: {v}"
+    );
+}
+
 /// The sglang-router peer: the real router (sglang-router 0.3.2, installed by
 /// scripts/setup.sh into .cache/sglang-router-venv) proxies the workload to the simulators;
 /// the bench reads cached tokens and the serving simulator through it, and stops it afterwards.

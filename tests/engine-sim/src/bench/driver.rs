@@ -151,7 +151,74 @@ pub struct Router {
     pub proxy: Option<String>,
     /// Tokenizer shared with the simulators.
     pub encoder: Arc<Encoder>,
+    /// The API the requests are sent in.
+    pub api: Api,
     http: reqwest::Client,
+}
+
+/// The API a workload's requests are sent in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Api {
+    /// `POST /v1/chat/completions`.
+    OpenAi,
+    /// `POST /v1/messages`: the system prompt as a block with a `cache_control` breakpoint,
+    /// turns as text blocks, usage from Anthropic's `message_delta` event.
+    Anthropic,
+}
+
+impl Api {
+    /// The flag value.
+    pub fn parse(s: &str) -> Option<Api> {
+        match s {
+            "openai" => Some(Api::OpenAi),
+            "anthropic" => Some(Api::Anthropic),
+            _ => None,
+        }
+    }
+
+    /// The flag value and report label.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Api::OpenAi => "openai",
+            Api::Anthropic => "anthropic",
+        }
+    }
+
+    fn endpoint(self) -> Endpoint {
+        match self {
+            Api::OpenAi => Endpoint::ChatCompletions,
+            Api::Anthropic => Endpoint::Messages,
+        }
+    }
+
+    /// A turn's request body: the system prompt, the conversation so far (`(role, text)`,
+    /// the last one the user's).
+    fn body(
+        self,
+        model: &str,
+        system: &str,
+        turns: &[(&str, String)],
+        max_tokens: usize,
+        tenant: &str,
+    ) -> Value {
+        match self {
+            Api::OpenAi => {
+                let mut messages = vec![json!({"role": "system", "content": system})];
+                messages.extend(turns.iter().map(|(r, t)| json!({"role": r, "content": t})));
+                json!({"model": model, "messages": messages, "max_tokens": max_tokens, "stream": true,
+                       "stream_options": {"include_usage": true}, "user": tenant})
+            }
+            Api::Anthropic => {
+                let messages: Vec<Value> = turns
+                    .iter()
+                    .map(|(r, t)| json!({"role": r, "content": [{"type": "text", "text": t}]}))
+                    .collect();
+                json!({"model": model, "max_tokens": max_tokens, "stream": true, "metadata": {"user_id": tenant},
+                       "system": [{"type": "text", "text": system, "cache_control": {"type": "ephemeral"}}],
+                       "messages": messages})
+            }
+        }
+    }
 }
 
 /// A choice.
@@ -203,6 +270,7 @@ impl Router {
             gateways: Vec::new(),
             proxy: None,
             encoder,
+            api: Api::OpenAi,
             http,
         })
     }
@@ -248,7 +316,7 @@ impl Router {
                 let asks = self.sims.iter().map(|u| {
                     let req = self
                         .http
-                        .post(format!("{u}/debug/cache/match"))
+                        .post(format!("{u}/debug/cache/match?api={}", self.api.as_str()))
                         .json(body)
                         .send();
                     async move { req.await.ok()?.json::<Value>().await.ok() }
@@ -282,9 +350,10 @@ impl Router {
                 let bytes = serde_json::to_vec(body)?;
                 let enc = self.encoder.clone();
                 let contract = inv.contract.clone();
+                let endpoint = self.api.endpoint();
                 let (keys, count) =
                     tokio::task::spawn_blocking(move || -> anyhow::Result<(Vec<u64>, usize)> {
-                        let e = enc.encode(&bytes, Endpoint::ChatCompletions)?;
+                        let e = enc.encode(&bytes, endpoint)?;
                         let extra = ExtraKeys {
                             cache_salt: e.cache_salt.clone(),
                             ..Default::default()
@@ -351,10 +420,11 @@ async fn send(
     url: &str,
     body: &Value,
     request_id: &str,
+    api: Api,
 ) -> anyhow::Result<Outcome> {
     let t = Instant::now();
     let mut resp = http
-        .post(format!("{url}/v1/chat/completions"))
+        .post(format!("{url}{}", api.endpoint().path()))
         .header("x-request-id", request_id)
         .json(body)
         .timeout(Duration::from_secs(120))
@@ -386,7 +456,8 @@ async fn send(
         buf.push_str(&String::from_utf8_lossy(&chunk));
         while let Some(end) = buf.find("\n\n") {
             let event: String = buf.drain(..end + 2).collect();
-            let Some(data) = event.trim().strip_prefix("data: ") else {
+            // Anthropic's events put an `event:` line before their data.
+            let Some(data) = event.lines().find_map(|l| l.strip_prefix("data: ")) else {
                 continue;
             };
             if data == "[DONE]" {
@@ -396,17 +467,26 @@ async fn send(
             if out.served_by.is_none() {
                 out.served_by = v["system_fingerprint"].as_str().map(str::to_string);
             }
-            if let Some(c) = v["choices"][0]["delta"]["content"].as_str() {
+            let text = v["choices"][0]["delta"]["content"]
+                .as_str()
+                .or_else(|| v["delta"]["text"].as_str());
+            if let Some(c) = text {
                 if !c.is_empty() && first.is_none() {
                     first = Some(t.elapsed());
                 }
                 out.content.push_str(c);
             }
             if let Some(u) = v.get("usage").filter(|u| !u.is_null()) {
-                out.prompt_tokens = u["prompt_tokens"].as_u64().unwrap_or(0);
-                out.cached_tokens = u["prompt_tokens_details"]["cached_tokens"]
-                    .as_u64()
-                    .unwrap_or(0);
+                if let Some(uncached) = u["input_tokens"].as_u64() {
+                    // Anthropic: input_tokens are the uncached ones.
+                    out.cached_tokens = u["cache_read_input_tokens"].as_u64().unwrap_or(0);
+                    out.prompt_tokens = uncached + out.cached_tokens;
+                } else {
+                    out.prompt_tokens = u["prompt_tokens"].as_u64().unwrap_or(0);
+                    out.cached_tokens = u["prompt_tokens_details"]["cached_tokens"]
+                        .as_u64()
+                        .unwrap_or(0);
+                }
             }
         }
     }
@@ -486,22 +566,35 @@ pub async fn run(
         let (model, max_tokens) = (model.to_string(), shape.max_tokens);
         tasks.push(tokio::spawn(async move {
             tokio::time::sleep_until(t0 + s.start).await;
-            let mut messages = vec![json!({"role": "system", "content": s.system.as_str()})];
+            let mut history: Vec<(&str, String)> = Vec::new();
             for (turn, text) in s.turns.iter().enumerate() {
-                messages.push(json!({"role": "user", "content": text}));
-                let body = json!({"model": model, "messages": messages, "max_tokens": max_tokens, "stream": true,
-                                  "stream_options": {"include_usage": true}, "user": s.tenant});
-                let Ok(permit) = sem.acquire().await else { return };
+                history.push(("user", text.clone()));
+                let body = router
+                    .api
+                    .body(&model, &s.system, &history, max_tokens, &s.tenant);
+                let Ok(permit) = sem.acquire().await else {
+                    return;
+                };
                 let t = Instant::now();
                 let mut rec = Record {
-                    session: idx, group: s.group, turn, request_id: request_id(run_seq, idx, turn), served_by: None, prompt_tokens: 0, cached_tokens: 0,
-                    ttft_ms: 0.0, latency_ms: 0.0, route_ms: None, reason: None, error: None,
+                    session: idx,
+                    group: s.group,
+                    turn,
+                    request_id: request_id(run_seq, idx, turn),
+                    served_by: None,
+                    prompt_tokens: 0,
+                    cached_tokens: 0,
+                    ttft_ms: 0.0,
+                    latency_ms: 0.0,
+                    route_ms: None,
+                    reason: None,
+                    error: None,
                 };
                 let result = match router.pick(&body, &s.tenant, s.group).await {
                     Ok(p) => {
                         rec.route_ms = p.route.map(|d| d.as_secs_f64() * 1e3);
                         rec.reason = p.reason;
-                        send(&router.http, &p.url, &body, &rec.request_id).await
+                        send(&router.http, &p.url, &body, &rec.request_id, router.api).await
                     }
                     Err(e) => Err(e),
                 };
@@ -513,11 +606,11 @@ pub async fn run(
                         rec.prompt_tokens = o.prompt_tokens;
                         rec.cached_tokens = o.cached_tokens;
                         rec.ttft_ms = (o.ttft.as_secs_f64() * 1e3) + rec.route_ms.unwrap_or(0.0);
-                        messages.push(json!({"role": "assistant", "content": o.content}));
+                        history.push(("assistant", o.content));
                     }
                     Err(e) => {
                         rec.error = Some(e.to_string());
-                        messages.push(json!({"role": "assistant", "content": ""}));
+                        history.push(("assistant", String::new()));
                     }
                 }
                 if let Ok(mut r) = records.lock() {

@@ -132,6 +132,11 @@ pub struct BenchArgs {
     /// Model name sent in requests.
     #[arg(long, default_value = "sim-model")]
     pub model: String,
+    /// The API requests are sent in: openai (`/v1/chat/completions`) or anthropic
+    /// (`/v1/messages`, the system prompt as a block with a `cache_control` breakpoint). The
+    /// sglang-router strategy needs openai.
+    #[arg(long, default_value = "openai")]
+    pub api: String,
     /// Write every summary as JSON here.
     #[arg(long)]
     pub json: Option<PathBuf>,
@@ -337,6 +342,11 @@ pub async fn main(args: BenchArgs) -> anyhow::Result<Vec<Summary>> {
         "--endpoints",
         |s| s.parse::<usize>().ok().filter(|n| *n > 0),
     )?;
+    let api = driver::Api::parse(&args.api)
+        .ok_or_else(|| anyhow!("--api {:?}: allowed openai, anthropic", args.api))?;
+    if api == driver::Api::Anthropic && strategies.contains(&Strategy::SglangRouter) {
+        bail!("--api anthropic: sglang-router serves no /v1/messages; drop it from --strategies");
+    }
     // Fail before any run when the peer router is asked for but not installed.
     let sglang_python = if strategies.contains(&Strategy::SglangRouter) {
         let py = sglang::find_python(args.sglang_router_python.as_deref())?;
@@ -476,6 +486,7 @@ pub async fn main(args: BenchArgs) -> anyhow::Result<Vec<Summary>> {
                 };
                 let mut router = Router::new(strategy, urls.clone(), encoder.clone())?;
                 router.gateways = gateways.clone();
+                router.api = api;
                 let mut _peer: Option<sglang::SglangRouter> = None;
                 if let (Strategy::SglangRouter, Some(py)) = (strategy, &sglang_python) {
                     let log = tmp.join(format!(
