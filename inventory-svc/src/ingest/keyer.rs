@@ -27,6 +27,7 @@ use crate::fleet::ParityReport;
 use crate::index::{IndexOp, KeyMap};
 use crate::metrics::{ClearCause, Metrics, ParityCheck};
 use crate::rules::KeyMode;
+use prometheus::IntCounter;
 
 /// Per-publisher keying state.
 pub struct Keyer {
@@ -44,6 +45,16 @@ pub struct Keyer {
     mismatches: u64,
     /// KV-cache groups seen with a kind other than full attention, and that kind (a handful).
     partial_groups: Vec<(u32, GroupKind)>,
+    events: EventCounters,
+}
+
+/// `kvroute_ingest_events_total` of the keyer's engine for the vLLM / SGLang event types,
+/// looked up once: a label lookup (hashing both labels under the vector's lock) per event cost
+/// more than keying the event.
+struct EventCounters {
+    stored: IntCounter,
+    removed: IntCounter,
+    cleared: IntCounter,
 }
 
 /// Entries the engine-key map (tokens mode, TensorRT-LLM) may hold; past it the map is dropped and
@@ -59,6 +70,12 @@ impl Keyer {
         contract: Option<HashContract>,
         metrics: Arc<Metrics>,
     ) -> Keyer {
+        let counter = |ty: &str| metrics.events.with_label_values(&[engine.as_str(), ty]);
+        let events = EventCounters {
+            stored: counter("block_stored"),
+            removed: counter("block_removed"),
+            cleared: counter("all_blocks_cleared"),
+        };
         Keyer {
             engine,
             key_mode,
@@ -70,6 +87,7 @@ impl Keyer {
             pending: (0, 0),
             mismatches: 0,
             partial_groups: Vec::new(),
+            events,
         }
     }
 
@@ -79,10 +97,16 @@ impl Keyer {
     }
 
     fn count(&self, ty: &str) {
-        self.metrics
-            .events
-            .with_label_values(&[self.engine.as_str(), ty])
-            .inc();
+        match ty {
+            "block_stored" => self.events.stored.inc(),
+            "block_removed" => self.events.removed.inc(),
+            "all_blocks_cleared" => self.events.cleared.inc(),
+            other => self
+                .metrics
+                .events
+                .with_label_values(&[self.engine.as_str(), other])
+                .inc(),
+        }
     }
 
     /// Operations for one vLLM / SGLang batch.

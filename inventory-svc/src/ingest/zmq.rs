@@ -30,7 +30,7 @@ use tokio::time::{timeout, Instant};
 use tokio_util::sync::CancellationToken;
 use zeromq::{DealerSocket, Socket, SocketEvent, SocketRecv, SocketSend, SubSocket, ZmqMessage};
 
-use super::decode::{decode_batch, parse_seq, split_frames, BytesKey};
+use super::decode::{decode_batch, parse_seq, split_frames, BytesKey, DecodeError};
 use super::keyer::Keyer;
 use super::{clear_for, next_backoff, Feed, SeqTracker, SeqVerdict};
 use crate::metrics::ClearCause;
@@ -192,9 +192,14 @@ pub(super) async fn handle(feed: &Feed, p: &mut Pub, msg: ZmqMessage) {
     let engine = feed.engine();
     let m = &feed.fleet.metrics;
     let (ep, rank) = (feed.ep.0, feed.rank.0);
-    let frames: Vec<Bytes> = msg.into_vec();
-    let refs: Vec<&[u8]> = frames.iter().map(|b| b.as_ref()).collect();
-    let Ok((_topic, seq, payload)) = split_frames(&refs) else {
+    // The frames are borrowed where the message holds them (no per-message vectors).
+    let frame = |i: usize| msg.get(i).map_or(&[][..], |b| b.as_ref());
+    let split = match msg.len() {
+        3 => split_frames(&[frame(0), frame(1), frame(2)]),
+        2 => split_frames(&[frame(0), frame(1)]),
+        n => Err(DecodeError::FrameCount(n)),
+    };
+    let Ok((_topic, seq, payload)) = split else {
         m.decode_errors.with_label_values(&[engine.as_str()]).inc();
         return;
     };
