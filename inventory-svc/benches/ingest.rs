@@ -1,7 +1,7 @@
 //! Ingest benches without ZMQ: one vLLM `BlockStored` of 16 keys (the message of
 //! tests/ingest_bench.rs: no token ids, parent nil) decoded by the streaming decoder and by the
 //! tree decoder it replaced (`reference`), and the whole per-message path after the socket:
-//! decode, keying (`Keyer::batch_ops`) and `Fleet::apply_ops` (index, key cap, gauge).
+//! decode, keying (`Keyer::take_ops`, into a reused vector, as the subscriber does) and `Fleet::apply_ops` (index, key cap, gauge).
 //! Throughput is in block events (keys).
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
@@ -87,14 +87,15 @@ fn path(c: &mut Criterion) {
     let mut keyer = Keyer::new(Engine::Vllm, KeyMode::Engine, 16, None, metrics);
     let mut g = c.benchmark_group("ingest_path");
     g.throughput(Throughput::Elements(PER));
-    let mut i = 0usize;
+    let (mut i, mut ops) = (0usize, Vec::new());
     g.bench_function("decode_key_apply", |b| {
         b.iter(|| {
             let p = &payloads[i % payloads.len()];
             i += 1;
             let batch = decode_batch(black_box(p), BytesKey::Last8).unwrap();
-            let ops = keyer.batch_ops(&batch);
+            keyer.take_ops(batch, &mut ops);
             fleet.apply_ops(&rule, EndpointId(0), Rank(0), &ops);
+            ops.clear();
         })
     });
     g.finish();

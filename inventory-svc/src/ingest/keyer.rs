@@ -109,10 +109,18 @@ impl Keyer {
         }
     }
 
-    /// Operations for one vLLM / SGLang batch.
+    /// Operations for one vLLM / SGLang batch ([`Keyer::take_ops`] of a copy).
     pub fn batch_ops(&mut self, batch: &EventBatch) -> Vec<IndexOp> {
         let mut ops = Vec::with_capacity(batch.events.len());
-        for ev in &batch.events {
+        self.take_ops(batch.clone(), &mut ops);
+        ops
+    }
+
+    /// Appends the operations for one vLLM / SGLang batch to `ops`, taking the batch: in
+    /// `engine` mode its key vectors become the operations' (no copy, no allocation).
+    pub fn take_ops(&mut self, batch: EventBatch, ops: &mut Vec<IndexOp>) {
+        ops.reserve(batch.events.len());
+        for ev in batch.events {
             match ev {
                 KvEvent::Stored(s) => {
                     self.count("block_stored");
@@ -127,7 +135,7 @@ impl Keyer {
                         self.skip_partial(kind, "block_stored", s.block_hashes.len());
                         continue;
                     }
-                    if let Some(op) = self.stored(s, &mut ops) {
+                    if let Some(op) = self.stored(s, ops) {
                         ops.push(op);
                     }
                 }
@@ -137,15 +145,16 @@ impl Keyer {
                     group,
                 } => {
                     self.count("block_removed");
-                    if *medium != Medium::Gpu {
+                    if medium != Medium::Gpu {
                         continue;
                     }
-                    if let Some(kind) = self.partial_group(*group, None) {
+                    if let Some(kind) = self.partial_group(group, None) {
                         self.skip_partial(kind, "block_removed", block_hashes.len());
                         continue;
                     }
                     let keys = match self.key_mode {
-                        KeyMode::Engine => block_hashes.iter().map(|h| BlockKey(*h)).collect(),
+                        // Collected in place: the same allocation, the same bits.
+                        KeyMode::Engine => block_hashes.into_iter().map(BlockKey).collect(),
                         KeyMode::Tokens => block_hashes
                             .iter()
                             .filter_map(|h| self.map.remove(h))
@@ -164,7 +173,6 @@ impl Keyer {
                 }
             }
         }
-        ops
     }
 
     /// The kind of a group that is not full attention (`None`: index the event). A store's own
@@ -209,7 +217,7 @@ impl Keyer {
         ops.push(IndexOp::Clear);
     }
 
-    fn stored(&mut self, s: &Stored, ops: &mut Vec<IndexOp>) -> Option<IndexOp> {
+    fn stored(&mut self, s: Stored, ops: &mut Vec<IndexOp>) -> Option<IndexOp> {
         match self.key_mode {
             KeyMode::Engine => {
                 if s.parent.is_none()
@@ -218,10 +226,11 @@ impl Keyer {
                     && !s.has_extra_keys
                     && s.cache_salt.is_none()
                 {
-                    self.check_parity(s);
+                    self.check_parity(&s);
                 }
+                // Collected in place: the same allocation, the same bits.
                 Some(IndexOp::Store(
-                    s.block_hashes.iter().map(|h| BlockKey(*h)).collect(),
+                    s.block_hashes.into_iter().map(BlockKey).collect(),
                 ))
             }
             KeyMode::Tokens => {

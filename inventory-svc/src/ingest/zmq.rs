@@ -33,6 +33,7 @@ use zeromq::{DealerSocket, Socket, SocketEvent, SocketRecv, SocketSend, SubSocke
 use super::decode::{decode_batch, parse_seq, split_frames, BytesKey, DecodeError};
 use super::keyer::Keyer;
 use super::{clear_for, next_backoff, Feed, SeqTracker, SeqVerdict};
+use crate::index::IndexOp;
 use crate::metrics::ClearCause;
 use crate::metrics::Replay;
 
@@ -48,6 +49,9 @@ enum End {
 pub(super) struct Pub {
     keyer: Keyer,
     seq: SeqTracker,
+    /// The operations of the message being applied (empty between messages; kept for its
+    /// capacity).
+    ops: Vec<IndexOp>,
 }
 
 /// Runs the subscriber of one `(endpoint, rank)` until `cancel` (the rule's token, or the
@@ -102,6 +106,7 @@ pub(super) fn new_pub(feed: &Feed) -> Pub {
     Pub {
         keyer: feed.keyer(),
         seq: SeqTracker::default(),
+        ops: Vec::new(),
     }
 }
 
@@ -257,8 +262,9 @@ fn apply_payload(feed: &Feed, p: &mut Pub, payload: &[u8]) {
                     .with_label_values(&[engine.as_str(), why.as_str()])
                     .inc();
             }
-            let ops = p.keyer.batch_ops(&batch);
-            feed.apply(&ops);
+            p.keyer.take_ops(batch, &mut p.ops);
+            feed.apply(&p.ops);
+            p.ops.clear();
             let (matched, mismatched) = p.keyer.take_parity();
             if let (Some(e), true) = (feed.endpoint(), matched + mismatched > 0) {
                 e.record_parity(matched, mismatched, p.keyer.parity.clone());
