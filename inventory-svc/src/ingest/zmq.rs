@@ -151,6 +151,10 @@ async fn session(feed: Feed, mut p: Pub, cancel: CancellationToken) -> (Pub, End
     }
     tracing::debug!(rule = %feed.rule.spec.name(), ep = feed.ep.0, rank = feed.rank.0, %addr, bind, "subscribed");
     let idle = feed.fleet.settings.zmq_idle_reconnect;
+    // Waited on across messages: a fresh `cancelled()` per message would join and leave the
+    // token's waiter list (under its lock) for every message.
+    let cancelled = cancel.cancelled();
+    tokio::pin!(cancelled);
     loop {
         let silence = async {
             if idle.is_zero() {
@@ -161,7 +165,7 @@ async fn session(feed: Feed, mut p: Pub, cancel: CancellationToken) -> (Pub, End
         };
         tokio::select! {
             biased;
-            _ = cancel.cancelled() => return (p, End::Cancelled),
+            _ = &mut cancelled => return (p, End::Cancelled),
             msg = sock.recv() => match msg {
                 Ok(m) => {
                     if bind {
