@@ -2,16 +2,18 @@
 //! tests/ingest_bench.rs: no token ids, parent nil) decoded by the streaming decoder and by the
 //! tree decoder it replaced (`reference`), and the whole per-message path after the socket:
 //! decode, keying (`Keyer::take_ops`, into a reused vector, as the subscriber does) and `Fleet::apply_ops` (index, key cap, gauge).
-//! Throughput is in block events (keys).
+//! Throughput is in block events (keys). `ingest_index` stores held keys into a 3M-key index
+//! (a table far past the caches): the index part when every key misses.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::hint::black_box;
 use std::sync::Arc;
 
 use criterion::{Criterion, Throughput};
+use kvroute_core::hash::BlockKey;
 use kvroute_core::hash::Engine;
 use kvroute_inventory::fleet::{Fleet, Origin};
-use kvroute_inventory::index::{EndpointId, Rank};
+use kvroute_inventory::index::{BlockIndex, EndpointId, IndexOp, MemIndex, Rank};
 use kvroute_inventory::ingest::decode::{decode_batch, BytesKey};
 use kvroute_inventory::ingest::keyer::Keyer;
 use kvroute_inventory::ingest::reference;
@@ -101,9 +103,38 @@ fn path(c: &mut Criterion) {
     g.finish();
 }
 
+/// Keys held before the large-index store bench: a 64 MiB table, far past the caches.
+const HELD: u64 = 3 << 20;
+
+/// Stores of 16 keys the endpoint already holds, spread over a large index: the index part of
+/// the path when it is bound by one cache miss per key.
+fn large_index(c: &mut Criterion) {
+    let spread = |i: u64| BlockKey(i.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ 0x5555);
+    let index = MemIndex::new();
+    let all: Vec<BlockKey> = (0..HELD).map(spread).collect();
+    for chunk in all.chunks(4096) {
+        index.apply(EndpointId(0), Rank(0), &[IndexOp::Store(chunk.to_vec())]);
+    }
+    let mut g = c.benchmark_group("ingest_index");
+    g.throughput(Throughput::Elements(PER));
+    let mut n = 0u64;
+    g.bench_function("store_16_held_of_3m", |b| {
+        b.iter(|| {
+            // A different, scattered set of held keys every message.
+            let keys: Vec<BlockKey> = (0..PER)
+                .map(|k| spread((n * PER + k).wrapping_mul(0x2545_F491) % HELD))
+                .collect();
+            n += 1;
+            index.apply(EndpointId(0), Rank(0), &[IndexOp::Store(keys)]);
+        })
+    });
+    g.finish();
+}
+
 fn main() {
     let mut c = Criterion::default().configure_from_args();
     decode(&mut c);
     path(&mut c);
+    large_index(&mut c);
     c.final_summary();
 }
