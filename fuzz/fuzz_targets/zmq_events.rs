@@ -2,14 +2,17 @@
 //! ingest receives them: decoded with both engines' raw-bytes key rules, then keyed in `engine`
 //! mode (with the parity self-check) and in `tokens` mode, as one publisher's keyer would.
 //!
-//! The input is the payload frame. Besides "no panic": decoding succeeds for both key rules or
-//! for neither (they differ only in which 8 digest bytes a raw-bytes key folds).
+//! The input is the payload frame. Besides "no panic": the streaming decoder gives the result of
+//! the tree decoder it replaced (`reference`) for every input, errors included, and decoding
+//! succeeds for both key rules or for neither (they differ only in which 8 digest bytes a
+//! raw-bytes key folds).
 #![no_main]
 
 use kvroute_core::hash::{BlockSize, Engine, HashAlgo, HashContract};
 use kvroute_fuzz::metrics;
 use kvroute_inventory::ingest::decode::{decode_batch, BytesKey};
 use kvroute_inventory::ingest::keyer::Keyer;
+use kvroute_inventory::ingest::reference;
 use kvroute_inventory::rules::KeyMode;
 use libfuzzer_sys::fuzz_target;
 
@@ -30,6 +33,12 @@ fuzz_target!(|data: &[u8]| {
     let mut ok = Vec::new();
     for (bytes_key, engine, contract) in layouts {
         let batch = decode_batch(data, bytes_key);
+        // Compared by `Debug`: a NaN `ts` equals itself there, and -0.0 differs from 0.0.
+        assert_eq!(
+            format!("{batch:?}"),
+            format!("{:?}", reference::decode_batch(data, bytes_key)),
+            "the streaming decoder and the reference disagree ({bytes_key:?})"
+        );
         ok.push(batch.is_ok());
         let Ok(batch) = batch else { continue };
         let mut engine_keyer = Keyer::new(engine, KeyMode::Engine, 16, Some(contract), metrics());

@@ -260,14 +260,30 @@ impl Tables {
                 }
             }
         }
-        for k in keys {
+        self.prefetch(keys.iter().take(Self::AHEAD));
+        for (i, k) in keys.iter().enumerate() {
+            self.prefetch(keys.get(i + Self::AHEAD));
             self.set(ep, k.0);
+        }
+    }
+
+    /// How many keys ahead a store or removal starts loading slots.
+    const AHEAD: usize = 16;
+
+    /// Starts loading the slots of `keys`: a store into a large table is bound by one miss per
+    /// key, which overlap when the slots [`Self::AHEAD`] keys on are requested early.
+    #[inline(always)]
+    fn prefetch<'k>(&self, keys: impl IntoIterator<Item = &'k BlockKey>) {
+        for k in keys {
+            self.holders.prefetch(k.0);
         }
     }
 
     fn remove(&mut self, ep: EndpointId, rank: Rank, keys: &[BlockKey]) {
         let rbit = 1u32 << (rank.0 as u32 % 32);
-        for k in keys {
+        self.prefetch(keys.iter().take(Self::AHEAD));
+        for (i, k) in keys.iter().enumerate() {
+            self.prefetch(keys.get(i + Self::AHEAD));
             let still_held = match self.ranks[ep.index()].as_mut() {
                 Some(rm) => match rm.get_mut(&k.0) {
                     Some(mask) => {

@@ -5,8 +5,15 @@
 //! arrays whose first element is the tag (vLLM <= 0.23). Keys arrive as msgpack uint64, negative
 //! int64 (SGLang) or raw digest bytes (`VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0`). Unknown fields and
 //! unknown event types are ignored so newer engines keep working.
+//!
+//! The payload is read in one pass with a bounded cursor ([`super::msgpack`]): no value tree, no
+//! copy of strings or unknown fields. Results are those of the tree decoder it replaced
+//! ([`super::reference`]) for every input, errors included: the whole first value is checked
+//! before a batch is returned (a malformed byte anywhere in it is [`DecodeError::Msgpack`], with
+//! rmpv's message), a map's first occurrence of a field wins, and the event's shape errors
+//! ([`DecodeError::Shape`]) are only given to well-formed msgpack.
 
-use rmpv::Value;
+use super::msgpack::{Head, Rd, MAX_DEPTH};
 
 /// Where a block lives; only [`Medium::Gpu`] counts for GPU routing.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -18,8 +25,9 @@ pub enum Medium {
 }
 
 impl Medium {
-    fn parse(v: Option<&Value>) -> Medium {
-        match v.and_then(Value::as_str) {
+    /// The medium a `medium` field names (`None`: absent, nil or not a UTF-8 string).
+    pub(super) fn from_name(name: Option<&str>) -> Medium {
+        match name {
             // nil / absent: engines before the field existed only published GPU blocks.
             None => Medium::Gpu,
             Some("GPU") | Some("gpu") => Medium::Gpu,
@@ -58,9 +66,9 @@ pub enum GroupKind {
 }
 
 impl GroupKind {
-    /// `None` when the event does not say (engines publishing a single group).
-    fn parse(v: Option<&Value>) -> Option<GroupKind> {
-        Some(match v?.as_str()? {
+    /// The kind a `kv_cache_spec_kind` string names.
+    pub(super) fn from_name(name: &str) -> Option<GroupKind> {
+        Some(match name {
             "full_attention" | "mla_attention" | "sink_full_attention" => GroupKind::Full,
             "sliding_window" | "sliding_window_mla" => GroupKind::SlidingWindow,
             "mamba" => GroupKind::Mamba,
@@ -77,12 +85,6 @@ impl GroupKind {
             GroupKind::Other => "other",
         }
     }
-}
-
-/// `group_idx` when present and a small non-negative integer.
-fn group(v: Option<&Value>) -> Option<u32> {
-    v.and_then(Value::as_u64)
-        .and_then(|n| u32::try_from(n).ok())
 }
 
 /// How raw-bytes keys are folded to u64 (the engine's own event-key rule).
@@ -178,6 +180,12 @@ pub enum DecodeError {
     Shape(&'static str),
 }
 
+impl From<super::msgpack::Error> for DecodeError {
+    fn from(e: super::msgpack::Error) -> DecodeError {
+        DecodeError::Msgpack(e.to_string())
+    }
+}
+
 /// Splits a multipart message into `(topic, seq, payload)`.
 pub fn split_frames<'a>(frames: &[&'a [u8]]) -> Result<(&'a [u8], u64, &'a [u8]), DecodeError> {
     let (topic, seq, payload) = match frames {
@@ -194,36 +202,49 @@ pub fn parse_seq(b: &[u8]) -> Result<u64, DecodeError> {
     Ok(u64::from_be_bytes(arr))
 }
 
+/// Depth budget left for the top array's elements, the events, and an event's fields.
+const ELEM: u16 = MAX_DEPTH - 2;
+const EVENT: u16 = ELEM - 2;
+const FIELD: u16 = EVENT - 2;
+
 /// Decodes one msgpack payload.
 pub fn decode_batch(payload: &[u8], bytes_key: BytesKey) -> Result<EventBatch, DecodeError> {
-    let mut rd = payload;
-    let v = rmpv::decode::read_value(&mut rd).map_err(|e| DecodeError::Msgpack(e.to_string()))?;
-    let arr = match v {
-        Value::Array(a) => a,
-        _ => return Err(DecodeError::Shape("not an array")),
+    let mut rd = Rd::new(payload);
+    let n = match rd.head(MAX_DEPTH)? {
+        Head::Array(n) => n,
+        other => {
+            rd.finish(other, MAX_DEPTH)?;
+            return Err(DecodeError::Shape("not an array"));
+        }
     };
-    let mut it = arr.into_iter();
-    let ts = match it.next() {
-        Some(Value::F64(f)) => f,
-        Some(Value::F32(f)) => f64::from(f),
-        Some(v) if v.as_u64().is_some() => v.as_u64().unwrap_or(0) as f64,
-        Some(_) => 0.0,
+    let mut left = n;
+    let ts = match next(&mut rd, &mut left)? {
+        Some(Head::F64(f)) => f,
+        Some(Head::F32(f)) => f64::from(f),
+        Some(Head::Pos(u)) => u as f64,
+        Some(other) => {
+            rd.finish(other, ELEM)?;
+            0.0
+        }
         None => return Err(DecodeError::Shape("empty array")),
     };
-    let events = match it.next() {
-        Some(Value::Array(e)) => e,
-        _ => return Err(DecodeError::Shape("second element is not an event array")),
+    let events = match next(&mut rd, &mut left)? {
+        Some(Head::Array(m)) => Some(m),
+        Some(other) => {
+            rd.finish(other, ELEM)?;
+            None
+        }
+        None => None,
     };
-    let dp_rank = it.next().and_then(|v| v.as_u64()).map(|r| r as u32);
     let mut out = EventBatch {
         ts,
-        events: Vec::with_capacity(events.len()),
-        dp_rank,
+        events: Vec::with_capacity(events.map_or(0, |m| (m as usize).min(rd.remaining()))),
+        dp_rank: None,
         skipped: 0,
         skips: Vec::new(),
     };
-    for ev in &events {
-        match decode_event(ev, bytes_key) {
+    for _ in 0..events.unwrap_or(0) {
+        match event(&mut rd, bytes_key)? {
             Ok(e) => out.events.push(e),
             Err(why) => {
                 out.skipped += 1;
@@ -231,135 +252,357 @@ pub fn decode_batch(payload: &[u8], bytes_key: BytesKey) -> Result<EventBatch, D
             }
         }
     }
+    // The rest of the top array is read (and checked) before the shape is judged.
+    let rank = next(&mut rd, &mut left)?;
+    if let Some(h) = rank {
+        rd.finish(h, ELEM)?;
+    }
+    for _ in 0..left {
+        rd.skip(ELEM)?;
+    }
+    if events.is_none() {
+        return Err(DecodeError::Shape("second element is not an event array"));
+    }
+    out.dp_rank = match rank {
+        Some(Head::Pos(r)) => Some(r as u32),
+        _ => None,
+    };
     Ok(out)
 }
 
-fn map_get<'a>(m: &'a [(Value, Value)], key: &str) -> Option<&'a Value> {
-    m.iter()
-        .find(|(k, _)| k.as_str() == Some(key))
-        .map(|(_, v)| v)
+/// The next of the top array's `left` elements, if any.
+fn next<'a>(rd: &mut Rd<'a>, left: &mut u32) -> Result<Option<Head<'a>>, DecodeError> {
+    if *left == 0 {
+        return Ok(None);
+    }
+    *left -= 1;
+    Ok(Some(rd.head(ELEM)?))
 }
 
-fn decode_event(ev: &Value, bk: BytesKey) -> Result<KvEvent, Skip> {
-    match ev {
-        Value::Map(m) => {
-            let ty = map_get(m, "type")
-                .and_then(Value::as_str)
-                .ok_or(Skip::NotAnEvent)?;
-            let f = |name: &str| map_get(m, name);
-            build(ty, &f, bk)
-        }
-        Value::Array(a) => {
-            let ty = a.first().and_then(Value::as_str).ok_or(Skip::NotAnEvent)?;
-            // Positional order is the declaration order of the engine's struct (same as map order).
-            let names: &[&str] = match ty {
-                "BlockStored" => &[
-                    "block_hashes",
-                    "parent_block_hash",
-                    "token_ids",
-                    "block_size",
-                    "lora_id",
-                    "medium",
-                    "lora_name",
-                    "extra_keys",
-                ],
-                "BlockRemoved" => &["block_hashes", "medium"],
-                _ => &[],
-            };
-            let f = |name: &str| {
-                names
-                    .iter()
-                    .position(|n| *n == name)
-                    .and_then(|i| a.get(i + 1))
-            };
-            build(ty, &f, bk)
-        }
-        _ => Err(Skip::NotAnEvent),
+/// The fields an event may carry, by wire name; positional events list them in this order.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Field {
+    Type,
+    BlockHashes,
+    Parent,
+    TokenIds,
+    BlockSize,
+    LoraId,
+    Medium,
+    LoraName,
+    ExtraKeys,
+    CacheSalt,
+    GroupIdx,
+    Kind,
+}
+
+impl Field {
+    fn of(key: &[u8]) -> Option<Field> {
+        Some(match key {
+            b"type" => Field::Type,
+            b"block_hashes" => Field::BlockHashes,
+            b"parent_block_hash" => Field::Parent,
+            b"token_ids" => Field::TokenIds,
+            b"block_size" => Field::BlockSize,
+            b"lora_id" => Field::LoraId,
+            b"medium" => Field::Medium,
+            b"lora_name" => Field::LoraName,
+            b"extra_keys" => Field::ExtraKeys,
+            b"cache_salt" => Field::CacheSalt,
+            b"group_idx" => Field::GroupIdx,
+            b"kv_cache_spec_kind" => Field::Kind,
+            _ => return None,
+        })
+    }
+
+    fn bit(self) -> u16 {
+        1 << (self as u16)
     }
 }
 
-fn build<'a>(
-    ty: &str,
-    f: &dyn Fn(&str) -> Option<&'a Value>,
+/// Positional layouts (vLLM <= 0.23): the fields after the tag, in the engine struct's order.
+const STORED_FIELDS: [Field; 8] = [
+    Field::BlockHashes,
+    Field::Parent,
+    Field::TokenIds,
+    Field::BlockSize,
+    Field::LoraId,
+    Field::Medium,
+    Field::LoraName,
+    Field::ExtraKeys,
+];
+const REMOVED_FIELDS: [Field; 2] = [Field::BlockHashes, Field::Medium];
+
+/// What an event's tag names.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Tag {
+    Stored,
+    Removed,
+    Cleared,
+    Unknown,
+}
+
+impl Tag {
+    /// The tag of a `type` string; `None` when it is not UTF-8 (no string `type` at all).
+    fn of(s: &[u8]) -> Option<Tag> {
+        Some(match s {
+            b"BlockStored" => Tag::Stored,
+            b"BlockRemoved" => Tag::Removed,
+            b"AllBlocksCleared" => Tag::Cleared,
+            other => {
+                std::str::from_utf8(other).ok()?;
+                Tag::Unknown
+            }
+        })
+    }
+}
+
+/// `parent_block_hash`.
+#[derive(Clone, Copy)]
+enum Parent {
+    /// Absent or nil.
+    None,
+    Key(u64),
+    Bad,
+}
+
+/// One event's fields as read (first occurrence of each), before its tag decides what counts.
+struct Fields {
+    seen: u16,
+    tag: Option<Tag>,
+    /// `None`: absent, not an array, or holding a non-key.
+    block_hashes: Option<Vec<u64>>,
+    parent: Parent,
+    /// `Err`: an array holding a non-id; absent or not an array is no tokens.
+    token_ids: Result<Vec<u32>, ()>,
+    block_size: Option<u32>,
+    lora: bool,
+    medium: Medium,
+    extra_keys: bool,
+    cache_salt: Option<String>,
+    group: Option<u32>,
+    kind: Option<GroupKind>,
+}
+
+impl Fields {
+    fn new() -> Fields {
+        Fields {
+            seen: 0,
+            tag: None,
+            block_hashes: None,
+            parent: Parent::None,
+            token_ids: Ok(Vec::new()),
+            block_size: None,
+            lora: false,
+            medium: Medium::Gpu,
+            extra_keys: false,
+            cache_salt: None,
+            group: None,
+            kind: None,
+        }
+    }
+
+    /// Reads the value of field `name` (its first occurrence; a later one is only checked).
+    fn read(&mut self, rd: &mut Rd<'_>, name: Field, bk: BytesKey) -> Result<(), DecodeError> {
+        if self.seen & name.bit() != 0 {
+            rd.skip(FIELD)?;
+            return Ok(());
+        }
+        self.seen |= name.bit();
+        let h = rd.head(FIELD)?;
+        match (name, h) {
+            (Field::Type, Head::Str(s)) => self.tag = Tag::of(s),
+            (Field::BlockHashes, Head::Array(n)) => self.block_hashes = keys(rd, n, bk)?,
+            (Field::Parent, Head::Nil) => {}
+            (Field::Parent, h) => {
+                self.parent = match key(rd, h, FIELD, bk)? {
+                    Some(k) => Parent::Key(k),
+                    None => Parent::Bad,
+                }
+            }
+            (Field::TokenIds, Head::Array(n)) => self.token_ids = tokens(rd, n)?,
+            (Field::BlockSize, Head::Pos(n)) => {
+                self.block_size = Some(u32::try_from(n).unwrap_or(u32::MAX))
+            }
+            (Field::LoraId | Field::LoraName, Head::Nil) => {}
+            (Field::LoraId | Field::LoraName, h) => {
+                self.lora = true;
+                rd.finish(h, FIELD)?;
+            }
+            (Field::Medium, Head::Str(s)) => {
+                self.medium = Medium::from_name(std::str::from_utf8(s).ok())
+            }
+            (Field::ExtraKeys, Head::Array(n)) => self.extra_keys = any_non_nil(rd, n)?,
+            (Field::CacheSalt, Head::Str(s)) => {
+                self.cache_salt = std::str::from_utf8(s).ok().map(str::to_owned)
+            }
+            (Field::GroupIdx, Head::Pos(n)) => self.group = u32::try_from(n).ok(),
+            (Field::Kind, Head::Str(s)) => {
+                self.kind = std::str::from_utf8(s).ok().and_then(GroupKind::from_name)
+            }
+            (_, h) => rd.finish(h, FIELD)?,
+        }
+        Ok(())
+    }
+
+    /// The event the fields make under their tag, or why it is skipped.
+    fn build(self) -> Result<KvEvent, Skip> {
+        match self.tag.ok_or(Skip::NotAnEvent)? {
+            Tag::Stored => {
+                let block_hashes = self.block_hashes.ok_or(Skip::BadKeys)?;
+                let parent = match self.parent {
+                    Parent::None => None,
+                    Parent::Key(k) => Some(k),
+                    Parent::Bad => return Err(Skip::BadParent),
+                };
+                let token_ids = self.token_ids.map_err(|()| Skip::BadTokens)?;
+                Ok(KvEvent::Stored(Stored {
+                    block_hashes,
+                    parent,
+                    token_ids,
+                    block_size: self.block_size,
+                    medium: self.medium,
+                    has_lora: self.lora,
+                    has_extra_keys: self.extra_keys,
+                    cache_salt: self.cache_salt,
+                    group: self.group,
+                    kind: self.kind,
+                }))
+            }
+            Tag::Removed => Ok(KvEvent::Removed {
+                block_hashes: self.block_hashes.ok_or(Skip::BadKeys)?,
+                medium: self.medium,
+                group: self.group,
+            }),
+            Tag::Cleared => Ok(KvEvent::AllCleared),
+            Tag::Unknown => Err(Skip::UnknownType),
+        }
+    }
+}
+
+/// One event: `Err` for malformed msgpack (the whole batch fails), `Ok(Err)` for a skipped event.
+fn event(rd: &mut Rd<'_>, bk: BytesKey) -> Result<Result<KvEvent, Skip>, DecodeError> {
+    let mut f = Fields::new();
+    match rd.head(EVENT)? {
+        Head::Map(n) => {
+            for _ in 0..n {
+                let name = match rd.head(FIELD)? {
+                    Head::Str(s) => Field::of(s),
+                    other => {
+                        rd.finish(other, FIELD)?;
+                        None
+                    }
+                };
+                match name {
+                    Some(name) => f.read(rd, name, bk)?,
+                    None => rd.skip(FIELD)?,
+                }
+            }
+        }
+        Head::Array(n) => {
+            let mut names: &[Field] = &[];
+            for i in 0..n {
+                if i == 0 {
+                    match rd.head(FIELD)? {
+                        Head::Str(s) => f.tag = Tag::of(s),
+                        other => rd.finish(other, FIELD)?,
+                    }
+                    names = match f.tag {
+                        Some(Tag::Stored) => &STORED_FIELDS,
+                        Some(Tag::Removed) => &REMOVED_FIELDS,
+                        _ => &[],
+                    };
+                    continue;
+                }
+                match names.get(i as usize - 1) {
+                    Some(name) => f.read(rd, *name, bk)?,
+                    None => rd.skip(FIELD)?,
+                }
+            }
+        }
+        other => {
+            rd.finish(other, EVENT)?;
+            return Ok(Err(Skip::NotAnEvent));
+        }
+    }
+    Ok(f.build())
+}
+
+/// The elements of a `block_hashes` array of `n`: `None` if one is not a key.
+fn keys(rd: &mut Rd<'_>, n: u32, bk: BytesKey) -> Result<Option<Vec<u64>>, DecodeError> {
+    let mut out = Some(Vec::with_capacity((n as usize).min(rd.remaining())));
+    for _ in 0..n {
+        let h = rd.head(FIELD - 2)?;
+        let k = key(rd, h, FIELD - 2, bk)?;
+        match (&mut out, k) {
+            (Some(v), Some(k)) => v.push(k),
+            _ => out = None,
+        }
+    }
+    Ok(out)
+}
+
+/// One key as u64 bits: uint64 as is, negative int64 reinterpreted, raw bytes (8 or more)
+/// folded per engine; `None` for anything else (whose elements are still read).
+fn key<'a>(
+    rd: &mut Rd<'a>,
+    h: Head<'a>,
+    depth: u16,
     bk: BytesKey,
-) -> Result<KvEvent, Skip> {
-    match ty {
-        "BlockStored" => {
-            let block_hashes = f("block_hashes")
-                .and_then(|v| keys(v, bk))
-                .ok_or(Skip::BadKeys)?;
-            let parent = match f("parent_block_hash") {
-                None | Some(Value::Nil) => None,
-                Some(v) => Some(key(v, bk).ok_or(Skip::BadParent)?),
-            };
-            let token_ids = match f("token_ids") {
-                Some(Value::Array(t)) => t
-                    .iter()
-                    .map(|x| x.as_u64().and_then(|n| u32::try_from(n).ok()))
-                    .collect::<Option<Vec<_>>>()
-                    .ok_or(Skip::BadTokens)?,
-                _ => Vec::new(),
-            };
-            let has_lora = !matches!(f("lora_id"), None | Some(Value::Nil))
-                || !matches!(f("lora_name"), None | Some(Value::Nil));
-            let has_extra_keys = match f("extra_keys") {
-                Some(Value::Array(a)) => a.iter().any(|x| !x.is_nil()),
-                _ => false,
-            };
-            Ok(KvEvent::Stored(Stored {
-                block_hashes,
-                parent,
-                token_ids,
-                block_size: f("block_size")
-                    .and_then(Value::as_u64)
-                    .map(|n| u32::try_from(n).unwrap_or(u32::MAX)),
-                medium: Medium::parse(f("medium")),
-                has_lora,
-                has_extra_keys,
-                cache_salt: f("cache_salt").and_then(Value::as_str).map(str::to_owned),
-                group: group(f("group_idx")),
-                kind: GroupKind::parse(f("kv_cache_spec_kind")),
-            }))
-        }
-        "BlockRemoved" => Ok(KvEvent::Removed {
-            block_hashes: f("block_hashes")
-                .and_then(|v| keys(v, bk))
-                .ok_or(Skip::BadKeys)?,
-            medium: Medium::parse(f("medium")),
-            group: group(f("group_idx")),
-        }),
-        "AllBlocksCleared" => Ok(KvEvent::AllCleared),
-        _ => Err(Skip::UnknownType),
-    }
-}
-
-fn keys(v: &Value, bk: BytesKey) -> Option<Vec<u64>> {
-    match v {
-        Value::Array(a) => a.iter().map(|x| key(x, bk)).collect(),
-        _ => None,
-    }
-}
-
-/// One key as u64 bits: uint64 as is, negative int64 reinterpreted, raw bytes folded per engine.
-fn key(v: &Value, bk: BytesKey) -> Option<u64> {
-    match v {
-        Value::Integer(i) => i.as_u64().or_else(|| i.as_i64().map(|s| s as u64)),
-        Value::Binary(b) if b.len() >= 8 => {
+) -> Result<Option<u64>, DecodeError> {
+    Ok(match h {
+        Head::Pos(u) => Some(u),
+        Head::Neg(i) => Some(i as u64),
+        Head::Bin(b) if b.len() >= 8 => {
             let s = match bk {
-                BytesKey::Last8 => &b[b.len() - 8..],
-                BytesKey::First8 => &b[..8],
+                BytesKey::Last8 => b.get(b.len() - 8..),
+                BytesKey::First8 => b.get(..8),
             };
-            let arr: [u8; 8] = s.try_into().ok()?;
-            Some(u64::from_be_bytes(arr))
+            s.and_then(|s| <[u8; 8]>::try_from(s).ok())
+                .map(u64::from_be_bytes)
         }
-        _ => None,
+        other => {
+            rd.finish(other, depth)?;
+            None
+        }
+    })
+}
+
+/// The elements of a `token_ids` array of `n`: `Err` if one is not an id below 2^32.
+fn tokens(rd: &mut Rd<'_>, n: u32) -> Result<Result<Vec<u32>, ()>, DecodeError> {
+    let mut out = Ok(Vec::with_capacity((n as usize).min(rd.remaining())));
+    for _ in 0..n {
+        let t = match rd.head(FIELD - 2)? {
+            Head::Pos(u) => u32::try_from(u).ok(),
+            other => {
+                rd.finish(other, FIELD - 2)?;
+                None
+            }
+        };
+        match (&mut out, t) {
+            (Ok(v), Some(t)) => v.push(t),
+            _ => out = Err(()),
+        }
     }
+    Ok(out)
+}
+
+/// Whether an `extra_keys` array of `n` holds a non-nil element.
+fn any_non_nil(rd: &mut Rd<'_>, n: u32) -> Result<bool, DecodeError> {
+    let mut any = false;
+    for _ in 0..n {
+        let h = rd.head(FIELD - 2)?;
+        any |= h != Head::Nil;
+        rd.finish(h, FIELD - 2)?;
+    }
+    Ok(any)
 }
 
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
     use super::*;
+    use rmpv::Value;
     use serde_json::Value as J;
 
     fn vectors(name: &str) -> J {

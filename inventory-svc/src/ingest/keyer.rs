@@ -27,6 +27,7 @@ use crate::fleet::ParityReport;
 use crate::index::{IndexOp, KeyMap};
 use crate::metrics::{ClearCause, Metrics, ParityCheck};
 use crate::rules::KeyMode;
+use prometheus::IntCounter;
 
 /// Per-publisher keying state.
 pub struct Keyer {
@@ -44,6 +45,16 @@ pub struct Keyer {
     mismatches: u64,
     /// KV-cache groups seen with a kind other than full attention, and that kind (a handful).
     partial_groups: Vec<(u32, GroupKind)>,
+    events: EventCounters,
+}
+
+/// `kvroute_ingest_events_total` of the keyer's engine for the vLLM / SGLang event types,
+/// looked up once: a label lookup (hashing both labels under the vector's lock) per event cost
+/// more than keying the event.
+struct EventCounters {
+    stored: IntCounter,
+    removed: IntCounter,
+    cleared: IntCounter,
 }
 
 /// Entries the engine-key map (tokens mode, TensorRT-LLM) may hold; past it the map is dropped and
@@ -59,6 +70,12 @@ impl Keyer {
         contract: Option<HashContract>,
         metrics: Arc<Metrics>,
     ) -> Keyer {
+        let counter = |ty: &str| metrics.events.with_label_values(&[engine.as_str(), ty]);
+        let events = EventCounters {
+            stored: counter("block_stored"),
+            removed: counter("block_removed"),
+            cleared: counter("all_blocks_cleared"),
+        };
         Keyer {
             engine,
             key_mode,
@@ -70,6 +87,7 @@ impl Keyer {
             pending: (0, 0),
             mismatches: 0,
             partial_groups: Vec::new(),
+            events,
         }
     }
 
@@ -79,16 +97,30 @@ impl Keyer {
     }
 
     fn count(&self, ty: &str) {
-        self.metrics
-            .events
-            .with_label_values(&[self.engine.as_str(), ty])
-            .inc();
+        match ty {
+            "block_stored" => self.events.stored.inc(),
+            "block_removed" => self.events.removed.inc(),
+            "all_blocks_cleared" => self.events.cleared.inc(),
+            other => self
+                .metrics
+                .events
+                .with_label_values(&[self.engine.as_str(), other])
+                .inc(),
+        }
     }
 
-    /// Operations for one vLLM / SGLang batch.
+    /// Operations for one vLLM / SGLang batch ([`Keyer::take_ops`] of a copy).
     pub fn batch_ops(&mut self, batch: &EventBatch) -> Vec<IndexOp> {
         let mut ops = Vec::with_capacity(batch.events.len());
-        for ev in &batch.events {
+        self.take_ops(batch.clone(), &mut ops);
+        ops
+    }
+
+    /// Appends the operations for one vLLM / SGLang batch to `ops`, taking the batch: in
+    /// `engine` mode its key vectors become the operations' (no copy, no allocation).
+    pub fn take_ops(&mut self, batch: EventBatch, ops: &mut Vec<IndexOp>) {
+        ops.reserve(batch.events.len());
+        for ev in batch.events {
             match ev {
                 KvEvent::Stored(s) => {
                     self.count("block_stored");
@@ -103,7 +135,7 @@ impl Keyer {
                         self.skip_partial(kind, "block_stored", s.block_hashes.len());
                         continue;
                     }
-                    if let Some(op) = self.stored(s, &mut ops) {
+                    if let Some(op) = self.stored(s, ops) {
                         ops.push(op);
                     }
                 }
@@ -113,15 +145,16 @@ impl Keyer {
                     group,
                 } => {
                     self.count("block_removed");
-                    if *medium != Medium::Gpu {
+                    if medium != Medium::Gpu {
                         continue;
                     }
-                    if let Some(kind) = self.partial_group(*group, None) {
+                    if let Some(kind) = self.partial_group(group, None) {
                         self.skip_partial(kind, "block_removed", block_hashes.len());
                         continue;
                     }
                     let keys = match self.key_mode {
-                        KeyMode::Engine => block_hashes.iter().map(|h| BlockKey(*h)).collect(),
+                        // Collected in place: the same allocation, the same bits.
+                        KeyMode::Engine => block_hashes.into_iter().map(BlockKey).collect(),
                         KeyMode::Tokens => block_hashes
                             .iter()
                             .filter_map(|h| self.map.remove(h))
@@ -140,7 +173,6 @@ impl Keyer {
                 }
             }
         }
-        ops
     }
 
     /// The kind of a group that is not full attention (`None`: index the event). A store's own
@@ -185,7 +217,7 @@ impl Keyer {
         ops.push(IndexOp::Clear);
     }
 
-    fn stored(&mut self, s: &Stored, ops: &mut Vec<IndexOp>) -> Option<IndexOp> {
+    fn stored(&mut self, s: Stored, ops: &mut Vec<IndexOp>) -> Option<IndexOp> {
         match self.key_mode {
             KeyMode::Engine => {
                 if s.parent.is_none()
@@ -194,10 +226,11 @@ impl Keyer {
                     && !s.has_extra_keys
                     && s.cache_salt.is_none()
                 {
-                    self.check_parity(s);
+                    self.check_parity(&s);
                 }
+                // Collected in place: the same allocation, the same bits.
                 Some(IndexOp::Store(
-                    s.block_hashes.iter().map(|h| BlockKey(*h)).collect(),
+                    s.block_hashes.into_iter().map(BlockKey).collect(),
                 ))
             }
             KeyMode::Tokens => {

@@ -2,8 +2,9 @@
 //!
 //! * [`zmq`]: vLLM and SGLang ZMQ PUB subscribers with sequence tracking, replay and restart detection.
 //! * [`trtllm`]: the single `/kv_cache_events` drain poller per TensorRT-LLM engine.
-//! * [`decode`]: frame and msgpack decoding; [`keyer`]: events -> index operations per key mode;
-//!   [`parity`]: the engine-mode self-check's diagnosis.
+//! * [`decode`]: frame and msgpack decoding (one pass over the payload with the bounded cursor
+//!   of `msgpack`); [`reference`]: the tree decoder it is checked against; [`keyer`]: events ->
+//!   index operations per key mode; [`parity`]: the engine-mode self-check's diagnosis.
 //!
 //! A task never takes the service down: errors (and panics inside the ZMQ library) end one
 //! session, which is restarted after a capped exponential backoff; the rule's cancellation token
@@ -13,7 +14,9 @@ pub mod decode;
 #[cfg(test)]
 mod engine_suite;
 pub mod keyer;
+mod msgpack;
 pub mod parity;
+pub mod reference;
 pub mod trtllm;
 pub mod zmq;
 

@@ -30,9 +30,10 @@ use tokio::time::{timeout, Instant};
 use tokio_util::sync::CancellationToken;
 use zeromq::{DealerSocket, Socket, SocketEvent, SocketRecv, SocketSend, SubSocket, ZmqMessage};
 
-use super::decode::{decode_batch, parse_seq, split_frames, BytesKey};
+use super::decode::{decode_batch, parse_seq, split_frames, BytesKey, DecodeError};
 use super::keyer::Keyer;
 use super::{clear_for, next_backoff, Feed, SeqTracker, SeqVerdict};
+use crate::index::IndexOp;
 use crate::metrics::ClearCause;
 use crate::metrics::Replay;
 
@@ -48,6 +49,9 @@ enum End {
 pub(super) struct Pub {
     keyer: Keyer,
     seq: SeqTracker,
+    /// The operations of the message being applied (empty between messages; kept for its
+    /// capacity).
+    ops: Vec<IndexOp>,
 }
 
 /// Runs the subscriber of one `(endpoint, rank)` until `cancel` (the rule's token, or the
@@ -102,6 +106,7 @@ pub(super) fn new_pub(feed: &Feed) -> Pub {
     Pub {
         keyer: feed.keyer(),
         seq: SeqTracker::default(),
+        ops: Vec::new(),
     }
 }
 
@@ -146,6 +151,10 @@ async fn session(feed: Feed, mut p: Pub, cancel: CancellationToken) -> (Pub, End
     }
     tracing::debug!(rule = %feed.rule.spec.name(), ep = feed.ep.0, rank = feed.rank.0, %addr, bind, "subscribed");
     let idle = feed.fleet.settings.zmq_idle_reconnect;
+    // Waited on across messages: a fresh `cancelled()` per message would join and leave the
+    // token's waiter list (under its lock) for every message.
+    let cancelled = cancel.cancelled();
+    tokio::pin!(cancelled);
     loop {
         let silence = async {
             if idle.is_zero() {
@@ -156,7 +165,7 @@ async fn session(feed: Feed, mut p: Pub, cancel: CancellationToken) -> (Pub, End
         };
         tokio::select! {
             biased;
-            _ = cancel.cancelled() => return (p, End::Cancelled),
+            _ = &mut cancelled => return (p, End::Cancelled),
             msg = sock.recv() => match msg {
                 Ok(m) => {
                     if bind {
@@ -192,9 +201,14 @@ pub(super) async fn handle(feed: &Feed, p: &mut Pub, msg: ZmqMessage) {
     let engine = feed.engine();
     let m = &feed.fleet.metrics;
     let (ep, rank) = (feed.ep.0, feed.rank.0);
-    let frames: Vec<Bytes> = msg.into_vec();
-    let refs: Vec<&[u8]> = frames.iter().map(|b| b.as_ref()).collect();
-    let Ok((_topic, seq, payload)) = split_frames(&refs) else {
+    // The frames are borrowed where the message holds them (no per-message vectors).
+    let frame = |i: usize| msg.get(i).map_or(&[][..], |b| b.as_ref());
+    let split = match msg.len() {
+        3 => split_frames(&[frame(0), frame(1), frame(2)]),
+        2 => split_frames(&[frame(0), frame(1)]),
+        n => Err(DecodeError::FrameCount(n)),
+    };
+    let Ok((_topic, seq, payload)) = split else {
         m.decode_errors.with_label_values(&[engine.as_str()]).inc();
         return;
     };
@@ -252,8 +266,9 @@ fn apply_payload(feed: &Feed, p: &mut Pub, payload: &[u8]) {
                     .with_label_values(&[engine.as_str(), why.as_str()])
                     .inc();
             }
-            let ops = p.keyer.batch_ops(&batch);
-            feed.apply(&ops);
+            p.keyer.take_ops(batch, &mut p.ops);
+            feed.apply(&p.ops);
+            p.ops.clear();
             let (matched, mismatched) = p.keyer.take_parity();
             if let (Some(e), true) = (feed.endpoint(), matched + mismatched > 0) {
                 e.record_parity(matched, mismatched, p.keyer.parity.clone());

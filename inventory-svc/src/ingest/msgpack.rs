@@ -1,0 +1,339 @@
+//! A bounded msgpack cursor over one payload: reads one value's head (marker, number, string
+//! bytes, container length) at a time, without building a value tree or copying strings.
+//!
+//! It accepts exactly what `rmpv::decode::read_value` accepts and fails where and how it fails,
+//! so that the streaming decoder ([`super::decode`]) keeps the tree decoder's results
+//! ([`super::reference`]) for every input:
+//! * the same depth budget ([`MAX_DEPTH`]), spent the same way: one unit per value, one more per
+//!   container and per string or binary (two for a string, whose bytes are read as binary), so a
+//!   container's children are read with two units less;
+//! * the same error, with rmpv's message: the marker byte missing, a fixed-size field missing,
+//!   a string, binary or extension body shorter than its length prefix (`Expected N bytes, read
+//!   M bytes`), the depth budget spent;
+//! * `0xc1` (reserved) reads as nil; strings need not be UTF-8 (callers check where it matters);
+//!   bytes after the first value are not read.
+//!
+//! Bounds: nothing is allocated here; a length prefix only ever selects bytes that are present;
+//! every element read consumes at least one byte or fails, so the work is linear in the input.
+//! [`Rd::skip`] recurses once per container level, at most [`MAX_DEPTH`] / 2 levels.
+
+use std::fmt;
+
+/// rmpv's default depth budget (`rmpv::decode::MAX_DEPTH`).
+pub const MAX_DEPTH: u16 = 1024;
+
+/// Why a payload is not msgpack; `Display` is rmpv's message for the same failure.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Error {
+    /// No byte left for a marker.
+    Marker,
+    /// No bytes left for a fixed-size number or length.
+    Data,
+    /// A string, binary or extension body of `len` bytes with only `read` present.
+    Short { len: usize, read: usize },
+    /// Nested deeper than the budget.
+    Depth,
+}
+
+impl fmt::Display for Error {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Error::Marker => {
+                f.write_str("I/O error while reading marker byte: failed to fill whole buffer")
+            }
+            Error::Data => {
+                f.write_str("I/O error while reading non-marker bytes: failed to fill whole buffer")
+            }
+            Error::Short { len, read } => write!(
+                f,
+                "I/O error while reading non-marker bytes: Expected {len} bytes, read {read} bytes"
+            ),
+            Error::Depth => f.write_str("depth limit exceeded"),
+        }
+    }
+}
+
+/// One value's head: scalars whole, strings and binaries as borrowed bytes, containers as their
+/// element count (the elements follow, each to be read at two units of depth less).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Head<'a> {
+    Nil,
+    Bool(bool),
+    /// An integer >= 0, whatever its encoding.
+    Pos(u64),
+    /// An integer < 0.
+    Neg(i64),
+    F32(f32),
+    F64(f64),
+    /// String bytes, not checked for UTF-8.
+    Str(&'a [u8]),
+    Bin(&'a [u8]),
+    Ext,
+    Array(u32),
+    /// Pairs: `2 * n` values follow.
+    Map(u32),
+}
+
+/// A cursor over one payload.
+pub struct Rd<'a> {
+    buf: &'a [u8],
+    pos: usize,
+}
+
+fn spend(depth: u16) -> Result<u16, Error> {
+    depth.checked_sub(1).ok_or(Error::Depth)
+}
+
+fn int(n: i64) -> Head<'static> {
+    if n < 0 {
+        Head::Neg(n)
+    } else {
+        Head::Pos(n as u64)
+    }
+}
+
+impl<'a> Rd<'a> {
+    pub fn new(buf: &'a [u8]) -> Rd<'a> {
+        Rd { buf, pos: 0 }
+    }
+
+    /// Bytes not yet read (an upper bound on the elements still to come).
+    #[inline]
+    pub fn remaining(&self) -> usize {
+        self.buf.len().saturating_sub(self.pos)
+    }
+
+    #[inline]
+    fn fixed<const N: usize>(&mut self) -> Result<[u8; N], Error> {
+        let end = self.pos.checked_add(N).ok_or(Error::Data)?;
+        let arr: [u8; N] = self
+            .buf
+            .get(self.pos..end)
+            .and_then(|s| s.try_into().ok())
+            .ok_or(Error::Data)?;
+        self.pos = end;
+        Ok(arr)
+    }
+
+    #[inline]
+    fn u8(&mut self) -> Result<u8, Error> {
+        Ok(self.fixed::<1>()?[0])
+    }
+
+    #[inline]
+    fn u16(&mut self) -> Result<u16, Error> {
+        Ok(u16::from_be_bytes(self.fixed()?))
+    }
+
+    #[inline]
+    fn u32(&mut self) -> Result<u32, Error> {
+        Ok(u32::from_be_bytes(self.fixed()?))
+    }
+
+    /// `len` body bytes, at the depth rmpv's `read_bin_data` is called with.
+    #[inline]
+    fn body(&mut self, len: usize, depth: u16) -> Result<&'a [u8], Error> {
+        spend(depth)?;
+        let rest = self.buf.get(self.pos..).unwrap_or(&[]);
+        match rest.get(..len) {
+            Some(b) => {
+                self.pos += len;
+                Ok(b)
+            }
+            None => Err(Error::Short {
+                len,
+                read: rest.len(),
+            }),
+        }
+    }
+
+    /// A string body: rmpv's `read_str_data` spends one unit, then reads it as binary.
+    #[inline]
+    fn str_body(&mut self, len: usize, depth: u16) -> Result<Head<'a>, Error> {
+        let depth = spend(depth)?;
+        Ok(Head::Str(self.body(len, depth)?))
+    }
+
+    #[inline]
+    fn bin_body(&mut self, len: usize, depth: u16) -> Result<Head<'a>, Error> {
+        Ok(Head::Bin(self.body(len, depth)?))
+    }
+
+    fn ext_body(&mut self, len: usize, depth: u16) -> Result<Head<'a>, Error> {
+        let depth = spend(depth)?;
+        self.u8()?;
+        self.body(len, depth)?;
+        Ok(Head::Ext)
+    }
+
+    #[inline]
+    fn container(n: u32, depth: u16, map: bool) -> Result<Head<'a>, Error> {
+        spend(depth)?;
+        Ok(if map { Head::Map(n) } else { Head::Array(n) })
+    }
+
+    /// Reads the head of the next value with `depth` units of budget left.
+    #[inline]
+    pub fn head(&mut self, depth: u16) -> Result<Head<'a>, Error> {
+        let d = spend(depth)?;
+        let m = *self.buf.get(self.pos).ok_or(Error::Marker)?;
+        self.pos += 1;
+        Ok(match m {
+            0x00..=0x7f => Head::Pos(u64::from(m)),
+            0x80..=0x8f => Self::container(u32::from(m & 0x0f), d, true)?,
+            0x90..=0x9f => Self::container(u32::from(m & 0x0f), d, false)?,
+            0xa0..=0xbf => self.str_body(usize::from(m & 0x1f), d)?,
+            0xc0 | 0xc1 => Head::Nil,
+            0xc2 => Head::Bool(false),
+            0xc3 => Head::Bool(true),
+            0xc4 => {
+                let n = self.u8()?;
+                self.bin_body(usize::from(n), d)?
+            }
+            0xc5 => {
+                let n = self.u16()?;
+                self.bin_body(usize::from(n), d)?
+            }
+            0xc6 => {
+                let n = self.u32()?;
+                self.bin_body(n as usize, d)?
+            }
+            0xc7 => {
+                let n = self.u8()?;
+                self.ext_body(usize::from(n), d)?
+            }
+            0xc8 => {
+                let n = self.u16()?;
+                self.ext_body(usize::from(n), d)?
+            }
+            0xc9 => {
+                let n = self.u32()?;
+                self.ext_body(n as usize, d)?
+            }
+            0xca => Head::F32(f32::from_be_bytes(self.fixed()?)),
+            0xcb => Head::F64(f64::from_be_bytes(self.fixed()?)),
+            0xcc => Head::Pos(u64::from(self.u8()?)),
+            0xcd => Head::Pos(u64::from(self.u16()?)),
+            0xce => Head::Pos(u64::from(self.u32()?)),
+            0xcf => Head::Pos(u64::from_be_bytes(self.fixed()?)),
+            0xd0 => int(i64::from(i8::from_be_bytes(self.fixed()?))),
+            0xd1 => int(i64::from(i16::from_be_bytes(self.fixed()?))),
+            0xd2 => int(i64::from(i32::from_be_bytes(self.fixed()?))),
+            0xd3 => int(i64::from_be_bytes(self.fixed()?)),
+            0xd4 => self.ext_body(1, d)?,
+            0xd5 => self.ext_body(2, d)?,
+            0xd6 => self.ext_body(4, d)?,
+            0xd7 => self.ext_body(8, d)?,
+            0xd8 => self.ext_body(16, d)?,
+            0xd9 => {
+                let n = self.u8()?;
+                self.str_body(usize::from(n), d)?
+            }
+            0xda => {
+                let n = self.u16()?;
+                self.str_body(usize::from(n), d)?
+            }
+            0xdb => {
+                let n = self.u32()?;
+                self.str_body(n as usize, d)?
+            }
+            0xdc => {
+                let n = self.u16()?;
+                Self::container(u32::from(n), d, false)?
+            }
+            0xdd => {
+                let n = self.u32()?;
+                Self::container(n, d, false)?
+            }
+            0xde => {
+                let n = self.u16()?;
+                Self::container(u32::from(n), d, true)?
+            }
+            0xdf => {
+                let n = self.u32()?;
+                Self::container(n, d, true)?
+            }
+            0xe0..=0xff => Head::Neg(i64::from(m as i8)),
+        })
+    }
+
+    /// Reads (and checks) whatever follows `head`, read at `depth`: a container's elements.
+    pub fn finish(&mut self, head: Head<'a>, depth: u16) -> Result<(), Error> {
+        let n = match head {
+            Head::Array(n) => u64::from(n),
+            Head::Map(n) => 2 * u64::from(n),
+            _ => return Ok(()),
+        };
+        // `head` spent two units on a container, so `depth >= 2` here.
+        let child = depth.saturating_sub(2);
+        for _ in 0..n {
+            self.skip(child)?;
+        }
+        Ok(())
+    }
+
+    /// Reads (and checks) one whole value.
+    pub fn skip(&mut self, depth: u16) -> Result<(), Error> {
+        let h = self.head(depth)?;
+        self.finish(h, depth)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+    use super::*;
+
+    /// rmpv's verdict and ours on one value, compared by message.
+    fn same(bytes: &[u8]) {
+        let mut rd = bytes;
+        let theirs = rmpv::decode::read_value(&mut rd).map(|_| bytes.len() - rd.len());
+        let mut ours = Rd::new(bytes);
+        let mine = ours.skip(MAX_DEPTH).map(|()| ours.pos);
+        assert_eq!(
+            mine.map_err(|e| e.to_string()),
+            theirs.map_err(|e| e.to_string()),
+            "{bytes:02x?}"
+        );
+    }
+
+    #[test]
+    fn every_marker_and_its_truncations_match_rmpv() {
+        for m in 0..=255u8 {
+            let mut v = vec![m];
+            v.extend([0u8, 0, 0, 2, 0xa1, 0x61, 0x01, 0x02, 0x03, 0x04, 0x05]);
+            v.extend([0u8; 20]);
+            for cut in 0..=v.len() {
+                same(&v[..cut]);
+            }
+        }
+    }
+
+    #[test]
+    fn the_depth_budget_is_rmpvs() {
+        // rmpv's recursion, unoptimised, needs more than a test thread's stack.
+        let t = std::thread::Builder::new()
+            .stack_size(256 << 20)
+            .spawn(depth_budget);
+        t.unwrap().join().unwrap();
+    }
+
+    fn depth_budget() {
+        for depth in 500..520 {
+            for leaf in [
+                &[0x01u8][..],
+                &[0xa1, 0x61],
+                &[0xc4, 0x01, 0x00],
+                &[0xd4, 0, 0],
+                &[0x90],
+            ] {
+                let mut v = vec![0x91u8; depth];
+                v.extend_from_slice(leaf);
+                same(&v);
+                let mut v = [0x81u8, 0x01].repeat(depth);
+                v.extend_from_slice(leaf);
+                same(&v);
+            }
+        }
+    }
+}
