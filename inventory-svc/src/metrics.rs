@@ -222,7 +222,7 @@ pub struct Metrics {
     /// Offloaded prompts routed on a prefix of their tokens: `reason` (max_tokens, long_piece,
     /// media).
     pub offload_truncated: IntCounterVec,
-    /// Decisions on prompts whose keys stop before the prompt's end: `truncated` (why),
+    /// Decisions on prompts whose keys stop before the prompt's end: `cause` (why they stop),
     /// `reason` (the decision's).
     pub route_truncated: IntCounterVec,
     /// `rule`, `ep`: 1 healthy, 0 unhealthy.
@@ -372,8 +372,8 @@ impl Metrics {
             )?,
             route_truncated: cv(
                 "kvroute_route_truncated_total",
-                "Decisions on prompts whose keys stop before the prompt's end, by why (truncated: max_tokens, long_piece, media) and the decision's reason.",
-                &["truncated", "reason"],
+                "Decisions on prompts whose keys stop before the prompt's end, by why (cause: max_tokens, long_piece, media) and the decision's reason.",
+                &["cause", "reason"],
             )?,
             epp_requests: cv(
                 "kvroute_epp_requests_total",

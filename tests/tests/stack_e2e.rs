@@ -326,6 +326,33 @@ async fn start_stack_with(ips: &[&str], fast_health_checks: bool, sim_args: &[&s
     }
 }
 
+impl Stack {
+    /// The index of simulator `name`, once the inventory shows it holding at least `blocks`
+    /// blocks (bounded): the engine's stores of a turn have reached the index.
+    async fn wait_holding(&self, name: &str, blocks: u64) -> usize {
+        let idx = self
+            .sims
+            .iter()
+            .position(|s| s.name == name)
+            .unwrap_or_else(|| panic!("unknown simulator {name:?}"));
+        Poll::new(
+            format!("the inventory to show {blocks} blocks on {name}"),
+            Duration::from_secs(20),
+        )
+        .every(Duration::from_millis(50))
+        .until(async || {
+            let n = inventory_blocks(&self.client, self.inv, &self.rule_id, idx).await?;
+            Ok(match n >= blocks {
+                true => Probe::Ready(()),
+                false => Probe::Pending(format!("{n} blocks")),
+            })
+        })
+        .await
+        .unwrap();
+        idx
+    }
+}
+
 /// Simulators of a hybrid-attention model: each publishes its sliding-window group's stores and
 /// evictions beside the full-attention group's, under the same block hashes.
 const HYBRID_SIM_IPS: [&str; 2] = ["127.0.0.37", "127.0.0.38"];
@@ -406,25 +433,7 @@ async fn a_conversation_with_an_image_is_routed_on_its_text_before_the_image() {
             json!({"role": "user", "content": [image, {"type": "text", "text": format!("Picture {c}: what is shown?")}]}),
         ];
         let (home, _, answer) = chat(client, gw_port, &messages).await.unwrap();
-        let home_idx = stack
-            .sims
-            .iter()
-            .position(|s| s.name == home)
-            .unwrap_or_else(|| panic!("unknown simulator {home:?}"));
-        Poll::new(
-            format!("the inventory to show {home}'s blocks of conversation {c}"),
-            Duration::from_secs(20),
-        )
-        .every(Duration::from_millis(50))
-        .until(async || {
-            let n = inventory_blocks(client, inv, &stack.rule_id, home_idx).await?;
-            Ok(match n >= 10 * (c + 1) as u64 {
-                true => Probe::Ready(()),
-                false => Probe::Pending(format!("{n} blocks")),
-            })
-        })
-        .await
-        .unwrap();
+        stack.wait_holding(&home, 10 * (c + 1) as u64).await;
         messages.push(json!({"role": "assistant", "content": answer}));
         messages.push(
             json!({"role": "user", "content": [{"type": "text", "text": "And this one?"}, image]}),
@@ -448,7 +457,7 @@ async fn a_conversation_with_an_image_is_routed_on_its_text_before_the_image() {
         .find(|l| {
             l.starts_with("kvroute_route_truncated_total{")
                 && l.contains(r#"reason="hit""#)
-                && l.contains(r#"truncated="media""#)
+                && l.contains(r#"cause="media""#)
         })
         .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
         .unwrap_or(0.0);
@@ -512,7 +521,7 @@ async fn anthropic_turn(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_anthropic_conversation_sticks_to_its_prefix_and_its_usage_is_counted() {
     let stack = start_stack_with(&ANTHROPIC_SIM_IPS, false, &[]).await;
-    let (inv, gw_port, client) = (stack.inv, stack.gw_port, &stack.client);
+    let (gw_port, client) = (stack.gw_port, &stack.client);
     // A coding agent's shape: system blocks with a cache breakpoint and Claude Code's billing
     // header (vLLM drops it), tools, a tool call and its result.
     let system = json!([
@@ -529,25 +538,7 @@ async fn an_anthropic_conversation_sticks_to_its_prefix_and_its_usage_is_counted
     let (home, _, answer) = anthropic_turn(client, gw_port, &turn(&messages, false))
         .await
         .unwrap();
-    let home_idx = stack
-        .sims
-        .iter()
-        .position(|s| s.name == home)
-        .unwrap_or_else(|| panic!("unknown simulator {home:?}"));
-    Poll::new(
-        format!("the inventory to show {home}'s blocks"),
-        Duration::from_secs(20),
-    )
-    .every(Duration::from_millis(50))
-    .until(async || {
-        let n = inventory_blocks(client, inv, &stack.rule_id, home_idx).await?;
-        Ok(match n >= 10 {
-            true => Probe::Ready(()),
-            false => Probe::Pending(format!("{n} blocks")),
-        })
-    })
-    .await
-    .unwrap();
+    stack.wait_holding(&home, 10).await;
     messages.push(json!({"role": "assistant", "content": [
         {"type": "text", "text": answer},
         {"type": "tool_use", "id": "toolu_1", "name": "read_file", "input": {"path": "src/main.rs"}}]}));

@@ -25,6 +25,7 @@
 use serde_json::{Map, Value};
 
 use super::python::{json_dumps, DumpOptions};
+use super::truthy;
 use crate::prompt::PromptError;
 
 /// Text Claude Code puts in its system blocks with a per-request hash; vLLM drops it.
@@ -479,17 +480,6 @@ fn image_url(field: &str, source: &Value) -> Result<String, PromptError> {
         get("media_type", "image/jpeg"),
         get("data", "")
     ))
-}
-
-fn truthy(v: &Value) -> bool {
-    match v {
-        Value::Null => false,
-        Value::Bool(b) => *b,
-        Value::Number(n) => n.as_f64().is_some_and(|x| x != 0.0),
-        Value::String(s) => !s.is_empty(),
-        Value::Array(a) => !a.is_empty(),
-        Value::Object(o) => !o.is_empty(),
-    }
 }
 
 fn text_message(role: &str, content: String) -> Value {

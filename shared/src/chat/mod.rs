@@ -521,8 +521,8 @@ impl ChatTemplate {
     }
 }
 
-/// Python truthiness for a JSON kwarg.
-fn truthy(v: &Json) -> bool {
+/// Python truthiness of a JSON value.
+pub(crate) fn truthy(v: &Json) -> bool {
     match v {
         Json::Null => false,
         Json::Bool(b) => *b,

@@ -145,16 +145,7 @@ async fn serve_messages(engine: Arc<Engine>, body: Bytes) -> Result<Response, Ap
         .unwrap_or_else(|| engine.cfg.model.clone());
     let stream = enc.stream;
     let mut rx = spawn_request(engine.clone(), enc);
-    match rx.recv().await {
-        Some(Piece::Admitted) => {}
-        Some(Piece::Failed(e)) => return Err(e.into()),
-        _ => {
-            return Err(ApiError(
-                StatusCode::INTERNAL_SERVER_ERROR,
-                "request task ended early".into(),
-            ))
-        }
-    }
+    admitted(&mut rx).await?;
     let id = format!("msg_sim{}", engine.next_id());
     let mut text = String::new();
     let mut usage = None;
@@ -187,12 +178,7 @@ async fn serve_messages(engine: Arc<Engine>, body: Bytes) -> Result<Response, Ap
             Piece::Admitted | Piece::Failed(_) => {}
         }
     }
-    let usage = usage.ok_or_else(|| {
-        ApiError(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            "request task ended early".into(),
-        )
-    })?;
+    let usage = usage.ok_or_else(ended_early)?;
     if !stream {
         return Ok(Json(json!({"id": id, "type": "message", "role": "assistant", "model": model,
             "content": [{"type": "text", "text": text}], "stop_reason": "max_tokens", "stop_sequence": null,
@@ -218,6 +204,22 @@ async fn serve_messages(engine: Arc<Engine>, body: Bytes) -> Result<Response, Ap
         .header("cache-control", "no-cache")
         .body(Body::from(events))
         .map_err(|e| ApiError(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))
+}
+
+/// Waits until the request holds a slot and its KV blocks (or could not be admitted).
+async fn admitted(rx: &mut mpsc::Receiver<Piece>) -> Result<(), ApiError> {
+    match rx.recv().await {
+        Some(Piece::Admitted) => Ok(()),
+        Some(Piece::Failed(e)) => Err(e.into()),
+        _ => Err(ended_early()),
+    }
+}
+
+fn ended_early() -> ApiError {
+    ApiError(
+        StatusCode::INTERNAL_SERVER_ERROR,
+        "request task ended early".into(),
+    )
 }
 
 /// What the request task reports, in order.
@@ -280,16 +282,7 @@ async fn serve(engine: Arc<Engine>, body: Bytes, endpoint: Endpoint) -> Result<R
     let stream = enc.stream;
     let include_usage = enc.include_usage.unwrap_or(true);
     let mut rx = spawn_request(engine.clone(), enc);
-    match rx.recv().await {
-        Some(Piece::Admitted) => {}
-        Some(Piece::Failed(e)) => return Err(e.into()),
-        _ => {
-            return Err(ApiError(
-                StatusCode::INTERNAL_SERVER_ERROR,
-                "request task ended early".into(),
-            ))
-        }
-    }
+    admitted(&mut rx).await?;
     let chat = endpoint == Endpoint::ChatCompletions;
     let id = format!(
         "{}-sim-{}",
@@ -307,12 +300,7 @@ async fn serve(engine: Arc<Engine>, body: Bytes, endpoint: Endpoint) -> Result<R
                 Piece::Admitted | Piece::Failed(_) => {}
             }
         }
-        let usage = usage.ok_or_else(|| {
-            ApiError(
-                StatusCode::INTERNAL_SERVER_ERROR,
-                "request task ended early".into(),
-            )
-        })?;
+        let usage = usage.ok_or_else(ended_early)?;
         let choice = if chat {
             json!({"index": 0, "message": {"role": "assistant", "content": text, "tool_calls": []}, "logprobs": null,
                    "finish_reason": "length", "stop_reason": null})
