@@ -7,9 +7,10 @@
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Mutex;
+use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
+use prometheus::IntGauge;
 use serde::Serialize;
 
 use kvroute_core::wire::EndpointOutcomes;
@@ -86,6 +87,9 @@ pub struct EpRuntime {
     /// The divergence verdict as of the last report or read ([`EpRuntime::outcomes`]); routing
     /// reads only this flag, so a decision takes no lock for it.
     divergent: AtomicBool,
+    /// The endpoint's `kvroute_index_blocks` series, looked up once: ingestion sets it after
+    /// every message.
+    pub(super) blocks_gauge: OnceLock<IntGauge>,
 }
 
 impl EpRuntime {
@@ -103,6 +107,7 @@ impl EpRuntime {
             snapshot_at: Mutex::new(None),
             outcomes: Mutex::default(),
             divergent: AtomicBool::new(false),
+            blocks_gauge: OnceLock::new(),
         }
     }
 

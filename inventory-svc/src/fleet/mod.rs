@@ -314,16 +314,19 @@ impl Fleet {
         self.publish_blocks(rule, ep);
     }
 
-    /// Sets endpoint `ep`'s block gauge (unless the rule is gone: its series were dropped).
+    /// Sets endpoint `ep`'s block gauge (unless the rule is gone: its series were dropped). The
+    /// series is looked up once per endpoint runtime, not per message.
     fn publish_blocks(&self, rule: &RuleRuntime, ep: EndpointId) {
         if rule.is_stopped() {
             return;
         }
-        let n = rule.index.block_count(ep);
-        self.metrics
-            .inventory_blocks
-            .with_label_values(&[&rule.spec.name(), &ep.0.to_string()])
-            .set(n as i64);
+        let Some(e) = rule.ep(ep) else { return };
+        let gauge = e.blocks_gauge.get_or_init(|| {
+            self.metrics
+                .inventory_blocks
+                .with_label_values(&[&rule.spec.name(), &ep.0.to_string()])
+        });
+        gauge.set(i64::try_from(rule.index.block_count(ep)).unwrap_or(i64::MAX));
     }
 
     /// Blocks endpoint `ep` may hold: `KVROUTE_MAX_KEYS_PER_ENDPOINT`, else 4 x its capacity
