@@ -3,6 +3,13 @@
 //! One script both acquires (the key is absent) and renews (the key is ours), so a lease lost to
 //! a Redis restart is taken back at the next renewal. While Redis is unreachable an owner keeps
 //! its lease and keeps ingesting (nobody else can take it over), and a non-owner stays idle.
+//!
+//! A Redis that restarted empty has lost every lease, and the replica that ingested through the
+//! outage holds events the others never heard of. So the first script call to find the lease's
+//! `:epoch` marker missing (a new or restarted Redis) sets it and opens a grace period of one
+//! lease (`:grace`, expiring): until it ends only the replica that still ingests the endpoint
+//! may take the absent lease back; another takes an absent lease only after it. A new
+//! deployment's first owner is therefore chosen one lease after start.
 //! On takeover the new owner resumes the engine's sequence from the replicated state: in order
 //! continues, a gap is replayed (or cleared), a restart is cleared. Keys re-derived from tokens
 //! (tokens key mode, TensorRT-LLM) need the engine-key map the previous owner held, so those
@@ -20,15 +27,22 @@ use crate::index::{EndpointId, IndexOp};
 use crate::metrics::{ClearCause, LeaseChange, RedisOp};
 use crate::rules::KeyMode;
 
-/// KEYS[1] lease, ARGV[1] replica id, ARGV[2] ms: 1 if we hold it afterwards, else 0.
+/// KEYS[1] lease, KEYS[2] its epoch marker, KEYS[3] its grace marker; ARGV[1] replica id,
+/// ARGV[2] ms, ARGV[3] `1` when this replica still ingests the endpoint: 1 if we hold the lease
+/// afterwards, else 0 (see the module docs for the grace period).
 const ACQUIRE_OR_RENEW: &str = r"
 local v = redis.call('GET', KEYS[1])
 if v == ARGV[1] then
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
   return 1
 end
+if redis.call('SET', KEYS[2], '1', 'NX') then
+  redis.call('SET', KEYS[3], '1', 'PX', ARGV[2])
+end
 if not v then
-  if redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2], 'NX') then return 1 end
+  if ARGV[3] == '1' or redis.call('EXISTS', KEYS[3]) == 0 then
+    if redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2], 'NX') then return 1 end
+  end
 end
 return 0
 ";
@@ -67,8 +81,11 @@ pub(super) async fn run(
     loop {
         let held: Result<i64, _> = acquire
             .key(&key)
+            .key(format!("{key}:epoch"))
+            .key(format!("{key}:grace"))
             .arg(&rep.origin)
             .arg(lease_ms)
+            .arg(u8::from(ingest.is_some()))
             .invoke_async(&mut conn)
             .await;
         match (held, ingest.is_some()) {
@@ -139,5 +156,54 @@ fn take_over(state: &Fleet, rule: &Arc<RuleRuntime>, ep: EndpointId) {
         for rank in rule.ranks() {
             state.apply_ops(rule, ep, rank, &[IndexOp::Clear]);
         }
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+mod tests {
+    use super::*;
+    use kvroute_test_support::redis::Redis;
+
+    /// The script's rules on a real Redis: a restarted Redis gives the lease back to the replica
+    /// that kept ingesting and makes the others wait one lease; renewal and expiry as before.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn after_a_restart_only_the_ingesting_replica_takes_the_lease_back_at_once() {
+        let mut redis = Redis::start().unwrap();
+        let client = redis::Client::open(redis.url()).unwrap();
+        let script = redis::Script::new(ACQUIRE_OR_RENEW);
+        let ms = 400u64;
+        let call = |who: &'static str, ingesting: bool| {
+            let client = client.clone();
+            let script = script.clone();
+            async move {
+                let mut c = client.get_multiplexed_async_connection().await.unwrap();
+                script
+                    .key("L")
+                    .key("L:epoch")
+                    .key("L:grace")
+                    .arg(who)
+                    .arg(ms)
+                    .arg(u8::from(ingesting))
+                    .invoke_async::<i64>(&mut c)
+                    .await
+                    .unwrap()
+            }
+        };
+        // A new Redis: nobody takes the lease during the grace period, then the first asker.
+        assert_eq!(call("b", false).await, 0);
+        assert_eq!(call("a", false).await, 0);
+        tokio::time::sleep(Duration::from_millis(ms + 100)).await;
+        assert_eq!(call("a", false).await, 1);
+        assert_eq!(call("b", false).await, 0, "held by a");
+        assert_eq!(call("a", true).await, 1, "renewed");
+        // Redis restarts empty while a ingests: b asks first and is refused, a takes it back.
+        redis.restart().unwrap();
+        assert_eq!(call("b", false).await, 0);
+        assert_eq!(call("a", true).await, 1);
+        assert_eq!(call("b", false).await, 0);
+        // a dies: its lease expires and b takes over without a grace period (Redis kept it).
+        tokio::time::sleep(Duration::from_millis(ms + 100)).await;
+        assert_eq!(call("b", false).await, 1);
     }
 }

@@ -156,12 +156,15 @@ impl Replica {
         format!("{}:{{rules}}:set", self.cfg.prefix)
     }
 
-    /// Keys of a rule generation (log, snapshots, leases).
+    /// Keys of a rule generation (log, snapshots, leases and their epoch and grace markers).
     fn rule_keys(&self, rule: &RuleRuntime) -> Vec<String> {
         let mut v = vec![self.log_key(rule)];
         for ep in 0..rule.eps().len() {
             v.push(self.snap_key(rule, ep));
-            v.push(self.lease_key(rule, ep));
+            let lease = self.lease_key(rule, ep);
+            v.push(format!("{lease}:epoch"));
+            v.push(format!("{lease}:grace"));
+            v.push(lease);
         }
         v
     }
