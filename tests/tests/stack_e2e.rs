@@ -575,8 +575,7 @@ async fn conversation_sticks_to_its_prefix_and_falls_back_when_the_engine_dies()
     // Held whole: its other fields (the inventory process, the temp dir) must live to the end.
     let mut stack = start_stack(&SIM_IPS, true).await;
     let (inv, gw_port) = (stack.inv, stack.gw_port);
-    let (client, rule_id) = (stack.client.clone(), stack.rule_id.clone());
-    let (envoy, sims) = (&stack.envoy, &mut stack.sims);
+    let client = stack.client.clone();
     let system = "You are the operations assistant of a large inference fleet. ".repeat(30);
     let mut messages = vec![
         json!({"role": "system", "content": system}),
@@ -584,24 +583,8 @@ async fn conversation_sticks_to_its_prefix_and_falls_back_when_the_engine_dies()
     ];
     // Turn 1 lands somewhere; the engine's BlockStored reaches the inventory.
     let (home, _, answer) = chat(&client, gw_port, &messages).await.unwrap();
-    let home_idx = sims
-        .iter()
-        .position(|s| s.name == home)
-        .unwrap_or_else(|| panic!("unknown simulator {home:?}"));
-    Poll::new(
-        format!("the inventory to show {home}'s blocks"),
-        Duration::from_secs(20),
-    )
-    .every(Duration::from_millis(50))
-    .until(async || {
-        let n = inventory_blocks(&client, inv, &rule_id, home_idx).await?;
-        Ok(match n >= 10 {
-            true => Probe::Ready(()),
-            false => Probe::Pending(format!("has {n}")),
-        })
-    })
-    .await
-    .unwrap();
+    let home_idx = stack.wait_holding(&home, 10).await;
+    let (envoy, sims) = (&stack.envoy, &mut stack.sims);
 
     // Turns 2..4 carry the growing conversation: each lands on the simulator holding the prefix
     // and reuses it.
