@@ -161,15 +161,17 @@ async fn inventory_blocks(
     v["total"].as_u64().context("total")
 }
 
-async fn chat(
+/// Posts one turn to the gateway: the simulator that served it (its response header) and the
+/// body; a status other than 200 is an error naming it.
+async fn post_turn(
     client: &reqwest::Client,
     gw: u16,
-    messages: &[Value],
-) -> Result<(String, u64, String)> {
-    let body = json!({"model": MODEL, "messages": messages, "max_tokens": 8});
+    path: &str,
+    body: &Value,
+) -> Result<(String, String)> {
     let r = client
-        .post(format!("http://127.0.0.1:{gw}/v1/chat/completions"))
-        .json(&body)
+        .post(format!("http://127.0.0.1:{gw}{path}"))
+        .json(body)
         .send()
         .await?;
     let status = r.status();
@@ -179,10 +181,21 @@ async fn chat(
         .and_then(|v| v.to_str().ok())
         .unwrap_or_default()
         .to_owned();
-    let v: Value = r.json().await.with_context(|| format!("status {status}"))?;
+    let text = r.text().await?;
     if status != 200 {
-        bail!("status {status}: {v}");
+        bail!("status {status}: {text}");
     }
+    Ok((sim, text))
+}
+
+async fn chat(
+    client: &reqwest::Client,
+    gw: u16,
+    messages: &[Value],
+) -> Result<(String, u64, String)> {
+    let body = json!({"model": MODEL, "messages": messages, "max_tokens": 8});
+    let (sim, text) = post_turn(client, gw, "/v1/chat/completions", &body).await?;
+    let v: Value = serde_json::from_str(&text).context("the answer is not JSON")?;
     let cached = v["usage"]["prompt_tokens_details"]["cached_tokens"]
         .as_u64()
         .unwrap_or(0);
@@ -474,22 +487,7 @@ async fn anthropic_turn(
     gw: u16,
     body: &Value,
 ) -> Result<(String, u64, String)> {
-    let r = client
-        .post(format!("http://127.0.0.1:{gw}/v1/messages"))
-        .json(body)
-        .send()
-        .await?;
-    let status = r.status();
-    let sim = r
-        .headers()
-        .get(SIM_HEADER)
-        .and_then(|v| v.to_str().ok())
-        .unwrap_or_default()
-        .to_owned();
-    let text = r.text().await?;
-    if status != 200 {
-        bail!("status {status}: {text}");
-    }
+    let (sim, text) = post_turn(client, gw, "/v1/messages", body).await?;
     let (usage, answer) = if body["stream"] == true {
         let events: Vec<Value> = text
             .lines()

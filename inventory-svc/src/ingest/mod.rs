@@ -274,6 +274,30 @@ fn spawn_endpoint(
     }
 }
 
+/// A seeded xorshift generator for the ingest property tests: no extra dependency, and a run
+/// replays exactly from its seed.
+#[cfg(test)]
+pub(crate) mod test_rng {
+    pub(crate) struct Rng(pub u64);
+
+    impl Rng {
+        pub(crate) fn next(&mut self) -> u64 {
+            self.0 ^= self.0 << 13;
+            self.0 ^= self.0 >> 7;
+            self.0 ^= self.0 << 17;
+            self.0
+        }
+
+        pub(crate) fn below(&mut self, n: u64) -> u64 {
+            self.next() % n
+        }
+
+        pub(crate) fn pick<'a, T>(&mut self, xs: &'a [T]) -> &'a T {
+            &xs[self.below(xs.len() as u64) as usize]
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     #![allow(clippy::panic)]
@@ -331,20 +355,7 @@ mod tests {
         assert_eq!(t.observe_span(21, 21), SeqVerdict::InOrder);
     }
 
-    /// A seeded xorshift generator: the property test needs no extra dependency and replays
-    /// exactly from its seed.
-    struct Rng(u64);
-    impl Rng {
-        fn next(&mut self) -> u64 {
-            self.0 ^= self.0 << 13;
-            self.0 ^= self.0 >> 7;
-            self.0 ^= self.0 << 17;
-            self.0
-        }
-        fn below(&mut self, n: u64) -> u64 {
-            self.next() % n
-        }
-    }
+    use super::test_rng::Rng;
 
     /// One arbitrary input step: a frame (near the last, a reset, a jump, a duplicate, an
     /// arbitrary value, around the wrap) or a reconnect.

@@ -232,22 +232,7 @@ mod tests {
         out
     }
 
-    /// A seeded xorshift generator (replays exactly from its seed).
-    struct Rng(u64);
-    impl Rng {
-        fn next(&mut self) -> u64 {
-            self.0 ^= self.0 << 13;
-            self.0 ^= self.0 >> 7;
-            self.0 ^= self.0 << 17;
-            self.0
-        }
-        fn below(&mut self, n: u64) -> u64 {
-            self.next() % n
-        }
-        fn pick<'a, T>(&mut self, xs: &'a [T]) -> &'a T {
-            &xs[self.below(xs.len() as u64) as usize]
-        }
-    }
+    use crate::ingest::test_rng::Rng;
 
     const NAMES: [&str; 14] = [
         "type",
