@@ -93,16 +93,20 @@ impl TextEncoder for Loaded {
     }
 }
 
-/// Per-slug cache of loaded tokenizers.
+/// Per-slug cache of loaded tokenizers. A slug loads once however many callers ask at the same
+/// time (a rule's endpoints all start their canary together): the others wait for that load.
 #[derive(Default)]
 pub struct TokenizerCache {
-    inner: Mutex<HashMap<String, Arc<Loaded>>>,
+    inner: Mutex<HashMap<String, Arc<Mutex<Option<Arc<Loaded>>>>>>,
 }
 
 impl TokenizerCache {
-    /// The tokenizer of `slug` under `dir`, loading it on first use.
+    /// The tokenizer of `slug` under `dir`, loading it on first use (a failed load is tried again
+    /// by the next caller: the tokenizer may be staged later).
     pub fn get(&self, dir: &Path, slug: &str) -> Result<Arc<Loaded>, String> {
-        if let Some(l) = lock(&self.inner).get(slug) {
+        let slot = lock(&self.inner).entry(slug.to_owned()).or_default().clone();
+        let mut slot = lock(&slot);
+        if let Some(l) = &*slot {
             return Ok(l.clone());
         }
         let base = dir.join("tokenizers").join(slug);
@@ -113,7 +117,7 @@ impl TokenizerCache {
             Loaded::new(&tj, config.as_deref(), true)
                 .map_err(|e| format!("tokenizer {slug}: {e}"))?,
         );
-        lock(&self.inner).insert(slug.to_owned(), l.clone());
+        *slot = Some(l.clone());
         Ok(l)
     }
 }
@@ -155,6 +159,22 @@ pub fn keys_for(
     keys_for_request(loaded, contract, &req, max_prefix_tokens)
 }
 
+/// The token ids kvroute routes a parsed request on (at most `max_prefix_tokens`, its chat
+/// template for messages), and why it stopped short of the whole prompt.
+pub fn prompt_tokens(
+    loaded: &Loaded,
+    req: &Request,
+    max_prefix_tokens: usize,
+) -> Result<(Vec<u32>, Option<Truncation>), String> {
+    PromptTokens::prefix_from_request(
+        req,
+        loaded,
+        loaded.template.as_ref(),
+        PrefixCap::tokens(max_prefix_tokens),
+    )
+    .map_err(|e| e.to_string())
+}
+
 /// Tokenizes at most `max_prefix_tokens` tokens of a parsed OpenAI request (its chat template
 /// for messages, its `cache_salt` in the first key) and hashes them, as the filter does.
 pub fn keys_for_request(
@@ -163,13 +183,7 @@ pub fn keys_for_request(
     req: &Request,
     max_prefix_tokens: usize,
 ) -> Result<Keyed, String> {
-    let (tokens, truncated) = PromptTokens::prefix_from_request(
-        req,
-        loaded,
-        loaded.template.as_ref(),
-        PrefixCap::tokens(max_prefix_tokens),
-    )
-    .map_err(|e| e.to_string())?;
+    let (tokens, truncated) = prompt_tokens(loaded, req, max_prefix_tokens)?;
     let extra = ExtraKeys {
         cache_salt: req.cache_salt.clone(),
         ..ExtraKeys::default()
