@@ -73,6 +73,15 @@ pub struct SimArgs {
     /// the last N blocks of each stored run (0: a single full-attention group).
     #[arg(long, default_value_t = 0)]
     pub sliding_window_blocks: usize,
+    /// vLLM only: serve every request through the LoRA adapter `NAME=PATH` (vLLM's
+    /// `--lora-modules NAME=PATH` with clients naming the adapter): block keys mix in the
+    /// adapter and events name it (`lora_id` 1, `lora_name` NAME).
+    #[arg(long)]
+    pub lora_adapter: Option<String>,
+    /// Drop each request's `cache_salt`, as an engine without cache_salt support does: salted
+    /// requests get the unsalted keys and share their cache.
+    #[arg(long)]
+    pub ignore_cache_salt: bool,
 }
 
 /// Why flags are invalid; each message names the flag, the value and what is allowed.
@@ -118,6 +127,9 @@ pub enum ConfigError {
         /// Ranks.
         ranks: u32,
     },
+    /// `--lora-adapter` malformed or given for another engine.
+    #[error("--lora-adapter {0:?}: give NAME=PATH, with --engine vllm")]
+    Lora(String),
     /// The hash contract is unusable (e.g. xxhash_cbor without a seed).
     #[error("--hash-algo/--seed: {0}")]
     Contract(String),
@@ -160,6 +172,10 @@ pub struct SimConfig {
     pub name: Option<String>,
     /// Hybrid-attention imitation: the sliding-window group's window in blocks (`None`: off).
     pub sliding_window: Option<usize>,
+    /// `--lora-adapter`: the adapter's (name, path).
+    pub lora: Option<(String, String)>,
+    /// `--ignore-cache-salt`.
+    pub ignore_cache_salt: bool,
 }
 
 impl TryFrom<SimArgs> for SimConfig {
@@ -191,6 +207,17 @@ impl TryFrom<SimArgs> for SimConfig {
         contract
             .hasher(&Default::default())
             .map_err(|e| ConfigError::Contract(e.to_string()))?;
+        let lora = match &a.lora_adapter {
+            None => None,
+            Some(s) => match s.split_once('=') {
+                Some((name, path))
+                    if engine == Engine::Vllm && !name.is_empty() && !path.is_empty() =>
+                {
+                    Some((name.to_string(), path.to_string()))
+                }
+                _ => return Err(ConfigError::Lora(s.clone())),
+            },
+        };
         for (flag, v) in [
             ("kv-blocks", a.kv_blocks),
             ("max-concurrency", a.max_concurrency),
@@ -239,6 +266,8 @@ impl TryFrom<SimArgs> for SimConfig {
             event_buffer: a.event_buffer,
             name: a.name,
             sliding_window: (a.sliding_window_blocks > 0).then_some(a.sliding_window_blocks),
+            lora,
+            ignore_cache_salt: a.ignore_cache_salt,
         })
     }
 }
@@ -290,5 +319,16 @@ mod tests {
             parse(&["--zmq-port", "65535", "--dp-ranks", "2"]),
             Err(ConfigError::PortRange { .. })
         ));
+        assert_eq!(
+            parse(&["--lora-adapter", "a=/p"]).unwrap().lora,
+            Some(("a".into(), "/p".into()))
+        );
+        for bad in [
+            &["--lora-adapter", "a"][..],
+            &["--lora-adapter", "=/p"],
+            &["--engine", "sglang", "--lora-adapter", "a=/p"],
+        ] {
+            assert!(matches!(parse(bad), Err(ConfigError::Lora(_))), "{bad:?}");
+        }
     }
 }

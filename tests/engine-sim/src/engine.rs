@@ -269,6 +269,7 @@ impl Engine {
     ) -> Result<Vec<BlockKey>, SimError> {
         let extra = ExtraKeys {
             cache_salt: cache_salt.map(str::to_string),
+            lora: self.cfg.lora.clone(),
             ..Default::default()
         };
         Ok(self.cfg.contract.keys(tokens, &extra)?)
@@ -279,6 +280,7 @@ impl Engine {
         let salt = enc.cache_salt.clone();
         let extra = ExtraKeys {
             cache_salt: salt.clone(),
+            lora: self.cfg.lora.clone(),
             ..Default::default()
         };
         let mut hasher = self.cfg.contract.hasher(&extra)?;

@@ -69,6 +69,9 @@ pub struct WireOptions {
     /// the window (at once: the worst case; vLLM removes them when their slots are reused).
     /// Removals of evicted blocks are published for both groups.
     pub sliding_window: Option<usize>,
+    /// vLLM layouts: the LoRA adapter every store names (`lora_id` 1, `lora_name`); `None`
+    /// writes nil for both.
+    pub lora_name: Option<String>,
 }
 
 impl WireOptions {
@@ -78,6 +81,7 @@ impl WireOptions {
             layout,
             medium: Some("GPU".to_string()),
             sliding_window: None,
+            lora_name: None,
         }
     }
 }
@@ -158,13 +162,20 @@ fn encode_event(out: &mut Vec<u8>, opts: &WireOptions, e: &KvEvent, group: u64) 
             }
             str_(out, "block_size");
             uint(out, u64::from(*block_size));
+            let lora = opts
+                .lora_name
+                .as_deref()
+                .filter(|_| opts.layout != Layout::Sglang);
             str_(out, "lora_id");
-            out.push(0xc0);
+            match lora {
+                Some(_) => uint(out, 1),
+                None => out.push(0xc0),
+            }
             str_(out, "medium");
             opt_str(out, opts.medium.as_deref());
             if opts.layout != Layout::Sglang {
                 str_(out, "lora_name");
-                out.push(0xc0);
+                opt_str(out, lora);
             }
             if opts.layout == Layout::Vllm {
                 str_(out, "extra_keys");

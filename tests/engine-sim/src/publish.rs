@@ -59,6 +59,7 @@ pub async fn start(
 fn wire_options(engine: &Engine) -> WireOptions {
     WireOptions {
         sliding_window: engine.cfg.sliding_window,
+        lora_name: engine.cfg.lora.as_ref().map(|(name, _)| name.clone()),
         ..WireOptions::gpu(match engine.cfg.engine {
             EngineKind::Sglang => Layout::Sglang,
             _ => Layout::Vllm,

@@ -100,15 +100,23 @@ async fn encode(
 ) -> Result<Encoded, ApiError> {
     let e = engine.clone();
     // Tokenizing is CPU work: keep it off the reactor.
-    tokio::task::spawn_blocking(move || e.encoder.encode(&body, endpoint))
-        .await
-        .map_err(|e| {
-            ApiError(
-                StatusCode::INTERNAL_SERVER_ERROR,
-                format!("tokenizer task failed: {e}"),
-            )
-        })?
-        .map_err(|e| ApiError(StatusCode::BAD_REQUEST, e.to_string()))
+    let ignore_salt = engine.cfg.ignore_cache_salt;
+    tokio::task::spawn_blocking(move || {
+        e.encoder.encode(&body, endpoint).map(|mut enc| {
+            if ignore_salt {
+                enc.cache_salt = None;
+            }
+            enc
+        })
+    })
+    .await
+    .map_err(|e| {
+        ApiError(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            format!("tokenizer task failed: {e}"),
+        )
+    })?
+    .map_err(|e| ApiError(StatusCode::BAD_REQUEST, e.to_string()))
 }
 
 async fn completions(State(engine): State<Arc<Engine>>, body: Bytes) -> Response {

@@ -566,3 +566,85 @@ async fn cache_salt_enters_keys_and_events() {
     let (_, r) = post(&sim.url("/v1/completions"), &salted).await;
     assert_eq!(r["usage"]["prompt_tokens_details"]["cached_tokens"], 32);
 }
+
+/// `--ignore-cache-salt` hashes a salted request as an unsalted one (an engine without salt
+/// support); `--lora-adapter` mixes the adapter into every key and names it in the events.
+#[tokio::test]
+async fn a_salt_can_be_ignored_and_a_lora_adapter_named() {
+    let (sim, mut sub, _) = Sim::start_subscribed(&[
+        "--engine",
+        "vllm",
+        "--seed",
+        "0",
+        "--ignore-cache-salt",
+        "--decode-us-per-token",
+        "10",
+    ])
+    .await;
+    let prompt: Vec<u32> = (0..33).map(|t| 4000 + t).collect();
+    let salted = json!({"prompt": prompt, "max_tokens": 0, "cache_salt": "tenant-a"});
+    post(&sim.url("/v1/completions"), &salted).await;
+    let c = contract(HashAlgo::Sha256Cbor, Some("0"));
+    let want = core_keys(&c, &prompt);
+    let mut seen = false;
+    sub.until(Duration::from_secs(10), |f| {
+        seen |= f
+            .events()
+            .iter()
+            .any(|ev| ev_type(ev) == "BlockStored" && hashes(ev) == want);
+        seen
+    })
+    .await;
+    assert!(seen, "the salted request is stored under the unsalted keys");
+    let (_, r) = post(
+        &sim.url("/v1/completions"),
+        &json!({"prompt": prompt, "max_tokens": 0}),
+    )
+    .await;
+    assert_eq!(r["usage"]["prompt_tokens_details"]["cached_tokens"], 32);
+    drop(sim);
+
+    let (sim, mut sub, _) = Sim::start_subscribed(&[
+        "--engine",
+        "vllm",
+        "--seed",
+        "0",
+        "--lora-adapter",
+        "sql-lora=/adapters/sql",
+        "--decode-us-per-token",
+        "10",
+    ])
+    .await;
+    post(
+        &sim.url("/v1/completions"),
+        &json!({"prompt": prompt, "max_tokens": 0}),
+    )
+    .await;
+    let extra = ExtraKeys {
+        lora: Some(("sql-lora".into(), "/adapters/sql".into())),
+        ..Default::default()
+    };
+    let want: Vec<u64> = c
+        .keys(&prompt, &extra)
+        .unwrap()
+        .into_iter()
+        .map(|k| k.0)
+        .collect();
+    assert_ne!(want, core_keys(&c, &prompt), "the adapter changes the keys");
+    let mut got = None;
+    sub.until(Duration::from_secs(10), |f| {
+        for ev in f.events() {
+            if ev_type(&ev) == "BlockStored" && hashes(&ev) == want {
+                got = Some(ev.clone());
+            }
+        }
+        got.is_some()
+    })
+    .await;
+    let ev = got.expect("a BlockStored with the adapter's keys");
+    assert_eq!(
+        field(&ev, "lora_name"),
+        Some(&rmpv::Value::from("sql-lora"))
+    );
+    assert_eq!(field(&ev, "lora_id"), Some(&rmpv::Value::from(1)));
+}

@@ -171,6 +171,7 @@ fn vllm_base_layout_matches_the_handbuilt_minimal_batch() {
         layout: Layout::VllmBase,
         medium: None,
         sliding_window: None,
+        lora_name: None,
     };
     let store = KvEvent::Stored {
         keys: vec![BlockKey(1), BlockKey(2)],
