@@ -8,7 +8,7 @@
 use super::decode::Stored;
 use crate::fleet::ParityReport;
 use kvroute_core::hash::{
-    BlockSize, Engine, ExtraKeys, HashAlgo, HashContract, DEFAULT_NONE_HASH_SEED,
+    BlockKey, BlockSize, Engine, ExtraKeys, HashAlgo, HashContract, DEFAULT_NONE_HASH_SEED,
 };
 
 /// Searches the plausible contracts for one that reproduces the event's first key.
@@ -69,7 +69,7 @@ pub fn diagnose(engine: Engine, c: &HashContract, s: &Stored) -> ParityReport {
                     }
                     if *seed != c.seed && seed_list.len() > 1 {
                         legs.push(format!(
-                            "the seed should be {} (the engine's PYTHONHASHSEED; set kvHashSeed / LLB_KV_NONE_HASH_SEED)",
+                            "the seed should be {} (the engine's PYTHONHASHSEED; set LLB_KV_NONE_HASH_SEED on the service and the filter)",
                             seed.as_deref().map_or("unset".to_owned(), |s| format!("{s:?}"))
                         ));
                     }
@@ -97,5 +97,72 @@ pub fn diagnose(engine: Engine, c: &HashContract, s: &Stored) -> ParityReport {
         suggested_algo: None,
         suggested_seed: None,
         suggested_block_size: None,
+    }
+}
+
+/// How one `BlockStored` compares with a prompt's own tokens and keys ([`place`]).
+#[derive(Clone, Debug, PartialEq)]
+pub enum Placed {
+    /// Token `position` of the prompt differs: kvroute has `ours`, the engine `engine`.
+    TokenMismatch {
+        position: usize,
+        ours: u32,
+        engine: u32,
+    },
+    /// Tokens agree and the engine's `blocks` keys from block `first_block` equal the prompt's.
+    Match { first_block: usize, blocks: usize },
+    /// Tokens agree but the keys differ; `report` is the diagnosis.
+    KeyMismatch {
+        first_block: usize,
+        engine_keys: Vec<u64>,
+        report: ParityReport,
+    },
+}
+
+/// Where `s` falls in a prompt of `tokens` whose keys are `keys`, or `None` when it is not this
+/// prompt's: a chain start (no parent) must share at least half of its first block's tokens
+/// with the prompt, a continuation must have one of the prompt's keys as parent. Everything else
+/// is other traffic on the engine.
+pub fn place(
+    engine: Engine,
+    contract: &HashContract,
+    tokens: &[u32],
+    keys: &[BlockKey],
+    s: &Stored,
+) -> Option<Placed> {
+    let bs = contract.block_size.get();
+    let first_block = match s.parent {
+        None => 0,
+        Some(p) => keys.iter().position(|k| k.0 == p)? + 1,
+    };
+    let offset = first_block * bs;
+    let ours = tokens.get(offset..).unwrap_or(&[]);
+    let theirs = &s.token_ids;
+    if s.parent.is_none() && theirs.get(..bs) != ours.get(..bs) && !theirs.is_empty() {
+        let shared = ours.iter().zip(theirs).take_while(|(a, b)| a == b).count();
+        if shared < bs.min(theirs.len()) / 2 {
+            return None;
+        }
+    }
+    if let Some(at) = ours.iter().zip(theirs).position(|(a, b)| a != b) {
+        return Some(Placed::TokenMismatch {
+            position: offset + at,
+            ours: ours[at],
+            engine: theirs[at],
+        });
+    }
+    let n = s.block_hashes.len();
+    match keys.get(first_block..first_block + n) {
+        Some(w) if w.iter().map(|k| k.0).eq(s.block_hashes.iter().copied()) => {
+            Some(Placed::Match {
+                first_block,
+                blocks: n,
+            })
+        }
+        _ => Some(Placed::KeyMismatch {
+            first_block,
+            engine_keys: s.block_hashes.clone(),
+            report: diagnose(engine, contract, s),
+        }),
     }
 }

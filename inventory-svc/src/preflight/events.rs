@@ -21,7 +21,7 @@ use serde_json::{json, Value};
 use zeromq::{Socket, SocketRecv, SubSocket};
 
 use crate::ingest::decode::{decode_batch, split_frames, BytesKey, KvEvent, Stored};
-use crate::ingest::parity::diagnose;
+use crate::ingest::parity::{place, Placed};
 
 /// Events read at most before giving up on finding the prompt's.
 pub const MAX_EVENTS: usize = 100_000;
@@ -153,61 +153,48 @@ fn compare(
     keys: &[BlockKey],
     s: &Stored,
 ) -> Option<Verdict> {
-    let bs = contract.block_size.get();
-    let first_block = match s.parent {
-        None => 0,
-        Some(p) => keys.iter().position(|k| k.0 == p)? + 1,
-    };
-    // A chain start of someone else's prompt: skip unless it shares the first block's tokens.
-    let offset = first_block * bs;
-    let ours = tokens.get(offset..).unwrap_or(&[]);
-    let theirs = &s.token_ids;
-    if s.parent.is_none() && theirs.get(..bs) != ours.get(..bs) && !theirs.is_empty() {
-        let shared = ours.iter().zip(theirs).take_while(|(a, b)| a == b).count();
-        if shared < bs.min(theirs.len()) / 2 {
-            return None;
-        }
-    }
-    if let Some(at) = ours.iter().zip(theirs).position(|(a, b)| a != b) {
-        let pos = offset + at;
-        return Some(Verdict {
+    Some(match place(engine, contract, tokens, keys, s)? {
+        Placed::TokenMismatch {
+            position,
+            ours,
+            engine,
+        } => Verdict {
             json: json!({
                 "verdict": "token_mismatch",
-                "position": pos,
-                "ours": ours[at],
-                "engine": theirs[at],
-                "message": format!("token {pos} differs (kvroute {}, engine {}): the tokenizer or the chat template is not the engine's", ours[at], theirs[at]),
+                "position": position,
+                "ours": ours,
+                "engine": engine,
+                "message": format!("token {position} differs (kvroute {ours}, engine {engine}): the tokenizer or the chat template is not the engine's"),
             }),
             ok: false,
-        });
-    }
-    let n = s.block_hashes.len();
-    let want = keys.get(first_block..first_block + n);
-    let got: Vec<u64> = s.block_hashes.clone();
-    match want {
-        Some(w) if w.iter().map(|k| k.0).eq(got.iter().copied()) => Some(Verdict {
+        },
+        Placed::Match {
+            first_block,
+            blocks,
+        } => Verdict {
             json: json!({
                 "verdict": "match",
-                "blocks_compared": n,
+                "blocks_compared": blocks,
                 "first_block": first_block,
                 "message": "the engine's keys equal kvroute's: tokens and hash contract agree",
             }),
             ok: true,
-        }),
-        _ => {
-            let report = diagnose(engine, contract, s);
-            Some(Verdict {
-                json: json!({
-                    "verdict": "key_mismatch",
-                    "first_block": first_block,
-                    "engine_keys": got,
-                    "message": report.message,
-                    "suggested_algo": report.suggested_algo,
-                    "suggested_seed": report.suggested_seed,
-                    "suggested_block_size": report.suggested_block_size,
-                }),
-                ok: false,
-            })
-        }
-    }
+        },
+        Placed::KeyMismatch {
+            first_block,
+            engine_keys,
+            report,
+        } => Verdict {
+            json: json!({
+                "verdict": "key_mismatch",
+                "first_block": first_block,
+                "engine_keys": engine_keys,
+                "message": report.message,
+                "suggested_algo": report.suggested_algo,
+                "suggested_seed": report.suggested_seed,
+                "suggested_block_size": report.suggested_block_size,
+            }),
+            ok: false,
+        },
+    })
 }
