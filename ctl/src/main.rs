@@ -829,6 +829,15 @@ fn parity_cell(e: &Value) -> String {
     }
 }
 
+/// The CANARY cell: the parity canary's latest verdict (`healthy` or the wrong leg), `-` when
+/// it is off or has not run on the endpoint yet.
+fn canary_cell(e: &Value) -> String {
+    match e.get("canary").and_then(|c| c.get("verdict")) {
+        Some(v) => s(Some(v)),
+        None => "-".into(),
+    }
+}
+
 fn health_table(v: &Value) -> String {
     let empty = Vec::new();
     let mut rows = Vec::new();
@@ -846,6 +855,7 @@ fn health_table(v: &Value) -> String {
                 s(e.get("connected")),
                 s(e.get("blocks")),
                 parity_cell(e),
+                canary_cell(e),
             ]);
         }
     }
@@ -859,6 +869,7 @@ fn health_table(v: &Value) -> String {
             "CONNECTED",
             "BLOCKS",
             "PARITY",
+            "CANARY",
         ],
         &rows,
     ));

@@ -18,6 +18,7 @@
 //!   [`preflight`] — the `hash` subcommand.
 
 pub mod api;
+pub mod canary;
 pub mod cli;
 pub mod epp;
 pub mod fleet;

@@ -280,6 +280,10 @@ pub struct Metrics {
     pub endpoint_cached_tokens: IntCounterVec,
     /// 1 while the endpoint diverges: `rule`, `ep`.
     pub endpoint_divergent: IntGaugeVec,
+    /// `kvroute_canary_runs_total{outcome}`: parity canary runs by verdict.
+    pub canary_runs: IntCounterVec,
+    /// `kvroute_endpoint_canary_failing{rule,ep}`.
+    pub endpoint_canary_failing: IntGaugeVec,
     /// Outcome reports applied.
     pub outcome_reports: IntCounter,
     /// Endpoints named in outcome reports that their rule does not have.
@@ -554,6 +558,16 @@ impl Metrics {
                 "1 while the endpoint's engine reuses none of the predicted blocks for most requests (KVROUTE_DIVERGENCE_*).",
                 &["rule", "ep"],
             )?,
+            canary_runs: cv(
+                "kvroute_canary_runs_total",
+                "Parity canary runs by verdict: healthy, a wrong leg (tokenizer, chat_template, block_size, seed, algorithm, lora, cache_salt, hash, no_reuse, no_events) or unreachable.",
+                &["outcome"],
+            )?,
+            endpoint_canary_failing: gv(
+                "kvroute_endpoint_canary_failing",
+                "1 while the endpoint's latest parity canary run found a wrong leg of the hash contract (KVROUTE_CANARY_*).",
+                &["rule", "ep"],
+            )?,
             outcome_reports: c("kvroute_outcome_reports_total", "Outcome reports from filters applied.")?,
             outcome_unknown_endpoints: c(
                 "kvroute_outcome_unknown_endpoints_total",
@@ -650,6 +664,7 @@ impl Metrics {
                 &self.snapshot_bytes,
                 &self.lease_owned,
                 &self.endpoint_divergent,
+                &self.endpoint_canary_failing,
             ] {
                 let _ = g.remove_label_values(&labels);
             }

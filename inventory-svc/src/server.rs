@@ -39,10 +39,12 @@ pub struct ServeOptions {
     pub epp: Option<EppOptions>,
 }
 
-/// Starts an installed rule's tasks: its event feeds and its health checks and scrapes.
+/// Starts an installed rule's tasks: its event feeds, its health checks and scrapes, and its
+/// parity canary.
 fn start_tasks(fleet: &Arc<Fleet>, rule: &Arc<RuleRuntime>) {
-    crate::ingest::spawn_rule(fleet, rule);
+    let taps = crate::ingest::spawn_rule(fleet, rule);
     crate::health::spawn_rule(fleet, rule);
+    crate::canary::spawn_rule(fleet, rule, taps);
 }
 
 /// Reads a token file (trailing whitespace dropped); `flag` names it in errors.

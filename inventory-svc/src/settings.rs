@@ -273,6 +273,19 @@ pub const DIVERGENCE_POLICY: Setting = Setting::word(
     "routing for a divergent endpoint: `load_only` (its prefix overlap and placement memory are \
      ignored, so a wrong affinity cannot pile traffic on it) or `keep`",
 );
+pub const CANARY_INTERVAL_MS: Setting = Setting::int(
+    "KVROUTE_CANARY_INTERVAL_MS",
+    (0, 86_400_000),
+    0,
+    "how often the parity canary sends each endpoint its synthetic requests and checks the \
+     engine's tokens, keys and reuse against the rule's contract (0: off; see docs/operations.md)",
+);
+pub const CANARY_TIMEOUT_MS: Setting = Setting::int(
+    "KVROUTE_CANARY_TIMEOUT_MS",
+    (100, 600_000),
+    10_000,
+    "how long one canary run waits for each engine answer, and then for the engine's KV events",
+);
 
 /// What routing does with an endpoint whose engine does not reuse what was predicted
 /// ([`DIVERGENCE_POLICY`]).
@@ -296,7 +309,7 @@ pub struct HealthThresholds {
 }
 
 /// The service's own tuning variables, in the order errors are reported (after the shared ones).
-pub const SERVICE_VARS: [Setting; 27] = [
+pub const SERVICE_VARS: [Setting; 29] = [
     MEAN_LOAD_FACTOR,
     LB_MODE,
     LOAD_PENALTY,
@@ -324,6 +337,8 @@ pub const SERVICE_VARS: [Setting; 27] = [
     DIVERGENCE_WINDOW_MS,
     DIVERGENCE_MIN_REQUESTS,
     DIVERGENCE_POLICY,
+    CANARY_INTERVAL_MS,
+    CANARY_TIMEOUT_MS,
 ];
 
 /// The replication variables (docs/replication.md); all but the URL need the URL.
@@ -437,6 +452,17 @@ pub struct Settings {
     pub max_keys_per_endpoint: u64,
     /// [`DIVERGENCE_WINDOW_MS`], [`DIVERGENCE_MIN_REQUESTS`], [`DIVERGENCE_POLICY`].
     pub divergence: Divergence,
+    /// [`CANARY_INTERVAL_MS`] (zero: off) and [`CANARY_TIMEOUT_MS`].
+    pub canary: Canary,
+}
+
+/// The parity canary's schedule ([`crate::canary`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Canary {
+    /// Between two runs on one endpoint; zero disables the canary.
+    pub interval: Duration,
+    /// Each engine answer, then the events, may take this long.
+    pub timeout: Duration,
 }
 
 /// When an endpoint counts as divergent, and what routing does then.
@@ -672,6 +698,10 @@ impl<'a> Env<'a> {
                 [DivergencePolicy::LoadOnly, DivergencePolicy::Keep],
             ),
         };
+        let canary = Canary {
+            interval: self.ms(&CANARY_INTERVAL_MS),
+            timeout: self.ms(&CANARY_TIMEOUT_MS),
+        };
         let redis = self.redis_from_env();
         Settings {
             core,
@@ -697,6 +727,7 @@ impl<'a> Env<'a> {
             http,
             max_keys_per_endpoint,
             divergence,
+            canary,
         }
     }
 

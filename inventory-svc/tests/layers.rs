@@ -21,7 +21,9 @@ const ALLOWED: &[(&str, &[&str])] = &[
     ("offload", &["sync"]),
     (
         "fleet",
-        &["index", "metrics", "rules", "score", "settings", "sync"],
+        &[
+            "index", "metrics", "offload", "rules", "score", "settings", "sync",
+        ],
     ),
     (
         "ingest",
@@ -35,6 +37,7 @@ const ALLOWED: &[(&str, &[&str])] = &[
         ],
     ),
     ("question", &["fleet", "offload"]),
+    ("canary", &["fleet", "index", "ingest", "offload"]),
     ("api", &["fleet", "index", "offload", "question", "rules"]),
     ("epp", &["fleet", "metrics", "offload", "question"]),
     ("listener", &["metrics", "settings"]),
@@ -43,8 +46,8 @@ const ALLOWED: &[(&str, &[&str])] = &[
     (
         "server",
         &[
-            "api", "epp", "fleet", "health", "ingest", "listener", "metrics", "replica", "rules",
-            "settings", "tls",
+            "api", "canary", "epp", "fleet", "health", "ingest", "listener", "metrics", "replica",
+            "rules", "settings", "tls",
         ],
     ),
     ("lib", &[]),

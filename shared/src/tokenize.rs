@@ -25,6 +25,9 @@ pub enum TokenizeError {
         /// The library's message.
         reason: String,
     },
+    /// Token ids the vocabulary cannot turn back into text.
+    #[error("tokenizer failed to decode: {0}")]
+    Decode(String),
 }
 
 /// A loaded HuggingFace tokenizer.
@@ -72,6 +75,13 @@ impl Tokenizer {
     /// The id of a token string (`"<|im_end|>"`), if the vocabulary has it.
     pub fn token_to_id(&self, token: &str) -> Option<u32> {
         self.inner.token_to_id(token)
+    }
+
+    /// The text of `ids`, special tokens included (for showing where two tokenizations part).
+    pub fn decode(&self, ids: &[u32]) -> Result<String, TokenizeError> {
+        self.inner
+            .decode(ids, false)
+            .map_err(|e| TokenizeError::Decode(e.to_string()))
     }
 
     /// Vocabulary size including added tokens.

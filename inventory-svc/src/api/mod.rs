@@ -74,10 +74,10 @@ impl ApiState {
         route_token: Option<String>,
     ) -> ApiState {
         ApiState {
+            tokenizers: fleet.tokenizers.clone(),
             fleet,
             auth_token,
             route_token,
-            tokenizers: Arc::default(),
             ready: AtomicBool::new(false),
         }
     }
@@ -500,7 +500,8 @@ async fn inventory(
 /// `GET /healthz` answer.
 #[derive(Debug, Serialize, ToSchema)]
 pub struct Health {
-    /// `ok`, or `degraded` when a parity check failed or a tokenizer is missing.
+    /// `ok`, or `degraded` when a parity check or the parity canary failed, an endpoint diverges
+    /// or a tokenizer is missing.
     pub status: String,
     pub rules: Vec<RuleHealth>,
     /// Null without `--redis-url`.
@@ -545,6 +546,9 @@ pub struct EndpointHealth {
     /// Present while the endpoint diverges: its engine reused no block for most responses
     /// predicted to reuse 2 or more; the probable cause.
     pub divergence: Option<String>,
+    /// The parity canary's latest run on the endpoint (absent with `KVROUTE_CANARY_INTERVAL_MS`
+    /// 0, before its first run, or on a replica that does not ingest the endpoint).
+    pub canary: Option<crate::fleet::CanaryVerdict>,
 }
 
 /// `POST /v1/rules/{id}/outcomes` answer.
@@ -637,6 +641,8 @@ async fn healthz(State(state): State<Arc<ApiState>>) -> Json<Health> {
                     degraded |= parity.is_some();
                     let (sum, divergent) = rt.outcomes(now, &fleet.settings.divergence);
                     degraded |= divergent;
+                    let canary = rt.canary();
+                    degraded |= canary.as_ref().is_some_and(|c| c.verdict.failing());
                     EndpointHealth {
                         idx: i,
                         endpoint: e.addr(),
@@ -654,6 +660,7 @@ async fn healthz(State(state): State<Arc<ApiState>>) -> Json<Health> {
                             ..sum
                         }),
                         divergence: divergent.then(|| crate::fleet::divergence_cause(rt)),
+                        canary,
                     }
                 })
                 .collect();

@@ -15,6 +15,7 @@ use serde::Serialize;
 
 use kvroute_core::wire::EndpointOutcomes;
 
+use super::canary::CanaryVerdict;
 use super::outcomes::{diverges, OutcomeWindow};
 use crate::index::Rank;
 use crate::settings::Divergence;
@@ -90,6 +91,8 @@ pub struct EpRuntime {
     /// The endpoint's `kvroute_index_blocks` series, looked up once: ingestion sets it after
     /// every message.
     pub(super) blocks_gauge: OnceLock<IntGauge>,
+    /// The parity canary's latest verdict (none before its first run, or with the canary off).
+    canary: Mutex<Option<CanaryVerdict>>,
 }
 
 impl EpRuntime {
@@ -108,7 +111,17 @@ impl EpRuntime {
             outcomes: Mutex::default(),
             divergent: AtomicBool::new(false),
             blocks_gauge: OnceLock::new(),
+            canary: Mutex::new(None),
         }
+    }
+
+    /// The parity canary's latest verdict.
+    pub fn canary(&self) -> Option<CanaryVerdict> {
+        lock(&self.canary).clone()
+    }
+
+    pub fn set_canary(&self, v: CanaryVerdict) {
+        *lock(&self.canary) = Some(v);
     }
 
     /// Adds a filter's outcome report received at `now`; returns the divergence verdict before

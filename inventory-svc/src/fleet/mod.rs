@@ -22,6 +22,7 @@
 //!   and its block gauge follows every applied operation while the rule is installed;
 //! * a removed rule's metric series are dropped, and its tasks never bring them back.
 
+mod canary;
 mod decide;
 mod endpoint;
 mod outcomes;
@@ -43,6 +44,7 @@ use crate::rules::RuleSpec;
 use crate::score::PlacementMemory;
 use crate::settings::Settings;
 
+pub use canary::{CanaryVerdict, Leg, Probe, ProbeReport};
 pub use decide::{Question, RouteError, Routed, MAX_KEYS};
 pub use endpoint::{EpRuntime, ParityReport, ParityStatus};
 pub use outcomes::{divergence_cause, ReportApplied, DIVERGED_PERCENT};
@@ -69,6 +71,9 @@ pub struct Fleet {
     /// The root token: the service drains when it is cancelled; every rule's token is a child.
     pub cancel: CancellationToken,
     tokenizer_dir: Option<PathBuf>,
+    /// The tokenizers loaded from `tokenizer_dir`, shared by every door that tokenizes (route
+    /// offload, the endpoint picker, the parity canary).
+    pub tokenizers: Arc<crate::offload::TokenizerCache>,
     /// Client for the engines (health probes, scrapes, the TensorRT-LLM drain).
     pub http: reqwest::Client,
     start_tasks: StartTasks,
@@ -92,6 +97,7 @@ impl Fleet {
             settings,
             cancel,
             tokenizer_dir,
+            tokenizers: Arc::default(),
             http: reqwest::Client::builder()
                 .timeout(Duration::from_secs(5))
                 .build()

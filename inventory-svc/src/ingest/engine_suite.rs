@@ -76,6 +76,7 @@ impl Source {
             rule,
             ep: EndpointId(0),
             rank: Rank(0),
+            tap: Default::default(),
         };
         Source {
             engine,

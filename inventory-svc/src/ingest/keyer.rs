@@ -46,6 +46,8 @@ pub struct Keyer {
     /// KV-cache groups seen with a kind other than full attention, and that kind (a handful).
     partial_groups: Vec<(u32, GroupKind)>,
     events: EventCounters,
+    /// The endpoint's parity canary tap ([`Keyer::with_tap`]).
+    tap: Option<Arc<super::tap::Tap>>,
 }
 
 /// `kvroute_ingest_events_total` of the keyer's engine for the vLLM / SGLang event types,
@@ -88,7 +90,14 @@ impl Keyer {
             mismatches: 0,
             partial_groups: Vec::new(),
             events,
+            tap: None,
         }
+    }
+
+    /// Offers every `BlockStored` to `tap` (the endpoint's parity canary) before keying it.
+    pub fn with_tap(mut self, tap: Arc<super::tap::Tap>) -> Keyer {
+        self.tap = Some(tap);
+        self
     }
 
     /// Forgets engine-key mappings (the endpoint's inventory was cleared).
@@ -218,6 +227,9 @@ impl Keyer {
     }
 
     fn stored(&mut self, s: Stored, ops: &mut Vec<IndexOp>) -> Option<IndexOp> {
+        if let Some(t) = &self.tap {
+            t.offer(&s);
+        }
         match self.key_mode {
             KeyMode::Engine => {
                 if s.parent.is_none()

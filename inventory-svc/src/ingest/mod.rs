@@ -17,6 +17,7 @@ pub mod keyer;
 mod msgpack;
 pub mod parity;
 pub mod reference;
+pub mod tap;
 pub mod trtllm;
 pub mod zmq;
 
@@ -159,6 +160,8 @@ pub struct Feed {
     pub rule: Arc<RuleRuntime>,
     pub ep: EndpointId,
     pub rank: Rank,
+    /// The endpoint's parity canary tap.
+    pub tap: Arc<tap::Tap>,
 }
 
 impl Feed {
@@ -237,14 +240,21 @@ impl Feed {
             s.contract(),
             self.fleet.metrics.clone(),
         )
+        .with_tap(self.tap.clone())
     }
 }
 
 /// Starts every ingestion task of a rule (none for llama.cpp or kvExactMode 0), each endpoint
-/// while this replica owns it (always, standalone).
-pub fn spawn_rule(fleet: &Arc<Fleet>, rule: &Arc<RuleRuntime>) {
-    let (f, r) = (fleet.clone(), rule.clone());
-    fleet.run_feeds(rule, move |ep, cancel| spawn_endpoint(&f, &r, ep, cancel));
+/// while this replica owns it (always, standalone). Returns each endpoint's parity canary tap,
+/// which its feeds offer every `BlockStored` to.
+pub fn spawn_rule(fleet: &Arc<Fleet>, rule: &Arc<RuleRuntime>) -> Vec<Arc<tap::Tap>> {
+    let taps: Vec<Arc<tap::Tap>> = rule.endpoint_ids().map(|_| Arc::default()).collect();
+    let (f, r, t) = (fleet.clone(), rule.clone(), taps.clone());
+    fleet.run_feeds(rule, move |ep, cancel| {
+        let tap = t.get(ep.index()).cloned().unwrap_or_default();
+        spawn_endpoint(&f, &r, ep, tap, cancel)
+    });
+    taps
 }
 
 /// Starts the ingestion tasks of one endpoint (every rank), stopped by `cancel`. Sequence
@@ -253,6 +263,7 @@ fn spawn_endpoint(
     fleet: &Arc<Fleet>,
     rule: &Arc<RuleRuntime>,
     ep: EndpointId,
+    tap: Arc<tap::Tap>,
     cancel: &tokio_util::sync::CancellationToken,
 ) {
     let feed = |rank| Feed {
@@ -260,6 +271,7 @@ fn spawn_endpoint(
         rule: rule.clone(),
         ep,
         rank,
+        tap: tap.clone(),
     };
     match rule.spec.engine {
         Engine::Vllm | Engine::Sglang => {
