@@ -72,6 +72,33 @@ pub fn envoy_bin() -> Result<PathBuf> {
     )
 }
 
+/// A binary of this workspace built by `cargo build` (`<repo>/target/debug/<name>`).
+pub fn built_bin(name: &str) -> Result<PathBuf> {
+    let p = repo_root().join("target/debug").join(name);
+    if !p.exists() {
+        bail!("{} is not built: {SETUP_HINT}", p.display());
+    }
+    Ok(p)
+}
+
+/// Polls `child`'s log for a line starting with `prefix` and returns the address after it
+/// (30 s at most).
+pub async fn printed_addr(child: &mut ChildGuard, prefix: &str) -> Result<SocketAddr> {
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        child.ensure_running()?;
+        let log = child.log();
+        if let Some(rest) = log.lines().find_map(|l| l.strip_prefix(prefix)) {
+            let addr = rest.split_whitespace().next().unwrap_or_default();
+            return addr.parse().with_context(|| format!("address {addr:?}"));
+        }
+        if std::time::Instant::now() > deadline {
+            bail!("never printed {prefix:?}:\n{}", child.log_tail(20));
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+}
+
 /// The built filter module: `$KVROUTE_WASM` or `<cache>/wasm/kvroute_filter.wasm`
 /// (written by scripts/build-wasm.sh, which scripts/test.sh runs).
 pub fn wasm_module() -> Result<PathBuf> {

@@ -8,7 +8,6 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::net::{SocketAddr, TcpListener};
-use std::path::PathBuf;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
@@ -26,31 +25,6 @@ const SIM_IPS: [&str; 3] = ["127.0.0.31", "127.0.0.32", "127.0.0.33"];
 const LOAD_SIM_IPS: [&str; 3] = ["127.0.0.34", "127.0.0.35", "127.0.0.36"];
 const SIM_HEADER: &str = "x-kvroute-sim";
 
-fn bin(name: &str) -> Result<PathBuf> {
-    let p = harness::repo_root().join("target/debug").join(name);
-    if !p.exists() {
-        bail!("{} is not built: {}", p.display(), harness::SETUP_HINT);
-    }
-    Ok(p)
-}
-
-/// Polls `child`'s log for a line starting with `prefix` and returns the address after it.
-async fn printed_addr(child: &mut ChildGuard, prefix: &str) -> Result<SocketAddr> {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        child.ensure_running()?;
-        let log = child.log();
-        if let Some(rest) = log.lines().find_map(|l| l.strip_prefix(prefix)) {
-            let addr = rest.split_whitespace().next().unwrap_or_default();
-            return addr.parse().with_context(|| format!("address {addr:?}"));
-        }
-        if Instant::now() > deadline {
-            bail!("never printed {prefix:?}:\n{}", child.log_tail(20));
-        }
-        tokio::time::sleep(Duration::from_millis(25)).await;
-    }
-}
-
 struct Sim {
     name: String,
     addr: SocketAddr,
@@ -59,7 +33,7 @@ struct Sim {
 
 async fn start_sim(ip: &str, zmq_port: u16, dir: &TempDir, extra: &[&str]) -> Result<Sim> {
     let name = format!("sim-{ip}");
-    let mut cmd = Command::new(bin("kvroute-engine-sim")?);
+    let mut cmd = Command::new(harness::built_bin("kvroute-engine-sim")?);
     cmd.args(extra);
     cmd.args([
         "--listen",
@@ -84,7 +58,7 @@ async fn start_sim(ip: &str, zmq_port: u16, dir: &TempDir, extra: &[&str]) -> Re
     .arg("--tokenizer-dir")
     .arg(harness::tokenizer_dir()?);
     let mut child = ChildGuard::spawn(&name, cmd, &dir.path().join(format!("{name}.log")))?;
-    let addr = printed_addr(&mut child, "listening on ").await?;
+    let addr = harness::printed_addr(&mut child, "listening on ").await?;
     Ok(Sim {
         name,
         addr,
@@ -256,7 +230,7 @@ async fn start_stack_with(ips: &[&str], fast_health_checks: bool, sim_args: &[&s
         std::fs::copy(harness::tokenizer_dir().unwrap().join(f), staged.join(f)).unwrap();
     }
     std::fs::write(dir.path().join("token"), TOKEN).unwrap();
-    let mut cmd = Command::new(bin("kvroute-inventory").unwrap());
+    let mut cmd = Command::new(harness::built_bin("kvroute-inventory").unwrap());
     cmd.args(["serve", "--listen", "127.0.0.1:0", "--tokenizer-dir"])
         .arg(dir.path())
         .arg("--auth-token-file")
@@ -264,7 +238,7 @@ async fn start_stack_with(ips: &[&str], fast_health_checks: bool, sim_args: &[&s
         .env("KVROUTE_HEALTH_INTERVAL_MS", "200");
     let mut inv_child =
         ChildGuard::spawn("kvroute-inventory", cmd, &dir.path().join("inventory.log")).unwrap();
-    let inv = printed_addr(&mut inv_child, "kvroute-inventory listening on ")
+    let inv = harness::printed_addr(&mut inv_child, "kvroute-inventory listening on ")
         .await
         .unwrap();
 

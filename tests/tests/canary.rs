@@ -1,0 +1,324 @@
+//! The parity canary against engine simulators each configured with one mismatch: a wrong
+//! tokenizer, a wrong chat template, a wrong block size, a wrong seed, a LoRA adapter and an
+//! engine that ignores `cache_salt` are each named in `/healthz`, `/metrics` and `kvroutectl
+//! health`, and the correctly configured engine reports healthy with the reuse it predicted.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::net::SocketAddr;
+use std::path::Path;
+use std::process::Command;
+use std::time::Duration;
+
+use kvroute_test_support::{free_port, Poll, Probe};
+use kvroute_tests::harness::{self, ChildGuard, TempDir};
+use serde_json::{json, Value};
+
+const MODEL: &str = "Qwen/Qwen3-0.6B";
+const LORA: &str = "canary-lora";
+const TOKEN: &str = "canary-token";
+
+/// One engine and the leg the canary must name for it.
+struct Case {
+    leg: &'static str,
+    sim_args: Vec<String>,
+    /// Where the simulator's tokenizer comes from (the true one when `None`).
+    tokenizer: Option<&'static str>,
+    model: &'static str,
+}
+
+fn cases() -> Vec<Case> {
+    let args = |a: &[&str]| a.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+    vec![
+        Case {
+            leg: "healthy",
+            sim_args: args(&["--seed", "0"]),
+            tokenizer: None,
+            model: MODEL,
+        },
+        Case {
+            leg: "tokenizer",
+            sim_args: args(&["--seed", "0"]),
+            tokenizer: Some("swapped-vocab"),
+            model: MODEL,
+        },
+        Case {
+            leg: "chat_template",
+            sim_args: args(&["--seed", "0"]),
+            tokenizer: Some("other-template"),
+            model: MODEL,
+        },
+        Case {
+            leg: "block_size",
+            sim_args: args(&["--seed", "0", "--block-size", "32"]),
+            tokenizer: None,
+            model: MODEL,
+        },
+        // No --seed: vLLM's default NONE_HASH seed, while the service's is "0".
+        Case {
+            leg: "seed",
+            sim_args: Vec::new(),
+            tokenizer: None,
+            model: MODEL,
+        },
+        Case {
+            leg: "lora",
+            sim_args: args(&[
+                "--seed",
+                "0",
+                "--lora-adapter",
+                &format!("{LORA}=/adapters/{LORA}"),
+            ]),
+            tokenizer: None,
+            model: LORA,
+        },
+        Case {
+            leg: "cache_salt",
+            sim_args: args(&["--seed", "0", "--ignore-cache-salt"]),
+            tokenizer: None,
+            model: MODEL,
+        },
+    ]
+}
+
+/// The Qwen3 tokenizer with the ids of two words the canary's text holds swapped: the same
+/// pieces, other ids (another vocabulary).
+fn swapped_vocab(dir: &Path) {
+    let src = harness::tokenizer_dir().unwrap();
+    let mut t: Value =
+        serde_json::from_slice(&std::fs::read(src.join("tokenizer.json")).unwrap()).unwrap();
+    let vocab = t["model"]["vocab"].as_object_mut().unwrap();
+    let (a, b) = (vocab["Ġengine"].clone(), vocab["Ġrouter"].clone());
+    vocab.insert("Ġengine".into(), b);
+    vocab.insert("Ġrouter".into(), a);
+    std::fs::create_dir_all(dir).unwrap();
+    std::fs::write(dir.join("tokenizer.json"), serde_json::to_vec(&t).unwrap()).unwrap();
+    std::fs::copy(
+        src.join("tokenizer_config.json"),
+        dir.join("tokenizer_config.json"),
+    )
+    .unwrap();
+}
+
+/// The Qwen3 tokenizer with a chat template that writes a newline after the system message.
+fn other_template(dir: &Path) {
+    let src = harness::tokenizer_dir().unwrap();
+    let mut c: Value =
+        serde_json::from_slice(&std::fs::read(src.join("tokenizer_config.json")).unwrap()).unwrap();
+    let tpl = c["chat_template"].as_str().unwrap();
+    let from = "messages[0].content + '<|im_end|>\\n'";
+    assert!(tpl.contains(from), "the Qwen3 template changed");
+    c["chat_template"] = json!(tpl.replacen(from, "messages[0].content + '\\n<|im_end|>\\n'", 1));
+    std::fs::create_dir_all(dir).unwrap();
+    std::fs::write(
+        dir.join("tokenizer_config.json"),
+        serde_json::to_vec(&c).unwrap(),
+    )
+    .unwrap();
+    std::fs::copy(src.join("tokenizer.json"), dir.join("tokenizer.json")).unwrap();
+}
+
+struct Sim {
+    http: SocketAddr,
+    zmq: u16,
+}
+
+/// Starts the simulator of `case`; returns its event port and its process.
+fn spawn_sim(case: &Case, dir: &TempDir) -> (u16, ChildGuard) {
+    let tokenizer = match case.tokenizer {
+        None => harness::tokenizer_dir().unwrap(),
+        Some(name) => dir.path().join(name),
+    };
+    let zmq = free_port().unwrap();
+    let mut cmd = Command::new(harness::built_bin("kvroute-engine-sim").unwrap());
+    cmd.args([
+        "--listen",
+        "127.0.0.1:0",
+        "--engine",
+        "vllm",
+        "--kv-blocks",
+        "400",
+    ])
+    .args([
+        "--zmq-port",
+        &zmq.to_string(),
+        "--model",
+        case.model,
+        "--name",
+        case.leg,
+    ])
+    .arg("--tokenizer-dir")
+    .arg(tokenizer)
+    .args(&case.sim_args);
+    let log = dir.path().join(format!("sim-{}.log", case.leg));
+    (zmq, ChildGuard::spawn(case.leg, cmd, &log).unwrap())
+}
+
+fn stage(dir: &Path, slug: &str) {
+    let staged = dir.join("tokenizers").join(slug);
+    std::fs::create_dir_all(&staged).unwrap();
+    for f in ["tokenizer.json", "tokenizer_config.json"] {
+        std::fs::copy(harness::tokenizer_dir().unwrap().join(f), staged.join(f)).unwrap();
+    }
+}
+
+fn failing(metrics: &str, rule: &str) -> Option<f64> {
+    metrics
+        .lines()
+        .find(|l| {
+            l.starts_with("kvroute_endpoint_canary_failing{")
+                && l.contains(&format!("rule=\"{rule}\""))
+        })
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+}
+
+#[tokio::test]
+async fn each_mismatch_is_named_and_the_right_configuration_is_healthy() {
+    let dir = TempDir::new("canary").unwrap();
+    swapped_vocab(&dir.path().join("swapped-vocab"));
+    other_template(&dir.path().join("other-template"));
+    let cases = cases();
+    // Started together: each loads the tokenizer on its own.
+    let mut children: Vec<_> = cases.iter().map(|c| spawn_sim(c, &dir)).collect();
+    let mut sims = Vec::new();
+    for (zmq, child) in &mut children {
+        let http = harness::printed_addr(child, "listening on ").await.unwrap();
+        sims.push(Sim { http, zmq: *zmq });
+    }
+    stage(dir.path(), "Qwen__Qwen3-0.6B");
+    stage(dir.path(), LORA);
+    std::fs::write(dir.path().join("token"), TOKEN).unwrap();
+    let mut cmd = Command::new(harness::built_bin("kvroute-inventory").unwrap());
+    cmd.args(["serve", "--listen", "127.0.0.1:0", "--tokenizer-dir"])
+        .arg(dir.path())
+        .arg("--auth-token-file")
+        .arg(dir.path().join("token"))
+        .env("KVROUTE_HEALTH_INTERVAL_MS", "200")
+        .env("KVROUTE_CANARY_INTERVAL_MS", "600000")
+        .env("KVROUTE_CANARY_TIMEOUT_MS", "5000")
+        .env("LLB_KV_NONE_HASH_SEED", "0");
+    let mut inv =
+        ChildGuard::spawn("kvroute-inventory", cmd, &dir.path().join("inventory.log")).unwrap();
+    let addr = harness::printed_addr(&mut inv, "kvroute-inventory listening on ")
+        .await
+        .unwrap();
+    let client = reqwest::Client::builder()
+        .timeout(Duration::from_secs(30))
+        .build()
+        .unwrap();
+    let mut names = Vec::new();
+    for (i, (c, s)) in cases.iter().zip(&sims).enumerate() {
+        let rule = json!({"serviceArguments": {"externalIP": "127.0.0.1", "port": 21001 + i, "protocol": "tcp",
+            "sel": 0, "mode": 4, "kvExactMode": 3, "kvEngineType": "vllm", "kvBlockSize": 16,
+            "kvZmqPort": s.zmq, "kvModel": c.model},
+            "endpoints": [{"endpointIP": s.http.ip().to_string(), "targetPort": s.http.port(), "weight": 1}]});
+        let r = client
+            .post(format!("http://{addr}/netlox/v1/config/loadbalancer"))
+            .bearer_auth(TOKEN)
+            .json(&rule)
+            .send()
+            .await
+            .unwrap();
+        assert!(
+            r.status().is_success(),
+            "{c:?} refused: {}",
+            r.text().await.unwrap(),
+            c = c.leg
+        );
+        names.push(format!("127.0.0.1:{}/tcp", 21001 + i));
+    }
+
+    // Every endpoint's first run: as soon as it is healthy and subscribed.
+    let health = Poll::new(
+        "a canary verdict on every endpoint",
+        Duration::from_secs(90),
+    )
+    .every(Duration::from_millis(200))
+    .until(async || {
+        let h: Value = client
+            .get(format!("http://{addr}/healthz"))
+            .send()
+            .await?
+            .json()
+            .await?;
+        let done = h["rules"].as_array().is_some_and(|r| {
+            r.len() == cases.len() && r.iter().all(|r| !r["endpoints"][0]["canary"].is_null())
+        });
+        Ok(if done {
+            Probe::Ready(h)
+        } else {
+            Probe::Pending(h.to_string())
+        })
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e}\n{}", inv.log_tail(30)));
+    assert_eq!(health["status"], "degraded");
+    let metrics = client
+        .get(format!("http://{addr}/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    for (c, name) in cases.iter().zip(&names) {
+        let r = health["rules"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|r| r["name"] == name.as_str())
+            .unwrap_or_else(|| panic!("rule {name} in {health}"));
+        let canary = &r["endpoints"][0]["canary"];
+        assert_eq!(canary["verdict"], c.leg, "{}: {canary:#}", c.leg);
+        let want = if c.leg == "healthy" { 0.0 } else { 1.0 };
+        assert_eq!(failing(&metrics, name), Some(want), "{}", c.leg);
+        match c.leg {
+            "healthy" => {
+                // The repeated chat reused exactly what the inventory predicted from the events.
+                let repeat = &canary["probes"][2];
+                assert_eq!(repeat["probe"], "chat_repeat");
+                assert!(
+                    repeat["predicted_tokens"].as_u64().unwrap() > 0,
+                    "{canary:#}"
+                );
+                assert_eq!(
+                    repeat["cached_tokens"], repeat["predicted_tokens"],
+                    "{canary:#}"
+                );
+            }
+            "tokenizer" => {
+                let m = canary["message"].as_str().unwrap();
+                assert!(
+                    m.contains(" engine") && m.contains("completion canary"),
+                    "{m}"
+                );
+            }
+            "block_size" => assert!(canary["message"]
+                .as_str()
+                .unwrap()
+                .contains("kvBlockSize should be 32")),
+            _ => {}
+        }
+    }
+    assert!(
+        metrics.contains("kvroute_canary_runs_total{outcome=\"healthy\"} 1"),
+        "{metrics}"
+    );
+
+    let out = Command::new(harness::built_bin("kvroutectl").unwrap())
+        .arg("health")
+        .env("KVROUTE_SERVER", format!("http://{addr}"))
+        .env("KVROUTE_TOKEN", TOKEN)
+        .output()
+        .unwrap();
+    let table = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{table}");
+    for (c, name) in cases.iter().zip(&names) {
+        let row = table
+            .lines()
+            .find(|l| l.contains(name.as_str()))
+            .unwrap_or_else(|| panic!("{table}"));
+        let last = row.split('|').map(str::trim).rfind(|c| !c.is_empty());
+        assert_eq!(last, Some(c.leg), "{row}");
+    }
+}
