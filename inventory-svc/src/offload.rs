@@ -97,14 +97,20 @@ impl TextEncoder for Loaded {
 /// time (a rule's endpoints all start their canary together): the others wait for that load.
 #[derive(Default)]
 pub struct TokenizerCache {
-    inner: Mutex<HashMap<String, Arc<Mutex<Option<Arc<Loaded>>>>>>,
+    inner: Mutex<HashMap<String, Slot>>,
 }
+
+/// One slug's tokenizer once loaded; its lock is held while it loads.
+type Slot = Arc<Mutex<Option<Arc<Loaded>>>>;
 
 impl TokenizerCache {
     /// The tokenizer of `slug` under `dir`, loading it on first use (a failed load is tried again
     /// by the next caller: the tokenizer may be staged later).
     pub fn get(&self, dir: &Path, slug: &str) -> Result<Arc<Loaded>, String> {
-        let slot = lock(&self.inner).entry(slug.to_owned()).or_default().clone();
+        let slot = lock(&self.inner)
+            .entry(slug.to_owned())
+            .or_default()
+            .clone();
         let mut slot = lock(&slot);
         if let Some(l) = &*slot {
             return Ok(l.clone());
