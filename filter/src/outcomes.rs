@@ -6,10 +6,18 @@
 //! report that fails is added back, so a slow or restarting inventory loses nothing. The table is
 //! bounded by [`MAX_OUTCOME_ENDPOINTS`] (the most endpoints a rule has): past it a judgement is
 //! dropped and counted.
+//!
+//! Beside it, every routed response whose `usage` is read adds its prompt and cached tokens to its
+//! tenant's sums (the tenant of its affinity key and its model), reported with the same report:
+//! at most [`MAX_OUTCOME_TENANTS`] entries, the last one [`OTHER_TENANT`] for every tenant past
+//! the bound, so a report stays bounded however many tenants a gateway sees.
 
 use std::collections::BTreeMap;
 
-use kvroute_core::wire::{EndpointOutcomes, OutcomeReport, MAX_OUTCOME_ENDPOINTS};
+use kvroute_core::wire::{
+    EndpointOutcomes, OutcomeReport, TenantUsage, MAX_OUTCOME_ENDPOINTS, MAX_OUTCOME_TENANTS,
+    MAX_TENANT_NAME, OTHER_TENANT,
+};
 
 use crate::usage::{Judged, Verdict};
 
@@ -21,6 +29,34 @@ pub const QUALIFYING_BLOCKS: u64 = 2;
 #[derive(Debug, Default)]
 pub struct Outcomes {
     by_endpoint: BTreeMap<String, EndpointOutcomes>,
+    by_tenant: BTreeMap<(String, Option<String>), TenantUsage>,
+}
+
+/// Who a routed request's tokens are accounted to.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Account {
+    /// The tenant part of the affinity key.
+    pub tenant: String,
+    pub model: Option<String>,
+}
+
+impl Account {
+    /// The account of a request with this affinity key and model; names past
+    /// [`MAX_TENANT_NAME`] bytes are cut at a character boundary.
+    pub fn new(affinity_key: &str, model: Option<&str>) -> Account {
+        Account {
+            tenant: cut(kvroute_core::affinity::tenant_of(affinity_key)).to_owned(),
+            model: model.map(|m| cut(m).to_owned()),
+        }
+    }
+}
+
+fn cut(s: &str) -> &str {
+    let mut end = s.len().min(MAX_TENANT_NAME);
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    &s[..end]
 }
 
 impl Outcomes {
@@ -42,9 +78,29 @@ impl Outcomes {
         true
     }
 
-    /// Whether nothing was judged since the last report.
+    /// Adds one response's tokens to its account.
+    pub fn account(&mut self, a: &Account, prompt_tokens: u64, cached_tokens: u64) {
+        self.add_tenant(TenantUsage {
+            tenant: a.tenant.clone(),
+            model: a.model.clone(),
+            requests: 1,
+            prompt_tokens,
+            cached_tokens,
+        });
+    }
+
+    fn add_tenant(&mut self, mut t: TenantUsage) {
+        let mut key = (std::mem::take(&mut t.tenant), t.model.take());
+        // The last entry is kept for the tenants past the bound.
+        if !self.by_tenant.contains_key(&key) && self.by_tenant.len() + 1 >= MAX_OUTCOME_TENANTS {
+            key = (OTHER_TENANT.to_owned(), None);
+        }
+        self.by_tenant.entry(key).or_default().add(&t);
+    }
+
+    /// Whether nothing was judged or accounted since the last report.
     pub fn is_empty(&self) -> bool {
-        self.by_endpoint.is_empty()
+        self.by_endpoint.is_empty() && self.by_tenant.is_empty()
     }
 
     /// The report of everything since the last one, emptying the table.
@@ -53,12 +109,24 @@ impl Outcomes {
             endpoints: std::mem::take(&mut self.by_endpoint)
                 .into_values()
                 .collect(),
+            tenants: std::mem::take(&mut self.by_tenant)
+                .into_iter()
+                .map(|((tenant, model), sum)| TenantUsage {
+                    tenant,
+                    model,
+                    ..sum
+                })
+                .collect(),
         }
     }
 
     /// Adds back a report that could not be delivered; returns how many endpoints' sums were
-    /// dropped because the table filled up meanwhile.
+    /// dropped because the table filled up meanwhile (tenants past the bound join
+    /// [`OTHER_TENANT`]).
     pub fn restore(&mut self, r: OutcomeReport) -> usize {
+        for t in r.tenants {
+            self.add_tenant(t);
+        }
         r.endpoints
             .into_iter()
             .filter(|o| !self.add(o.clone()))
@@ -123,6 +191,52 @@ mod tests {
         assert_eq!((a.prompt_tokens, a.cached_tokens), (120, 48));
         let b = &r.endpoints[1];
         assert_eq!((b.judged, b.under, b.qualifying, b.missed), (1, 1, 0, 0));
+    }
+
+    #[test]
+    fn tenants_are_summed_bounded_and_come_back_with_a_failed_report() {
+        let mut o = Outcomes::default();
+        let a = Account::new("user:a|chat", Some("m"));
+        assert_eq!(a.tenant, "user:a");
+        o.account(&a, 100, 64);
+        o.account(&a, 50, 48);
+        o.account(&Account::new("ip:10.0.0.9|completions", None), 10, 0);
+        for i in 0..MAX_OUTCOME_TENANTS {
+            o.account(&Account::new(&format!("user:u{i}|chat"), None), 1, 1);
+        }
+        let r = o.take();
+        assert_eq!(r.tenants.len(), MAX_OUTCOME_TENANTS);
+        let get = |t: &str| r.tenants.iter().find(|x| x.tenant == t).unwrap().clone();
+        let sum = get("user:a");
+        assert_eq!(
+            (
+                sum.model.as_deref(),
+                sum.requests,
+                sum.prompt_tokens,
+                sum.cached_tokens
+            ),
+            (Some("m"), 2, 150, 112)
+        );
+        assert_eq!(get("ip:10.0.0.9").prompt_tokens, 10);
+        // 256 entries: 2 named above, 253 of the u-tenants, the other 3 in "(other)".
+        let other = get(OTHER_TENANT);
+        assert_eq!((other.requests, other.prompt_tokens), (3, 3));
+        let total: u64 = r.tenants.iter().map(|t| t.requests).sum();
+        assert_eq!(total, 3 + MAX_OUTCOME_TENANTS as u64, "nothing lost");
+        assert!(o.is_empty());
+        o.account(&a, 1, 1);
+        o.restore(r);
+        assert_eq!(
+            o.take()
+                .tenants
+                .iter()
+                .find(|x| x.tenant == "user:a")
+                .unwrap()
+                .requests,
+            3
+        );
+        let long = format!("user:{}é|chat", "x".repeat(MAX_TENANT_NAME));
+        assert!(Account::new(&long, None).tenant.len() <= MAX_TENANT_NAME);
     }
 
     #[test]

@@ -28,6 +28,7 @@ use kvroute_core::prompt::Endpoint;
 
 use crate::config::PinMode;
 use crate::host::{Body, Callout, Headers, Host, Level};
+use crate::outcomes::Account;
 use crate::plugin::VmState;
 use crate::stats::{FailReason, Stat};
 use crate::usage::{self, Prediction, Tail, Verdict};
@@ -68,6 +69,8 @@ pub enum RequestState {
         started_ns: u64,
         /// When the callout was sent.
         dispatched_ns: u64,
+        /// Whom the response's tokens are accounted to (with reports on).
+        account: Option<Account>,
     },
     /// Released upstream after a decision (pinned) or a failure (unpinned).
     Forwarded {
@@ -84,6 +87,7 @@ pub enum RequestState {
 pub struct UsageReader {
     sse: bool,
     tail: Tail,
+    account: Option<Account>,
     /// What the pin's answer predicted the engine reuses (pinned requests only).
     predicted: Option<Prediction>,
 }
@@ -310,6 +314,10 @@ impl RequestFilter {
         prepare_ns: u64,
     ) -> Result<Step, Unpinned> {
         let vm = self.vm.clone();
+        let account = match (&vm.config.report, &question.affinity_key) {
+            (Some(_), Some(key)) => Some(Account::new(key, question.model.as_deref())),
+            _ => None,
+        };
         let binary = !question.keys.is_empty()
             && vm
                 .contract
@@ -347,6 +355,7 @@ impl RequestFilter {
             token,
             started_ns,
             dispatched_ns,
+            account,
         };
         Ok(Step::Pause)
     }
@@ -475,10 +484,14 @@ impl RequestFilter {
         check_pin: Option<String>,
         predicted: Option<Prediction>,
     ) {
-        let started_ns = match self.state {
-            RequestState::ReadingBody { started_ns, .. }
-            | RequestState::AwaitingRoute { started_ns, .. } => Some(started_ns),
-            _ => None,
+        let (started_ns, account) = match &mut self.state {
+            RequestState::ReadingBody { started_ns, .. } => (Some(*started_ns), None),
+            RequestState::AwaitingRoute {
+                started_ns,
+                account,
+                ..
+            } => (Some(*started_ns), account.take()),
+            _ => (None, None),
         };
         if let Some(t0) = started_ns.filter(|&t| t > 0) {
             self.vm.stats.record(
@@ -492,6 +505,7 @@ impl RequestFilter {
             check_pin,
             usage: started_ns.map(|_| UsageReader {
                 predicted,
+                account,
                 ..UsageReader::default()
             }),
         };
@@ -566,6 +580,13 @@ impl RequestFilter {
                 s.inc(host, Stat::UsageParsed);
                 s.add(host, Stat::CacheHitTokens, u.hit_tokens);
                 s.add(host, Stat::CacheMissTokens, u.miss_tokens);
+                if let Some(a) = &reader.account {
+                    let prompt = u.hit_tokens.saturating_add(u.miss_tokens);
+                    self.vm
+                        .outcomes
+                        .borrow_mut()
+                        .account(a, prompt, u.hit_tokens);
+                }
                 if let Some((p, j)) = reader.predicted.and_then(|p| Some((p, p.judge(&u)?))) {
                     if self.vm.config.report.is_some()
                         && !self
@@ -1373,6 +1394,51 @@ mod tests {
         p.on_call_response(&host, 1, Some("200"), b"{}");
         assert_eq!(count("kvroute_filter_outcome_reports_total"), 1);
         assert!(sent(&host, &mut p).is_none(), "nothing new to report");
+    }
+
+    /// Each routed response's prompt and cached tokens go to its tenant, pinned or failed open,
+    /// in the next report.
+    #[test]
+    fn responses_are_accounted_to_their_tenant() {
+        let host = FakeHost::default();
+        let mut p = ready(&host, CFG);
+        for (answer, cached) in [(Some(HIT), 6), (None, 0)] {
+            let body = br#"{"prompt":"hello","user":"t1","model":"m"}"#;
+            let (mut r, _) = to_callout(&host, &p, "/v1/completions", body);
+            let token = match r.state() {
+                RequestState::AwaitingRoute { token, .. } => *token,
+                s => panic!("{s:?}"),
+            };
+            match answer {
+                Some(a) => r.on_route_response(&host, token, Some("200"), a),
+                None => r.on_route_response(&host, token, Some("503"), b""),
+            };
+            r.on_response_headers(&host);
+            let usage = format!(
+                r#"{{"usage":{{"prompt_tokens":20,"prompt_tokens_details":{{"cached_tokens":{cached}}}}}}}"#
+            );
+            *host.response_body.borrow_mut() = usage.clone().into_bytes();
+            r.on_response_body(&host, usage.len(), true);
+        }
+        host.calls.borrow_mut().clear();
+        host.clock.set(host.clock.get() + 6_000_000_000);
+        p.on_tick(&host);
+        let calls = host.calls.borrow();
+        let call = calls
+            .iter()
+            .find(|c| c.path.ends_with("/outcomes"))
+            .unwrap();
+        let report: kvroute_core::wire::OutcomeReport = serde_json::from_slice(&call.body).unwrap();
+        assert_eq!(
+            report.tenants,
+            vec![kvroute_core::wire::TenantUsage {
+                tenant: "user:t1".into(),
+                model: Some("m".into()),
+                requests: 2,
+                prompt_tokens: 40,
+                cached_tokens: 6,
+            }]
+        );
     }
 
     /// `report_ms: 0` turns reporting off: nothing is summed, and a tick that would report

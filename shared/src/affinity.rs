@@ -50,6 +50,11 @@ pub fn affinity_key(
     Some(format!("{tenant}|{service}"))
 }
 
+/// The tenant part of an affinity key (what precedes the service type).
+pub fn tenant_of(key: &str) -> &str {
+    key.rsplit_once('|').map_or(key, |(tenant, _)| tenant)
+}
+
 /// The credential of an `authorization: Bearer <key>` or an `x-api-key: <key>` header value.
 pub fn api_key<'a>(
     authorization: Option<&'a [u8]>,
@@ -104,6 +109,10 @@ mod tests {
         let long = "x".repeat(MAX_USER_BYTES + 1);
         let hashed = affinity_key(Some(&long), None, None, chat).unwrap();
         assert_eq!(hashed, format!("user#{}|chat", short_hash(long.as_bytes())));
+        // A `user` holding the separator keeps it in the tenant.
+        let piped = affinity_key(Some("a|b"), None, None, chat).unwrap();
+        assert_eq!(tenant_of(&piped), "user:a|b");
+        assert_eq!(tenant_of("ip:10.1.2.3"), "ip:10.1.2.3");
     }
 
     #[test]

@@ -386,6 +386,41 @@ impl EndpointOutcomes {
     }
 }
 
+/// Most tenants one [`OutcomeReport`] carries; a filter folds the rest into [`OTHER_TENANT`].
+pub const MAX_OUTCOME_TENANTS: usize = 256;
+
+/// Bytes a tenant or model name in a report may have.
+pub const MAX_TENANT_NAME: usize = 256;
+
+/// The tenant name the sums of tenants past a bound are added to.
+pub const OTHER_TENANT: &str = "(other)";
+
+/// Prompt tokens one tenant's responses carried and, of those, the tokens the engines reported
+/// as cached, summed over the responses whose `usage` the filter read (pinned or not).
+#[derive(Clone, Debug, Default, Deserialize, Serialize, PartialEq, Eq)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(deny_unknown_fields)]
+pub struct TenantUsage {
+    /// The tenant part of the request's affinity key ([`crate::affinity`]): `user:<user>`,
+    /// `user#<hash>`, `key:<hash>` or `ip:<client>`; at most [`MAX_TENANT_NAME`] bytes.
+    pub tenant: String,
+    /// The request's `model`, when it named one (at most [`MAX_TENANT_NAME`] bytes).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model: Option<String>,
+    pub requests: u64,
+    pub prompt_tokens: u64,
+    pub cached_tokens: u64,
+}
+
+impl TenantUsage {
+    /// Adds `o`'s counts (saturating).
+    pub fn add(&mut self, o: &TenantUsage) {
+        self.requests = self.requests.saturating_add(o.requests);
+        self.prompt_tokens = self.prompt_tokens.saturating_add(o.prompt_tokens);
+        self.cached_tokens = self.cached_tokens.saturating_add(o.cached_tokens);
+    }
+}
+
 /// The filter's report of predicted against realised reuse since its previous one.
 #[derive(Clone, Debug, Default, Deserialize, Serialize, PartialEq, Eq)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
@@ -393,6 +428,9 @@ impl EndpointOutcomes {
 pub struct OutcomeReport {
     /// At most [`MAX_OUTCOME_ENDPOINTS`].
     pub endpoints: Vec<EndpointOutcomes>,
+    /// Per tenant and model, at most [`MAX_OUTCOME_TENANTS`].
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tenants: Vec<TenantUsage>,
 }
 
 #[cfg(test)]
