@@ -280,6 +280,10 @@ pub struct Metrics {
     pub endpoint_cached_tokens: IntCounterVec,
     /// 1 while the endpoint diverges: `rule`, `ep`.
     pub endpoint_divergent: IntGaugeVec,
+    /// `kvroute_tenants{rule}`: tenants the rule's accounting holds.
+    pub tenants: IntGaugeVec,
+    /// `kvroute_tenant_folded_total{rule}`: tenant sums added to `(other)`.
+    pub tenant_folded: IntCounterVec,
     /// `kvroute_canary_runs_total{outcome}`: parity canary runs by verdict.
     pub canary_runs: IntCounterVec,
     /// `kvroute_endpoint_canary_failing{rule,ep}`.
@@ -558,6 +562,16 @@ impl Metrics {
                 "1 while the endpoint's engine reuses none of the predicted blocks for most requests (KVROUTE_DIVERGENCE_*).",
                 &["rule", "ep"],
             )?,
+            tenants: gv(
+                "kvroute_tenants",
+                "Tenants the rule's per-tenant accounting holds (KVROUTE_TENANTS_MAX bounds it).",
+                &["rule"],
+            )?,
+            tenant_folded: cv(
+                "kvroute_tenant_folded_total",
+                "Tenant sums added to the (other) tenant because the rule's accounting was full.",
+                &["rule"],
+            )?,
             canary_runs: cv(
                 "kvroute_canary_runs_total",
                 "Parity canary runs by verdict: healthy, a wrong leg (tokenizer, chat_template, block_size, seed, algorithm, lora, cache_salt, hash, no_reuse, no_events) or unreachable.",
@@ -650,8 +664,11 @@ impl Metrics {
         self.replays.with_label_values(&[engine, r.as_str()])
     }
 
-    /// Drops every per-endpoint series of a removed rule (`eps` endpoints, `ranks` ranks each).
+    /// Drops every per-endpoint series of a removed rule (`eps` endpoints, `ranks` ranks each),
+    /// and its per-rule accounting series.
     pub fn drop_endpoint_series(&self, rule: &str, eps: usize, ranks: usize) {
+        let _ = self.tenants.remove_label_values(&[rule]);
+        let _ = self.tenant_folded.remove_label_values(&[rule]);
         for i in 0..eps {
             let ep = i.to_string();
             let labels = [rule, ep.as_str()];

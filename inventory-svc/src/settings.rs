@@ -273,6 +273,13 @@ pub const DIVERGENCE_POLICY: Setting = Setting::word(
     "routing for a divergent endpoint: `load_only` (its prefix overlap and placement memory are \
      ignored, so a wrong affinity cannot pile traffic on it) or `keep`",
 );
+pub const TENANTS_MAX: Setting = Setting::int(
+    "KVROUTE_TENANTS_MAX",
+    (0, 1_000_000),
+    1000,
+    "tenants each rule's accounting holds (`GET /v1/rules/{rule}/tenants`); past it new tenants \
+     are summed as `(other)`; 0 turns the accounting off",
+);
 pub const CANARY_INTERVAL_MS: Setting = Setting::int(
     "KVROUTE_CANARY_INTERVAL_MS",
     (0, 86_400_000),
@@ -309,7 +316,7 @@ pub struct HealthThresholds {
 }
 
 /// The service's own tuning variables, in the order errors are reported (after the shared ones).
-pub const SERVICE_VARS: [Setting; 29] = [
+pub const SERVICE_VARS: [Setting; 30] = [
     MEAN_LOAD_FACTOR,
     LB_MODE,
     LOAD_PENALTY,
@@ -337,6 +344,7 @@ pub const SERVICE_VARS: [Setting; 29] = [
     DIVERGENCE_WINDOW_MS,
     DIVERGENCE_MIN_REQUESTS,
     DIVERGENCE_POLICY,
+    TENANTS_MAX,
     CANARY_INTERVAL_MS,
     CANARY_TIMEOUT_MS,
 ];
@@ -452,6 +460,8 @@ pub struct Settings {
     pub max_keys_per_endpoint: u64,
     /// [`DIVERGENCE_WINDOW_MS`], [`DIVERGENCE_MIN_REQUESTS`], [`DIVERGENCE_POLICY`].
     pub divergence: Divergence,
+    /// [`TENANTS_MAX`]; 0 turns the per-tenant accounting off.
+    pub tenants_max: usize,
     /// [`CANARY_INTERVAL_MS`] (zero: off) and [`CANARY_TIMEOUT_MS`].
     pub canary: Canary,
 }
@@ -698,6 +708,7 @@ impl<'a> Env<'a> {
                 [DivergencePolicy::LoadOnly, DivergencePolicy::Keep],
             ),
         };
+        let tenants_max = usize::try_from(self.int(&TENANTS_MAX)).unwrap_or(usize::MAX);
         let canary = Canary {
             interval: self.ms(&CANARY_INTERVAL_MS),
             timeout: self.ms(&CANARY_TIMEOUT_MS),
@@ -727,6 +738,7 @@ impl<'a> Env<'a> {
             http,
             max_keys_per_endpoint,
             divergence,
+            tenants_max,
             canary,
         }
     }

@@ -145,7 +145,8 @@ async fn served_document_is_checked_in_valid_and_lists_every_route() {
         "in the router, not in the document"
     );
 
-    // Security: bearer on the writes, optional bearer on the filter's posts, none on the reads.
+    // Security: bearer on the writes and the tenants, optional bearer on the filter's posts, none
+    // on the other reads.
     let schemes = &doc["components"]["securitySchemes"];
     for s in ["management_token", "route_token"] {
         assert_eq!(schemes[s]["type"], "http", "{s}");
@@ -170,10 +171,16 @@ async fn served_document_is_checked_in_valid_and_lists_every_route() {
         ),
         json!([{"management_token": []}])
     );
+    // The tenants are named: their list needs the management token too.
+    assert_eq!(
+        security("/v1/rules/{id}/tenants", "get"),
+        json!([{"management_token": []}])
+    );
     for (path, m) in &want {
         let op = &doc["paths"][path][m];
         if !(path == "/v1/route"
             || path == "/v1/rules/{id}/outcomes"
+            || path == "/v1/rules/{id}/tenants"
             || path.starts_with("/netlox/v1/config/loadbalancer") && m != "get")
         {
             assert!(op.get("security").is_none(), "{m} {path} is open");

@@ -215,3 +215,78 @@ async fn reports_need_the_route_token_when_one_is_set() {
         200
     );
 }
+
+/// The reports' tenants are summed per tenant (and model under `tenant_model`), listed most
+/// prompt tokens first with the management token, bounded by `KVROUTE_TENANTS_MAX`; malformed
+/// tenant entries are refused naming the field.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tenants_are_accounted_bounded_and_need_the_management_token() {
+    let svc = Service::start(
+        "outcomes-tenants",
+        &one_endpoint_rule(),
+        &[("KVROUTE_TENANTS_MAX", "3")],
+    );
+    let tenant = |t: &str, model: Option<&str>, prompt: u64, cached: u64| json!({"tenant": t, "model": model, "requests": 1, "prompt_tokens": prompt, "cached_tokens": cached});
+    let reports = [
+        json!({"endpoints": [], "tenants": [tenant("user:a", Some("m"), 100, 75), tenant("ip:10.0.0.7", None, 400, 0)]}),
+        json!({"endpoints": [], "tenants": [tenant("user:a", Some("m2"), 100, 25), tenant("user:c", None, 8, 8)]}),
+        json!({"endpoints": [], "tenants": [tenant("user:d", None, 2, 0)]}),
+    ];
+    for r in &reports {
+        let (s, v) = svc.post("/v1/rules/1/outcomes", &r.to_string(), None).await;
+        assert_eq!(s, 200, "{v}");
+    }
+    let path = "/v1/rules/1/tenants";
+    assert_eq!(
+        svc.call(reqwest::Method::GET, path, None).await.status(),
+        401
+    );
+    let r = svc.call(reqwest::Method::GET, path, Some(TOKEN)).await;
+    assert_eq!(r.status(), 200);
+    let v: Value = r.json().await.unwrap();
+    let rows: Vec<(String, u64, u64, u64)> = v["tenants"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| {
+            let n = |f: &str| t[f].as_u64().unwrap();
+            (
+                t["tenant"].as_str().unwrap().to_owned(),
+                n("requests"),
+                n("prompt_tokens"),
+                n("cached_tokens"),
+            )
+        })
+        .collect();
+    // The default scope is the tenant: user:a's two models are one tenant.
+    assert_eq!(
+        rows,
+        [
+            ("ip:10.0.0.7".to_owned(), 1, 400, 0),
+            ("user:a".to_owned(), 2, 200, 100),
+            ("(other)".to_owned(), 2, 10, 8),
+        ]
+    );
+    assert_eq!(v["tenants"][1]["cached_ratio"], 0.5);
+    svc.assert_metrics("kvroute_tenants{rule=\"10.0.0.1:9000/tcp\"} 3")
+        .await;
+    svc.assert_metrics("kvroute_tenant_folded_total{rule=\"10.0.0.1:9000/tcp\"} 2")
+        .await;
+    let long = "x".repeat(257);
+    for (body, says) in [
+        (
+            json!({"endpoints": [], "tenants": vec![tenant("user:a", None, 1, 1); 257]}),
+            "tenants: 257 entries, at most 256",
+        ),
+        (
+            json!({"endpoints": [], "tenants": [tenant("user:a", Some(&long), 1, 1)]}),
+            "tenants[0].model: 257 bytes, at most 256",
+        ),
+    ] {
+        let (s, v) = svc
+            .post("/v1/rules/1/outcomes", &body.to_string(), None)
+            .await;
+        assert_eq!(s, 400, "{v}");
+        assert!(v.to_string().contains(says), "{says}: {v}");
+    }
+}

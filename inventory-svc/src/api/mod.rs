@@ -87,6 +87,7 @@ impl ApiState {
 pub fn router(state: Arc<ApiState>) -> Router {
     let writes = Router::new()
         .route("/netlox/v1/config/loadbalancer", post(add_rule))
+        .route("/v1/rules/{id}/tenants", get(tenants))
         .route(
             "/netlox/v1/config/loadbalancer/externalipaddress/{ip}/port/{port}/protocol/{proto}",
             delete(delete_rule),
@@ -595,12 +596,90 @@ async fn outcomes(
             report.endpoints.len()
         )));
     }
+    let max = kvroute_core::wire::MAX_OUTCOME_TENANTS;
+    if report.tenants.len() > max {
+        return Err(ApiError::BadRequest(format!(
+            "tenants: {} entries, at most {max}",
+            report.tenants.len()
+        )));
+    }
+    let long = kvroute_core::wire::MAX_TENANT_NAME;
+    for (i, t) in report.tenants.iter().enumerate() {
+        let model = t.model.as_deref().unwrap_or_default();
+        for (field, v) in [("tenant", t.tenant.as_str()), ("model", model)] {
+            if v.len() > long {
+                return Err(ApiError::BadRequest(format!(
+                    "tenants[{i}].{field}: {} bytes, at most {long}",
+                    v.len()
+                )));
+            }
+        }
+    }
     let a = state
         .fleet
         .record_outcomes(&r, &report, std::time::Instant::now());
     Ok(Json(OutcomesApplied {
         endpoints: a.endpoints,
         unknown: a.unknown,
+    }))
+}
+
+/// `GET /v1/rules/{id}/tenants` answer.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct Tenants {
+    /// The rule's name.
+    pub rule: String,
+    /// Most prompt tokens first; `(other)` sums the tenants past `KVROUTE_TENANTS_MAX`.
+    pub tenants: Vec<TenantRow>,
+}
+
+/// One tenant in `GET /v1/rules/{id}/tenants`.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct TenantRow {
+    #[serde(flatten)]
+    pub usage: kvroute_core::wire::TenantUsage,
+    /// `cached_tokens / prompt_tokens` (0 without prompt tokens).
+    pub cached_ratio: f64,
+}
+
+/// Each tenant's prompt tokens and the tokens its engines served from cache, as the filters
+/// report them.
+#[utoipa::path(
+    get,
+    path = "/v1/rules/{id}/tenants",
+    tag = "management",
+    summary = "Cached and uncached prompt tokens per tenant",
+    description = "Summed on this replica since the rule was installed, from the filters' outcome reports (each replica sums the reports its own gateways send: add the replicas' answers). The tenant is the tenant part of the request's affinity key (`user:<user>`, `user#<hash>`, `key:<hash>` or `ip:<client>`), with the model under `KVROUTE_AFFINITY_SCOPE=tenant_model`. At most `KVROUTE_TENANTS_MAX` tenants; tenants past it are summed as `(other)`. Needs the management token: tenants are named.",
+    params(("id" = String, Path, description = "Rule id or `VIP:port`")),
+    responses(
+        (status = 200, description = "Tenants", body = Tenants),
+        (status = 401, description = "Missing or wrong management token", body = ErrorBody),
+        (status = 404, description = "Unknown rule", body = ErrorBody),
+    ),
+    security(("management_token" = [])),
+)]
+async fn tenants(
+    State(state): State<Arc<ApiState>>,
+    Path(id): Path<String>,
+) -> Result<Json<Tenants>, ApiError> {
+    let r = state
+        .fleet
+        .find(&id)
+        .ok_or_else(|| ApiError::NotFound(format!("unknown rule {id:?}")))?;
+    let tenants = r
+        .tenants()
+        .into_iter()
+        .map(|usage| TenantRow {
+            cached_ratio: match usage.prompt_tokens {
+                0 => 0.0,
+                p => usage.cached_tokens as f64 / p as f64,
+            },
+            usage,
+        })
+        .collect();
+    Ok(Json(Tenants {
+        rule: r.spec.name(),
+        tenants,
     }))
 }
 

@@ -20,6 +20,7 @@ use utoipa::{Modify, OpenApi};
     paths(
         super::route::route,
         super::outcomes,
+        super::tenants,
         super::list_contracts,
         super::contract,
         super::tokenizers::tokenizer_json,

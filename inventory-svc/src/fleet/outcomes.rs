@@ -144,6 +144,15 @@ impl Fleet {
                 _ => {}
             }
         }
+        let max = self.settings.tenants_max;
+        if max > 0 && !report.tenants.is_empty() {
+            let (folded, held) =
+                rule.account(&report.tenants, self.settings.affinity_scope_model, max);
+            m.tenant_folded.with_label_values(&[&name]).inc_by(folded);
+            m.tenants
+                .with_label_values(&[&name])
+                .set(i64::try_from(held).unwrap_or(i64::MAX));
+        }
         m.outcome_reports.inc();
         m.outcome_unknown_endpoints.inc_by(applied.unknown as u64);
         applied

@@ -41,6 +41,8 @@ pub struct RuleRuntime {
     cancel: CancellationToken,
     /// Why the rule's tokenizer cannot be served (reported in /healthz), if so.
     tokenizer_problem: Option<String>,
+    /// Each tenant's prompt and cached tokens, from the filters' reports.
+    tenants: std::sync::Mutex<super::TenantBook>,
 }
 
 /// What a new rule's runtime is built from besides its spec.
@@ -83,6 +85,7 @@ impl RuleRuntime {
             rr_seq: AtomicU64::new(0),
             cancel: parts.cancel,
             tokenizer_problem: parts.tokenizer_problem,
+            tenants: Default::default(),
             spec,
         }
     }
@@ -148,6 +151,27 @@ impl RuleRuntime {
         let mut out = Vec::new();
         self.index.match_prefix(keys, now, &mut out);
         out
+    }
+
+    /// Every tenant's sums, most prompt tokens first.
+    pub fn tenants(&self) -> Vec<kvroute_core::wire::TenantUsage> {
+        crate::sync::lock(&self.tenants).list()
+    }
+
+    /// Adds a report's tenants (see [`super::TenantBook`]); returns how many were folded into
+    /// the other tenants and how many tenants the book now holds.
+    pub(super) fn account(
+        &self,
+        tenants: &[kvroute_core::wire::TenantUsage],
+        with_model: bool,
+        max: usize,
+    ) -> (u64, usize) {
+        let mut book = crate::sync::lock(&self.tenants);
+        let folded = tenants
+            .iter()
+            .filter(|t| !book.add(t, with_model, max))
+            .count();
+        (folded as u64, book.len())
     }
 
     /// Why the rule's tokenizer cannot be served, if so.
