@@ -459,6 +459,21 @@ impl Inventory {
         body["id"].as_u64().context("rule id")
     }
 
+    /// `GET /v1/rules/{rule}/tenants` with the management token.
+    pub async fn tenants(&self, rule: &str) -> Result<Value> {
+        let r = reqwest::Client::new()
+            .get(format!("http://{}/v1/rules/{rule}/tenants", self.addr))
+            .bearer_auth(TOKEN)
+            .send()
+            .await?;
+        let status = r.status();
+        let v: Value = r.json().await?;
+        if !status.is_success() {
+            bail!("tenants: {status} {v}");
+        }
+        Ok(v)
+    }
+
     /// Polls until endpoint `ep` of rule `rule` holds at least `n` blocks.
     pub async fn wait_for_blocks(&self, rule: u64, ep: usize, n: usize) -> Result<()> {
         let url = format!(

@@ -369,7 +369,7 @@ async fn bad_requests_are_served_unpinned_byte_for_byte() {
 
 /// The filter reports each pinned response's reuse to the inventory every `report_ms`: an engine
 /// that reports no cached token for prompts the inventory says it holds turns divergent in
-/// `/healthz` and `/metrics`.
+/// `/healthz` and `/metrics`; every response's tokens are accounted to its tenant.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_engine_that_reuses_nothing_of_its_predicted_prefix_shows_as_divergent() {
     let body = chat_body(json!({}));
@@ -380,8 +380,9 @@ async fn an_engine_that_reuses_nothing_of_its_predicted_prefix_shows_as_divergen
     let prompt = (blocks * envoy::BLOCK + 5).to_string();
     // The default verdict needs 20 qualifying responses within the window; every 16th hit is a
     // cold seed on engine-a (predicted 0 blocks, so it does not qualify).
-    let mut on_b = 0;
+    let (mut on_b, mut sent) = (0, 0);
     for _ in 0..40 {
+        sent += 1;
         let usage = format!("{prompt},0");
         let r = gw
             .post(
@@ -433,6 +434,23 @@ async fn an_engine_that_reuses_nothing_of_its_predicted_prefix_shows_as_divergen
         metrics.contains(r#"kvroute_endpoint_divergent{ep="1",rule="10.0.0.1:8080/tcp"} 1"#),
         "{metrics}"
     );
+    // No `user` and no API key: the tenant is the client's address.
+    let prompt: u64 = prompt.parse().unwrap();
+    let tenant = Poll::new("every response accounted to its tenant", Duration::from_secs(20))
+        .every(Duration::from_millis(100))
+        .until(async || {
+            let v = inv.tenants("10.0.0.1:8080").await?;
+            let t = v["tenants"][0].clone();
+            Ok(match t["requests"] == sent {
+                true => Probe::Ready(t),
+                false => Probe::Pending(v.to_string()),
+            })
+        })
+        .await
+        .unwrap();
+    assert_eq!(tenant["tenant"], "ip:127.0.0.1", "{tenant}");
+    assert_eq!(tenant["prompt_tokens"], prompt * sent, "{tenant}");
+    assert_eq!(tenant["cached_tokens"], 0, "{tenant}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
