@@ -168,6 +168,18 @@ labels! {
     }
 }
 
+labels! {
+    /// `outcome` of `kvroute_shadow_decisions_total`: the shadow policy's choice against the live one.
+    ShadowOutcome {
+        /// The endpoint the live policy chose.
+        Same => "same",
+        /// Another endpoint.
+        Different => "different",
+        /// None: the shadow found no endpoint.
+        NoEndpoint => "no_endpoint",
+    }
+}
+
 /// Every metric the service exports, registered in one private registry.
 pub struct Metrics {
     pub registry: Registry,
@@ -210,6 +222,14 @@ pub struct Metrics {
     pub locality_given_away: Histogram,
     /// Decisions that gave some overlap away: `reason`.
     pub locality_given_away_decisions: IntCounterVec,
+    /// The shadow policy's decisions (`KVROUTE_SHADOW`): `rule`, `outcome` ([`ShadowOutcome`]).
+    pub shadow_decisions: IntCounterVec,
+    /// Matched blocks of the endpoint the shadow chose, summed: `rule`.
+    pub shadow_predicted_blocks: IntCounterVec,
+    /// Matched blocks of the endpoint the live policy chose, over the same decisions: `rule`.
+    pub live_predicted_blocks: IntCounterVec,
+    /// The shadow's decisions by `rule`, `tier`, `reason`.
+    pub shadow_tiers: IntCounterVec,
     pub route_latency: Histogram,
     /// Endpoint picker answers: `outcome` ([`EppOutcome`]).
     pub epp_requests: IntCounterVec,
@@ -412,6 +432,26 @@ impl Metrics {
                 "kvroute_route_locality_given_away_total",
                 "Decisions sent to an endpoint with less prefix overlap than the best eligible healthy one, by reason.",
                 &["reason"],
+            )?,
+            shadow_decisions: cv(
+                "kvroute_shadow_decisions_total",
+                "Routing decisions the shadow policy (KVROUTE_SHADOW) also made, by outcome: the live endpoint (same), another (different) or none (no_endpoint).",
+                &["rule", "outcome"],
+            )?,
+            shadow_predicted_blocks: cv(
+                "kvroute_shadow_predicted_blocks_total",
+                "Over the shadow policy's decisions: matched blocks of the endpoint the shadow chose.",
+                &["rule"],
+            )?,
+            live_predicted_blocks: cv(
+                "kvroute_live_predicted_blocks_total",
+                "Over the shadow policy's decisions: matched blocks of the endpoint the live policy chose.",
+                &["rule"],
+            )?,
+            shadow_tiers: cv(
+                "kvroute_shadow_tier_total",
+                "The shadow policy's decisions by tier and reason.",
+                &["rule", "tier", "reason"],
             )?,
             route_latency: h(
                 "kvroute_route_duration_seconds",
@@ -701,6 +741,25 @@ impl Metrics {
                 let _ =
                     self.subscriber_connected
                         .remove_label_values(&[rule, &ep, &rank.to_string()]);
+            }
+        }
+    }
+
+    /// Drops the shadow policy's series of a removed rule.
+    pub fn drop_shadow_series(&self, rule: &str) {
+        for o in ShadowOutcome::ALL {
+            let _ = self
+                .shadow_decisions
+                .remove_label_values(&[rule, o.as_str()]);
+        }
+        for c in [&self.shadow_predicted_blocks, &self.live_predicted_blocks] {
+            let _ = c.remove_label_values(&[rule]);
+        }
+        for t in kvroute_core::wire::Tier::ALL {
+            for r in kvroute_core::wire::Reason::ALL {
+                let _ = self
+                    .shadow_tiers
+                    .remove_label_values(&[rule, t.as_str(), r.as_str()]);
             }
         }
     }

@@ -11,6 +11,10 @@
 //!
 //! The service's own variables are read leniently: surrounding spaces are dropped and an empty
 //! value means unset. The shared ones are read as the filter reads them (see kvroute-core).
+//!
+//! [`SHADOW`] (`KVROUTE_SHADOW`) holds overrides of the scoring variables ([`SHADOW_VARS`]) for
+//! the shadow policy ([`Settings::shadow`]): the environment is read a second time with them in
+//! place of the live values, so each is validated by its own variable's parser.
 
 use std::time::Duration;
 
@@ -59,6 +63,16 @@ pub const LOAD_PENALTY: Setting = Setting {
     },
     help: "soft mode only: blocks of overlap one in-flight request costs",
 };
+pub const SHADOW: Setting = Setting::text(
+    "KVROUTE_SHADOW",
+    "comma-separated NAME=VALUE, NAME one of LLB_KV_MIN_MATCH_TOKENS, LOXILB_KV_SPILL_RELIEF, \
+     LOXILB_KV_COLDSTART_SEED_N, LOXILB_KV_COLDSTART_MIN_BLOCKS, LOXILB_KV_MEAN_LOAD_FACTOR, \
+     LOXILB_KV_LB_MODE, LOXILB_KV_LOAD_PENALTY, KVROUTE_PLACEMENT",
+    "unset (off)",
+    "the shadow policy: these scoring variables overridden on top of the live ones, each value read \
+     as the variable itself reads it; every routed request is decided a second time with them, \
+     only counted (`kvroute_shadow_*`), never acted on",
+);
 pub const SPEC_TTL_MS: Setting = Setting::int(
     "KVROUTE_SPEC_TTL_MS",
     (0, 600_000),
@@ -316,10 +330,11 @@ pub struct HealthThresholds {
 }
 
 /// The service's own tuning variables, in the order errors are reported (after the shared ones).
-pub const SERVICE_VARS: [Setting; 30] = [
+pub const SERVICE_VARS: [Setting; 31] = [
     MEAN_LOAD_FACTOR,
     LB_MODE,
     LOAD_PENALTY,
+    SHADOW,
     SPEC_TTL_MS,
     INFLIGHT_WINDOW_MS,
     SCRAPE_INTERVAL_MS,
@@ -347,6 +362,22 @@ pub const SERVICE_VARS: [Setting; 30] = [
     TENANTS_MAX,
     CANARY_INTERVAL_MS,
     CANARY_TIMEOUT_MS,
+];
+
+/// The variables [`SHADOW`] may override: every setting the pure scorer
+/// ([`crate::score::decide`]) reads. The others shape what it is given (the endpoints' loads,
+/// capacities and divergence, the affinity key, the placement memory) or what a decision does
+/// afterwards, so the shadow, which sees the live decision's inputs and changes nothing, has no
+/// use for them.
+pub const SHADOW_VARS: [Setting; 8] = [
+    kvroute_core::settings::MIN_MATCH_TOKENS,
+    kvroute_core::settings::SPILL_RELIEF,
+    kvroute_core::settings::COLDSTART_SEED_N,
+    kvroute_core::settings::COLDSTART_MIN_BLOCKS,
+    MEAN_LOAD_FACTOR,
+    LB_MODE,
+    LOAD_PENALTY,
+    PLACEMENT,
 ];
 
 /// The replication variables (docs/replication.md); all but the URL need the URL.
@@ -464,6 +495,9 @@ pub struct Settings {
     pub tenants_max: usize,
     /// [`CANARY_INTERVAL_MS`] (zero: off) and [`CANARY_TIMEOUT_MS`].
     pub canary: Canary,
+    /// [`SHADOW`]: these settings with its overrides applied (its own `shadow` is `None`);
+    /// `None` when unset.
+    pub shadow: Option<Box<Settings>>,
 }
 
 /// The parity canary's schedule ([`crate::canary`]).
@@ -714,6 +748,7 @@ impl<'a> Env<'a> {
             timeout: self.ms(&CANARY_TIMEOUT_MS),
         };
         let redis = self.redis_from_env();
+        let shadow = self.shadow_from_env();
         Settings {
             core,
             trtllm_drain_ms,
@@ -740,7 +775,53 @@ impl<'a> Env<'a> {
             divergence,
             tenants_max,
             canary,
+            shadow,
         }
+    }
+
+    /// The shadow configuration ([`SHADOW`]): the environment read again with its overrides in
+    /// place of the live values, so each value goes through its variable's own parser. Every
+    /// problem names `KVROUTE_SHADOW` and the pair; a problem of a variable the shadow does not
+    /// override is the live one, already reported.
+    fn shadow_from_env(&mut self) -> Option<Box<Settings>> {
+        let raw = self.get(&SHADOW)?;
+        // (variable, value, the pair as written)
+        let mut overrides: Vec<(&'static str, &str, &str)> = Vec::new();
+        for pair in raw.split(',').map(str::trim) {
+            let var = pair.split_once('=').and_then(|(name, value)| {
+                let v = SHADOW_VARS.iter().find(|v| v.name == name.trim())?;
+                Some((v.name, value))
+            });
+            match var {
+                None => SHADOW.reject(pair, &mut self.errs),
+                Some((name, _)) if overrides.iter().any(|o| o.0 == name) => {
+                    self.errs.push(FieldError::new(
+                        SHADOW.name,
+                        kvroute_core::rule::quoted(pair),
+                        "one pair per variable",
+                    ));
+                }
+                Some((name, value)) => overrides.push((name, value, pair)),
+            }
+        }
+        let live = self.lookup;
+        let lookup = |name: &str| match overrides.iter().find(|o| o.0 == name) {
+            Some(o) => Some(o.1.to_owned()),
+            None if name == SHADOW.name => None,
+            None => live(name),
+        };
+        let mut env = Env::new(&lookup);
+        let shadow = env.settings();
+        for e in env.errs {
+            if let Some((name, _, pair)) = overrides.iter().find(|o| o.0 == e.field) {
+                self.errs.push(FieldError::new(
+                    SHADOW.name,
+                    kvroute_core::rule::quoted(pair),
+                    format!("{name}={}", e.allowed),
+                ));
+            }
+        }
+        Some(Box::new(shadow))
     }
 
     /// The Redis variables; `None` without `KVROUTE_REDIS_URL` (any other Redis variable is then
@@ -918,7 +999,10 @@ mod tests {
         // The drift this table replaced: the help said the cold-start variables default to 0.
         let help = env_help();
         assert!(help.contains("LOXILB_KV_COLDSTART_SEED_N"), "{help}");
-        for line in help.lines().filter(|l| l.contains("COLDSTART")) {
+        for line in help
+            .lines()
+            .filter(|l| l.trim_start().starts_with("LOXILB_KV_COLDSTART"))
+        {
             assert!(line.ends_with("default 16]"), "{line}");
         }
     }
@@ -1001,6 +1085,184 @@ mod tests {
         assert_eq!(
             e.0[0].to_string(),
             "KVROUTE_LEASE_MS: got \"1000\", allowed: only with KVROUTE_REDIS_URL set"
+        );
+    }
+
+    /// The environment `live` plus `KVROUTE_SHADOW=shadow`.
+    fn with_shadow(
+        live: &'static [(&'static str, &'static str)],
+        shadow: &'static str,
+    ) -> Result<Settings, SettingsErrors> {
+        Settings::from_env(move |k| match k {
+            "KVROUTE_SHADOW" => Some(shadow.to_owned()),
+            _ => live
+                .iter()
+                .find(|(n, _)| *n == k)
+                .map(|(_, v)| (*v).to_owned()),
+        })
+    }
+
+    fn messages(e: &SettingsErrors) -> Vec<String> {
+        e.0.iter().map(ToString::to_string).collect()
+    }
+
+    #[test]
+    fn shadow_is_the_live_settings_with_its_overrides() {
+        let s = Settings::from_env(|_| None).unwrap();
+        assert!(s.shadow.is_none());
+        for blank in ["", "  "] {
+            assert!(
+                with_shadow(&[], blank).unwrap().shadow.is_none(),
+                "{blank:?}"
+            );
+        }
+        let live = &[
+            ("LOXILB_KV_LB_MODE", "soft"),
+            ("KVROUTE_SPEC_TTL_MS", "700"),
+            ("LOXILB_KV_COLDSTART_SEED_N", "4"),
+        ];
+        let s = with_shadow(
+            live,
+            " LOXILB_KV_LOAD_PENALTY=2.5, LOXILB_KV_SPILL_RELIEF=off,LLB_KV_MIN_MATCH_TOKENS=64 ",
+        )
+        .unwrap();
+        let sh = s.shadow.as_deref().unwrap();
+        assert!(sh.shadow.is_none());
+        // Overridden ...
+        assert_eq!(sh.load_penalty, 2.5);
+        assert_eq!(
+            sh.core.spill_relief(),
+            kvroute_core::settings::SpillRelief::Off
+        );
+        assert_eq!(sh.core.min_match_tokens(), 64);
+        // ... and everything else as live.
+        assert_eq!(
+            (sh.load_blend, sh.spec_ttl, sh.core.coldstart_seed_n()),
+            (LoadBlend::Soft, Duration::from_millis(700), 4)
+        );
+        assert_eq!(
+            (
+                s.load_penalty,
+                s.core.spill_relief(),
+                s.core.min_match_tokens()
+            ),
+            (1.0, kvroute_core::settings::SpillRelief::Unset, 16)
+        );
+        // A value is read as its variable reads it: the seed's spellings of the mode, a service
+        // variable's empty value is its default.
+        let s = with_shadow(live, "LOXILB_KV_LB_MODE=1,LOXILB_KV_MEAN_LOAD_FACTOR=").unwrap();
+        let sh = s.shadow.unwrap();
+        assert_eq!((sh.load_blend, sh.mean_load_factor), (LoadBlend::Hard, 175));
+        // Overriding a variable with its live value gives the live settings.
+        let s = with_shadow(live, "LOXILB_KV_LB_MODE=soft").unwrap();
+        let mut sh = s.shadow.clone().unwrap();
+        assert!(sh.shadow.is_none());
+        sh.shadow = s.shadow.clone();
+        assert_eq!(format!("{:?}", *sh), format!("{s:?}"));
+    }
+
+    /// Every variable the shadow takes changes it (a name listed but not applied would be a
+    /// shadow identical to live), and the descriptor's allowed text lists exactly those.
+    #[test]
+    fn every_shadow_variable_is_applied_and_listed() {
+        let base = format!("{:?}", Settings::default());
+        let other = |v: &Setting| match v.kind {
+            Kind::Int { default, .. } => (default + 1).to_string(),
+            Kind::Number { default, .. } => (default + 1.0).to_string(),
+            Kind::Word { words, default } => words
+                .iter()
+                .find(|w| Some(**w) != default)
+                .map(|w| (*w).to_owned())
+                .unwrap(),
+            Kind::Text { .. } => unreachable!("{}", v.name),
+        };
+        for v in &SHADOW_VARS {
+            let pair = format!("{}={}", v.name, other(v));
+            let s = Settings::from_env(|k| (k == "KVROUTE_SHADOW").then(|| pair.clone())).unwrap();
+            let sh = s.shadow.unwrap();
+            assert_ne!(
+                format!(
+                    "{:?}",
+                    Settings {
+                        shadow: None,
+                        ..*sh
+                    }
+                ),
+                base,
+                "{pair}"
+            );
+        }
+        let Kind::Text { allowed, .. } = SHADOW.kind else {
+            panic!("KVROUTE_SHADOW is text")
+        };
+        let names = SHADOW_VARS.map(|v| v.name).join(", ");
+        assert_eq!(
+            allowed,
+            format!("comma-separated NAME=VALUE, NAME one of {names}")
+        );
+    }
+
+    #[test]
+    fn shadow_errors_name_the_variable_the_pair_and_what_is_allowed() {
+        let names = SHADOW_VARS.map(|v| v.name).join(", ");
+        let any = format!("allowed: comma-separated NAME=VALUE, NAME one of {names}");
+        // (KVROUTE_SHADOW, every message)
+        let rows: Vec<(&'static str, Vec<String>)> = vec![
+            // unknown names, and variables that are not scoring ones
+            ("FOO=1", vec![format!("got \"FOO=1\", {any}")]),
+            ("loxilb_kv_lb_mode=soft", vec![format!("got \"loxilb_kv_lb_mode=soft\", {any}")]),
+            ("KVROUTE_HEALTH_FALL=3", vec![format!("got \"KVROUTE_HEALTH_FALL=3\", {any}")]),
+            ("KVROUTE_REDIS_URL=redis://r:1", vec![format!("got \"KVROUTE_REDIS_URL=redis://r:1\", {any}")]),
+            ("LLB_KV_NONE_HASH_SEED=0", vec![format!("got \"LLB_KV_NONE_HASH_SEED=0\", {any}")]),
+            ("KVROUTE_SHADOW=x", vec![format!("got \"KVROUTE_SHADOW=x\", {any}")]),
+            // malformed pairs
+            ("LOXILB_KV_LB_MODE", vec![format!("got \"LOXILB_KV_LB_MODE\", {any}")]),
+            ("=soft", vec![format!("got \"=soft\", {any}")]),
+            ("LOXILB_KV_LB_MODE=soft,,", vec![format!("got \"\", {any}"), format!("got \"\", {any}")]),
+            // bad values, as each variable's own parser rejects them
+            ("LOXILB_KV_LB_MODE=x", vec!["got \"LOXILB_KV_LB_MODE=x\", allowed: LOXILB_KV_LB_MODE=off, hard, soft".into()]),
+            ("LOXILB_KV_LOAD_PENALTY=nan", vec!["got \"LOXILB_KV_LOAD_PENALTY=nan\", allowed: LOXILB_KV_LOAD_PENALTY=a number 0-1000000".into()]),
+            ("LOXILB_KV_MEAN_LOAD_FACTOR=5", vec!["got \"LOXILB_KV_MEAN_LOAD_FACTOR=5\", allowed: LOXILB_KV_MEAN_LOAD_FACTOR=100-1000".into()]),
+            ("KVROUTE_PLACEMENT=random", vec!["got \"KVROUTE_PLACEMENT=random\", allowed: KVROUTE_PLACEMENT=footprint, sel".into()]),
+            // the shared variables are read as the filter reads them: digits only, no empty value
+            ("LLB_KV_MIN_MATCH_TOKENS=-1", vec!["got \"LLB_KV_MIN_MATCH_TOKENS=-1\", allowed: LLB_KV_MIN_MATCH_TOKENS=0-4096".into()]),
+            ("LOXILB_KV_COLDSTART_SEED_N= 3", vec!["got \"LOXILB_KV_COLDSTART_SEED_N= 3\", allowed: LOXILB_KV_COLDSTART_SEED_N=0-4294967295".into()]),
+            ("LOXILB_KV_SPILL_RELIEF=", vec!["got \"LOXILB_KV_SPILL_RELIEF=\", allowed: LOXILB_KV_SPILL_RELIEF=on, off (or unset)".into()]),
+            // a variable twice
+            ("LOXILB_KV_LB_MODE=soft,LOXILB_KV_LB_MODE=off", vec!["got \"LOXILB_KV_LB_MODE=off\", allowed: one pair per variable".into()]),
+            // every problem at once
+            (
+                "FOO=1, LOXILB_KV_LB_MODE=x, LOXILB_KV_COLDSTART_MIN_BLOCKS=many",
+                vec![
+                    format!("got \"FOO=1\", {any}"),
+                    "got \"LOXILB_KV_COLDSTART_MIN_BLOCKS=many\", allowed: LOXILB_KV_COLDSTART_MIN_BLOCKS=0-4294967295".into(),
+                    "got \"LOXILB_KV_LB_MODE=x\", allowed: LOXILB_KV_LB_MODE=off, hard, soft".into(),
+                ],
+            ),
+        ];
+        for (shadow, want) in rows {
+            let e = with_shadow(&[], shadow).unwrap_err();
+            let want: Vec<String> = want
+                .iter()
+                .map(|m| format!("KVROUTE_SHADOW: {m}"))
+                .collect();
+            assert_eq!(messages(&e), want, "{shadow}");
+        }
+        // A live problem is reported once, as the live variable's, not again as the shadow's.
+        let e = with_shadow(
+            &[("LOXILB_KV_MEAN_LOAD_FACTOR", "5")],
+            "LOXILB_KV_LB_MODE=soft",
+        )
+        .unwrap_err();
+        assert_eq!(
+            messages(&e),
+            ["LOXILB_KV_MEAN_LOAD_FACTOR: got \"5\", allowed: 100-1000"]
+        );
+        // A bad live value the shadow overrides is still the live one's problem.
+        let e = with_shadow(&[("LOXILB_KV_LB_MODE", "x")], "LOXILB_KV_LB_MODE=soft").unwrap_err();
+        assert_eq!(
+            messages(&e),
+            ["LOXILB_KV_LB_MODE: got \"x\", allowed: off, hard, soft"]
         );
     }
 }

@@ -561,6 +561,107 @@ async fn spill_and_cold_seed_metrics() {
     assert_tier15_decisions(&svc, "cold_seed", "kvroute_tier15_cold_seeds_total", 2).await;
 }
 
+/// The shadow policy decides every routed question a second time and only counts it. Live
+/// (minimum match 16 tokens) against a shadow that needs 64: the first question is placed on
+/// ep0 by live and sent there by the shadow's round robin; the second hits ep0's speculative
+/// credit live while the shadow, skipping KV scoring, round-robins to ep1; the third (80 tokens)
+/// is a hit for both.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_shadow_policy_is_counted_and_not_acted_on() {
+    let svc = Service::start(
+        "shadow",
+        &json!([good_rule(9000)]),
+        &[
+            ("KVROUTE_SHADOW", "LLB_KV_MIN_MATCH_TOKENS=64"),
+            ("KVROUTE_SPEC_TTL_MS", "600000"),
+        ],
+    );
+    let route = |keys: &[u64], explain: bool| {
+        let body =
+            json!({"rule": "1", "keys": keys, "token_count": 16 * keys.len(), "explain": explain});
+        let svc = &svc;
+        async move { svc.post("/v1/route", &body.to_string(), None).await.1 }
+    };
+    let mut answers = Vec::new();
+    for keys in [&[1, 2, 3][..], &[1, 2, 3], &[1, 2, 3, 4, 5]] {
+        let a = route(keys, false).await;
+        answers.push(format!(
+            "{}@{}",
+            a["reason"].as_str().unwrap(),
+            a["endpoint"].as_str().unwrap()
+        ));
+    }
+    // Live acts on its own choices only.
+    assert_eq!(
+        answers,
+        [
+            "miss_no_overlap@127.0.0.1:1",
+            "hit@127.0.0.1:1",
+            "hit@127.0.0.1:1"
+        ]
+    );
+    // An explain question is not shadowed.
+    assert_eq!(route(&[1, 2, 3], true).await["reason"], "hit");
+    let rule = r#"rule="10.0.0.1:9000/tcp""#;
+    let m = svc.metrics().await;
+    assert_metrics(
+        &m,
+        &format!(
+            r#"
+            kvroute_shadow_decisions_total{{outcome="same",{rule}}} 2
+            kvroute_shadow_decisions_total{{outcome="different",{rule}}} 1
+            kvroute_shadow_decisions_total{{outcome="no_endpoint",{rule}}} 0
+            # Matched blocks of each choice: 0, 0, 3 (shadow) and 0, 3, 3 (live).
+            kvroute_shadow_predicted_blocks_total{{{rule}}} 3
+            kvroute_live_predicted_blocks_total{{{rule}}} 6
+            kvroute_shadow_tier_total{{reason="miss_short_prompt",{rule},tier="fallback"}} 2
+            kvroute_shadow_tier_total{{reason="hit",{rule},tier="tier15"}} 1
+            kvroute_route_decisions_total{{reason="miss_no_overlap",tier="fallback"}} 1
+            kvroute_route_decisions_total{{reason="hit",tier="tier15"}} 2
+            "#
+        ),
+    );
+    assert!(
+        m.contains("# TYPE kvroute_shadow_decisions_total counter"),
+        "{m}"
+    );
+    // Deleting the rule drops its shadow series.
+    let del = format!("{LB}/externalipaddress/10.0.0.1/port/9000/protocol/tcp");
+    assert_eq!(svc.delete(&del, Some(TOKEN)).await, 200);
+    let m = svc.metrics().await;
+    for name in ["kvroute_shadow_", "kvroute_live_predicted_blocks_total"] {
+        assert_absent(&m, name);
+    }
+
+    // A service without a shadow exports none; a bad one refuses to start, naming it.
+    let plain = Service::start("no-shadow", &json!([good_rule(9000)]), &[]);
+    let (s, _) = plain
+        .post(
+            "/v1/route",
+            &json!({"rule": "1", "keys": [1], "token_count": 16}).to_string(),
+            None,
+        )
+        .await;
+    assert_eq!(s, 200);
+    let m = plain.metrics().await;
+    assert_absent(&m, "kvroute_shadow_");
+    assert_absent(&m, "kvroute_live_predicted_blocks_total");
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_kvroute-inventory"))
+        .args(["serve", "--listen", "127.0.0.1:0"])
+        .env(
+            "KVROUTE_SHADOW",
+            "LOXILB_KV_LB_MODE=soft,KVROUTE_HEALTH_FALL=1",
+        )
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains(r#"KVROUTE_SHADOW: got "KVROUTE_HEALTH_FALL=1", allowed: comma-separated NAME=VALUE, NAME one of LLB_KV_MIN_MATCH_TOKENS,"#),
+        "{err}"
+    );
+}
+
 /// Asserts `n` tier-1.5 decisions for `reason`, in the decisions counter and in `counter`.
 async fn assert_tier15_decisions(svc: &Service, reason: &str, counter: &str, n: u32) {
     let decisions = format!(r#"kvroute_route_decisions_total{{reason="{reason}",tier="tier15"}}"#);

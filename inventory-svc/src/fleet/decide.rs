@@ -5,7 +5,8 @@
 //! decision happens, in this order: the decision counters and metrics, the in-flight estimate of
 //! the chosen (and decode) endpoint, speculative credit for the keys past what the endpoint
 //! holds, the placement memory, and the replication message that makes the other replicas do
-//! the same.
+//! the same. With a shadow configuration (`KVROUTE_SHADOW`), a committed decision is then made
+//! again from the same inputs with it and only counted ([`super::shadow`]).
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -91,7 +92,7 @@ impl Fleet {
                 (true, Some(m)) => HashRing::key_hash(&format!("{a}\u{0}{m}")),
                 _ => HashRing::key_hash(a),
             });
-        let decision = decide(&ScoreInput {
+        let inp = ScoreInput {
             exact_mode: rule.spec.exact_mode,
             kv_enabled: rule.spec.kv_enabled(),
             sel: rule.spec.sel,
@@ -104,9 +105,13 @@ impl Fleet {
             rr_seq: rule.rr_seq.load(Ordering::Relaxed),
             recall,
             settings: s,
-        });
+        };
+        let decision = decide(&inp);
         if !q.explain {
             self.commit(rule, &decision, &views, q.keys, now);
+            if let Some(shadow) = s.shadow.as_deref() {
+                self.shadow(rule, &inp, &decision, shadow);
+            }
         }
         let ep = decision.ep.ok_or(RouteError::NoEndpoint)?;
         Ok(Routed {

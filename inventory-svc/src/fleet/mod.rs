@@ -28,6 +28,7 @@ mod endpoint;
 mod outcomes;
 mod replication;
 mod rule;
+mod shadow;
 mod tenants;
 
 use std::collections::BTreeMap;
@@ -221,6 +222,7 @@ impl Fleet {
             rt.eps().len(),
             usize::from(rt.spec.dp_ranks.max(1)),
         );
+        self.metrics.drop_shadow_series(name);
         self.replication().rule_removed(&rt, origin);
         Some(rt)
     }
@@ -388,7 +390,7 @@ mod tests {
 
     use super::*;
 
-    fn spec(port: u16, weight: u32, settings: &Settings) -> RuleSpec {
+    pub(super) fn spec(port: u16, weight: u32, settings: &Settings) -> RuleSpec {
         let raw = json!({
             "serviceArguments": {"externalIP": "10.0.0.1", "port": port, "protocol": "tcp",
                 "sel": 0, "mode": 4, "kvExactMode": 3, "kvBlockSize": 16,
@@ -401,7 +403,7 @@ mod tests {
         crate::rules::parse_rule(&raw, settings).expect("valid rule")
     }
 
-    fn fleet(settings: Settings) -> Arc<Fleet> {
+    pub(super) fn fleet(settings: Settings) -> Arc<Fleet> {
         let m = Arc::new(Metrics::new().unwrap());
         Arc::new(Fleet::new(
             m,
@@ -412,7 +414,7 @@ mod tests {
         ))
     }
 
-    fn keys(n: u64) -> Vec<BlockKey> {
+    pub(super) fn keys(n: u64) -> Vec<BlockKey> {
         (1..=n).map(BlockKey).collect()
     }
 

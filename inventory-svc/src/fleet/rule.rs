@@ -7,13 +7,14 @@
 //! [`super::Fleet`], which keeps the index bounded, the gauges current and the other replicas told.
 
 use std::sync::atomic::AtomicU64;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::Instant;
 
 use kvroute_core::hash::BlockKey;
 use tokio_util::sync::{CancellationToken, WaitForCancellationFuture};
 
 use super::endpoint::EpRuntime;
+use super::shadow::ShadowSeries;
 use crate::index::{BlockIndex, BlockPage, EndpointId, IndexOp, MemIndex, Rank};
 use crate::metrics::Metrics;
 use crate::rules::RuleSpec;
@@ -38,6 +39,8 @@ pub struct RuleRuntime {
     pub(super) memory: PlacementMemory,
     pub(super) hit_seq: AtomicU64,
     pub(super) rr_seq: AtomicU64,
+    /// The shadow policy's series, resolved at the rule's first shadowed decision.
+    pub(super) shadow_series: OnceLock<ShadowSeries>,
     cancel: CancellationToken,
     /// Why the rule's tokenizer cannot be served (reported in /healthz), if so.
     tokenizer_problem: Option<String>,
@@ -83,6 +86,7 @@ impl RuleRuntime {
             generation: spec.generation(),
             hit_seq: AtomicU64::new(0),
             rr_seq: AtomicU64::new(0),
+            shadow_series: OnceLock::new(),
             cancel: parts.cancel,
             tokenizer_problem: parts.tokenizer_problem,
             tenants: Default::default(),
