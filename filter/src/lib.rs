@@ -26,7 +26,7 @@ pub mod request;
 pub mod stats;
 pub mod testkeys;
 pub mod tokens;
-pub mod usage;
+pub use kvroute_core::usage;
 pub mod wire;
 
 use proxy_wasm::traits::{Context, HttpContext, RootContext};

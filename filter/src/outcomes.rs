@@ -16,14 +16,11 @@ use std::collections::BTreeMap;
 
 use kvroute_core::wire::{
     EndpointOutcomes, OutcomeReport, TenantUsage, MAX_OUTCOME_ENDPOINTS, MAX_OUTCOME_TENANTS,
-    MAX_TENANT_NAME, OTHER_TENANT,
+    OTHER_TENANT,
 };
 
-use crate::usage::{Judged, Verdict};
-
-/// Predictions of at least this many blocks qualify for the divergence check (one block can be
-/// lost to the prompt's last token or a partial block and says little).
-pub const QUALIFYING_BLOCKS: u64 = 2;
+pub use crate::usage::Account;
+use crate::usage::{outcome_of, Judged};
 
 /// The sums since the last report.
 #[derive(Debug, Default)]
@@ -32,38 +29,10 @@ pub struct Outcomes {
     by_tenant: BTreeMap<(String, Option<String>), TenantUsage>,
 }
 
-/// Who a routed request's tokens are accounted to.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Account {
-    /// The tenant part of the affinity key.
-    pub tenant: String,
-    pub model: Option<String>,
-}
-
-impl Account {
-    /// The account of a request with this affinity key and model; names past
-    /// [`MAX_TENANT_NAME`] bytes are cut at a character boundary.
-    pub fn new(affinity_key: &str, model: Option<&str>) -> Account {
-        Account {
-            tenant: cut(kvroute_core::affinity::tenant_of(affinity_key)).to_owned(),
-            model: model.map(|m| cut(m).to_owned()),
-        }
-    }
-}
-
-fn cut(s: &str) -> &str {
-    let mut end = s.len().min(MAX_TENANT_NAME);
-    while !s.is_char_boundary(end) {
-        end -= 1;
-    }
-    &s[..end]
-}
-
 impl Outcomes {
     /// Adds one judged response of `endpoint`; false when the table is full and it was dropped.
     pub fn record(&mut self, endpoint: &str, j: &Judged) -> bool {
-        let one = one(endpoint, j);
-        self.add(one)
+        self.add(outcome_of(endpoint, j))
     }
 
     fn add(&mut self, o: EndpointOutcomes) -> bool {
@@ -134,28 +103,12 @@ impl Outcomes {
     }
 }
 
-/// One judged response as a sum of one.
-fn one(endpoint: &str, j: &Judged) -> EndpointOutcomes {
-    let qualifying = j.predicted_blocks >= QUALIFYING_BLOCKS;
-    EndpointOutcomes {
-        endpoint: endpoint.to_owned(),
-        judged: 1,
-        exact: u64::from(j.verdict == Verdict::Exact),
-        under: u64::from(j.verdict == Verdict::Under),
-        over: u64::from(j.verdict == Verdict::Over),
-        qualifying: u64::from(qualifying),
-        missed: u64::from(qualifying && j.realised_blocks == 0),
-        predicted_blocks: j.predicted_blocks,
-        realised_blocks: j.realised_blocks,
-        prompt_tokens: j.prompt_tokens,
-        cached_tokens: j.realised_tokens,
-    }
-}
-
 #[cfg(test)]
 #[allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 mod tests {
     use super::*;
+    use crate::usage::Verdict;
+    use kvroute_core::wire::MAX_TENANT_NAME;
 
     fn judged(predicted_blocks: u64, realised_blocks: u64) -> Judged {
         let verdict = match realised_blocks.cmp(&predicted_blocks) {

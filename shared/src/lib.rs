@@ -21,4 +21,5 @@ pub mod segments;
 pub mod settings;
 pub mod slug;
 pub mod tokenize;
+pub mod usage;
 pub mod wire;

@@ -8,8 +8,14 @@
 //! `prompt_tokens - cached_tokens`. Streaming responses carry usage in the final SSE chunk
 //! (`stream_options.include_usage`; Anthropic's `message_delta` event), so SSE bodies are
 //! searched from the last `data:` line backwards.
+//!
+//! A response's usage is judged against what the route answer predicted ([`Prediction::judge`])
+//! and becomes one endpoint's outcome ([`outcome_of`]) and one tenant's tokens ([`Account`]):
+//! the filter sums them into its reports, the endpoint picker records them directly.
 
 use serde_json::Value;
+
+use crate::wire::{EndpointOutcomes, MAX_TENANT_NAME};
 
 /// Most response bytes kept for usage parsing; past it only the tail is kept (usage is at the end).
 pub const MAX_TRACKED_BYTES: usize = 256 * 1024;
@@ -154,6 +160,55 @@ impl Tail {
     pub fn bytes(&self) -> &[u8] {
         &self.buf
     }
+}
+
+/// Predictions of at least this many blocks qualify for the divergence check (one block can be
+/// lost to the prompt's last token or a partial block and says little).
+pub const QUALIFYING_BLOCKS: u64 = 2;
+
+/// One judged response of `endpoint` as a sum of one (reports add these up).
+pub fn outcome_of(endpoint: &str, j: &Judged) -> EndpointOutcomes {
+    let qualifying = j.predicted_blocks >= QUALIFYING_BLOCKS;
+    EndpointOutcomes {
+        endpoint: endpoint.to_owned(),
+        judged: 1,
+        exact: u64::from(j.verdict == Verdict::Exact),
+        under: u64::from(j.verdict == Verdict::Under),
+        over: u64::from(j.verdict == Verdict::Over),
+        qualifying: u64::from(qualifying),
+        missed: u64::from(qualifying && j.realised_blocks == 0),
+        predicted_blocks: j.predicted_blocks,
+        realised_blocks: j.realised_blocks,
+        prompt_tokens: j.prompt_tokens,
+        cached_tokens: j.realised_tokens,
+    }
+}
+
+/// Who a routed request's tokens are accounted to.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Account {
+    /// The tenant part of the affinity key.
+    pub tenant: String,
+    pub model: Option<String>,
+}
+
+impl Account {
+    /// The account of a request with this affinity key and model; names past
+    /// [`MAX_TENANT_NAME`] bytes are cut at a character boundary.
+    pub fn new(affinity_key: &str, model: Option<&str>) -> Account {
+        Account {
+            tenant: cut(crate::affinity::tenant_of(affinity_key)).to_owned(),
+            model: model.map(|m| cut(m).to_owned()),
+        }
+    }
+}
+
+fn cut(s: &str) -> &str {
+    let mut end = s.len().min(MAX_TENANT_NAME);
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    &s[..end]
 }
 
 #[cfg(test)]
