@@ -11,7 +11,7 @@
 use std::collections::{HashMap, VecDeque};
 use std::time::{Duration, Instant};
 
-use kvroute_core::wire::{EndpointOutcomes, OutcomeReport};
+use kvroute_core::wire::{EndpointOutcomes, OutcomeReport, TenantUsage};
 
 use super::{EpRuntime, Fleet, RuleRuntime};
 
@@ -83,13 +83,19 @@ pub struct ReportApplied {
 
 impl Fleet {
     /// Applies a filter's outcome report for `rule` received at `now`: each named endpoint's
-    /// window, its counters and divergence gauge, and a log line when its verdict changes.
+    /// window, its counters and divergence gauge, and a log line when its verdict changes; and
+    /// the report's tenants.
     pub fn record_outcomes(
         &self,
         rule: &RuleRuntime,
         report: &OutcomeReport,
         now: Instant,
     ) -> ReportApplied {
+        let mut applied = ReportApplied::default();
+        // A removed rule's series are gone and must not come back (fleet invariants).
+        if rule.is_stopped() {
+            return applied;
+        }
         let by_addr: HashMap<String, usize> = rule
             .spec
             .endpoints
@@ -98,64 +104,106 @@ impl Fleet {
             .map(|(i, e)| (e.addr(), i))
             .collect();
         let name = rule.spec.name();
-        let d = &self.settings.divergence;
-        let m = &self.metrics;
-        let mut applied = ReportApplied::default();
-        // A removed rule's series are gone and must not come back (fleet invariants).
-        if rule.is_stopped() {
-            return applied;
-        }
         for o in &report.endpoints {
-            let Some((i, rt)) = by_addr
-                .get(&o.endpoint)
-                .and_then(|&i| Some((i, rule.eps().get(i)?)))
-            else {
-                applied.unknown += 1;
-                continue;
-            };
-            applied.endpoints += 1;
-            let ep = i.to_string();
-            let labels = [name.as_str(), ep.as_str()];
-            for (verdict, n) in [("exact", o.exact), ("under", o.under), ("over", o.over)] {
-                m.endpoint_outcomes
-                    .with_label_values(&[&name, &ep, verdict])
-                    .inc_by(n);
-            }
-            for (counter, n) in [
-                (&m.endpoint_predicted_blocks, o.predicted_blocks),
-                (&m.endpoint_realised_blocks, o.realised_blocks),
-                (&m.endpoint_prompt_tokens, o.prompt_tokens),
-                (&m.endpoint_cached_tokens, o.cached_tokens),
-            ] {
-                counter.with_label_values(&labels).inc_by(n);
-            }
-            let (was, is, s) = rt.record_outcomes(o, now, d);
-            m.endpoint_divergent
-                .with_label_values(&labels)
-                .set(i64::from(is));
-            match (was, is) {
-                (false, true) => {
-                    tracing::warn!(rule = %name, ep = i, endpoint = %o.endpoint, qualifying = s.qualifying,
-                        missed = s.missed, cause = %divergence_cause(rt), "endpoint diverges: its engine reuses none of the predicted blocks");
-                }
-                (true, false) => {
-                    tracing::info!(rule = %name, ep = i, endpoint = %o.endpoint, "endpoint no longer diverges")
-                }
-                _ => {}
+            match by_addr.get(&o.endpoint) {
+                Some(&i) if self.endpoint_outcome(rule, &name, i, o, now) => applied.endpoints += 1,
+                _ => applied.unknown += 1,
             }
         }
-        let max = self.settings.tenants_max;
-        if max > 0 && !report.tenants.is_empty() {
-            let (folded, held) =
-                rule.account(&report.tenants, self.settings.affinity_scope_model, max);
-            m.tenant_folded.with_label_values(&[&name]).inc_by(folded);
-            m.tenants
-                .with_label_values(&[&name])
-                .set(i64::try_from(held).unwrap_or(i64::MAX));
-        }
-        m.outcome_reports.inc();
-        m.outcome_unknown_endpoints.inc_by(applied.unknown as u64);
+        self.tenant_usage(rule, &name, &report.tenants);
+        self.metrics.outcome_reports.inc();
+        self.metrics
+            .outcome_unknown_endpoints
+            .inc_by(applied.unknown as u64);
         applied
+    }
+
+    /// Applies one response's outcome on `endpoint` and its tenant's tokens, as the endpoint
+    /// picker judges them itself; false when the rule has no such endpoint.
+    pub fn record_response(
+        &self,
+        rule: &RuleRuntime,
+        outcome: &EndpointOutcomes,
+        tenant: Option<&TenantUsage>,
+        now: Instant,
+    ) -> bool {
+        if rule.is_stopped() {
+            return false;
+        }
+        let name = rule.spec.name();
+        let i = (0..rule.spec.endpoints.len()).find(|&i| rule.addr(i) == outcome.endpoint);
+        let known = i.is_some_and(|i| self.endpoint_outcome(rule, &name, i, outcome, now));
+        if let Some(t) = tenant {
+            self.tenant_usage(rule, &name, std::slice::from_ref(t));
+        }
+        known
+    }
+
+    /// Endpoint `i`'s share of a report: its counters, window and divergence verdict.
+    fn endpoint_outcome(
+        &self,
+        rule: &RuleRuntime,
+        name: &str,
+        i: usize,
+        o: &EndpointOutcomes,
+        now: Instant,
+    ) -> bool {
+        let Some(rt) = rule.eps().get(i) else {
+            return false;
+        };
+        let m = &self.metrics;
+        let ep = i.to_string();
+        let labels = [name, ep.as_str()];
+        for (verdict, n) in [("exact", o.exact), ("under", o.under), ("over", o.over)] {
+            m.endpoint_outcomes
+                .with_label_values(&[name, &ep, verdict])
+                .inc_by(n);
+        }
+        for (counter, n) in [
+            (&m.endpoint_predicted_blocks, o.predicted_blocks),
+            (&m.endpoint_realised_blocks, o.realised_blocks),
+            (&m.endpoint_prompt_tokens, o.prompt_tokens),
+            (&m.endpoint_cached_tokens, o.cached_tokens),
+        ] {
+            counter.with_label_values(&labels).inc_by(n);
+        }
+        let (was, is, s) = rt.record_outcomes(o, now, &self.settings.divergence);
+        m.endpoint_divergent
+            .with_label_values(&labels)
+            .set(i64::from(is));
+        match (was, is) {
+            (false, true) => {
+                tracing::warn!(rule = %name, ep = i, endpoint = %o.endpoint, qualifying = s.qualifying,
+                    missed = s.missed, cause = %divergence_cause(rt), "endpoint diverges: its engine reuses none of the predicted blocks");
+            }
+            (true, false) => {
+                tracing::info!(rule = %name, ep = i, endpoint = %o.endpoint, "endpoint no longer diverges")
+            }
+            _ => {}
+        }
+        true
+    }
+
+    /// Adds tenants' tokens to `rule`'s accounting (a response the endpoint picker read whose
+    /// prediction cannot be judged).
+    pub fn record_tenants(&self, rule: &RuleRuntime, tenants: &[TenantUsage]) {
+        if !rule.is_stopped() {
+            self.tenant_usage(rule, &rule.spec.name(), tenants);
+        }
+    }
+
+    /// Adds tenants' tokens to the rule's accounting (off with `KVROUTE_TENANTS_MAX=0`).
+    fn tenant_usage(&self, rule: &RuleRuntime, name: &str, tenants: &[TenantUsage]) {
+        let max = self.settings.tenants_max;
+        if max == 0 || tenants.is_empty() {
+            return;
+        }
+        let (folded, held) = rule.account(tenants, self.settings.affinity_scope_model, max);
+        let m = &self.metrics;
+        m.tenant_folded.with_label_values(&[name]).inc_by(folded);
+        m.tenants
+            .with_label_values(&[name])
+            .set(i64::try_from(held).unwrap_or(i64::MAX));
     }
 }
 
