@@ -237,6 +237,9 @@ pub struct Metrics {
     pub epp_failures: IntCounterVec,
     /// Served-endpoint reports from the proxy: `outcome` ([`EppServed`]).
     pub epp_served: IntCounterVec,
+    /// `kvroute_epp_usage_total{outcome}`: picked responses read to their end, `parsed` when
+    /// their `usage` was found, `missing` otherwise.
+    pub epp_usage: IntCounterVec,
     /// Time the endpoint picker holds a request: from the end of its body to the answer.
     pub epp_latency: Histogram,
     /// Offloaded prompts routed on a prefix of their tokens: `reason` (max_tokens, long_piece,
@@ -412,6 +415,11 @@ impl Metrics {
                 "kvroute_epp_failures_total",
                 "Requests the endpoint picker could not pick an endpoint for, by reason.",
                 &["reason"],
+            )?,
+            epp_usage: cv(
+                "kvroute_epp_usage_total",
+                "Picked responses the endpoint picker read to their end (response_body_mode STREAMED): parsed when their usage was found, missing otherwise.",
+                &["outcome"],
             )?,
             epp_served: cv(
                 "kvroute_epp_served_total",

@@ -19,6 +19,13 @@
 //! a 503 in either mode, as the protocol requires. gRPC health (`grpc.health.v1`) serves
 //! `liveness` (always) and `readiness` and the ext_proc service name (once the rule is installed
 //! and its tokenizer loaded: the picker loads it ahead of the first request).
+//!
+//! When the proxy streams the response body to the picker (`response_body_mode: STREAMED`), the
+//! picker reads a picked response's `usage` as the filter does (kvroute-core `usage`, the last
+//! 256 KiB kept): a response served by the picked endpoint is judged against the decision's
+//! matched blocks into that endpoint's outcomes and divergence verdict, and every picked
+//! response's tokens go to its tenant's account (`kvroute_epp_usage_total{outcome}`). The body
+//! goes back unchanged.
 
 pub mod exchange;
 pub mod reply;
@@ -31,9 +38,12 @@ use std::time::{Duration, Instant};
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::{
     ExternalProcessor, ExternalProcessorServer,
 };
+use envoy_types::pb::envoy::service::ext_proc::v3::processing_request;
 use envoy_types::pb::envoy::service::ext_proc::v3::{ProcessingRequest, ProcessingResponse};
 use futures::{Stream, StreamExt};
 use kvroute_core::prompt::Endpoint;
+use kvroute_core::usage::{self, outcome_of, Account, Prediction, Tail};
+use kvroute_core::wire::TenantUsage;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status, Streaming};
@@ -92,6 +102,25 @@ pub struct EppOptions {
     pub fallbacks: usize,
 }
 
+/// What a picked request's response is judged against.
+#[derive(Clone, Debug)]
+struct Judging {
+    /// The chosen endpoint's matched blocks (the prefill endpoint's in P/D mode); `None` when the
+    /// rule has no KV contract (only the tenant's tokens are counted).
+    prediction: Option<Prediction>,
+    account: Option<Account>,
+}
+
+/// One stream's picked response as it is read.
+#[derive(Debug, Default)]
+struct Reading {
+    judging: Option<Judging>,
+    sse: bool,
+    tail: Tail,
+    /// The proxy reported another endpoint than the picked one as serving it.
+    served_elsewhere: bool,
+}
+
 /// The picker: the fleet, the shared tokenizers and its options.
 pub struct Picker {
     pub fleet: Arc<Fleet>,
@@ -108,15 +137,26 @@ impl Picker {
         api_key: Option<&[u8]>,
         endpoint: Option<Endpoint>,
     ) -> Verdict {
+        self.pick_judged(input, subset, api_key, endpoint).await.0
+    }
+
+    /// [`Picker::pick`], and what the response is judged against when the request was picked.
+    async fn pick_judged(
+        &self,
+        input: Input,
+        subset: Option<&[String]>,
+        api_key: Option<&[u8]>,
+        endpoint: Option<Endpoint>,
+    ) -> (Verdict, Option<Judging>) {
         let body = match input {
-            Input::TooLarge => return Verdict::Fail(EppFailure::BodyTooLarge),
+            Input::TooLarge => return (Verdict::Fail(EppFailure::BodyTooLarge), None),
             Input::NoBody => None,
             Input::Body(b) => Some(b),
         };
         let decision = self.decide(body.map(|b| (b, endpoint)), subset, api_key);
         match tokio::time::timeout(self.opts.timeout, decision).await {
             Ok(v) => v,
-            Err(_) => Verdict::Fail(EppFailure::Timeout),
+            Err(_) => (Verdict::Fail(EppFailure::Timeout), None),
         }
     }
 
@@ -125,9 +165,10 @@ impl Picker {
         body: Option<(bytes::Bytes, Option<Endpoint>)>,
         subset: Option<&[String]>,
         api_key: Option<&[u8]>,
-    ) -> Verdict {
+    ) -> (Verdict, Option<Judging>) {
+        let fail = |v: Verdict| (v, None);
         let Some(rule) = self.fleet.find(&self.opts.rule) else {
-            return Verdict::Fail(EppFailure::NoRule);
+            return fail(Verdict::Fail(EppFailure::NoRule));
         };
         let only: Option<Vec<bool>> = subset.map(|s| {
             let wanted: Vec<SocketAddr> = s.iter().filter_map(|a| a.parse().ok()).collect();
@@ -138,7 +179,7 @@ impl Picker {
                 .collect()
         });
         if only.as_ref().is_some_and(|o| !o.contains(&true)) {
-            return Verdict::SubsetUnavailable;
+            return fail(Verdict::SubsetUnavailable);
         }
         let t = match body {
             Some((b, endpoint)) => {
@@ -147,13 +188,13 @@ impl Picker {
                     Ok(t) => Some(t),
                     Err(e) => {
                         tracing::debug!(rule = %rule.spec.name(), "epp: {e}");
-                        return Verdict::Fail(match e {
+                        return fail(Verdict::Fail(match e {
                             KeyingError::NotConfigured | KeyingError::NoTokenizer(_) => {
                                 EppFailure::NoTokenizer
                             }
                             KeyingError::BadBody(_) => EppFailure::BadBody,
                             KeyingError::Failed(_) => EppFailure::Tokenize,
-                        });
+                        }));
                     }
                 }
             }
@@ -174,23 +215,39 @@ impl Picker {
             truncated: t.as_ref().and_then(|t| t.keyed.truncated),
         };
         match question::answer(&self.fleet, &rule, &ask, Instant::now()) {
-            Ok(a) => match a.response.decode_endpoint {
-                // Prefill/decode: the request goes to the decode endpoint, which pulls the KV
-                // from the prefill one (the fallbacks are prefill endpoints: none are listed).
-                Some(decode) => Verdict::PickPd {
-                    decode,
-                    prefill: a.response.endpoint,
-                },
-                None => {
-                    // The protocol's ordered list: the chosen endpoint, then fallbacks for retries.
-                    let mut list = vec![a.response.endpoint];
-                    list.extend(a.fallbacks);
-                    Verdict::Pick(list.join(","))
-                }
-            },
-            Err(RouteError::NoEndpoint) if only.is_some() => Verdict::SubsetUnavailable,
-            Err(RouteError::NoEndpoint) => Verdict::Fail(EppFailure::NoEndpoint),
-            Err(RouteError::TooManyKeys(_)) => Verdict::Fail(EppFailure::BadBody),
+            Ok(a) => {
+                let block_size = rule.spec.contract().map(|c| c.block_size.get());
+                let judging = Judging {
+                    prediction: match (block_size, a.response.endpoint.parse()) {
+                        (Some(bs), Ok(endpoint)) => Some(Prediction {
+                            blocks: a.response.matched_blocks,
+                            block_size: u32::try_from(bs).unwrap_or(u32::MAX),
+                            endpoint,
+                        }),
+                        _ => None,
+                    },
+                    account: affinity.as_deref().map(|k| Account::new(k, ask.model)),
+                };
+                let verdict = match a.response.decode_endpoint {
+                    // Prefill/decode: the request goes to the decode endpoint, which pulls the KV
+                    // from the prefill one (the fallbacks are prefill endpoints: none are listed).
+                    Some(decode) => Verdict::PickPd {
+                        decode,
+                        prefill: a.response.endpoint,
+                    },
+                    None => {
+                        // The protocol's ordered list: the chosen endpoint, then fallbacks for
+                        // retries.
+                        let mut list = vec![a.response.endpoint];
+                        list.extend(a.fallbacks);
+                        Verdict::Pick(list.join(","))
+                    }
+                };
+                (verdict, Some(judging))
+            }
+            Err(RouteError::NoEndpoint) if only.is_some() => fail(Verdict::SubsetUnavailable),
+            Err(RouteError::NoEndpoint) => fail(Verdict::Fail(EppFailure::NoEndpoint)),
+            Err(RouteError::TooManyKeys(_)) => fail(Verdict::Fail(EppFailure::BadBody)),
         }
     }
 
@@ -225,6 +282,7 @@ impl Picker {
     ) {
         let m = &self.fleet.metrics;
         let mut x = Exchange::new(self.opts.max_body);
+        let mut reading = Reading::default();
         loop {
             let msg = match inbound.next().await {
                 Some(Ok(msg)) => msg,
@@ -241,15 +299,18 @@ impl Picker {
                     true => EppServed::Picked,
                     false => EppServed::Other,
                 };
+                reading.served_elsewhere |= o == EppServed::Other;
                 m.epp_served(o).inc();
             }
+            self.read_response(&mut reading, &msg);
             let replies = match x.on_message(msg) {
                 Ok(Next::Reply(r)) => r,
                 Ok(Next::Decide(input)) => {
                     let start = Instant::now();
-                    let verdict = self
-                        .pick(input, x.subset.as_deref(), x.api_key.as_deref(), x.endpoint)
+                    let (verdict, judging) = self
+                        .pick_judged(input, x.subset.as_deref(), x.api_key.as_deref(), x.endpoint)
                         .await;
+                    reading.judging = judging;
                     if let Verdict::Fail(why) = &verdict {
                         m.epp_failure(*why).inc();
                     }
@@ -273,6 +334,75 @@ impl Picker {
             for r in replies {
                 if tx.send(Ok(r)).await.is_err() {
                     return;
+                }
+            }
+        }
+    }
+}
+
+impl Picker {
+    /// Reads a picked response's headers and body as they pass; at its end, judges its usage.
+    fn read_response(&self, r: &mut Reading, msg: &ProcessingRequest) {
+        use processing_request::Request as R;
+        if r.judging.is_none() {
+            return;
+        }
+        let end = match &msg.request {
+            Some(R::ResponseHeaders(h)) => {
+                r.sse = reply::header(h.headers.as_ref(), "content-type").is_some_and(|ct| {
+                    String::from_utf8_lossy(ct)
+                        .to_ascii_lowercase()
+                        .contains("text/event-stream")
+                });
+                h.end_of_stream
+            }
+            Some(R::ResponseBody(b)) => {
+                r.tail.push(&b.body);
+                b.end_of_stream
+            }
+            Some(R::ResponseTrailers(_)) => true,
+            _ => false,
+        };
+        if end {
+            if let Some(j) = r.judging.take() {
+                self.judge(&j, r);
+            }
+        }
+    }
+
+    fn judge(&self, j: &Judging, r: &Reading) {
+        let m = &self.fleet.metrics;
+        let Some(u) = usage::parse(r.tail.bytes(), r.sse) else {
+            m.epp_usage.with_label_values(&["missing"]).inc();
+            return;
+        };
+        m.epp_usage.with_label_values(&["parsed"]).inc();
+        let Some(rule) = self.fleet.find(&self.opts.rule) else {
+            return;
+        };
+        let prompt = u.hit_tokens.saturating_add(u.miss_tokens);
+        let tenant = j.account.as_ref().map(|a| TenantUsage {
+            tenant: a.tenant.clone(),
+            model: a.model.clone(),
+            requests: 1,
+            prompt_tokens: prompt,
+            cached_tokens: u.hit_tokens,
+        });
+        // Only a response the picked endpoint served says how good the prediction was.
+        let judged = j
+            .prediction
+            .filter(|_| !r.served_elsewhere)
+            .and_then(|p| Some((p, p.judge(&u)?)));
+        let now = Instant::now();
+        match judged {
+            Some((p, jd)) => {
+                let outcome = outcome_of(&p.endpoint.to_string(), &jd);
+                self.fleet
+                    .record_response(&rule, &outcome, tenant.as_ref(), now);
+            }
+            None => {
+                if let Some(t) = &tenant {
+                    self.fleet.record_tenants(&rule, std::slice::from_ref(t));
                 }
             }
         }
