@@ -740,3 +740,131 @@ async fn grpc_health_reports_liveness_and_readiness() {
         ServingStatus::NotServing as i32
     );
 }
+
+fn response_headers(content_type: &str) -> ProcessingRequest {
+    ProcessingRequest {
+        request: Some(processing_request::Request::ResponseHeaders(HttpHeaders {
+            headers: Some(HeaderMap {
+                headers: vec![HeaderValue {
+                    key: "content-type".into(),
+                    raw_value: content_type.as_bytes().to_vec(),
+                    ..HeaderValue::default()
+                }],
+            }),
+            ..HttpHeaders::default()
+        })),
+        ..ProcessingRequest::default()
+    }
+}
+
+fn response_body(b: &[u8], eos: bool) -> ProcessingRequest {
+    ProcessingRequest {
+        request: Some(processing_request::Request::ResponseBody(HttpBody {
+            body: b.to_vec(),
+            end_of_stream: eos,
+            ..HttpBody::default()
+        })),
+        ..ProcessingRequest::default()
+    }
+}
+
+/// With the response body streamed to it (`response_body_mode: STREAMED`), the picker reads each
+/// picked response's usage, JSON or SSE: the picked endpoint's outcomes are judged against the
+/// decision's matched blocks and the tenant's tokens are accounted, as the filter's reports
+/// would; every response message is passed on unchanged.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streamed_responses_are_judged_and_accounted_to_their_tenant() {
+    let p = Picker::start("epp-usage", json!([qwen_rule(true)]), true, &[]);
+    p.wait_ready().await;
+    let mut body: Value = serde_json::from_slice(&chat(&conversation("usage", 1))).unwrap();
+    body["user"] = json!("team-e");
+    let body = serde_json::to_vec(&body).unwrap();
+    let sse_usage = b"data: {\"choices\":[{\"delta\":{\"content\":\"x\"}}]}\n\n".to_vec();
+    let sse_end = b"data: {\"choices\":[],\"usage\":{\"prompt_tokens\":150,\"prompt_tokens_details\":{\"cached_tokens\":48}}}\n\ndata: [DONE]\n\n".to_vec();
+    let answers: [(&str, Vec<Vec<u8>>); 2] = [
+        (
+            "application/json",
+            vec![
+                br#"{"usage":{"prompt_tokens":150,"prompt_tokens_details":{"cached_tokens":0}}}"#
+                    .to_vec(),
+            ],
+        ),
+        ("text/event-stream", vec![sse_usage, sse_end]),
+    ];
+    let mut picked = Vec::new();
+    for (content_type, chunks) in &answers {
+        let mut x = p.open().await;
+        x.send(headers(BodySendMode::Buffered, &Req::new(&body)))
+            .await;
+        let mut seen = Seen::default();
+        assert!(!seen.take(x.recv().await));
+        x.send(self::body(&body, true)).await;
+        seen.take(x.recv().await);
+        picked.push(seen.pinned().expect("picked").to_owned());
+        x.send(response_headers(content_type)).await;
+        let r = x.recv().await;
+        assert!(
+            matches!(
+                r.response,
+                Some(processing_response::Response::ResponseHeaders(_))
+            ),
+            "{r:?}"
+        );
+        for (i, c) in chunks.iter().enumerate() {
+            x.send(response_body(c, i + 1 == chunks.len())).await;
+            let r = x.recv().await;
+            match r.response {
+                Some(processing_response::Response::ResponseBody(b)) => {
+                    assert!(
+                        b.response.unwrap_or_default().body_mutation.is_none(),
+                        "unchanged"
+                    )
+                }
+                other => panic!("{other:?}"),
+            }
+        }
+    }
+    // The second turn went where the first was credited, so both judge one endpoint.
+    assert_eq!(picked[0], picked[1]);
+    let h = p.svc.get_json("/healthz").await;
+    let ep = h["rules"][0]["endpoints"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|e| e["endpoint"] == picked[0].as_str())
+        .unwrap()
+        .clone();
+    let o = &ep["outcomes"];
+    assert_eq!(
+        (
+            o["judged"].as_u64(),
+            o["prompt_tokens"].as_u64(),
+            o["cached_tokens"].as_u64()
+        ),
+        (Some(2), Some(300), Some(48)),
+        "{ep}"
+    );
+    let r = p
+        .svc
+        .call(
+            reqwest::Method::GET,
+            "/v1/rules/1/tenants",
+            Some(common::TOKEN),
+        )
+        .await;
+    let t: Value = r.json().await.unwrap();
+    let t = &t["tenants"][0];
+    assert_eq!(
+        (
+            t["tenant"].as_str(),
+            t["requests"].as_u64(),
+            t["prompt_tokens"].as_u64(),
+            t["cached_tokens"].as_u64()
+        ),
+        (Some("user:team-e"), Some(2), Some(300), Some(48)),
+        "{t}"
+    );
+    p.svc
+        .assert_metrics("kvroute_epp_usage_total{outcome=\"parsed\"} 2")
+        .await;
+}

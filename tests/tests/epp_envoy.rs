@@ -7,7 +7,8 @@
 //! follow-ups stay there; the body arrives byte for byte; a client-sent
 //! `x-gateway-destination-endpoint` never reaches an engine; a killed engine falls back to the
 //! listed fallback (and the proxy's served-endpoint report says so); a hung or killed picker
-//! fails open within the ext_proc message timeout.
+//! fails open within the ext_proc message timeout; with the response body streamed to it, the
+//! picker reads the engines' usage into outcomes and tenant accounts.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::process::Command;
@@ -244,4 +245,92 @@ async fn a_hung_or_killed_picker_fails_open_within_the_message_timeout() {
     // Unpinned requests are balanced over both engines (round robin).
     assert!(served.iter().any(|e| e == "engine-a"), "{served:?}");
     assert!(served.iter().any(|e| e == "engine-b"), "{served:?}");
+}
+
+/// With `response_body_mode: STREAMED`, Envoy streams each response through the picker, which
+/// reads its usage (JSON and SSE): the picked engine's outcomes and the tenant's tokens, while the
+/// client gets every response unchanged.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streamed_responses_report_the_engines_reuse_to_the_picker() {
+    let mut body: serde_json::Value = serde_json::from_slice(&chat("usage", 1)).unwrap();
+    body["user"] = json!("team-u");
+    let body = serde_json::to_vec(&body).unwrap();
+    let a = Engine::start("engine-a").await.unwrap();
+    let b = Engine::start("engine-b").await.unwrap();
+    let tokens = harness::prompt_tokens(&body).unwrap();
+    let blocks = tokens.len() / envoy::BLOCK;
+    b.store_blocks(&tokens);
+    let inv = Inventory::start_with_epp(&["--epp-timeout-ms", "8000"])
+        .await
+        .unwrap();
+    let rule = inv.add_rule(&[&a, &b]).await.unwrap();
+    inv.wait_for_blocks(rule, 1, blocks).await.unwrap();
+    inv.wait_for_epp_ready().await.unwrap();
+    let mut config = envoy::epp_bootstrap(&envoy::EppBootstrap {
+        engines: &[&a, &b],
+        epp: inv.epp.unwrap(),
+        message_timeout: Duration::from_secs(10),
+        body_mode: "FULL_DUPLEX_STREAMED",
+    });
+    let filters = &mut config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+        ["typed_config"]["http_filters"];
+    let ext_proc = filters
+        .as_array_mut()
+        .unwrap()
+        .iter_mut()
+        .find(|f| f["name"] == "envoy.filters.http.ext_proc")
+        .unwrap();
+    ext_proc["typed_config"]["processing_mode"]["response_body_mode"] = json!("STREAMED");
+    let gw = Gateway::on(harness::Envoy::start(&config).await.unwrap()).unwrap();
+
+    let cached = blocks * envoy::BLOCK;
+    let usage = format!("{},{cached}", tokens.len());
+    let r = gw
+        .post(
+            "/v1/chat/completions",
+            body.clone(),
+            &[(envoy::USAGE_HEADER, &usage)],
+        )
+        .await
+        .unwrap();
+    assert_eq!(r.headers()[BACKEND_HEADER], "engine-b");
+    let answer: serde_json::Value = r.json().await.unwrap();
+    assert_eq!(
+        answer["usage"]["prompt_tokens"],
+        tokens.len(),
+        "unchanged: {answer}"
+    );
+    let r = gw
+        .post(
+            "/v1/chat/completions",
+            body.clone(),
+            &[(envoy::SSE_HEADER, "1")],
+        )
+        .await
+        .unwrap();
+    assert_eq!(r.headers()[BACKEND_HEADER], "engine-b");
+    let sse = r.text().await.unwrap();
+    assert!(sse.ends_with("data: [DONE]\n\n"), "unchanged: {sse}");
+
+    let m = metrics(&inv).await;
+    assert_eq!(
+        metric(&m, "kvroute_epp_usage_total{outcome=\"parsed\"}"),
+        2.0,
+        "{m}"
+    );
+    let h: serde_json::Value = reqwest::get(format!("http://{}/healthz", inv.addr))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let o = &h["rules"][0]["endpoints"][1]["outcomes"];
+    assert_eq!(o["judged"], 2, "{h}");
+    assert_eq!(o["cached_tokens"], cached as u64 + 32, "{h}");
+    let t = inv.tenants(&rule.to_string()).await.unwrap();
+    let t = &t["tenants"][0];
+    assert_eq!(t["tenant"], "user:team-u", "{t}");
+    assert_eq!(t["requests"], 2, "{t}");
+    assert_eq!(t["prompt_tokens"], tokens.len() as u64 + 40, "{t}");
+    assert_eq!(t["cached_tokens"], cached as u64 + 32, "{t}");
 }
