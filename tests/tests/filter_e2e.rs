@@ -436,18 +436,21 @@ async fn an_engine_that_reuses_nothing_of_its_predicted_prefix_shows_as_divergen
     );
     // No `user` and no API key: the tenant is the client's address.
     let prompt: u64 = prompt.parse().unwrap();
-    let tenant = Poll::new("every response accounted to its tenant", Duration::from_secs(20))
-        .every(Duration::from_millis(100))
-        .until(async || {
-            let v = inv.tenants("10.0.0.1:8080").await?;
-            let t = v["tenants"][0].clone();
-            Ok(match t["requests"] == sent {
-                true => Probe::Ready(t),
-                false => Probe::Pending(v.to_string()),
-            })
+    let tenant = Poll::new(
+        "every response accounted to its tenant",
+        Duration::from_secs(20),
+    )
+    .every(Duration::from_millis(100))
+    .until(async || {
+        let v = inv.tenants("10.0.0.1:8080").await?;
+        let t = v["tenants"][0].clone();
+        Ok(match t["requests"] == sent {
+            true => Probe::Ready(t),
+            false => Probe::Pending(v.to_string()),
         })
-        .await
-        .unwrap();
+    })
+    .await
+    .unwrap();
     assert_eq!(tenant["tenant"], "ip:127.0.0.1", "{tenant}");
     assert_eq!(tenant["prompt_tokens"], prompt * sent, "{tenant}");
     assert_eq!(tenant["cached_tokens"], 0, "{tenant}");
