@@ -17,7 +17,9 @@
 //! input stays the host's; the output buffer is leaked (a test-only export, called a bounded
 //! number of times per VM).
 
-use kvroute_core::hash::{BlockKey, BlockSize, ExtraKeys, HashAlgo, HashContract, HashError};
+use kvroute_core::hash::{
+    BlockKey, BlockSize, ExtraKeys, ExtraKeysLayout, HashAlgo, HashContract, HashError,
+};
 use serde::{Deserialize, Serialize};
 
 /// A `kvroute_test_keys` request.
@@ -30,6 +32,9 @@ pub struct KeysRequest {
     pub seed: Option<String>,
     #[serde(default)]
     pub extra: Option<ExtraKeys>,
+    /// vLLM's extra-keys layout, `tagged` (default) or `flat`.
+    #[serde(default)]
+    pub extra_layout: ExtraKeysLayout,
     pub tokens: Vec<u32>,
 }
 
@@ -47,7 +52,7 @@ pub enum TestKeysError {
     #[error(
         "request must be JSON {{\"algo\": one of sha256_cbor|xxhash_cbor|sha256_sglang|blockhash_trtllm|tokens, \
          \"block_size\": integer >= 1, \"seed\": string|null, \"extra\": {{\"lora\": [name, path]|null, \
-         \"lora_task_id\": integer|null, \"cache_salt\": string|null}}|null, \"tokens\": [u32...]}}: {0}"
+         \"lora_task_id\": integer|null, \"cache_salt\": string|null}}|null, \"extra_layout\": tagged|flat|null, \"tokens\": [u32...]}}: {0}"
     )]
     BadRequest(#[from] serde_json::Error),
     #[error(transparent)]
@@ -61,6 +66,7 @@ pub fn compute(input: &[u8]) -> Result<Vec<BlockKey>, TestKeysError> {
         algo: req.algo,
         block_size: req.block_size,
         seed: req.seed,
+        extra_layout: req.extra_layout,
     };
     Ok(contract.keys(&req.tokens, &req.extra.unwrap_or_default())?)
 }
@@ -108,6 +114,7 @@ pub fn bench(algo: u32, n_tokens: u32, reps: u32) -> u64 {
         algo,
         block_size: bs,
         seed: Some("0".into()),
+        extra_layout: ExtraKeysLayout::Tagged,
     };
     let tokens: Vec<u32> = (0..n_tokens)
         .map(|i| i.wrapping_mul(2_654_435_761) % 151_643)

@@ -224,6 +224,8 @@ fn kv_contract_follows_engine_seed_and_key_mode() {
 #[case::key_mode_default(json!({}), "kvKeyMode", json!("engine"))]
 #[case::key_mode_tokens(json!({"kvKeyMode": "tokens"}), "kvKeyMode", json!("tokens"))]
 #[case::model(json!({"kvModel": "Qwen/Qwen3-0.6B"}), "kvModel", json!("Qwen/Qwen3-0.6B"))]
+#[case::extra_keys_flat(json!({"kvVllmExtraKeys": "flat"}), "kvVllmExtraKeys", json!("flat"))]
+#[case::extra_keys_tagged_is_the_default(json!({"kvVllmExtraKeys": "tagged"}), "kvVllmExtraKeys", Value::Null)]
 #[case::replay_min(json!({"kvReplayPort": 1}), "kvReplayPort", json!(1))]
 #[case::replay_max(json!({"kvReplayPort": 65535}), "kvReplayPort", json!(65535))]
 #[case::protocol_tcp(json!({"protocol": "tcp"}), "protocol", json!("tcp"))]
@@ -303,6 +305,14 @@ fn accepted(#[case] patch: Value, #[case] field: &str, #[case] want: Value) {
 #[case::sel_n3(json!({"sel": 6}), format!("sel: got 6, allowed: {SEL}"))]
 #[case::sel_negative(json!({"sel": -1}), format!("sel: got -1, allowed: {SEL}"))]
 #[case::key_mode(json!({"kvKeyMode": "content"}), "kvKeyMode: got \"content\", allowed: engine, tokens".into())]
+#[case::extra_keys_unknown(
+    json!({"kvVllmExtraKeys": "v2"}),
+    "kvVllmExtraKeys: got \"v2\", allowed: tagged (vLLM 0.31 and later), flat (vLLM before 0.31)".into()
+)]
+#[case::extra_keys_sglang(
+    json!({"kvEngineType": "sglang", "kvVllmExtraKeys": "flat"}),
+    "kvVllmExtraKeys: got \"flat\", allowed: absent (vLLM's extra-keys layout; kvEngineType is sglang)".into()
+)]
 #[case::model_escape(
     json!({"kvModel": "../secrets"}),
     "kvModel: got \"../secrets\", allowed: a served model name usable as one directory name \

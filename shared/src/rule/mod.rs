@@ -33,7 +33,7 @@ use std::net::{IpAddr, SocketAddr};
 
 use serde::{Serialize, Serializer};
 
-use crate::hash::{BlockSize, Engine, HashAlgo, HashContract};
+use crate::hash::{BlockSize, Engine, ExtraKeysLayout, HashAlgo, HashContract};
 use crate::settings::Settings;
 use crate::slug::ModelSlug;
 
@@ -609,6 +609,8 @@ impl Rule {
             args.kv_dp_rank_count = Some(i64::from(kv.dp_rank_count));
             args.kv_key_mode = Some(kv.key_mode.as_str().to_owned());
             args.kv_model = kv.model.as_ref().map(|m| m.name().to_owned());
+            args.kv_vllm_extra_keys = (kv.contract.extra_layout != ExtraKeysLayout::Tagged)
+                .then(|| kv.contract.extra_layout.as_str().to_owned());
             args.kv_replay_port = kv.replay_port.map(i64::from);
             args.kv_zmq_bind = kv.zmq_bind.then_some(true);
         }

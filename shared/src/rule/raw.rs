@@ -81,6 +81,10 @@ pub struct RawServiceArguments {
     /// kvroute: served model name, used to find the tokenizer directory (see [`crate::slug`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub kv_model: Option<String>,
+    /// kvroute, vLLM only: how the engine writes a block's extra keys (LoRA, cache salt) into
+    /// its hash: `tagged` (vLLM 0.31 and later, the default) or `flat` (before 0.31).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_vllm_extra_keys: Option<String>,
     /// kvroute: vLLM `replay_endpoint` ROUTER port.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub kv_replay_port: Option<i64>,

@@ -14,7 +14,9 @@ use super::{
     DEFAULT_KV_BLOCK_SIZE, DEFAULT_KV_DP_RANK_COUNT, DEFAULT_KV_WARMUP_SEC, DEFAULT_KV_ZMQ_PORT,
     DEFAULT_WEIGHT, MAX_ENDPOINTS, MAX_KV_BLOCK_SIZE, MAX_KV_DP_RANK_COUNT, MAX_WEIGHT, MISSING,
 };
-use crate::hash::{BlockSize, Engine, HashAlgo, HashContract, HashError, DEFAULT_NONE_HASH_SEED};
+use crate::hash::{
+    BlockSize, Engine, ExtraKeysLayout, HashAlgo, HashContract, HashError, DEFAULT_NONE_HASH_SEED,
+};
 use crate::settings::{Settings, NONE_HASH_SEED_VAR};
 use crate::slug::ModelSlug;
 
@@ -217,6 +219,7 @@ fn reject_kv_fields(c: &mut Collector, a: &RawServiceArguments) {
         ("kvHashAlgo", a.kv_hash_algo.as_deref()),
         ("kvKeyMode", a.kv_key_mode.as_deref()),
         ("kvModel", a.kv_model.as_deref()),
+        ("kvVllmExtraKeys", a.kv_vllm_extra_keys.as_deref()),
     ];
     for (field, v) in ints {
         if let Some(v) = v {
@@ -305,6 +308,31 @@ fn kv_config(
         }
     };
     let mut algo = hash_algo(c, a.kv_hash_algo.as_deref(), engine);
+    let extra_layout = match (a.kv_vllm_extra_keys.as_deref(), engine) {
+        (None, _) => Some(ExtraKeysLayout::Tagged),
+        (Some(s), Some(Engine::Vllm)) => {
+            let parsed = ExtraKeysLayout::parse(s);
+            if parsed.is_none() {
+                c.push(
+                    "kvVllmExtraKeys",
+                    quoted(s),
+                    "tagged (vLLM 0.31 and later), flat (vLLM before 0.31)",
+                );
+            }
+            parsed
+        }
+        (Some(s), e) => {
+            c.push(
+                "kvVllmExtraKeys",
+                quoted(s),
+                format!(
+                    "absent (vLLM's extra-keys layout; kvEngineType is {})",
+                    e.map_or("not a known engine", |e| e.as_str())
+                ),
+            );
+            None
+        }
+    };
     // Only engine-key mode must reproduce the engine's keys; tokens mode never computes them.
     if algo == Some(HashAlgo::XxhashCbor)
         && key_mode == Some(KeyMode::Engine)
@@ -414,6 +442,7 @@ fn kv_config(
         Some(replay_port),
         Some(model),
         Some(zmq_bind),
+        Some(extra_layout),
     ) = (
         block_size,
         algo,
@@ -424,6 +453,7 @@ fn kv_config(
         replay_port,
         model,
         zmq_bind,
+        extra_layout,
     )
     else {
         return None;
@@ -443,6 +473,7 @@ fn kv_config(
                 algo: engine_algo,
                 block_size,
                 seed: seed.map(str::to_owned),
+                extra_layout,
             }
         }
     };

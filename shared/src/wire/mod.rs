@@ -19,7 +19,7 @@ pub mod binary;
 
 use serde::{Deserialize, Serialize};
 
-use crate::hash::{BlockKey, BlockSize, HashAlgo, HashContract};
+use crate::hash::{BlockKey, BlockSize, ExtraKeysLayout, HashAlgo, HashContract};
 
 /// A rule's hash contract: what the filter needs to compute the rule's block keys.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -49,6 +49,10 @@ pub struct RuleContract {
     pub key_mode: String,
     #[serde(default)]
     pub model: Option<String>,
+    /// vLLM's extra-keys layout (`kvVllmExtraKeys`): `flat`; absent for `tagged` (and from
+    /// services that predate the field).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub extra_keys: Option<String>,
     #[serde(default)]
     #[cfg_attr(feature = "openapi", schema(required = true))]
     pub kv_exact_mode: u8,
@@ -84,6 +88,8 @@ pub enum ContractError {
     Algo(Option<String>),
     #[error("contract key_mode: got {0:?}, allowed engine|tokens")]
     KeyMode(String),
+    #[error("contract extra_keys: got {0:?}, allowed tagged|flat")]
+    ExtraKeys(String),
 }
 
 impl RuleContract {
@@ -116,10 +122,17 @@ impl RuleContract {
                 .ok_or_else(|| ContractError::Algo(self.algo.clone()))?,
             other => return Err(ContractError::KeyMode(other.to_owned())),
         };
+        let extra_layout = match self.extra_keys.as_deref() {
+            None => ExtraKeysLayout::Tagged,
+            Some(s) => {
+                ExtraKeysLayout::parse(s).ok_or_else(|| ContractError::ExtraKeys(s.to_owned()))?
+            }
+        };
         Ok(Some(HashContract {
             algo,
             block_size,
             seed: self.seed.clone(),
+            extra_layout,
         }))
     }
 }
