@@ -308,6 +308,12 @@ fn contract_json(r: &RuleRuntime) -> RuleContract {
         block_size: r.spec.block_size,
         key_mode: r.spec.key_mode.as_str().into(),
         model: r.spec.model.clone(),
+        extra_keys: r
+            .spec
+            .contract()
+            .map(|c| c.extra_layout)
+            .filter(|l| *l != kvroute_core::hash::ExtraKeysLayout::Tagged)
+            .map(|l| l.as_str().to_owned()),
         kv_exact_mode: r.spec.exact_mode.code(),
         kv_enabled: r.spec.kv_enabled(),
         route_content_types: vec![

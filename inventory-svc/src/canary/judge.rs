@@ -17,6 +17,9 @@ pub struct Expected {
     pub keys: Vec<BlockKey>,
     /// The salted probe: its keys without the salt (an engine ignoring the salt publishes these).
     pub unsalted: Option<Vec<BlockKey>>,
+    /// The salted probe on vLLM: its keys under the other extra-keys layout, and that layout's
+    /// `kvVllmExtraKeys` name.
+    pub other_layout: Option<(Vec<BlockKey>, &'static str)>,
 }
 
 /// What the engine answered (`usage`).
@@ -55,6 +58,8 @@ pub enum Finding {
         lora: bool,
         /// The engine's first key is the prompt's unsalted one.
         salt_ignored: bool,
+        /// The engine's first key is the prompt's under this `kvVllmExtraKeys` layout.
+        layout: Option<&'static str>,
     },
     NoEvent,
 }
@@ -107,16 +112,21 @@ pub fn find(
                 if tokens_mode {
                     return Finding::Match;
                 }
-                let salt_ignored = s.parent.is_none()
-                    && exp
-                        .unsalted
-                        .as_ref()
-                        .and_then(|u| u.first())
-                        .is_some_and(|k| s.block_hashes.first() == Some(&k.0));
+                let first = |keys: &[BlockKey]| {
+                    s.parent.is_none()
+                        && keys
+                            .first()
+                            .is_some_and(|k| s.block_hashes.first() == Some(&k.0))
+                };
                 return Finding::Keys {
                     report,
                     lora: s.has_lora,
-                    salt_ignored,
+                    salt_ignored: exp.unsalted.as_deref().is_some_and(first),
+                    layout: exp
+                        .other_layout
+                        .as_ref()
+                        .filter(|(keys, _)| first(keys))
+                        .map(|(_, name)| *name),
                 };
             }
             None if s.parent.is_none() => {
@@ -226,11 +236,16 @@ pub fn verdict(
             return (leg, msg);
         }
     }
-    if let Some(Finding::Keys { salt_ignored, .. }) = get(Probe::Salted) {
-        let how = if *salt_ignored {
-            "the engine ignores cache_salt (its keys are the unsalted ones): an engine without cache_salt support shares cache across salts; salted requests are never predicted to hit"
-        } else {
-            "the engine mixes cache_salt into its keys differently from kvroute"
+    if let Some(Finding::Keys {
+        salt_ignored,
+        layout,
+        ..
+    }) = get(Probe::Salted)
+    {
+        let how = match (salt_ignored, layout) {
+            (true, _) => "the engine ignores cache_salt (its keys are the unsalted ones): an engine without cache_salt support shares cache across salts; salted requests are never predicted to hit".to_owned(),
+            (false, Some(l)) => format!("the engine writes its extra keys in the other layout: they match with kvVllmExtraKeys \"{l}\" (flat: vLLM before 0.31; tagged: 0.31 and later)"),
+            (false, None) => "the engine mixes cache_salt into its keys differently from kvroute".to_owned(),
         };
         return (
             Leg::CacheSalt,
@@ -309,6 +324,7 @@ mod tests {
             tokens,
             keys,
             unsalted: None,
+            other_layout: None,
         }
     }
 
@@ -433,11 +449,20 @@ mod tests {
                 },
             )
             .unwrap();
+        let salt = ExtraKeys {
+            cache_salt: Some("s".into()),
+            ..ExtraKeys::default()
+        };
+        let flat = HashContract {
+            extra_layout: kvroute_core::hash::ExtraKeysLayout::Flat,
+            ..c.clone()
+        };
         let exp = Expected {
             probe: Probe::Salted,
             tokens: tokens.clone(),
             keys: salted,
             unsalted: Some(c.keys(&tokens, &ExtraKeys::default()).unwrap()),
+            other_layout: Some((flat.keys(&tokens, &salt).unwrap(), "flat")),
         };
         let a = answer(tokens.len());
         let f = |s: Stored| find(E, &c, false, &exp, &a, &[s], &decode);
@@ -468,11 +493,27 @@ mod tests {
                 other,
                 Finding::Keys {
                     salt_ignored: false,
+                    layout: None,
                     ..
                 }
             ),
             "{other:?}"
         );
+        // vLLM before 0.31: the same salt, flat.
+        let old = f(stored(&flat, &tokens, Some("s")));
+        assert!(
+            matches!(
+                old,
+                Finding::Keys {
+                    layout: Some("flat"),
+                    ..
+                }
+            ),
+            "{old:?}"
+        );
+        let (leg, msg) = verdict(&[(Probe::Salted, Some(&old))], None);
+        assert_eq!(leg, Leg::CacheSalt);
+        assert!(msg.contains("kvVllmExtraKeys \"flat\""), "{msg}");
     }
 
     #[test]

@@ -30,7 +30,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvroute_core::hash::{Engine, ExtraKeys};
+use kvroute_core::hash::{Engine, ExtraKeys, HashAlgo, HashContract};
 use kvroute_core::prompt::{Endpoint, Request};
 use kvroute_core::rule::KeyMode;
 use serde_json::{json, Value};
@@ -181,7 +181,7 @@ fn bodies(model: &str, nonce: &str) -> Vec<(Probe, Endpoint, Value)> {
 /// kvroute's tokens and keys for each body, as the data plane computes them.
 fn expect(
     loaded: &Loaded,
-    contract: &kvroute_core::hash::HashContract,
+    contract: &HashContract,
     max_tokens: usize,
     bodies: &[(Probe, Endpoint, Value)],
 ) -> Result<Vec<Expected>, String> {
@@ -196,19 +196,33 @@ fn expect(
                 ..ExtraKeys::default()
             };
             let keys = contract.keys(&tokens, &extra).map_err(|e| e.to_string())?;
-            let unsalted = match req.cache_salt {
-                Some(_) => Some(
-                    contract
+            let (unsalted, other_layout) = match req.cache_salt {
+                Some(_) => {
+                    let unsalted = contract
                         .keys(&tokens, &ExtraKeys::default())
-                        .map_err(|e| e.to_string())?,
-                ),
-                None => None,
+                        .map_err(|e| e.to_string())?;
+                    let other = match contract.algo {
+                        HashAlgo::Sha256Cbor | HashAlgo::XxhashCbor => {
+                            let layout = contract.extra_layout.other();
+                            let c = HashContract {
+                                extra_layout: layout,
+                                ..contract.clone()
+                            };
+                            let keys = c.keys(&tokens, &extra).map_err(|e| e.to_string())?;
+                            Some((keys, layout.as_str()))
+                        }
+                        _ => None,
+                    };
+                    (Some(unsalted), other)
+                }
+                None => (None, None),
             };
             Ok(Expected {
                 probe: *probe,
                 tokens,
                 keys,
                 unsalted,
+                other_layout,
             })
         })
         .collect()

@@ -14,11 +14,13 @@ mod events;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use kvroute_core::hash::{BlockKey, BlockSize, Engine, ExtraKeys, HashAlgo, HashContract};
+use kvroute_core::hash::{
+    BlockKey, BlockSize, Engine, ExtraKeys, ExtraKeysLayout, HashAlgo, HashContract,
+};
 use serde_json::{json, Value};
 
 /// Usage line printed with `--help`.
-pub const USAGE: &str = "usage: kvroute-inventory hash --engine vllm|sglang|trtllm [--algo A] [--seed S] [--cache-salt S] \
+pub const USAGE: &str = "usage: kvroute-inventory hash --engine vllm|sglang|trtllm [--algo A] [--seed S] [--cache-salt S] [--extra-keys tagged|flat] \
 --block-size N (--tokens 1,2,3 | --text T --tokenizer DIR | --chat FILE.json --tokenizer DIR) \
 [--events tcp://HOST:PORT | --events-bind tcp://IP:PORT] [--wait-ms N (default 60000)]";
 
@@ -83,6 +85,7 @@ fn parse(args: &[String]) -> Result<Args, String> {
     let mut algo = None;
     let mut seed = None;
     let mut salt = None;
+    let mut extra_keys = None;
     let mut block_size = None;
     let mut tokens = None;
     let mut text = None;
@@ -103,6 +106,7 @@ fn parse(args: &[String]) -> Result<Args, String> {
             "--algo" => algo = Some(value()?),
             "--seed" => seed = Some(value()?),
             "--cache-salt" => salt = Some(value()?),
+            "--extra-keys" => extra_keys = Some(value()?),
             "--block-size" => block_size = Some(value()?),
             "--tokens" => tokens = Some(value()?),
             "--text" => text = Some(value()?),
@@ -163,10 +167,17 @@ fn parse(args: &[String]) -> Result<Args, String> {
                 .into(),
         ),
     };
+    let extra_layout = match extra_keys.as_deref() {
+        None => ExtraKeysLayout::Tagged,
+        Some(s) => ExtraKeysLayout::parse(s).ok_or_else(|| {
+            format!("--extra-keys {s:?}: allowed tagged (vLLM 0.31 and later), flat (before 0.31)")
+        })?,
+    };
     let contract = HashContract {
         algo,
         block_size,
         seed,
+        extra_layout,
     };
     let wait = match wait_ms {
         None => Duration::from_millis(DEFAULT_WAIT_MS),
