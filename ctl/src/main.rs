@@ -176,6 +176,9 @@ struct CreateLb {
     /// kvModel.
     #[arg(long)]
     kv_model: Option<String>,
+    /// kvVllmExtraKeys: tagged (vLLM 0.31 and later) | flat (before 0.31).
+    #[arg(long)]
+    kv_vllm_extra_keys: Option<String>,
     /// kvReplayPort.
     #[arg(long)]
     kv_replay_port: Option<String>,
@@ -602,6 +605,7 @@ fn build_rules(a: &CreateLb) -> Res<Vec<RawRule>> {
                 kv_dp_rank_count: int("--kv-dp-ranks", &a.kv_dp_ranks)?,
                 kv_key_mode: a.kv_key_mode.clone(),
                 kv_model: a.kv_model.clone(),
+                kv_vllm_extra_keys: a.kv_vllm_extra_keys.clone(),
                 kv_replay_port: int("--kv-replay-port", &a.kv_replay_port)?,
                 kv_zmq_bind: a.kv_zmq_bind.then_some(true),
             },
