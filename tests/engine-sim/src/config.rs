@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::Parser;
-use kvroute_core::hash::{BlockSize, Engine, HashAlgo, HashContract};
+use kvroute_core::hash::{BlockSize, Engine, ExtraKeysLayout, HashAlgo, HashContract};
 
 /// Flags, as typed.
 #[derive(Parser, Debug, Clone)]
@@ -82,6 +82,10 @@ pub struct SimArgs {
     /// requests get the unsalted keys and share their cache.
     #[arg(long)]
     pub ignore_cache_salt: bool,
+    /// vLLM: how block extra keys (LoRA, cache salt) enter the hash: tagged (vLLM 0.31 and
+    /// later) or flat (before 0.31).
+    #[arg(long, default_value = "tagged")]
+    pub extra_keys: String,
 }
 
 /// Why flags are invalid; each message names the flag, the value and what is allowed.
@@ -127,6 +131,9 @@ pub enum ConfigError {
         /// Ranks.
         ranks: u32,
     },
+    /// `--extra-keys` not a layout.
+    #[error("--extra-keys {0:?} is not a layout; allowed: tagged, flat")]
+    ExtraKeys(String),
     /// `--lora-adapter` malformed or given for another engine.
     #[error("--lora-adapter {0:?}: give NAME=PATH, with --engine vllm")]
     Lora(String),
@@ -204,6 +211,8 @@ impl TryFrom<SimArgs> for SimConfig {
             BlockSize::new(a.block_size).ok_or(ConfigError::Zero { flag: "block-size" })?;
         let mut contract = HashContract::new(algo, block_size);
         contract.seed = a.seed.clone();
+        contract.extra_layout = ExtraKeysLayout::parse(&a.extra_keys)
+            .ok_or_else(|| ConfigError::ExtraKeys(a.extra_keys.clone()))?;
         contract
             .hasher(&Default::default())
             .map_err(|e| ConfigError::Contract(e.to_string()))?;
@@ -322,6 +331,17 @@ mod tests {
         assert_eq!(
             parse(&["--lora-adapter", "a=/p"]).unwrap().lora,
             Some(("a".into(), "/p".into()))
+        );
+        assert_eq!(
+            parse(&["--extra-keys", "flat"])
+                .unwrap()
+                .contract
+                .extra_layout,
+            ExtraKeysLayout::Flat
+        );
+        assert_eq!(
+            parse(&["--extra-keys", "x"]).unwrap_err(),
+            ConfigError::ExtraKeys("x".into())
         );
         for bad in [
             &["--lora-adapter", "a"][..],
