@@ -1,7 +1,8 @@
 //! The parity canary against engine simulators each configured with one mismatch: a wrong
-//! tokenizer, a wrong chat template, a wrong block size, a wrong seed, a LoRA adapter and an
-//! engine that ignores `cache_salt` are each named in `/healthz`, `/metrics` and `kvroutectl
-//! health`, and the correctly configured engine reports healthy with the reuse it predicted.
+//! tokenizer, a wrong chat template, a wrong block size, a wrong seed, a LoRA adapter, an engine
+//! that ignores `cache_salt` and one that writes it in vLLM's pre-0.31 flat layout are each named
+//! in `/healthz`, `/metrics` and `kvroutectl health`, and the correctly configured engines (the
+//! flat one with `kvVllmExtraKeys: flat`) report healthy with the reuse they predicted.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::net::SocketAddr;
@@ -24,58 +25,46 @@ struct Case {
     /// Where the simulator's tokenizer comes from (the true one when `None`).
     tokenizer: Option<&'static str>,
     model: &'static str,
+    /// The rule's `kvVllmExtraKeys` (absent: tagged).
+    extra_keys: Option<&'static str>,
+}
+
+fn case(leg: &'static str, sim_args: &[&str]) -> Case {
+    Case {
+        leg,
+        sim_args: sim_args.iter().map(|s| s.to_string()).collect(),
+        tokenizer: None,
+        model: MODEL,
+        extra_keys: None,
+    }
 }
 
 fn cases() -> Vec<Case> {
-    let args = |a: &[&str]| a.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+    let seeded = ["--seed", "0"];
+    let lora = format!("{LORA}=/adapters/{LORA}");
     vec![
+        case("healthy", &seeded),
         Case {
-            leg: "healthy",
-            sim_args: args(&["--seed", "0"]),
-            tokenizer: None,
-            model: MODEL,
-        },
-        Case {
-            leg: "tokenizer",
-            sim_args: args(&["--seed", "0"]),
             tokenizer: Some("swapped-vocab"),
-            model: MODEL,
+            ..case("tokenizer", &seeded)
         },
         Case {
-            leg: "chat_template",
-            sim_args: args(&["--seed", "0"]),
             tokenizer: Some("other-template"),
-            model: MODEL,
+            ..case("chat_template", &seeded)
         },
-        Case {
-            leg: "block_size",
-            sim_args: args(&["--seed", "0", "--block-size", "32"]),
-            tokenizer: None,
-            model: MODEL,
-        },
+        case("block_size", &["--seed", "0", "--block-size", "32"]),
         // No --seed: vLLM's default NONE_HASH seed, while the service's is "0".
+        case("seed", &[]),
         Case {
-            leg: "seed",
-            sim_args: Vec::new(),
-            tokenizer: None,
-            model: MODEL,
-        },
-        Case {
-            leg: "lora",
-            sim_args: args(&[
-                "--seed",
-                "0",
-                "--lora-adapter",
-                &format!("{LORA}=/adapters/{LORA}"),
-            ]),
-            tokenizer: None,
             model: LORA,
+            ..case("lora", &["--seed", "0", "--lora-adapter", &lora])
         },
+        case("cache_salt", &["--seed", "0", "--ignore-cache-salt"]),
+        // vLLM before 0.31 writes the salt flat: named, and healthy once the rule says so.
+        case("cache_salt", &["--seed", "0", "--extra-keys", "flat"]),
         Case {
-            leg: "cache_salt",
-            sim_args: args(&["--seed", "0", "--ignore-cache-salt"]),
-            tokenizer: None,
-            model: MODEL,
+            extra_keys: Some("flat"),
+            ..case("healthy", &["--seed", "0", "--extra-keys", "flat"])
         },
     ]
 }
@@ -123,12 +112,13 @@ struct Sim {
 }
 
 /// Starts the simulator of `case`; returns its event port and its process.
-fn spawn_sim(case: &Case, dir: &TempDir) -> (u16, ChildGuard) {
+fn spawn_sim(i: usize, case: &Case, dir: &TempDir) -> (u16, ChildGuard) {
     let tokenizer = match case.tokenizer {
         None => harness::tokenizer_dir().unwrap(),
         Some(name) => dir.path().join(name),
     };
     let zmq = free_port().unwrap();
+    let name = format!("{i}-{}", case.leg);
     let mut cmd = Command::new(harness::built_bin("kvroute-engine-sim").unwrap());
     cmd.args([
         "--listen",
@@ -144,13 +134,13 @@ fn spawn_sim(case: &Case, dir: &TempDir) -> (u16, ChildGuard) {
         "--model",
         case.model,
         "--name",
-        case.leg,
+        &name,
     ])
     .arg("--tokenizer-dir")
     .arg(tokenizer)
     .args(&case.sim_args);
-    let log = dir.path().join(format!("sim-{}.log", case.leg));
-    (zmq, ChildGuard::spawn(case.leg, cmd, &log).unwrap())
+    let log = dir.path().join(format!("sim-{name}.log"));
+    (zmq, ChildGuard::spawn(&name, cmd, &log).unwrap())
 }
 
 fn stage(dir: &Path, slug: &str) {
@@ -179,7 +169,11 @@ async fn each_mismatch_is_named_and_the_right_configuration_is_healthy() {
     other_template(&dir.path().join("other-template"));
     let cases = cases();
     // Started together: each loads the tokenizer on its own.
-    let mut children: Vec<_> = cases.iter().map(|c| spawn_sim(c, &dir)).collect();
+    let mut children: Vec<_> = cases
+        .iter()
+        .enumerate()
+        .map(|(i, c)| spawn_sim(i, c, &dir))
+        .collect();
     let mut sims = Vec::new();
     for (zmq, child) in &mut children {
         let http = harness::printed_addr(child, "listening on ").await.unwrap();
@@ -210,7 +204,7 @@ async fn each_mismatch_is_named_and_the_right_configuration_is_healthy() {
     for (i, (c, s)) in cases.iter().zip(&sims).enumerate() {
         let rule = json!({"serviceArguments": {"externalIP": "127.0.0.1", "port": 21001 + i, "protocol": "tcp",
             "sel": 0, "mode": 4, "kvExactMode": 3, "kvEngineType": "vllm", "kvBlockSize": 16,
-            "kvZmqPort": s.zmq, "kvModel": c.model},
+            "kvZmqPort": s.zmq, "kvModel": c.model, "kvVllmExtraKeys": c.extra_keys},
             "endpoints": [{"endpointIP": s.http.ip().to_string(), "targetPort": s.http.port(), "weight": 1}]});
         let r = client
             .post(format!("http://{addr}/netlox/v1/config/loadbalancer"))
@@ -272,6 +266,11 @@ async fn each_mismatch_is_named_and_the_right_configuration_is_healthy() {
         assert_eq!(canary["verdict"], c.leg, "{}: {canary:#}", c.leg);
         let want = if c.leg == "healthy" { 0.0 } else { 1.0 };
         assert_eq!(failing(&metrics, name), Some(want), "{}", c.leg);
+        let flat_engine = c.sim_args.iter().any(|a| a == "flat");
+        if flat_engine && c.extra_keys.is_none() {
+            let m = canary["message"].as_str().unwrap();
+            assert!(m.contains("kvVllmExtraKeys \"flat\""), "{m}");
+        }
         match c.leg {
             "healthy" => {
                 // The repeated chat reused exactly what the inventory predicted from the events.
@@ -301,7 +300,7 @@ async fn each_mismatch_is_named_and_the_right_configuration_is_healthy() {
         }
     }
     assert!(
-        metrics.contains("kvroute_canary_runs_total{outcome=\"healthy\"} 1"),
+        metrics.contains("kvroute_canary_runs_total{outcome=\"healthy\"} 2"),
         "{metrics}"
     );
 

@@ -6,7 +6,8 @@
 //! Asserts on the engines' own output: parity (the inventory's check of every BlockStored against
 //! its own keys says `match`), the inventory filling with the engine's blocks, a conversation
 //! sticking to the engine that holds it with the reuse the filter predicted (to the token), and a
-//! killed engine's conversation answered by the other one.
+//! killed engine's conversation answered by the other one; the parity canary reports both engines
+//! healthy, with the reuse it predicted.
 //!
 //! Runs only with `KVROUTE_REAL_VLLM=1` (then `./scripts/test.sh` installs vLLM first, about
 //! 3 GB once); otherwise it says so and passes.
@@ -173,7 +174,9 @@ async fn real_engines_keep_parity_fill_the_inventory_stick_and_fall_back() {
         .collect();
     let rules = json!([{"serviceArguments": {"externalIP": "127.0.0.1", "port": RULE_PORT,
         "protocol": "tcp", "sel": 0, "mode": 4, "kvExactMode": 3, "kvEngineType": "vllm",
-        "kvHashAlgo": "sha256_cbor", "kvBlockSize": 16, "kvZmqBind": true, "kvModel": MODEL},
+        "kvHashAlgo": "sha256_cbor", "kvBlockSize": 16, "kvZmqBind": true, "kvModel": MODEL,
+        // vLLM 0.28 writes a block's extra keys flat (cache salt, LoRA name).
+        "kvVllmExtraKeys": "flat"},
         "endpoints": eps}]);
     std::fs::write(dir.path().join("rules.json"), rules.to_string()).unwrap();
     let staged = dir.path().join("tokenizers/Qwen__Qwen3-0.6B");
@@ -194,7 +197,10 @@ async fn real_engines_keep_parity_fill_the_inventory_stick_and_fall_back() {
     .arg("--tokenizer-dir")
     .arg(dir.path())
     .env("LLB_KV_NONE_HASH_SEED", "0")
-    .env("KVROUTE_HEALTH_INTERVAL_MS", "200");
+    .env("KVROUTE_HEALTH_INTERVAL_MS", "200")
+    // One parity canary run per engine, as soon as it is subscribed.
+    .env("KVROUTE_CANARY_INTERVAL_MS", "3600000")
+    .env("KVROUTE_CANARY_TIMEOUT_MS", "60000");
     let mut inv_child =
         ChildGuard::spawn("kvroute-inventory", cmd, &dir.path().join("inventory.log")).unwrap();
     let client = reqwest::Client::builder()
@@ -240,6 +246,30 @@ async fn real_engines_keep_parity_fill_the_inventory_stick_and_fall_back() {
     })
     .await
     .unwrap();
+
+    // The parity canary on the real engines: its tokenizer, chat template, keys, salt (flat, as
+    // vLLM 0.28 writes it) and reuse all agree with the rule's contract.
+    let verdicts = Poll::new("a canary verdict on both engines", Duration::from_secs(180))
+        .every(Duration::from_millis(200))
+        .until(async || {
+            inv_child.ensure_running()?;
+            let hz = get_json(&client, &format!("{inv}/healthz")).await?;
+            let eps = hz["rules"][0]["endpoints"].clone();
+            Ok(match (0..2).all(|i| !eps[i]["canary"].is_null()) {
+                true => Probe::Ready(eps),
+                false => Probe::Pending(eps.to_string()),
+            })
+        })
+        .await
+        .unwrap();
+    for i in 0..2 {
+        let c = &verdicts[i]["canary"];
+        assert_eq!(c["verdict"], "healthy", "engine {i}: {c:#}");
+        let repeat = &c["probes"][2];
+        assert_eq!(repeat["probe"], "chat_repeat", "{c:#}");
+        assert!(repeat["predicted_tokens"].as_u64().unwrap() > 0, "{c:#}");
+        assert_eq!(repeat["cached_tokens"], repeat["predicted_tokens"], "{c:#}");
+    }
 
     let cfg_path = dir.path().join("envoy.yaml");
     let root = harness::repo_root();
