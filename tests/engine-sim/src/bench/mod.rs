@@ -484,7 +484,7 @@ pub async fn main(args: BenchArgs) -> anyhow::Result<Vec<Summary>> {
                         (Some(f), urls)
                     }
                 };
-                let mut router = Router::new(strategy, urls.clone(), encoder.clone())?;
+                let mut router = Router::new(strategy, urls.clone(), encoder.clone(), block_size)?;
                 router.gateways = gateways.clone();
                 router.api = api;
                 let mut _peer: Option<sglang::SglangRouter> = None;

@@ -182,6 +182,7 @@ mod tests {
             latency_ms: 20.0,
             route_ms: None,
             reason: None,
+            prediction: None,
             error: None,
         };
         let s = summarize(
