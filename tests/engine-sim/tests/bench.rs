@@ -59,6 +59,24 @@ fn bench(args: &[&str]) -> Value {
     v
 }
 
+/// Every completed request of a predicting strategy was judged, and the shares add up.
+fn assert_judged(s: &Value) {
+    assert_eq!(s["predictions_judged"], s["requests"], "{s}");
+    let counts =
+        ["prediction_exact", "prediction_over", "prediction_under"].map(|k| s[k].as_u64().unwrap());
+    assert_eq!(counts.iter().sum::<u64>(), s["requests"].as_u64().unwrap());
+    let shares: f64 = [
+        "prediction_exact_share",
+        "prediction_over_share",
+        "prediction_under_share",
+    ]
+    .iter()
+    .map(|k| s[k].as_f64().unwrap())
+    .sum();
+    assert!((shares - 1.0).abs() < 1e-9, "{s}");
+    assert!(s["over_predicted_tokens"].as_u64().is_some(), "{s}");
+}
+
 fn find<'a>(v: &'a Value, workload: &str, strategy: &str) -> &'a Value {
     v["summaries"]
         .as_array()
@@ -86,6 +104,13 @@ fn bench_runs_baselines_and_oracle() {
     let oracle = find(&v, "multi-turn", "oracle");
     assert!(oracle["cached_ratio"].as_f64().unwrap() > 0.3, "{oracle}");
     assert!(oracle["route_p50_ms"].as_f64().is_some());
+    assert_judged(oracle);
+    for strategy in ["round-robin", "sticky"] {
+        let s = find(&v, "multi-turn", strategy);
+        assert_eq!(s["predictions_judged"], 0, "{strategy}: {s}");
+        assert!(s["prediction_exact_share"].is_null(), "{strategy}: {s}");
+        assert!(s["over_predicted_tokens"].is_null(), "{strategy}: {s}");
+    }
 }
 
 #[test]
@@ -115,6 +140,7 @@ fn bench_routes_through_the_inventory() {
                 s["reasons"]["hit"].as_u64().unwrap_or(0) > 0,
                 "{engine} {strategy}: the inventory found hits: {s}"
             );
+            assert_judged(s);
         }
     }
 }

@@ -15,6 +15,14 @@
 //! * `sglang-router`: sends to SGLang's router (`cache_aware` policy, see [`super::sglang`]),
 //!   which proxies to the simulator it chooses.
 //!
+//! Predictions: the strategies that know how much of a request the chosen engine holds say so,
+//! and the driver judges it against the engine's `cached_tokens` ([`judge`], the filter's
+//! `kvroute_filter_prediction_*` rule): `kvroute-engine` and `kvroute-tokens` take the route
+//! answer's `matched_blocks`, `oracle` the chosen simulator's `matched_blocks`. The others make
+//! none: round robin, sticky and partition do not look at the caches, sglang-router keeps its
+//! tree to itself, and the gateway's filter writes `x-kvroute-matched-blocks` on the upstream
+//! request only (no response carries it; the filter judges its own predictions in its stats).
+//!
 //! The serving simulator is read from the `x-kvroute-sim` header, or from the chunks'
 //! `system_fingerprint` (the simulator's name) when a proxy drops the header. Real engines send
 //! neither: every request carries an `x-request-id` ([`Record::request_id`]), which vLLM logs
@@ -26,7 +34,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail};
-use kvroute_core::hash::{ExtraKeys, HashAlgo, HashContract};
+use kvroute_core::hash::{BlockSize, ExtraKeys, HashAlgo, HashContract};
 use kvroute_core::prompt::Endpoint;
 use serde_json::{json, Value};
 use tokio::sync::Semaphore;
@@ -120,8 +128,62 @@ pub struct Record {
     pub route_ms: Option<f64>,
     /// The inventory's `reason` (kvroute strategies).
     pub reason: Option<String>,
+    /// The strategy's prediction for the chosen engine, judged against `cached_tokens`
+    /// (strategies that predict, requests that completed with a usage).
+    pub prediction: Option<Judged>,
     /// Failure, if any.
     pub error: Option<String>,
+}
+
+/// A prediction against the engine's reported reuse, in whole blocks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Verdict {
+    /// The engine reused exactly the predicted blocks.
+    Exact,
+    /// The engine reused fewer blocks than predicted (credited blocks it no longer held).
+    Over,
+    /// The engine reused more blocks than predicted (held blocks the strategy did not know).
+    Under,
+}
+
+/// One judged prediction.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct Judged {
+    /// Leading blocks the strategy credited the chosen engine with.
+    pub matched_blocks: u64,
+    /// What of it the engine could reuse: `min(matched_blocks, (prompt_tokens - 1) / block_size)`
+    /// blocks, in tokens.
+    pub predicted_tokens: u64,
+    /// Against the engine's `cached_tokens` in whole blocks.
+    pub verdict: Verdict,
+}
+
+/// Judges a prediction of `matched_blocks` against the engine's usage. Engines reuse whole
+/// blocks and always compute the prompt's last token, so the prediction is capped at the full
+/// blocks before it, and `cached_tokens` is counted in whole blocks. `None` without a usage
+/// (`prompt_tokens` 0).
+pub fn judge(
+    matched_blocks: u64,
+    block_size: BlockSize,
+    prompt_tokens: u64,
+    cached_tokens: u64,
+) -> Option<Judged> {
+    if prompt_tokens == 0 {
+        return None;
+    }
+    let bs = block_size.get() as u64;
+    let predicted = matched_blocks.min((prompt_tokens - 1) / bs);
+    let verdict = match (cached_tokens / bs).cmp(&predicted) {
+        std::cmp::Ordering::Equal => Verdict::Exact,
+        std::cmp::Ordering::Less => Verdict::Over,
+        std::cmp::Ordering::Greater => Verdict::Under,
+    };
+    Some(Judged {
+        matched_blocks,
+        predicted_tokens: predicted * bs,
+        verdict,
+    })
 }
 
 /// The inventory endpoint the kvroute strategies ask.
@@ -153,6 +215,8 @@ pub struct Router {
     pub encoder: Arc<Encoder>,
     /// The API the requests are sent in.
     pub api: Api,
+    /// The simulators' block size, which the predictions are judged in.
+    pub block_size: BlockSize,
     http: reqwest::Client,
 }
 
@@ -226,6 +290,8 @@ struct Pick {
     url: String,
     route: Option<Duration>,
     reason: Option<String>,
+    /// Leading blocks of the request the strategy expects the chosen engine to hold.
+    matched_blocks: Option<u64>,
 }
 
 /// Jump consistent hash (Lamping and Veach, 2014): bucket of `key` among `n`.
@@ -245,6 +311,7 @@ impl Router {
         strategy: Strategy,
         sims: Vec<String>,
         encoder: Arc<Encoder>,
+        block_size: BlockSize,
     ) -> anyhow::Result<Self> {
         if sims.is_empty() && strategy != Strategy::Gateway {
             bail!(
@@ -271,6 +338,7 @@ impl Router {
             proxy: None,
             encoder,
             api: Api::OpenAi,
+            block_size,
             http,
         })
     }
@@ -285,6 +353,7 @@ impl Router {
             url: self.sims[i].clone(),
             route: None,
             reason: None,
+            matched_blocks: None,
         };
         match self.strategy {
             Strategy::RoundRobin => Ok(simple(self.next_rr(n))),
@@ -301,6 +370,7 @@ impl Router {
                     url: self.gateways[self.next_rr(self.gateways.len())].clone(),
                     route: None,
                     reason: None,
+                    matched_blocks: None,
                 })
             }
             Strategy::SglangRouter => Ok(Pick {
@@ -310,6 +380,7 @@ impl Router {
                     .ok_or_else(|| anyhow!("strategy sglang-router needs a running router"))?,
                 route: None,
                 reason: None,
+                matched_blocks: None,
             }),
             Strategy::Oracle => {
                 let t = Instant::now();
@@ -339,6 +410,8 @@ impl Router {
                     url: self.sims[i].clone(),
                     route: Some(t.elapsed()),
                     reason: None,
+                    // No simulator answered (e.g. real engines): no prediction.
+                    matched_blocks: best.map(|b| b.0),
                 })
             }
             Strategy::KvrouteEngine | Strategy::KvrouteTokens => {
@@ -381,25 +454,24 @@ impl Router {
                     Ok(r) if r.status().is_success() => r.json::<Value>().await.ok(),
                     _ => None,
                 };
-                // Fail open as the filter does: no answer means plain round robin.
-                let (i, reason) = match parsed {
+                // Fail open as the filter does: no answer means plain round robin, and an
+                // endpoint that is not a simulator of the fleet has nothing to predict.
+                let (i, reason, matched_blocks) = match parsed {
                     Some(v) => {
                         let ep = v["endpoint"].as_str().unwrap_or("");
                         let reason = v["reason"].as_str().unwrap_or("").to_string();
-                        (
-                            self.by_addr
-                                .get(ep)
-                                .copied()
-                                .unwrap_or_else(|| self.next_rr(n)),
-                            reason,
-                        )
+                        match self.by_addr.get(ep) {
+                            Some(&i) => (i, reason, v["matched_blocks"].as_u64()),
+                            None => (self.next_rr(n), reason, None),
+                        }
                     }
-                    None => (self.next_rr(n), "fail_open".to_string()),
+                    None => (self.next_rr(n), "fail_open".to_string(), None),
                 };
                 Ok(Pick {
                     url: self.sims[i].clone(),
                     route: Some(route),
                     reason: Some(reason),
+                    matched_blocks,
                 })
             }
         }
@@ -588,12 +660,15 @@ pub async fn run(
                     latency_ms: 0.0,
                     route_ms: None,
                     reason: None,
+                    prediction: None,
                     error: None,
                 };
+                let mut matched_blocks = None;
                 let result = match router.pick(&body, &s.tenant, s.group).await {
                     Ok(p) => {
                         rec.route_ms = p.route.map(|d| d.as_secs_f64() * 1e3);
                         rec.reason = p.reason;
+                        matched_blocks = p.matched_blocks;
                         send(&router.http, &p.url, &body, &rec.request_id, router.api).await
                     }
                     Err(e) => Err(e),
@@ -605,6 +680,9 @@ pub async fn run(
                         rec.served_by = o.served_by;
                         rec.prompt_tokens = o.prompt_tokens;
                         rec.cached_tokens = o.cached_tokens;
+                        rec.prediction = matched_blocks.and_then(|m| {
+                            judge(m, router.block_size, o.prompt_tokens, o.cached_tokens)
+                        });
                         rec.ttft_ms = (o.ttft.as_secs_f64() * 1e3) + rec.route_ms.unwrap_or(0.0);
                         history.push(("assistant", o.content));
                     }
@@ -637,6 +715,7 @@ pub fn contract_for(strategy: Strategy, engine: HashContract) -> HashContract {
 
 #[cfg(test)]
 mod tests {
+    #![allow(clippy::unwrap_used)]
     use super::*;
 
     #[test]
@@ -663,6 +742,7 @@ mod tests {
             latency_ms: 0.0,
             route_ms: None,
             reason: None,
+            prediction: None,
             error: None,
         };
         let mut records = vec![
@@ -675,6 +755,26 @@ mod tests {
         attribute_from_logs(&mut records, &names, &[log0, log1]);
         let by: Vec<_> = records.iter().map(|r| r.served_by.as_deref()).collect();
         assert_eq!(by, [Some("e0"), Some("e1"), None, Some("e0")]);
+    }
+
+    #[test]
+    fn predictions_are_judged_in_whole_blocks_before_the_last_token() {
+        let bs = BlockSize::new(16).unwrap();
+        let verdict = |m, p, c| judge(m, bs, p, c).map(|j| (j.predicted_tokens, j.verdict));
+        // 4 blocks predicted, a 100-token prompt (6 full blocks before the last token).
+        assert_eq!(verdict(4, 100, 64), Some((64, Verdict::Exact)));
+        assert_eq!(verdict(4, 100, 48), Some((64, Verdict::Over)));
+        assert_eq!(verdict(4, 100, 80), Some((64, Verdict::Under)));
+        // A partial block the engine reports is not a block reused.
+        assert_eq!(verdict(4, 100, 79), Some((64, Verdict::Exact)));
+        // A prompt of exactly 4 blocks: the last token is computed, so 3 blocks at most.
+        assert_eq!(verdict(4, 64, 48), Some((48, Verdict::Exact)));
+        assert_eq!(verdict(4, 65, 64), Some((64, Verdict::Exact)));
+        assert_eq!(verdict(9, 1, 0), Some((0, Verdict::Exact)));
+        assert_eq!(verdict(0, 100, 16), Some((0, Verdict::Under)));
+        // No usage, nothing to judge.
+        assert_eq!(verdict(4, 0, 0), None);
+        assert_eq!(judge(5, bs, 100, 64).map(|j| j.matched_blocks), Some(5));
     }
 
     #[test]

@@ -143,8 +143,9 @@ pub struct BenchArgs {
     /// Write the markdown table here.
     #[arg(long)]
     pub markdown: Option<PathBuf>,
-    /// Write every request's record (serving simulator, cached tokens, TTFT, kvroute reason) here,
-    /// as JSON, for analysis (`kvroute-plot ttft` draws its TTFT distributions).
+    /// Write every request's record (serving simulator, cached tokens, TTFT, kvroute reason, the
+    /// judged prediction) here, as JSON, for analysis (`kvroute-plot ttft` draws its TTFT
+    /// distributions).
     #[arg(long)]
     pub records: Option<PathBuf>,
     /// Text put before the progress line on stderr (e.g. a calling script's own runs done).
@@ -484,7 +485,7 @@ pub async fn main(args: BenchArgs) -> anyhow::Result<Vec<Summary>> {
                         (Some(f), urls)
                     }
                 };
-                let mut router = Router::new(strategy, urls.clone(), encoder.clone())?;
+                let mut router = Router::new(strategy, urls.clone(), encoder.clone(), block_size)?;
                 router.gateways = gateways.clone();
                 router.api = api;
                 let mut _peer: Option<sglang::SglangRouter> = None;

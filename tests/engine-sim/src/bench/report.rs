@@ -5,13 +5,18 @@
 //! * throughput: completed requests per second of wall time;
 //! * load spread: busiest simulator's request count / mean (1.00 = even);
 //! * engines per prefix: distinct simulators that served each shared prefix, averaged (1 = perfect affinity);
-//! * router overhead: p50/p99 of the routing decision (kvroute: tokenize + hash + `/v1/route`).
+//! * router overhead: p50/p99 of the routing decision (kvroute: tokenize + hash + `/v1/route`);
+//! * prediction accuracy (strategies that predict, see [`super::driver`]; `-` for the others):
+//!   shares of the judged requests whose engine reused, in whole blocks, exactly / fewer than
+//!   (over-predicted) / more than (under-predicted) the prediction capped before the last
+//!   token, and the over-predicted tokens: predicted minus `cached_tokens`, summed over the
+//!   over-predicted requests (prefill the strategy counted on and the engine computed).
 
 use std::collections::{HashMap, HashSet};
 use std::fmt::Write;
 use std::time::Duration;
 
-use super::driver::Record;
+use super::driver::{Record, Verdict};
 
 /// One row.
 #[derive(Clone, Debug, serde::Serialize)]
@@ -49,6 +54,24 @@ pub struct Summary {
     pub route_p99_ms: Option<f64>,
     /// kvroute reasons and their counts.
     pub reasons: HashMap<String, usize>,
+    /// Completed requests whose prediction was judged (0 for strategies that do not predict).
+    pub predictions_judged: usize,
+    /// Judged requests whose engine reused exactly the predicted blocks.
+    pub prediction_exact: usize,
+    /// Judged requests whose engine reused fewer blocks than predicted.
+    pub prediction_over: usize,
+    /// Judged requests whose engine reused more blocks than predicted.
+    pub prediction_under: usize,
+    /// `prediction_exact` / `predictions_judged` (`None` when nothing was judged).
+    pub prediction_exact_share: Option<f64>,
+    /// `prediction_over` / `predictions_judged`.
+    pub prediction_over_share: Option<f64>,
+    /// `prediction_under` / `predictions_judged`.
+    pub prediction_under_share: Option<f64>,
+    /// Predicted reusable tokens, summed over the judged requests.
+    pub predicted_tokens: Option<u64>,
+    /// Predicted minus cached tokens, summed over the over-predicted requests.
+    pub over_predicted_tokens: Option<u64>,
     /// Wall time, s.
     pub wall_s: f64,
 }
@@ -91,6 +114,23 @@ pub fn summarize(
             *reasons.entry(reason.clone()).or_default() += 1;
         }
     }
+    let judged: Vec<(&Record, Verdict, u64)> = ok
+        .iter()
+        .filter_map(|r| r.prediction.map(|p| (*r, p.verdict, p.predicted_tokens)))
+        .collect();
+    let count = |v: Verdict| judged.iter().filter(|j| j.1 == v).count();
+    let (exact, over, under) = (
+        count(Verdict::Exact),
+        count(Verdict::Over),
+        count(Verdict::Under),
+    );
+    let share = |c: usize| (!judged.is_empty()).then(|| c as f64 / judged.len() as f64);
+    let some = |v: u64| (!judged.is_empty()).then_some(v);
+    let over_tokens: u64 = judged
+        .iter()
+        .filter(|j| j.1 == Verdict::Over)
+        .map(|(r, _, p)| p.saturating_sub(r.cached_tokens))
+        .sum();
     let n = endpoints.max(1) as f64;
     let max = per_sim.values().copied().max().unwrap_or(0) as f64;
     let mean = ok.len() as f64 / n;
@@ -123,12 +163,21 @@ pub fn summarize(
         route_p50_ms: (!route.is_empty()).then(|| quantile(&route, 0.5)),
         route_p99_ms: (!route.is_empty()).then(|| quantile(&route, 0.99)),
         reasons,
+        predictions_judged: judged.len(),
+        prediction_exact: exact,
+        prediction_over: over,
+        prediction_under: under,
+        prediction_exact_share: share(exact),
+        prediction_over_share: share(over),
+        prediction_under_share: share(under),
+        predicted_tokens: some(judged.iter().map(|j| j.2).sum()),
+        over_predicted_tokens: some(over_tokens),
         wall_s: wall.as_secs_f64(),
     }
 }
 
 /// The markdown table header.
-pub const HEADER: &str = "| workload | strategy | endpoints | requests | errors | cached-token ratio | vs round robin | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms | req/s | load spread | engines/prefix | route p50 ms | route p99 ms |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n";
+pub const HEADER: &str = "| workload | strategy | endpoints | requests | errors | cached-token ratio | vs round robin | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms | req/s | load spread | engines/prefix | route p50 ms | route p99 ms | pred exact/over/under | over-pred tokens |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n";
 
 /// One markdown row; `rr` is the round-robin cached ratio of the same workload, when measured.
 pub fn row(s: &Summary, rr: Option<f64>) -> String {
@@ -138,9 +187,20 @@ pub fn row(s: &Summary, rr: Option<f64>) -> String {
         _ => "-".to_string(),
     };
     let opt = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.2}"));
+    let shares = match (
+        s.prediction_exact_share,
+        s.prediction_over_share,
+        s.prediction_under_share,
+    ) {
+        (Some(e), Some(o), Some(u)) => format!("{e:.2}/{o:.2}/{u:.2}"),
+        _ => "-".to_string(),
+    };
+    let over_tokens = s
+        .over_predicted_tokens
+        .map_or("-".to_string(), |t| t.to_string());
     let _ = writeln!(
         out,
-        "| {} | {} | {} | {} | {} | {:.1}% | {} | {:.1} | {:.1} | {:.1} | {:.1} | {:.2} | {:.2} | {} | {} |",
+        "| {} | {} | {} | {} | {} | {:.1}% | {} | {:.1} | {:.1} | {:.1} | {:.1} | {:.2} | {:.2} | {} | {} | {} | {} |",
         s.workload,
         s.strategy,
         s.endpoints,
@@ -156,13 +216,110 @@ pub fn row(s: &Summary, rr: Option<f64>) -> String {
         s.engines_per_prefix,
         opt(s.route_p50_ms),
         opt(s.route_p99_ms),
+        shares,
+        over_tokens,
     );
     out
 }
 
 #[cfg(test)]
 mod tests {
+    #![allow(clippy::unwrap_used)]
     use super::*;
+    use crate::bench::driver::judge;
+    use kvroute_core::hash::BlockSize;
+
+    fn record(prompt: u64, cached: u64) -> Record {
+        Record {
+            session: 0,
+            group: 0,
+            turn: 0,
+            request_id: String::new(),
+            served_by: Some("a".into()),
+            prompt_tokens: prompt,
+            cached_tokens: cached,
+            ttft_ms: 10.0,
+            latency_ms: 20.0,
+            route_ms: None,
+            reason: None,
+            prediction: None,
+            error: None,
+        }
+    }
+
+    /// A completed request whose strategy predicted `matched` blocks of 16 tokens.
+    fn predicted(matched: u64, prompt: u64, cached: u64) -> Record {
+        Record {
+            prediction: judge(matched, BlockSize::new(16).unwrap(), prompt, cached),
+            ..record(prompt, cached)
+        }
+    }
+
+    #[test]
+    fn prediction_shares_and_over_predicted_tokens() {
+        let mut failed = predicted(4, 100, 0);
+        failed.error = Some("HTTP 500".into());
+        let records = [
+            predicted(4, 100, 64),
+            // A partial block reported is not a block reused.
+            predicted(4, 100, 79),
+            // 64 tokens: the last one is computed, so 3 blocks is all the engine can reuse.
+            predicted(4, 64, 48),
+            predicted(2, 100, 32),
+            predicted(1, 100, 16),
+            predicted(5, 100, 80),
+            // Over: 64 - 48, 96 - 0, 48 - 32.
+            predicted(4, 100, 48),
+            predicted(6, 100, 0),
+            predicted(3, 100, 32),
+            // Under.
+            predicted(0, 100, 32),
+            // Not judged: no prediction, or the request failed.
+            record(100, 32),
+            failed,
+        ];
+        let s = summarize("w", "kvroute-engine", 1, &records, Duration::from_secs(1));
+        assert_eq!(s.requests, 11);
+        assert_eq!(s.predictions_judged, 10);
+        assert_eq!(
+            (s.prediction_exact, s.prediction_over, s.prediction_under),
+            (6, 3, 1)
+        );
+        assert_eq!(s.prediction_exact_share, Some(0.6));
+        assert_eq!(s.prediction_over_share, Some(0.3));
+        assert_eq!(s.prediction_under_share, Some(0.1));
+        assert_eq!(s.over_predicted_tokens, Some(128));
+        assert_eq!(
+            s.predicted_tokens,
+            Some(64 + 64 + 48 + 32 + 16 + 80 + 64 + 96 + 48)
+        );
+        let line = row(&s, None);
+        assert!(line.ends_with("| 0.60/0.30/0.10 | 128 |\n"), "{line}");
+        let json = serde_json::to_value(&s).unwrap();
+        assert_eq!(json["prediction_over"], 3);
+        assert_eq!(json["over_predicted_tokens"], 128);
+        let columns = |l: &str| l.matches('|').count();
+        assert_eq!(HEADER.lines().map(columns).collect::<Vec<_>>(), [18, 18]);
+        assert_eq!(columns(&line), 18);
+    }
+
+    #[test]
+    fn strategies_that_do_not_predict_show_a_dash() {
+        let s = summarize(
+            "w",
+            "round-robin",
+            1,
+            &[record(100, 32)],
+            Duration::from_secs(1),
+        );
+        assert_eq!(s.predictions_judged, 0);
+        assert_eq!(s.prediction_exact_share, None);
+        assert_eq!(s.over_predicted_tokens, None);
+        assert!(row(&s, None).ends_with("| - | - |\n"));
+        let json = serde_json::to_value(&s).unwrap();
+        assert!(json["prediction_exact_share"].is_null());
+        assert!(json["over_predicted_tokens"].is_null());
+    }
 
     #[test]
     fn quantiles_and_summary() {
@@ -182,6 +339,7 @@ mod tests {
             latency_ms: 20.0,
             route_ms: None,
             reason: None,
+            prediction: None,
             error: None,
         };
         let s = summarize(
