@@ -24,7 +24,8 @@ from pathlib import Path
 HEADER = (
     "| workload | strategy | endpoints | requests | errors | cached-token ratio | vs round robin "
     "| TTFT p50 ms | TTFT p90 ms | TTFT p99 ms | req/s | load spread | engines/prefix "
-    "| route p50 ms | route p99 ms |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
+    "| route p50 ms | route p99 ms | pred exact/over/under | over-pred tokens |\n"
+    "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
 )
 
 
@@ -48,11 +49,17 @@ def pct(v):
 def row(s, rr=None):
     vs = f"{s['cached_ratio'] / rr:.2f}x" if rr else "-"
     opt = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
+    # Strategies that predict the engine's reuse (kvroute-bench judges it); "-" for the others
+    # and for results written before the prediction fields.
+    shares = [s.get(f"prediction_{k}_share") for k in ("exact", "over", "under")]
+    pred = "-" if None in shares else "/".join(f"{v:.2f}" for v in shares)
+    over = s.get("over_predicted_tokens")
     return (
         f"| {s['workload']} | {s['strategy']} | {s['endpoints']} | {s['requests']} | {s['errors']} "
         f"| {pct(s['cached_ratio'])} | {vs} | {s['ttft_p50_ms']:.1f} | {s['ttft_p90_ms']:.1f} "
         f"| {s['ttft_p99_ms']:.1f} | {s['throughput_rps']:.1f} | {s['load_spread']:.2f} "
-        f"| {s['engines_per_prefix']:.2f} | {opt(s.get('route_p50_ms'))} | {opt(s.get('route_p99_ms'))} |\n"
+        f"| {s['engines_per_prefix']:.2f} | {opt(s.get('route_p50_ms'))} | {opt(s.get('route_p99_ms'))} "
+        f"| {pred} | {'-' if over is None else over} |\n"
     )
 
 
@@ -109,7 +116,10 @@ def cpu_model(unknown):
 
 def small(res: Path, out: Path):
     d = load(res / "small.json")
-    text = f"# Benchmark: small preset\n\nMeasured {stamp()} by `scripts/bench.sh small`.\n\n"
+    text = (
+        f"# Benchmark: small preset\n\nMeasured {stamp()} by `scripts/bench.sh small` on "
+        f"{cpu_model('an unknown CPU')} ({os.cpu_count()} cores).\n\n"
+    )
     text += figures(
         out,
         [
@@ -341,7 +351,8 @@ def scale(res: Path, out: Path):
     sums = d["summaries"]
     text = (
         "# Benchmark: scale curve\n\n"
-        f"Measured {stamp()} by `scripts/bench.sh scale`. Workload: {shape_line(d)}; the same "
+        f"Measured {stamp()} by `scripts/bench.sh scale` on {cpu_model('an unknown CPU')} "
+        f"({os.cpu_count()} cores). Workload: {shape_line(d)}; the same "
         "sessions at every fleet size, 4 requests in flight per endpoint.\n\n"
     )
     text += figures(out, [("bench-scale.svg", "multi-turn cached-token ratio against endpoints per strategy")])
