@@ -87,7 +87,8 @@ pub struct Prediction {
 }
 
 /// A prediction against the engine's reported reuse, in whole blocks.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
 pub enum Verdict {
     /// The engine reused exactly the predicted blocks.
     Exact,
@@ -117,27 +118,33 @@ impl Prediction {
     /// is capped at the full blocks before the last token, and the engine's cached tokens are
     /// counted in whole blocks.
     pub fn judge(&self, u: &Usage) -> Option<Judged> {
-        let bs = u64::from(self.block_size);
-        if bs == 0 {
-            return None;
-        }
-        let prompt = u.hit_tokens.saturating_add(u.miss_tokens);
-        let predicted = u64::from(self.blocks).min(prompt.saturating_sub(1) / bs);
-        let realised = u.hit_tokens / bs;
-        let verdict = match realised.cmp(&predicted) {
-            std::cmp::Ordering::Equal => Verdict::Exact,
-            std::cmp::Ordering::Greater => Verdict::Under,
-            std::cmp::Ordering::Less => Verdict::Over,
-        };
-        Some(Judged {
-            verdict,
-            predicted_tokens: predicted * bs,
-            realised_tokens: u.hit_tokens,
-            predicted_blocks: predicted,
-            realised_blocks: realised,
-            prompt_tokens: prompt,
-        })
+        judge_blocks(u64::from(self.blocks), self.block_size, u)
     }
+}
+
+/// [`Prediction::judge`] of `blocks` predicted blocks of `block_size` tokens, wherever they were
+/// predicted (the benchmark's strategies judge theirs with it too).
+pub fn judge_blocks(blocks: u64, block_size: u32, u: &Usage) -> Option<Judged> {
+    let bs = u64::from(block_size);
+    if bs == 0 {
+        return None;
+    }
+    let prompt = u.hit_tokens.saturating_add(u.miss_tokens);
+    let predicted = blocks.min(prompt.saturating_sub(1) / bs);
+    let realised = u.hit_tokens / bs;
+    let verdict = match realised.cmp(&predicted) {
+        std::cmp::Ordering::Equal => Verdict::Exact,
+        std::cmp::Ordering::Greater => Verdict::Under,
+        std::cmp::Ordering::Less => Verdict::Over,
+    };
+    Some(Judged {
+        verdict,
+        predicted_tokens: predicted * bs,
+        realised_tokens: u.hit_tokens,
+        predicted_blocks: predicted,
+        realised_blocks: realised,
+        prompt_tokens: prompt,
+    })
 }
 
 /// Keeps the response bytes needed for [`parse`], bounded by [`MAX_TRACKED_BYTES`].

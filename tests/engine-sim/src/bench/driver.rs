@@ -135,17 +135,7 @@ pub struct Record {
     pub error: Option<String>,
 }
 
-/// A prediction against the engine's reported reuse, in whole blocks.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum Verdict {
-    /// The engine reused exactly the predicted blocks.
-    Exact,
-    /// The engine reused fewer blocks than predicted (credited blocks it no longer held).
-    Over,
-    /// The engine reused more blocks than predicted (held blocks the strategy did not know).
-    Under,
-}
+pub use kvroute_core::usage::Verdict;
 
 /// One judged prediction.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
@@ -172,17 +162,16 @@ pub fn judge(
     if prompt_tokens == 0 {
         return None;
     }
-    let bs = block_size.get() as u64;
-    let predicted = matched_blocks.min((prompt_tokens - 1) / bs);
-    let verdict = match (cached_tokens / bs).cmp(&predicted) {
-        std::cmp::Ordering::Equal => Verdict::Exact,
-        std::cmp::Ordering::Less => Verdict::Over,
-        std::cmp::Ordering::Greater => Verdict::Under,
+    let usage = kvroute_core::usage::Usage {
+        hit_tokens: cached_tokens,
+        miss_tokens: prompt_tokens.saturating_sub(cached_tokens),
     };
+    let bs = u32::try_from(block_size.get()).unwrap_or(u32::MAX);
+    let j = kvroute_core::usage::judge_blocks(matched_blocks, bs, &usage)?;
     Some(Judged {
         matched_blocks,
-        predicted_tokens: predicted * bs,
-        verdict,
+        predicted_tokens: j.predicted_tokens,
+        verdict: j.verdict,
     })
 }
 
