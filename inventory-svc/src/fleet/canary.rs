@@ -50,7 +50,7 @@ pub enum Leg {
     CacheSalt,
     /// Tokens agree, keys differ, and no tried contract explains them.
     Hash,
-    /// The engine reused fewer tokens of the repeated chat than the inventory predicted.
+    /// The engine reused none of the repeated chat's tokens the inventory predicted it holds.
     NoReuse,
     /// No event of the canary's prompts arrived: KV events off, prefix caching off or the
     /// subscriber not connected.
