@@ -965,6 +965,8 @@ pub struct EppBootstrap<'a> {
     pub message_timeout: Duration,
     /// `request_body_mode`: `FULL_DUPLEX_STREAMED` (as GIE gateways) or `BUFFERED`.
     pub body_mode: &'static str,
+    /// `response_body_mode`: `NONE`, or `STREAMED` for the picker to read the engines' usage.
+    pub response_body_mode: &'static str,
 }
 
 /// The shape GIE gateways program (docs/epp.md shows it as YAML): the client's
@@ -984,7 +986,7 @@ pub fn epp_bootstrap(b: &EppBootstrap<'_>) -> Value {
         "processing_mode": {
             "request_header_mode": "SEND", "response_header_mode": "SEND",
             "request_body_mode": b.body_mode, "request_trailer_mode": "SEND",
-            "response_body_mode": "NONE", "response_trailer_mode": "SKIP"},
+            "response_body_mode": b.response_body_mode, "response_trailer_mode": "SKIP"},
         "metadata_options": {
             "forwarding_namespaces": {"untyped": ["envoy.lb"]},
             "receiving_namespaces": {"untyped": ["envoy.lb"]}}}});
@@ -1034,13 +1036,14 @@ pub async fn epp_gateway(
     engines: &[&Engine],
     epp: SocketAddr,
     message_timeout: Duration,
-    body_mode: &'static str,
+    (body_mode, response_body_mode): (&'static str, &'static str),
 ) -> Result<Gateway> {
     let b = EppBootstrap {
         engines,
         epp,
         message_timeout,
         body_mode,
+        response_body_mode,
     };
     Gateway::on(harness::Envoy::start(&epp_bootstrap(&b)).await?)
 }

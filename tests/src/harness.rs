@@ -72,6 +72,38 @@ pub fn envoy_bin() -> Result<PathBuf> {
     )
 }
 
+/// Stages the Qwen3 tokenizer fixture as `slug`'s in a service's `--tokenizer-dir` `dir`
+/// (`<dir>/tokenizers/<slug>/`).
+pub fn stage_tokenizer(dir: &Path, slug: &str) -> Result<()> {
+    let staged = dir.join("tokenizers").join(slug);
+    std::fs::create_dir_all(&staged)?;
+    for f in ["tokenizer.json", "tokenizer_config.json"] {
+        std::fs::copy(tokenizer_dir()?.join(f), staged.join(f))?;
+    }
+    Ok(())
+}
+
+/// The built `kvroute-inventory serve` on a free loopback port with `dir` as its
+/// `--tokenizer-dir` and `token` as its management token (written to `<dir>/token`), health
+/// probes every 200 ms; `env` adds variables. Started, and its address read from its log.
+pub async fn start_inventory(
+    dir: &Path,
+    token: &str,
+    env: &[(&str, &str)],
+) -> Result<(ChildGuard, SocketAddr)> {
+    std::fs::write(dir.join("token"), token)?;
+    let mut cmd = Command::new(built_bin("kvroute-inventory")?);
+    cmd.args(["serve", "--listen", "127.0.0.1:0", "--tokenizer-dir"])
+        .arg(dir)
+        .arg("--auth-token-file")
+        .arg(dir.join("token"))
+        .env("KVROUTE_HEALTH_INTERVAL_MS", "200")
+        .envs(env.iter().copied());
+    let mut child = ChildGuard::spawn("kvroute-inventory", cmd, &dir.join("inventory.log"))?;
+    let addr = printed_addr(&mut child, "kvroute-inventory listening on ").await?;
+    Ok((child, addr))
+}
+
 /// A binary of this workspace built by `cargo build` (`<repo>/target/debug/<name>`).
 pub fn built_bin(name: &str) -> Result<PathBuf> {
     let p = repo_root().join("target/debug").join(name);

@@ -143,14 +143,6 @@ fn spawn_sim(i: usize, case: &Case, dir: &TempDir) -> (u16, ChildGuard) {
     (zmq, ChildGuard::spawn(&name, cmd, &log).unwrap())
 }
 
-fn stage(dir: &Path, slug: &str) {
-    let staged = dir.join("tokenizers").join(slug);
-    std::fs::create_dir_all(&staged).unwrap();
-    for f in ["tokenizer.json", "tokenizer_config.json"] {
-        std::fs::copy(harness::tokenizer_dir().unwrap().join(f), staged.join(f)).unwrap();
-    }
-}
-
 fn failing(metrics: &str, rule: &str) -> Option<f64> {
     metrics
         .lines()
@@ -179,21 +171,14 @@ async fn each_mismatch_is_named_and_the_right_configuration_is_healthy() {
         let http = harness::printed_addr(child, "listening on ").await.unwrap();
         sims.push(Sim { http, zmq: *zmq });
     }
-    stage(dir.path(), "Qwen__Qwen3-0.6B");
-    stage(dir.path(), LORA);
-    std::fs::write(dir.path().join("token"), TOKEN).unwrap();
-    let mut cmd = Command::new(harness::built_bin("kvroute-inventory").unwrap());
-    cmd.args(["serve", "--listen", "127.0.0.1:0", "--tokenizer-dir"])
-        .arg(dir.path())
-        .arg("--auth-token-file")
-        .arg(dir.path().join("token"))
-        .env("KVROUTE_HEALTH_INTERVAL_MS", "200")
-        .env("KVROUTE_CANARY_INTERVAL_MS", "600000")
-        .env("KVROUTE_CANARY_TIMEOUT_MS", "5000")
-        .env("LLB_KV_NONE_HASH_SEED", "0");
-    let mut inv =
-        ChildGuard::spawn("kvroute-inventory", cmd, &dir.path().join("inventory.log")).unwrap();
-    let addr = harness::printed_addr(&mut inv, "kvroute-inventory listening on ")
+    harness::stage_tokenizer(dir.path(), "Qwen__Qwen3-0.6B").unwrap();
+    harness::stage_tokenizer(dir.path(), LORA).unwrap();
+    let env = [
+        ("KVROUTE_CANARY_INTERVAL_MS", "600000"),
+        ("KVROUTE_CANARY_TIMEOUT_MS", "5000"),
+        ("LLB_KV_NONE_HASH_SEED", "0"),
+    ];
+    let (inv, addr) = harness::start_inventory(dir.path(), TOKEN, &env)
         .await
         .unwrap();
     let client = reqwest::Client::builder()

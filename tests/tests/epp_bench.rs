@@ -25,6 +25,7 @@ async fn gateway(engines: &[&Engine], inv: &Inventory, with_picker: bool) -> Gat
         epp: inv.epp.unwrap(),
         message_timeout: Duration::from_millis(200),
         body_mode: "FULL_DUPLEX_STREAMED",
+        response_body_mode: "NONE",
     };
     let mut config = epp_bootstrap(&b);
     if !with_picker {

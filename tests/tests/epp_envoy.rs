@@ -30,11 +30,12 @@ fn chat(topic: &str, turns: usize) -> Vec<u8> {
     serde_json::to_vec(&json!({"model": envoy::MODEL, "messages": m, "max_tokens": 1})).unwrap()
 }
 
-/// Engines a and b, b holding `body`'s blocks, the inventory with the picker, Envoy in front.
+/// Engines a and b, b holding `body`'s blocks, the inventory with the picker, Envoy in front
+/// with the request and response body modes `modes`.
 async fn fleet(
     body: &[u8],
     message_timeout: Duration,
-    body_mode: &'static str,
+    modes: (&'static str, &'static str),
 ) -> (Inventory, Engine, Engine, Gateway) {
     let a = Engine::start("engine-a").await.unwrap();
     let b = Engine::start("engine-b").await.unwrap();
@@ -49,7 +50,7 @@ async fn fleet(
     let rule = inv.add_rule(&[&a, &b]).await.unwrap();
     inv.wait_for_blocks(rule, 1, blocks).await.unwrap();
     inv.wait_for_epp_ready().await.unwrap();
-    let gw = epp_gateway(&[&a, &b], inv.epp.unwrap(), message_timeout, body_mode)
+    let gw = epp_gateway(&[&a, &b], inv.epp.unwrap(), message_timeout, modes)
         .await
         .unwrap();
     (inv, a, b, gw)
@@ -92,7 +93,12 @@ async fn send(gw: &Gateway, body: &[u8], spoof: Option<&str>) -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_picker_pins_sticks_falls_back_and_drops_client_destinations() {
     let body = chat("the held prefix", 2);
-    let (inv, a, b, gw) = fleet(&body, Duration::from_secs(10), "FULL_DUPLEX_STREAMED").await;
+    let (inv, a, b, gw) = fleet(
+        &body,
+        Duration::from_secs(10),
+        ("FULL_DUPLEX_STREAMED", "NONE"),
+    )
+    .await;
     let (a_addr, b_addr) = (a.addr.to_string(), b.addr.to_string());
 
     // The client names engine a itself: Envoy drops that, the picker's choice (b) wins, and
@@ -200,7 +206,7 @@ async fn a_hung_or_killed_picker_fails_open_within_the_message_timeout() {
     let body = chat("fail open", 1);
     // Buffered: Envoy arms the message timeout per message there (in FULL_DUPLEX_STREAMED mode
     // it does not, so a hung picker holds requests: docs/epp.md).
-    let (inv, a, b, gw) = fleet(&body, Duration::from_secs(1), "BUFFERED").await;
+    let (inv, a, b, gw) = fleet(&body, Duration::from_secs(1), ("BUFFERED", "NONE")).await;
     assert_eq!(send(&gw, &body, None).await, "engine-b");
     let before = a.received().len() + b.received().len();
 
@@ -255,34 +261,16 @@ async fn streamed_responses_report_the_engines_reuse_to_the_picker() {
     let mut body: serde_json::Value = serde_json::from_slice(&chat("usage", 1)).unwrap();
     body["user"] = json!("team-u");
     let body = serde_json::to_vec(&body).unwrap();
-    let a = Engine::start("engine-a").await.unwrap();
-    let b = Engine::start("engine-b").await.unwrap();
+    let (inv, _a, _b, gw) = fleet(
+        &body,
+        Duration::from_secs(10),
+        ("FULL_DUPLEX_STREAMED", "STREAMED"),
+    )
+    .await;
     let tokens = harness::prompt_tokens(&body).unwrap();
     let blocks = tokens.len() / envoy::BLOCK;
-    b.store_blocks(&tokens);
-    let inv = Inventory::start_with_epp(&["--epp-timeout-ms", "8000"])
-        .await
-        .unwrap();
-    let rule = inv.add_rule(&[&a, &b]).await.unwrap();
-    inv.wait_for_blocks(rule, 1, blocks).await.unwrap();
-    inv.wait_for_epp_ready().await.unwrap();
-    let mut config = envoy::epp_bootstrap(&envoy::EppBootstrap {
-        engines: &[&a, &b],
-        epp: inv.epp.unwrap(),
-        message_timeout: Duration::from_secs(10),
-        body_mode: "FULL_DUPLEX_STREAMED",
-    });
-    let filters = &mut config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
-        ["typed_config"]["http_filters"];
-    let ext_proc = filters
-        .as_array_mut()
-        .unwrap()
-        .iter_mut()
-        .find(|f| f["name"] == "envoy.filters.http.ext_proc")
-        .unwrap();
-    ext_proc["typed_config"]["processing_mode"]["response_body_mode"] = json!("STREAMED");
-    let gw = Gateway::on(harness::Envoy::start(&config).await.unwrap()).unwrap();
-
+    // The fleet installs one rule: id 1.
+    let rule = 1;
     let cached = blocks * envoy::BLOCK;
     let usage = format!("{},{cached}", tokens.len());
     let r = gw

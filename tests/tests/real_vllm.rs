@@ -179,11 +179,7 @@ async fn real_engines_keep_parity_fill_the_inventory_stick_and_fall_back() {
         "kvVllmExtraKeys": "flat"},
         "endpoints": eps}]);
     std::fs::write(dir.path().join("rules.json"), rules.to_string()).unwrap();
-    let staged = dir.path().join("tokenizers/Qwen__Qwen3-0.6B");
-    std::fs::create_dir_all(&staged).unwrap();
-    for f in ["tokenizer.json", "tokenizer_config.json"] {
-        std::fs::copy(harness::tokenizer_dir().unwrap().join(f), staged.join(f)).unwrap();
-    }
+    harness::stage_tokenizer(dir.path(), "Qwen__Qwen3-0.6B").unwrap();
     let inv_port = harness::free_port().unwrap();
     let inv = format!("http://127.0.0.1:{inv_port}");
     let mut cmd = Command::new(harness::repo_root().join("target/debug/kvroute-inventory"));

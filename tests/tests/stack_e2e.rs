@@ -224,21 +224,8 @@ async fn start_stack_with(ips: &[&str], fast_health_checks: bool, sim_args: &[&s
         sims.push(start_sim(ip, zmq_port, &dir, sim_args).await.unwrap());
     }
 
-    let staged = dir.path().join("tokenizers/Qwen__Qwen3-0.6B");
-    std::fs::create_dir_all(&staged).unwrap();
-    for f in ["tokenizer.json", "tokenizer_config.json"] {
-        std::fs::copy(harness::tokenizer_dir().unwrap().join(f), staged.join(f)).unwrap();
-    }
-    std::fs::write(dir.path().join("token"), TOKEN).unwrap();
-    let mut cmd = Command::new(harness::built_bin("kvroute-inventory").unwrap());
-    cmd.args(["serve", "--listen", "127.0.0.1:0", "--tokenizer-dir"])
-        .arg(dir.path())
-        .arg("--auth-token-file")
-        .arg(dir.path().join("token"))
-        .env("KVROUTE_HEALTH_INTERVAL_MS", "200");
-    let mut inv_child =
-        ChildGuard::spawn("kvroute-inventory", cmd, &dir.path().join("inventory.log")).unwrap();
-    let inv = harness::printed_addr(&mut inv_child, "kvroute-inventory listening on ")
+    harness::stage_tokenizer(dir.path(), "Qwen__Qwen3-0.6B").unwrap();
+    let (inv_child, inv) = harness::start_inventory(dir.path(), TOKEN, &[])
         .await
         .unwrap();
 

@@ -19,11 +19,29 @@ fn contract(algo: HashAlgo, seed: Option<&str>) -> HashContract {
 }
 
 fn core_keys(c: &HashContract, tokens: &[u32]) -> Vec<u64> {
-    c.keys(tokens, &ExtraKeys::default())
+    keys_with(c, tokens, &ExtraKeys::default())
+}
+
+fn keys_with(c: &HashContract, tokens: &[u32], extra: &ExtraKeys) -> Vec<u64> {
+    c.keys(tokens, extra)
         .unwrap()
         .into_iter()
         .map(|k| k.0)
         .collect()
+}
+
+/// The first `BlockStored` whose keys are `want`, within 10 s.
+async fn stored_with(sub: &mut Sub, want: &[u64]) -> Option<rmpv::Value> {
+    let mut got = None;
+    sub.until(Duration::from_secs(10), |f| {
+        got = f
+            .events()
+            .into_iter()
+            .find(|ev| ev_type(ev) == "BlockStored" && hashes(ev) == want);
+        got.is_some()
+    })
+    .await;
+    got
 }
 
 /// What the simulator generates for `prompt` with the word tokenizer.
@@ -528,24 +546,9 @@ async fn cache_salt_enters_keys_and_events() {
         cache_salt: Some("tenant-a".into()),
         ..Default::default()
     };
-    let want: Vec<u64> = c
-        .keys(&prompt, &extra)
-        .unwrap()
-        .into_iter()
-        .map(|k| k.0)
-        .collect();
+    let want = keys_with(&c, &prompt, &extra);
     assert_ne!(want, core_keys(&c, &prompt), "the salt changes the keys");
-    let mut got = None;
-    sub.until(Duration::from_secs(10), |f| {
-        for ev in f.events() {
-            if ev_type(&ev) == "BlockStored" && hashes(&ev) == want {
-                got = Some(ev.clone());
-            }
-        }
-        got.is_some()
-    })
-    .await;
-    let ev = got.unwrap();
+    let ev = stored_with(&mut sub, &want).await.unwrap();
     let extra_keys = field(&ev, "extra_keys")
         .unwrap()
         .as_array()
@@ -586,16 +589,10 @@ async fn a_salt_can_be_ignored_and_a_lora_adapter_named() {
     post(&sim.url("/v1/completions"), &salted).await;
     let c = contract(HashAlgo::Sha256Cbor, Some("0"));
     let want = core_keys(&c, &prompt);
-    let mut seen = false;
-    sub.until(Duration::from_secs(10), |f| {
-        seen |= f
-            .events()
-            .iter()
-            .any(|ev| ev_type(ev) == "BlockStored" && hashes(ev) == want);
-        seen
-    })
-    .await;
-    assert!(seen, "the salted request is stored under the unsalted keys");
+    assert!(
+        stored_with(&mut sub, &want).await.is_some(),
+        "the salted request is stored under the unsalted keys"
+    );
     let (_, r) = post(
         &sim.url("/v1/completions"),
         &json!({"prompt": prompt, "max_tokens": 0}),
@@ -624,24 +621,11 @@ async fn a_salt_can_be_ignored_and_a_lora_adapter_named() {
         lora: Some(("sql-lora".into(), "/adapters/sql".into())),
         ..Default::default()
     };
-    let want: Vec<u64> = c
-        .keys(&prompt, &extra)
-        .unwrap()
-        .into_iter()
-        .map(|k| k.0)
-        .collect();
+    let want = keys_with(&c, &prompt, &extra);
     assert_ne!(want, core_keys(&c, &prompt), "the adapter changes the keys");
-    let mut got = None;
-    sub.until(Duration::from_secs(10), |f| {
-        for ev in f.events() {
-            if ev_type(&ev) == "BlockStored" && hashes(&ev) == want {
-                got = Some(ev.clone());
-            }
-        }
-        got.is_some()
-    })
-    .await;
-    let ev = got.expect("a BlockStored with the adapter's keys");
+    let ev = stored_with(&mut sub, &want)
+        .await
+        .expect("a BlockStored with the adapter's keys");
     assert_eq!(
         field(&ev, "lora_name"),
         Some(&rmpv::Value::from("sql-lora"))
