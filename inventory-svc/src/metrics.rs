@@ -101,6 +101,9 @@ labels! {
         KeyerFull => "keyer_full",
         /// A replica took the endpoint over and cannot continue re-derived keys.
         Takeover => "takeover",
+        /// TensorRT-LLM published a larger attention window than the one indexed: what was
+        /// indexed was a sliding window's, the larger one is full attention.
+        Window => "window",
     }
 }
 

@@ -48,6 +48,8 @@ pub struct Keyer {
     events: EventCounters,
     /// The endpoint's parity canary tap ([`Keyer::with_tap`]).
     tap: Option<Arc<super::tap::Tap>>,
+    /// TensorRT-LLM: the largest `window_size` seen, the one indexed ([`Keyer::trtllm_ops`]).
+    trtllm_window: Option<u64>,
 }
 
 /// `kvroute_ingest_events_total` of the keyer's engine for the vLLM / SGLang event types,
@@ -91,6 +93,7 @@ impl Keyer {
             partial_groups: Vec::new(),
             events,
             tap: None,
+            trtllm_window: None,
         }
     }
 
@@ -330,6 +333,32 @@ impl Keyer {
         std::mem::take(&mut self.pending)
     }
 
+    /// Whether a TensorRT-LLM envelope's window is the one indexed. A model with variable
+    /// sliding-window attention keeps one block pool per attention window and publishes each
+    /// pool's events with its `window_size`; only the largest window holds a whole prefix (full
+    /// attention), so only its events are indexed and the others are counted as sliding-window
+    /// blocks. A larger window seen after a smaller one clears what was indexed (`window`).
+    fn trtllm_window(&mut self, env: &serde_json::Value, ops: &mut Vec<IndexOp>) -> bool {
+        let Some(w) = env.get("window_size").and_then(serde_json::Value::as_u64) else {
+            return true;
+        };
+        match self.trtllm_window {
+            Some(max) if w < max => false,
+            Some(max) if w == max => true,
+            had => {
+                if had.is_some() {
+                    self.map.clear();
+                    self.metrics
+                        .clear(self.engine.as_str(), ClearCause::Window)
+                        .inc();
+                    ops.push(IndexOp::Clear);
+                }
+                self.trtllm_window = Some(w);
+                true
+            }
+        }
+    }
+
     /// Operations for one TensorRT-LLM `/kv_cache_events` drain.
     pub fn trtllm_ops(&mut self, events: &[serde_json::Value]) -> Vec<IndexOp> {
         use serde_json::Value;
@@ -337,7 +366,27 @@ impl Keyer {
         let bs = self.block_size as usize;
         for env in events {
             let data = env.get("data").unwrap_or(env);
-            match data.get("type").and_then(Value::as_str) {
+            let kind = data.get("type").and_then(Value::as_str);
+            if matches!(kind, Some("stored" | "removed")) && !self.trtllm_window(env, &mut ops) {
+                let (event, n) = match kind {
+                    Some("stored") => (
+                        "block_stored",
+                        data.get("blocks")
+                            .and_then(Value::as_array)
+                            .map_or(0, Vec::len),
+                    ),
+                    _ => (
+                        "block_removed",
+                        data.get("block_hashes")
+                            .and_then(Value::as_array)
+                            .map_or(0, Vec::len),
+                    ),
+                };
+                self.count(event);
+                self.skip_partial(GroupKind::SlidingWindow, event, n);
+                continue;
+            }
+            match kind {
                 Some("stored") => {
                     self.count("block_stored");
                     let mut parent_engine = data.get("parent_hash").and_then(Value::as_u64);
@@ -589,6 +638,66 @@ mod tests {
         assert_eq!(ops[0], IndexOp::Store(want.clone()));
         assert_eq!(ops[1], IndexOp::Remove(vec![want[0]]));
         assert_eq!(ops[2], IndexOp::Clear);
+    }
+
+    /// Variable sliding-window attention: only the largest window's events are indexed, and a
+    /// larger window appearing after a smaller one clears what the smaller one stored.
+    #[test]
+    fn trtllm_indexes_only_the_largest_attention_window() {
+        let m = metrics();
+        let mut k = Keyer::new(Engine::Trtllm, KeyMode::Engine, 2, None, m.clone());
+        let stored = |id: u64, hash: u64, window: u64| {
+            serde_json::json!({"event_id": id, "window_size": window, "data": {"type": "stored",
+                "parent_hash": null, "blocks": [{"block_hash": hash,
+                "tokens": [{"token_id": 1, "token_extra_id": 0}, {"token_id": 2, "token_extra_id": 0}],
+                "cache_level": 0, "priority": 35}]}})
+        };
+        let removed = |id: u64, hash: u64, window: u64| {
+            serde_json::json!({"event_id": id, "window_size": window,
+                "data": {"type": "removed", "block_hashes": [hash]}})
+        };
+        let key = trtllm::block_key(0, &[1, 2], None, None);
+        // Window 4096 first, then the full-attention 32768: the 4096 store is dropped.
+        let ops = k.trtllm_ops(&[stored(1, 11, 4096), stored(2, 22, 32768)]);
+        assert_eq!(
+            ops,
+            vec![
+                IndexOp::Store(vec![BlockKey(key)]),
+                IndexOp::Clear,
+                IndexOp::Store(vec![BlockKey(key)])
+            ]
+        );
+        assert_eq!(
+            m.clear("trtllm", ClearCause::Window).get(),
+            1,
+            "the smaller window's blocks were cleared"
+        );
+        // From now on the smaller window's stores and removals are skipped and counted: its
+        // eviction does not erase the full-attention prefix.
+        let ops = k.trtllm_ops(&[
+            stored(3, 33, 4096),
+            removed(4, 33, 4096),
+            removed(5, 11, 4096),
+        ]);
+        assert!(ops.is_empty(), "{ops:?}");
+        let skipped = |event: &str| {
+            m.partial_group_blocks
+                .with_label_values(&["trtllm", "sliding_window", event])
+                .get()
+        };
+        assert_eq!((skipped("block_stored"), skipped("block_removed")), (1, 2));
+        assert_eq!(
+            k.trtllm_ops(&[removed(6, 22, 32768)]),
+            vec![IndexOp::Remove(vec![BlockKey(key)])]
+        );
+        // An engine without window sizes is indexed as before.
+        let mut plain = Keyer::new(Engine::Trtllm, KeyMode::Engine, 2, None, metrics());
+        let mut e = stored(1, 11, 0);
+        e.as_object_mut().unwrap().remove("window_size");
+        assert_eq!(
+            plain.trtllm_ops(&[e]),
+            vec![IndexOp::Store(vec![BlockKey(key)])]
+        );
     }
 
     #[test]

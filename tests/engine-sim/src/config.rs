@@ -69,8 +69,9 @@ pub struct SimArgs {
     /// Name in the `x-kvroute-sim` response header; default: the bound address.
     #[arg(long)]
     pub name: Option<String>,
-    /// vLLM only: publish as a hybrid-attention model whose sliding-window KV-cache group keeps
-    /// the last N blocks of each stored run (0: a single full-attention group).
+    /// Publish as a hybrid-attention model whose sliding-window KV cache keeps the last N blocks
+    /// of each stored run (0: full attention only): vLLM as a second KV-cache group, TensorRT-LLM
+    /// as a second attention window (`window_size` N x block size) beside the full one.
     #[arg(long, default_value_t = 0)]
     pub sliding_window_blocks: usize,
     /// vLLM only: serve every request through the LoRA adapter `NAME=PATH` (vLLM's

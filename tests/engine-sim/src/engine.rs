@@ -54,6 +54,9 @@ pub struct Rank {
     pub freed: Notify,
     /// Signalled when events are pending (the publisher takes them: one batch per step).
     pub step: Notify,
+    /// TensorRT-LLM with a sliding window: the next envelope's `event_id` (one cache event
+    /// becomes an envelope per window, all numbered in one sequence as the engine numbers them).
+    pub trtllm_next_id: std::sync::atomic::AtomicU64,
 }
 
 /// Totals for `/metrics`.
@@ -228,6 +231,7 @@ impl Engine {
                 Rank {
                     idx,
                     kv: Mutex::new(kv),
+                    trtllm_next_id: Default::default(),
                     freed: Notify::new(),
                     step: Notify::new(),
                 }

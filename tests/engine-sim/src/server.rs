@@ -438,16 +438,44 @@ async fn kv_cache_events(State(engine): State<Arc<Engine>>) -> Result<Json<Value
             "/kv_cache_events is served in --engine trtllm only".into(),
         ));
     }
-    let window = (engine.cfg.kv_blocks * engine.cfg.contract.block_size.get()) as u32;
+    let bs = engine.cfg.contract.block_size.get();
+    let window = (engine.cfg.kv_blocks * bs) as u32;
     let multi = engine.ranks.len() > 1;
     let mut out = Vec::new();
     for r in &engine.ranks {
         let rank = multi.then_some(r.idx);
         for (id, e) in lock(&r.kv).take_events() {
-            out.push(match e {
-                KvEvent::Cleared => trtllm_created(id, engine.cfg.kv_blocks, window, rank),
-                other => trtllm_envelope(id, &other, window, rank),
-            });
+            let Some(sliding) = engine.cfg.sliding_window else {
+                out.push(match e {
+                    KvEvent::Cleared => trtllm_created(id, engine.cfg.kv_blocks, window, rank),
+                    other => trtllm_envelope(id, &other, window, rank),
+                });
+                continue;
+            };
+            // Variable sliding-window attention: the full window's event, then the sliding
+            // window's copy of a store and its removal of the blocks before the window.
+            let next = || r.trtllm_next_id.fetch_add(1, Ordering::Relaxed);
+            let sliding_window = (sliding * bs) as u32;
+            match &e {
+                KvEvent::Cleared => {
+                    out.push(trtllm_created(next(), engine.cfg.kv_blocks, window, rank))
+                }
+                KvEvent::Stored { keys, .. } => {
+                    out.push(trtllm_envelope(next(), &e, window, rank));
+                    out.push(trtllm_envelope(next(), &e, sliding_window, rank));
+                    let outside = keys.len().saturating_sub(sliding);
+                    if outside > 0 {
+                        let gone = KvEvent::Removed {
+                            keys: keys[..outside].to_vec(),
+                        };
+                        out.push(trtllm_envelope(next(), &gone, sliding_window, rank));
+                    }
+                }
+                KvEvent::Removed { .. } => {
+                    out.push(trtllm_envelope(next(), &e, window, rank));
+                    out.push(trtllm_envelope(next(), &e, sliding_window, rank));
+                }
+            }
         }
     }
     Ok(Json(Value::Array(out)))
