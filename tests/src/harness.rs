@@ -104,6 +104,28 @@ pub async fn start_inventory(
     Ok((child, addr))
 }
 
+/// Installs `rule` (a loxilb-shaped rule) through the management API of the inventory at `addr`
+/// with `token`; its answer, or an error with the refusal.
+pub async fn add_rule(
+    addr: SocketAddr,
+    token: &str,
+    rule: &serde_json::Value,
+) -> Result<serde_json::Value> {
+    let r = reqwest::Client::new()
+        .post(format!("http://{addr}/netlox/v1/config/loadbalancer"))
+        .bearer_auth(token)
+        .json(rule)
+        .timeout(Duration::from_secs(30))
+        .send()
+        .await?;
+    let status = r.status();
+    let text = r.text().await?;
+    if !status.is_success() {
+        bail!("rule refused: {status} {text}");
+    }
+    Ok(serde_json::from_str(&text).unwrap_or(serde_json::Value::Null))
+}
+
 /// A binary of this workspace built by `cargo build` (`<repo>/target/debug/<name>`).
 pub fn built_bin(name: &str) -> Result<PathBuf> {
     let p = repo_root().join("target/debug").join(name);

@@ -191,19 +191,9 @@ async fn each_mismatch_is_named_and_the_right_configuration_is_healthy() {
             "sel": 0, "mode": 4, "kvExactMode": 3, "kvEngineType": "vllm", "kvBlockSize": 16,
             "kvZmqPort": s.zmq, "kvModel": c.model, "kvVllmExtraKeys": c.extra_keys},
             "endpoints": [{"endpointIP": s.http.ip().to_string(), "targetPort": s.http.port(), "weight": 1}]});
-        let r = client
-            .post(format!("http://{addr}/netlox/v1/config/loadbalancer"))
-            .bearer_auth(TOKEN)
-            .json(&rule)
-            .send()
+        harness::add_rule(addr, TOKEN, &rule)
             .await
-            .unwrap();
-        assert!(
-            r.status().is_success(),
-            "{c:?} refused: {}",
-            r.text().await.unwrap(),
-            c = c.leg
-        );
+            .unwrap_or_else(|e| panic!("{}: {e}", c.leg));
         names.push(format!("127.0.0.1:{}/tcp", 21001 + i));
     }
 

@@ -50,14 +50,7 @@ async fn only_the_full_attention_window_is_indexed() {
     let rule = json!({"serviceArguments": {"externalIP": "127.0.0.1", "port": 21101, "protocol": "tcp",
         "sel": 0, "mode": 4, "kvExactMode": 3, "kvEngineType": "trtllm", "kvBlockSize": 16},
         "endpoints": [{"endpointIP": "127.0.0.1", "targetPort": sim_addr.port(), "weight": 1}]});
-    let r = client
-        .post(format!("http://{addr}/netlox/v1/config/loadbalancer"))
-        .bearer_auth(TOKEN)
-        .json(&rule)
-        .send()
-        .await
-        .unwrap();
-    assert!(r.status().is_success(), "{}", r.text().await.unwrap());
+    harness::add_rule(addr, TOKEN, &rule).await.unwrap();
 
     // 12 full blocks: the sliding window keeps 2 and drops 10 in its own pool.
     let prompt: Vec<u32> = (0..12 * 16 + 3).map(|t| 1000 + t).collect();
