@@ -11,7 +11,8 @@
 //! 3. the same chat again: the engine's `usage.prompt_tokens_details.cached_tokens` against what
 //!    the inventory predicts from the events of the first (**reuse**);
 //! 4. a chat with a `cache_salt`: its keys check the **salt** leg (an engine that ignores the
-//!    salt publishes the unsalted keys).
+//!    salt publishes the unsalted keys; a vLLM in the other extra-keys layout, `kvVllmExtraKeys`,
+//!    publishes that layout's keys).
 //!
 //! While a run listens, the endpoint's ingestion hands it a copy of each `BlockStored` with token
 //! ids that starts a chain or continues one of the canary's ([`Tap`]). The verdict
