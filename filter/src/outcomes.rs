@@ -16,17 +16,16 @@ use std::collections::BTreeMap;
 
 use kvroute_core::wire::{
     EndpointOutcomes, OutcomeReport, TenantUsage, MAX_OUTCOME_ENDPOINTS, MAX_OUTCOME_TENANTS,
-    OTHER_TENANT,
 };
 
 pub use crate::usage::Account;
-use crate::usage::{outcome_of, Judged};
+use crate::usage::{outcome_of, Judged, TenantBook};
 
 /// The sums since the last report.
 #[derive(Debug, Default)]
 pub struct Outcomes {
     by_endpoint: BTreeMap<String, EndpointOutcomes>,
-    by_tenant: BTreeMap<(String, Option<String>), TenantUsage>,
+    by_tenant: TenantBook,
 }
 
 impl Outcomes {
@@ -49,22 +48,14 @@ impl Outcomes {
 
     /// Adds one response's tokens to its account.
     pub fn account(&mut self, a: &Account, prompt_tokens: u64, cached_tokens: u64) {
-        self.add_tenant(TenantUsage {
+        let t = TenantUsage {
             tenant: a.tenant.clone(),
             model: a.model.clone(),
             requests: 1,
             prompt_tokens,
             cached_tokens,
-        });
-    }
-
-    fn add_tenant(&mut self, mut t: TenantUsage) {
-        let mut key = (std::mem::take(&mut t.tenant), t.model.take());
-        // The last entry is kept for the tenants past the bound.
-        if !self.by_tenant.contains_key(&key) && self.by_tenant.len() + 1 >= MAX_OUTCOME_TENANTS {
-            key = (OTHER_TENANT.to_owned(), None);
-        }
-        self.by_tenant.entry(key).or_default().add(&t);
+        };
+        self.by_tenant.add(t, true, MAX_OUTCOME_TENANTS);
     }
 
     /// Whether nothing was judged or accounted since the last report.
@@ -78,23 +69,16 @@ impl Outcomes {
             endpoints: std::mem::take(&mut self.by_endpoint)
                 .into_values()
                 .collect(),
-            tenants: std::mem::take(&mut self.by_tenant)
-                .into_iter()
-                .map(|((tenant, model), sum)| TenantUsage {
-                    tenant,
-                    model,
-                    ..sum
-                })
-                .collect(),
+            tenants: self.by_tenant.take(),
         }
     }
 
     /// Adds back a report that could not be delivered; returns how many endpoints' sums were
-    /// dropped because the table filled up meanwhile (tenants past the bound join
-    /// [`OTHER_TENANT`]).
+    /// dropped because the table filled up meanwhile (tenants past the bound join the other
+    /// tenants' sum).
     pub fn restore(&mut self, r: OutcomeReport) -> usize {
         for t in r.tenants {
-            self.add_tenant(t);
+            self.by_tenant.add(t, true, MAX_OUTCOME_TENANTS);
         }
         r.endpoints
             .into_iter()
@@ -108,7 +92,7 @@ impl Outcomes {
 mod tests {
     use super::*;
     use crate::usage::Verdict;
-    use kvroute_core::wire::MAX_TENANT_NAME;
+    use kvroute_core::wire::{MAX_TENANT_NAME, OTHER_TENANT};
 
     fn judged(predicted_blocks: u64, realised_blocks: u64) -> Judged {
         let verdict = match realised_blocks.cmp(&predicted_blocks) {

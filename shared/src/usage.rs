@@ -15,7 +15,9 @@
 
 use serde_json::Value;
 
-use crate::wire::{EndpointOutcomes, MAX_TENANT_NAME};
+use std::collections::BTreeMap;
+
+use crate::wire::{EndpointOutcomes, TenantUsage, MAX_TENANT_NAME, OTHER_TENANT};
 
 /// Most response bytes kept for usage parsing; past it only the tail is kept (usage is at the end).
 pub const MAX_TRACKED_BYTES: usize = 256 * 1024;
@@ -218,6 +220,63 @@ fn cut(s: &str) -> &str {
     &s[..end]
 }
 
+/// Tenants' sums, bounded: at most `max` entries, the last place kept for [`OTHER_TENANT`], which
+/// sums every tenant the book cannot hold. The tenants it holds keep exact sums and the totals
+/// lose nothing. The filter sums a report's tenants in one (`MAX_OUTCOME_TENANTS`), the service
+/// a rule's (`KVROUTE_TENANTS_MAX`).
+#[derive(Debug, Default)]
+pub struct TenantBook {
+    /// Keyed by tenant and model; the values' own names are left empty.
+    by: BTreeMap<(String, Option<String>), TenantUsage>,
+}
+
+impl TenantBook {
+    /// Adds `t`'s sums, its model kept only when `with_model`; false when it went to
+    /// [`OTHER_TENANT`] because the book already held `max` tenants.
+    pub fn add(&mut self, mut t: TenantUsage, with_model: bool, max: usize) -> bool {
+        let model = t.model.take().filter(|_| with_model);
+        let key = (std::mem::take(&mut t.tenant), model);
+        let held = self.by.contains_key(&key) || self.by.len() + 1 < max;
+        let key = match held {
+            true => key,
+            false => (OTHER_TENANT.to_owned(), None),
+        };
+        self.by.entry(key).or_default().add(&t);
+        held
+    }
+
+    /// Every tenant, most prompt tokens first.
+    pub fn list(&self) -> Vec<TenantUsage> {
+        let mut v: Vec<TenantUsage> = self
+            .by
+            .iter()
+            .map(|((tenant, model), sum)| TenantUsage {
+                tenant: tenant.clone(),
+                model: model.clone(),
+                ..sum.clone()
+            })
+            .collect();
+        // Stable: ties keep the tenants' (and models') order.
+        v.sort_by_key(|t| std::cmp::Reverse(t.prompt_tokens));
+        v
+    }
+
+    /// [`TenantBook::list`], emptying the book.
+    pub fn take(&mut self) -> Vec<TenantUsage> {
+        let v = self.list();
+        self.by.clear();
+        v
+    }
+
+    pub fn len(&self) -> usize {
+        self.by.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.by.is_empty()
+    }
+}
+
 #[cfg(test)]
 #[allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 mod tests {
@@ -356,5 +415,42 @@ mod tests {
         }
         t.push(br#"{"usage":{"prompt_tokens":1}}"#);
         assert_eq!(t.bytes().len(), MAX_TRACKED_BYTES);
+    }
+
+    fn usage(tenant: &str, model: Option<&str>, prompt: u64, cached: u64) -> TenantUsage {
+        TenantUsage {
+            tenant: tenant.into(),
+            model: model.map(str::to_owned),
+            requests: 1,
+            prompt_tokens: prompt,
+            cached_tokens: cached,
+        }
+    }
+
+    #[test]
+    fn sums_per_tenant_with_or_without_the_model_and_folds_past_the_bound() {
+        let mut b = TenantBook::default();
+        assert!(b.add(usage("user:a", Some("m1"), 100, 60), false, 3));
+        assert!(b.add(usage("user:a", Some("m2"), 50, 10), false, 3));
+        assert!(b.add(usage("user:b", None, 500, 0), false, 3));
+        // Full (two tenants and the place kept for "(other)"): a new tenant is folded.
+        assert!(!b.add(usage("user:c", None, 7, 7), false, 3));
+        assert!(!b.add(usage("user:d", None, 3, 0), false, 3));
+        assert!(
+            b.add(usage("user:a", None, 1, 1), false, 3),
+            "a held tenant still adds"
+        );
+        let l = b.list();
+        let names: Vec<&str> = l.iter().map(|t| t.tenant.as_str()).collect();
+        assert_eq!(names, ["user:b", "user:a", OTHER_TENANT]);
+        assert_eq!(
+            (l[1].requests, l[1].prompt_tokens, l[1].cached_tokens),
+            (3, 151, 71)
+        );
+        assert_eq!((l[2].requests, l[2].prompt_tokens), (2, 10));
+        let mut by_model = TenantBook::default();
+        by_model.add(usage("user:a", Some("m1"), 100, 60), true, 10);
+        by_model.add(usage("user:a", Some("m2"), 50, 10), true, 10);
+        assert_eq!(by_model.len(), 2);
     }
 }

@@ -29,7 +29,6 @@ mod outcomes;
 mod replication;
 mod rule;
 mod shadow;
-mod tenants;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -52,7 +51,6 @@ pub use endpoint::{EpRuntime, ParityReport, ParityStatus};
 pub use outcomes::{divergence_cause, ReportApplied, DIVERGED_PERCENT};
 pub use replication::{Origin, Replication, Standalone, StartFeeds};
 pub use rule::RuleRuntime;
-pub use tenants::TenantBook;
 
 /// Starts a rule's tasks (event feeds, health checks, scrapes) once it is installed.
 pub type StartTasks = fn(&Arc<Fleet>, &Arc<RuleRuntime>);

@@ -45,7 +45,7 @@ pub struct RuleRuntime {
     /// Why the rule's tokenizer cannot be served (reported in /healthz), if so.
     tokenizer_problem: Option<String>,
     /// Each tenant's prompt and cached tokens, from the filters' reports.
-    tenants: std::sync::Mutex<super::TenantBook>,
+    tenants: std::sync::Mutex<kvroute_core::usage::TenantBook>,
 }
 
 /// What a new rule's runtime is built from besides its spec.
@@ -162,7 +162,7 @@ impl RuleRuntime {
         crate::sync::lock(&self.tenants).list()
     }
 
-    /// Adds a report's tenants (see [`super::TenantBook`]); returns how many were folded into
+    /// Adds a report's tenants (see [`kvroute_core::usage::TenantBook`]); returns how many were folded into
     /// the other tenants and how many tenants the book now holds.
     pub(super) fn account(
         &self,
@@ -173,7 +173,7 @@ impl RuleRuntime {
         let mut book = crate::sync::lock(&self.tenants);
         let folded = tenants
             .iter()
-            .filter(|t| !book.add(t, with_model, max))
+            .filter(|t| !book.add((*t).clone(), with_model, max))
             .count();
         (folded as u64, book.len())
     }
