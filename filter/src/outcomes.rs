@@ -15,11 +15,11 @@
 use std::collections::BTreeMap;
 
 use kvroute_core::wire::{
-    EndpointOutcomes, OutcomeReport, TenantUsage, MAX_OUTCOME_ENDPOINTS, MAX_OUTCOME_TENANTS,
+    EndpointOutcomes, OutcomeReport, MAX_OUTCOME_ENDPOINTS, MAX_OUTCOME_TENANTS,
 };
 
 pub use crate::usage::Account;
-use crate::usage::{outcome_of, Judged, TenantBook};
+use crate::usage::{outcome_of, Judged, TenantBook, Usage};
 
 /// The sums since the last report.
 #[derive(Debug, Default)]
@@ -47,15 +47,8 @@ impl Outcomes {
     }
 
     /// Adds one response's tokens to its account.
-    pub fn account(&mut self, a: &Account, prompt_tokens: u64, cached_tokens: u64) {
-        let t = TenantUsage {
-            tenant: a.tenant.clone(),
-            model: a.model.clone(),
-            requests: 1,
-            prompt_tokens,
-            cached_tokens,
-        };
-        self.by_tenant.add(t, true, MAX_OUTCOME_TENANTS);
+    pub fn account(&mut self, a: &Account, u: &Usage) {
+        self.by_tenant.add(a.response(u), true, MAX_OUTCOME_TENANTS);
     }
 
     /// Whether nothing was judged or accounted since the last report.
@@ -130,16 +123,29 @@ mod tests {
         assert_eq!((b.judged, b.under, b.qualifying, b.missed), (1, 1, 0, 0));
     }
 
+    fn usage(prompt: u64, cached: u64) -> Usage {
+        Usage {
+            hit_tokens: cached,
+            miss_tokens: prompt - cached,
+        }
+    }
+
     #[test]
     fn tenants_are_summed_bounded_and_come_back_with_a_failed_report() {
         let mut o = Outcomes::default();
         let a = Account::new("user:a|chat", Some("m"));
         assert_eq!(a.tenant, "user:a");
-        o.account(&a, 100, 64);
-        o.account(&a, 50, 48);
-        o.account(&Account::new("ip:10.0.0.9|completions", None), 10, 0);
+        o.account(&a, &usage(100, 64));
+        o.account(&a, &usage(50, 48));
+        o.account(
+            &Account::new("ip:10.0.0.9|completions", None),
+            &usage(10, 0),
+        );
         for i in 0..MAX_OUTCOME_TENANTS {
-            o.account(&Account::new(&format!("user:u{i}|chat"), None), 1, 1);
+            o.account(
+                &Account::new(&format!("user:u{i}|chat"), None),
+                &usage(1, 1),
+            );
         }
         let r = o.take();
         assert_eq!(r.tenants.len(), MAX_OUTCOME_TENANTS);
@@ -161,7 +167,7 @@ mod tests {
         let total: u64 = r.tenants.iter().map(|t| t.requests).sum();
         assert_eq!(total, 3 + MAX_OUTCOME_TENANTS as u64, "nothing lost");
         assert!(o.is_empty());
-        o.account(&a, 1, 1);
+        o.account(&a, &usage(1, 1));
         o.restore(r);
         assert_eq!(
             o.take()

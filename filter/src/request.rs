@@ -581,11 +581,7 @@ impl RequestFilter {
                 s.add(host, Stat::CacheHitTokens, u.hit_tokens);
                 s.add(host, Stat::CacheMissTokens, u.miss_tokens);
                 if let Some(a) = &reader.account {
-                    let prompt = u.hit_tokens.saturating_add(u.miss_tokens);
-                    self.vm
-                        .outcomes
-                        .borrow_mut()
-                        .account(a, prompt, u.hit_tokens);
+                    self.vm.outcomes.borrow_mut().account(a, &u);
                 }
                 if let Some((p, j)) = reader.predicted.and_then(|p| Some((p, p.judge(&u)?))) {
                     if self.vm.config.report.is_some()

@@ -210,6 +210,17 @@ impl Account {
             model: model.map(|m| cut(m).to_owned()),
         }
     }
+
+    /// One response of this account with usage `u`: its prompt tokens and the cached ones.
+    pub fn response(&self, u: &Usage) -> TenantUsage {
+        TenantUsage {
+            tenant: self.tenant.clone(),
+            model: self.model.clone(),
+            requests: 1,
+            prompt_tokens: u.hit_tokens.saturating_add(u.miss_tokens),
+            cached_tokens: u.hit_tokens,
+        }
+    }
 }
 
 fn cut(s: &str) -> &str {

@@ -43,7 +43,6 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{ProcessingRequest, Processin
 use futures::{Stream, StreamExt};
 use kvroute_core::prompt::Endpoint;
 use kvroute_core::usage::{self, outcome_of, Account, Prediction, Tail};
-use kvroute_core::wire::TenantUsage;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status, Streaming};
@@ -380,14 +379,7 @@ impl Picker {
         let Some(rule) = self.fleet.find(&self.opts.rule) else {
             return;
         };
-        let prompt = u.hit_tokens.saturating_add(u.miss_tokens);
-        let tenant = j.account.as_ref().map(|a| TenantUsage {
-            tenant: a.tenant.clone(),
-            model: a.model.clone(),
-            requests: 1,
-            prompt_tokens: prompt,
-            cached_tokens: u.hit_tokens,
-        });
+        let tenant = j.account.as_ref().map(|a| a.response(&u));
         // Only a response the picked endpoint served says how good the prediction was.
         let judged = j
             .prediction
