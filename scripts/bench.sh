@@ -139,6 +139,15 @@ if want placement; then
     say "constrained preset, one-shot and hot-prefix"
     bench "${common[@]}" --workloads one-shot,hot-prefix \
         --json "$OUT/placement-other.json" --markdown "$OUT/placement-other.md"
+    # The alarms on this correctly configured fleet: kvroute again over every workload, with the
+    # parity canary on (every 250 ms, so each run holds several canary runs per endpoint).
+    rm -f "$OUT"/placement-canary-*.json
+    for arrival in staggered burst; do
+        say "constrained preset, every workload, $arrival arrival, with the parity canary"
+        bench --preset constrained --tokenizer-dir "$KVROUTE_TOKENIZER_DIR" --strategies kvroute-engine \
+            --workloads multi-turn,one-shot,hot-prefix --arrival "$arrival" --canary-ms 250 \
+            --json "$OUT/placement-canary-$arrival.json" --markdown "$OUT/placement-canary-$arrival.md"
+    done
     report placement "$OUT" "$REPO/docs/bench-placement.md"
 fi
 

@@ -80,7 +80,10 @@ cat >"$RUN/rules.json" <<EOF
 EOF
 
 start_inventory() {
+    # The parity canary on (KVROUTE_BENCH_CANARY_MS, default every second): the report counts
+    # its verdicts and the divergence verdicts after each gateway run.
     LLB_KV_NONE_HASH_SEED=0 KVROUTE_SCRAPE_INTERVAL_MS=200 KVROUTE_HEALTH_INTERVAL_MS=1000 RUST_LOG=warn \
+        KVROUTE_CANARY_INTERVAL_MS="${KVROUTE_BENCH_CANARY_MS:-1000}" \
         "$INVENTORY_BIN" serve --listen "127.0.0.1:$INV_PORT" --config "$RUN/rules.json" \
         --tokenizer-dir "$RUN" >>"$RUN/logs/inventory.log" 2>&1 &
     INV_PID=$!
@@ -144,6 +147,6 @@ for n in 1 "$GATEWAYS"; do
     )
     "$BIN/kvroute-bench" --preset small --workloads multi-turn --strategies gateway,round-robin \
         --prefix-tokens 820 --gateway "$gws" --sims "$sims_csv" --model "$MODEL" \
-        --tokenizer-dir "$KVROUTE_TOKENIZER_DIR" --concurrency 16 \
+        --tokenizer-dir "$KVROUTE_TOKENIZER_DIR" --concurrency 16 --inventory-url "http://127.0.0.1:$INV_PORT" \
         --json "$OUT/gateways-$n.json" --markdown "$OUT/gateways-$n.md" || die "the $n-gateway run failed"
 done

@@ -24,8 +24,9 @@ from pathlib import Path
 HEADER = (
     "| workload | strategy | endpoints | requests | errors | cached-token ratio | vs round robin "
     "| TTFT p50 ms | TTFT p90 ms | TTFT p99 ms | req/s | load spread | engines/prefix "
-    "| route p50 ms | route p99 ms | pred exact/over/under | over-pred tokens |\n"
-    "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
+    "| route p50 ms | route p99 ms | pred exact/over/under | over-pred tokens "
+    "| canary runs (failing) | divergent eps |\n"
+    "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
 )
 
 
@@ -54,12 +55,56 @@ def row(s, rr=None):
     shares = [s.get(f"prediction_{k}_share") for k in ("exact", "over", "under")]
     pred = "-" if None in shares else "/".join(f"{v:.2f}" for v in shares)
     over = s.get("over_predicted_tokens")
+    # The inventory's alarms over a kvroute run; "-" for the other strategies.
+    g = s.get("signals")
+    canary = "-" if g is None else f"{g['canary_runs']} ({g['canary_failing']})"
+    divergent = "-" if g is None else str(g["divergent_endpoints"])
     return (
         f"| {s['workload']} | {s['strategy']} | {s['endpoints']} | {s['requests']} | {s['errors']} "
         f"| {pct(s['cached_ratio'])} | {vs} | {s['ttft_p50_ms']:.1f} | {s['ttft_p90_ms']:.1f} "
         f"| {s['ttft_p99_ms']:.1f} | {s['throughput_rps']:.1f} | {s['load_spread']:.2f} "
         f"| {s['engines_per_prefix']:.2f} | {opt(s.get('route_p50_ms'))} | {opt(s.get('route_p99_ms'))} "
-        f"| {pred} | {'-' if over is None else over} |\n"
+        f"| {pred} | {'-' if over is None else over} | {canary} | {divergent} |\n"
+    )
+
+
+def prediction_cell(found):
+    """Median exact / over / under shares over summaries that judged predictions, or '-'."""
+    shares = [
+        [s[f"prediction_{k}_share"] for k in ("exact", "over", "under")]
+        for s in found
+        if s.get("prediction_exact_share") is not None
+    ]
+    if not shares:
+        return "-"
+    return "/".join(f"{median([x[i] for x in shares]):.2f}" for i in range(3))
+
+
+def alarms_line(summaries, what):
+    """One sentence on the inventory's alarms over the kvroute runs among `summaries`."""
+    sig = [s["signals"] for s in summaries if s.get("signals")]
+    if not sig:
+        return ""
+    runs = sum(g["canary_runs"] for g in sig)
+    failing = sum(g["canary_failing"] for g in sig)
+    unreachable = sum(g["canary_unreachable"] for g in sig)
+    legs = sorted({f for g in sig for f in g["canary_failures"]})
+    divergent = sum(1 for g in sig if g["divergent_endpoints"])
+    judged = sum(g["judged"] for g in sig)
+    qualifying = sum(g["qualifying"] for g in sig)
+    missed = sum(g["missed"] for g in sig)
+    canary = (
+        f"the parity canary ran {runs} times: {failing} named a failing leg"
+        + (f" ({', '.join(legs)})" if legs else "")
+        + f", {unreachable} found the engine unreachable"
+        if runs
+        else "the parity canary was off"
+    )
+    return (
+        f"Alarms over {what} ({len(sig)} runs with the inventory's signals read): {canary}; "
+        f"the divergence check judged {judged} reported responses, {qualifying} predicted to reuse "
+        f"2 blocks or more, of which {missed} reused none, and found an endpoint divergent in "
+        f"{divergent} of {len(sig)} runs.\n"
     )
 
 
@@ -170,7 +215,9 @@ def placement(res: Path, out: Path):
         if not found:
             return None
         keys = ("cached_ratio", "engines_per_prefix", "ttft_p90_ms")
-        return {k: median([s[k] for s in found]) for k in keys}
+        m = {k: median([s[k] for s in found]) for k in keys}
+        m["pred"] = prediction_cell(found)
+        return m
 
     text = (
         "# Benchmark: placement on a constrained fleet\n\n"
@@ -191,19 +238,32 @@ def placement(res: Path, out: Path):
     text += (
         "## Multi-turn, side by side (medians)\n\n"
         "| strategy | staggered: cached-token ratio | engines per system prompt | TTFT p90 ms "
-        "| burst: cached-token ratio | engines per system prompt | TTFT p90 ms |\n"
-        "|---|---|---|---|---|---|---|\n"
+        "| pred exact/over/under | burst: cached-token ratio | engines per system prompt "
+        "| TTFT p90 ms | pred exact/over/under |\n"
+        "|---|---|---|---|---|---|---|---|---|\n"
     )
     for st in strategies:
         cells = []
         for a in ("staggered", "burst"):
             m = med(a, st)
             cells += (
-                ["-", "-", "-"]
+                ["-", "-", "-", "-"]
                 if m is None
-                else [pct(m["cached_ratio"]), f"{m['engines_per_prefix']:.2f}", f"{m['ttft_p90_ms']:.1f}"]
+                else [
+                    pct(m["cached_ratio"]),
+                    f"{m['engines_per_prefix']:.2f}",
+                    f"{m['ttft_p90_ms']:.1f}",
+                    m["pred"],
+                ]
             )
         text += f"| {st} | " + " | ".join(cells) + " |\n"
+    text += (
+        "\nPredictions: the shares of judged requests whose engine reused exactly / fewer than / "
+        "more than the blocks the strategy predicted, in whole blocks before the prompt's last "
+        "token (median over the runs; `-` for strategies that make no prediction).\n"
+    )
+    all_runs = [s for a in ("staggered", "burst") for r in runs[a] for s in r["summaries"]]
+    text += "\n" + alarms_line(all_runs, f"the {2 * RUNS} multi-turn runs above")
 
     for a in ("staggered", "burst"):
         text += (
@@ -287,6 +347,22 @@ def placement(res: Path, out: Path):
     text += "\n## One-shot and hot-prefix, same fleet\n\n"
     text += command_of(res / "placement-other.md")
     text += full_table(other["summaries"])
+    canary = sorted(res.glob("placement-canary-*.json"))
+    if canary:
+        text += (
+            "\n## Alarms on a correctly configured fleet\n\n"
+            "kvroute-engine again over every workload and both arrivals, with the parity canary "
+            "on (`--canary-ms`): its requests and blocks load these runs' simulators, so their "
+            "ratios carry the canary's cost. The divergence check runs in every kvroute run "
+            "above too (the driver sends the inventory the filter's outcome reports).\n\n"
+        )
+        sums = []
+        for p in canary:
+            text += command_of(p.with_suffix(".md"))
+            d = load(p)
+            text += full_table(d["summaries"]) + "\n"
+            sums += d["summaries"]
+        text += alarms_line(sums, "these runs")
     out.write_text(text)
 
 
@@ -385,8 +461,9 @@ def gateways(res: Path, out: Path):
         "simulators, Envoy + the kvroute filter; the driver spreads requests round robin over the "
         "gateways, so turns of one conversation cross gateways. Caches and the inventory are "
         "fresh for each run.\n\n"
-        "| gateways | cached-token ratio | round robin (same sims) | TTFT p50 ms | TTFT p90 ms | engines/prefix | errors |\n"
-        "|---|---|---|---|---|---|---|\n"
+        "| gateways | cached-token ratio | round robin (same sims) | TTFT p50 ms | TTFT p90 ms "
+        "| engines/prefix | pred exact/over/under | errors |\n"
+        "|---|---|---|---|---|---|---|---|\n"
     )
     sums = {}
     for n in (1, 4):
@@ -400,7 +477,8 @@ def gateways(res: Path, out: Path):
         if g:
             text += (
                 f"| {n} | {pct(g['cached_ratio'])} | {pct(rr['cached_ratio']) if rr else '-'} "
-                f"| {g['ttft_p50_ms']:.1f} | {g['ttft_p90_ms']:.1f} | {g['engines_per_prefix']:.2f} | {g['errors']} |\n"
+                f"| {g['ttft_p50_ms']:.1f} | {g['ttft_p90_ms']:.1f} | {g['engines_per_prefix']:.2f} "
+                f"| {prediction_cell([g])} | {g['errors']} |\n"
             )
     if 1 in sums and 4 in sums and sums[1][1] and sums[4][1]:
         a, b = sums[1][1]["cached_ratio"], sums[4][1]["cached_ratio"]
@@ -408,6 +486,11 @@ def gateways(res: Path, out: Path):
             f"\nHit ratio flat as gateways multiply (4 gateways within 5 points of 1): "
             f"{judge(abs(a - b) <= 0.05)}: {pct(b)} vs {pct(a)}.\n"
         )
+    text += (
+        "\nPredictions: each gateway request's `x-kvroute-matched-blocks` (written by the filter, "
+        "echoed by the simulator) against the engine's `cached_tokens`.\n"
+    )
+    text += "\n" + alarms_line([g for _, g in sums.values() if g], "the gateway runs")
     for n, (d, _) in sorted(sums.items()):
         text += f"\n## {n} gateway(s), every column\n\n" + command_of(res / f"gateways-{n}.md")
         text += full_table(d["summaries"])

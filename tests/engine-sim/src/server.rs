@@ -37,6 +37,11 @@ use crate::prompt::{hash_view, Encoded};
 /// The response header naming the simulator.
 pub const SIM_HEADER: &str = "x-kvroute-sim";
 
+/// The request header the kvroute filter writes with the matched blocks it routed on; the
+/// simulator echoes it in its response so a benchmark client behind a gateway can judge the
+/// gateway's prediction against the response's `cached_tokens`.
+pub const MATCHED_HEADER: &str = "x-kvroute-matched-blocks";
+
 /// The router over a running engine.
 pub fn router(engine: Arc<Engine>) -> Router {
     Router::new()
@@ -62,9 +67,13 @@ pub fn router(engine: Arc<Engine>) -> Router {
 }
 
 async fn name_header(State(engine): State<Arc<Engine>>, req: Request, next: Next) -> Response {
+    let matched = req.headers().get(MATCHED_HEADER).cloned();
     let mut res = next.run(req).await;
     if let Ok(v) = HeaderValue::from_str(&engine.name) {
         res.headers_mut().insert(SIM_HEADER, v);
+    }
+    if let Some(m) = matched {
+        res.headers_mut().insert(MATCHED_HEADER, m);
     }
     res
 }

@@ -141,6 +141,12 @@ fn bench_routes_through_the_inventory() {
                 "{engine} {strategy}: the inventory found hits: {s}"
             );
             assert_judged(s);
+            // The driver sent every judgement to the inventory as the filter's outcome
+            // reports, and the divergence check stayed quiet on this correct fleet.
+            let g = &s["signals"];
+            assert_eq!(g["judged"], s["requests"], "{engine} {strategy}: {s}");
+            assert_eq!(g["divergent_endpoints"], 0, "{engine} {strategy}: {s}");
+            assert_eq!(g["canary_runs"], 0, "the canary is off by default: {s}");
         }
     }
 }

@@ -171,6 +171,22 @@ async fn vllm_publishes_core_keys_and_replays_them() {
 }
 
 #[tokio::test]
+async fn the_filters_matched_blocks_come_back_in_the_response() {
+    let sim = Sim::start(&["--engine", "vllm", "--decode-us-per-token", "10"]);
+    let body = json!({"model": "sim-model", "prompt": "a b c", "max_tokens": 1});
+    let r = reqwest::Client::new()
+        .post(sim.url("/v1/completions"))
+        .header("x-kvroute-matched-blocks", "7")
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.headers().get("x-kvroute-matched-blocks").unwrap(), "7");
+    let (h, _) = post(&sim.url("/v1/completions"), &body).await;
+    assert!(h.get("x-kvroute-matched-blocks").is_none());
+}
+
+#[tokio::test]
 async fn repeated_prompt_reports_cached_tokens() {
     let sim = Sim::start(&["--engine", "vllm", "--decode-us-per-token", "10"]);
     let words: Vec<String> = (0..100).map(|i| format!("w{i}")).collect();

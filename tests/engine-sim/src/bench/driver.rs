@@ -19,16 +19,22 @@
 //! and the driver judges it against the engine's `cached_tokens` ([`judge`], the filter's
 //! `kvroute_filter_prediction_*` rule): `kvroute-engine` and `kvroute-tokens` take the route
 //! answer's `matched_blocks`, `oracle` the chosen simulator's `matched_blocks`. The others make
-//! none: round robin, sticky and partition do not look at the caches, sglang-router keeps its
-//! tree to itself, and the gateway's filter writes `x-kvroute-matched-blocks` on the upstream
-//! request only (no response carries it; the filter judges its own predictions in its stats).
+//! none: round robin, sticky and partition do not look at the caches, and sglang-router keeps
+//! its tree to itself. `gateway` takes the filter's `x-kvroute-matched-blocks`, which the filter
+//! writes on the upstream request and the simulator echoes in its response (a real engine does
+//! not: there the filter's own `kvroute_filter_prediction_*` stats hold the judgement).
+//!
+//! Outcome reports: under the kvroute strategies the driver plays the filter's part and sends
+//! each endpoint's judged predictions to the inventory (`POST /v1/rules/{rule}/outcomes`, every
+//! [`REPORT_EVERY`] and once at the end), so the inventory's divergence signal runs over the
+//! benchmark's traffic as it does behind a gateway.
 //!
 //! The serving simulator is read from the `x-kvroute-sim` header, or from the chunks'
 //! `system_fingerprint` (the simulator's name) when a proxy drops the header. Real engines send
 //! neither: every request carries an `x-request-id` ([`Record::request_id`]), which vLLM logs
 //! with `--enable-log-requests`, and [`attribute_from_logs`] reads the engines' logs afterwards.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -36,12 +42,17 @@ use std::time::{Duration, Instant};
 use anyhow::{anyhow, bail};
 use kvroute_core::hash::{BlockSize, ExtraKeys, HashAlgo, HashContract};
 use kvroute_core::prompt::Endpoint;
+use kvroute_core::wire::{EndpointOutcomes, OutcomeReport};
 use serde_json::{json, Value};
 use tokio::sync::Semaphore;
 
 use super::workload::{Session, Shape};
 use crate::prompt::Encoder;
-use crate::server::SIM_HEADER;
+use crate::server::{MATCHED_HEADER, SIM_HEADER};
+
+/// How often the kvroute strategies send the inventory their outcome reports (the filter's
+/// default `report_ms`).
+pub const REPORT_EVERY: Duration = Duration::from_millis(1000);
 
 /// A routing strategy.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize)]
@@ -159,6 +170,15 @@ pub fn judge(
     prompt_tokens: u64,
     cached_tokens: u64,
 ) -> Option<Judged> {
+    judge_with_outcome(matched_blocks, block_size, prompt_tokens, cached_tokens).map(|(j, _)| j)
+}
+
+fn judge_usage(
+    matched_blocks: u64,
+    block_size: BlockSize,
+    prompt_tokens: u64,
+    cached_tokens: u64,
+) -> Option<kvroute_core::usage::Judged> {
     if prompt_tokens == 0 {
         return None;
     }
@@ -167,12 +187,23 @@ pub fn judge(
         miss_tokens: prompt_tokens.saturating_sub(cached_tokens),
     };
     let bs = u32::try_from(block_size.get()).unwrap_or(u32::MAX);
-    let j = kvroute_core::usage::judge_blocks(matched_blocks, bs, &usage)?;
-    Some(Judged {
+    kvroute_core::usage::judge_blocks(matched_blocks, bs, &usage)
+}
+
+/// [`judge`], with the judgement an outcome report is made of.
+fn judge_with_outcome(
+    matched_blocks: u64,
+    block_size: BlockSize,
+    prompt_tokens: u64,
+    cached_tokens: u64,
+) -> Option<(Judged, kvroute_core::usage::Judged)> {
+    let j = judge_usage(matched_blocks, block_size, prompt_tokens, cached_tokens)?;
+    let mine = Judged {
         matched_blocks,
         predicted_tokens: j.predicted_tokens,
         verdict: j.verdict,
-    })
+    };
+    Some((mine, j))
 }
 
 /// The inventory endpoint the kvroute strategies ask.
@@ -206,6 +237,9 @@ pub struct Router {
     pub api: Api,
     /// The simulators' block size, which the predictions are judged in.
     pub block_size: BlockSize,
+    /// Judged predictions per endpoint (`ip:port`) since the last outcome report (kvroute
+    /// strategies).
+    outcomes: Mutex<BTreeMap<String, EndpointOutcomes>>,
     http: reqwest::Client,
 }
 
@@ -328,8 +362,53 @@ impl Router {
             encoder,
             api: Api::OpenAi,
             block_size,
+            outcomes: Mutex::default(),
             http,
         })
+    }
+
+    /// Adds one judged response of the simulator at `url` to the next outcome report.
+    fn note_outcome(&self, url: &str, j: &kvroute_core::usage::Judged) {
+        if self.inventory.is_none() {
+            return;
+        }
+        let ep = url.trim_start_matches("http://");
+        let o = kvroute_core::usage::outcome_of(ep, j);
+        if let Ok(mut m) = self.outcomes.lock() {
+            m.entry(o.endpoint.clone())
+                .and_modify(|sum| sum.add(&o))
+                .or_insert(o);
+        }
+    }
+
+    /// Sends the outcomes judged since the last report to the inventory, as the filter does
+    /// every `report_ms`; a report that fails is added back for the next one.
+    async fn report_outcomes(&self) {
+        let Some(inv) = &self.inventory else { return };
+        let taken = match self.outcomes.lock() {
+            Ok(mut m) if !m.is_empty() => std::mem::take(&mut *m),
+            _ => return,
+        };
+        let report = OutcomeReport {
+            endpoints: taken.values().cloned().collect(),
+            tenants: Vec::new(),
+        };
+        let sent = self
+            .http
+            .post(format!("{}/v1/rules/{}/outcomes", inv.url, inv.rule))
+            .json(&report)
+            .timeout(Duration::from_secs(2))
+            .send()
+            .await
+            .and_then(reqwest::Response::error_for_status);
+        if let Err(e) = sent {
+            eprintln!("outcome report to the inventory failed (kept for the next): {e}");
+            if let Ok(mut m) = self.outcomes.lock() {
+                for (k, o) in taken {
+                    m.entry(k).and_modify(|sum| sum.add(&o)).or_insert(o);
+                }
+            }
+        }
     }
 
     fn next_rr(&self, n: usize) -> usize {
@@ -470,6 +549,8 @@ impl Router {
 /// What one streamed response reported.
 struct Outcome {
     served_by: Option<String>,
+    /// The filter's matched blocks, echoed by the simulator ([`MATCHED_HEADER`]).
+    matched_blocks: Option<u64>,
     content: String,
     prompt_tokens: u64,
     cached_tokens: u64,
@@ -505,8 +586,14 @@ async fn send(
         );
     }
     let mut buf = String::new();
+    let matched_blocks = resp
+        .headers()
+        .get(MATCHED_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse().ok());
     let mut out = Outcome {
         served_by,
+        matched_blocks,
         content: String::new(),
         prompt_tokens: 0,
         cached_tokens: 0,
@@ -621,6 +708,19 @@ pub async fn run(
     let records = Arc::new(Mutex::new(Vec::new()));
     let t0 = tokio::time::Instant::now();
     let started = Instant::now();
+    let (stop, mut stopped) = tokio::sync::oneshot::channel::<()>();
+    let reporter = router.inventory.is_some().then(|| {
+        let router = router.clone();
+        tokio::spawn(async move {
+            loop {
+                tokio::select! {
+                    _ = &mut stopped => break,
+                    _ = tokio::time::sleep(REPORT_EVERY) => {}
+                }
+                router.report_outcomes().await;
+            }
+        })
+    });
     let mut tasks = Vec::with_capacity(sessions.len());
     for (idx, s) in sessions.into_iter().enumerate() {
         let (router, sem, records) = (router.clone(), sem.clone(), records.clone());
@@ -653,12 +753,14 @@ pub async fn run(
                     error: None,
                 };
                 let mut matched_blocks = None;
+                let mut url = String::new();
                 let result = match router.pick(&body, &s.tenant, s.group).await {
                     Ok(p) => {
                         rec.route_ms = p.route.map(|d| d.as_secs_f64() * 1e3);
                         rec.reason = p.reason;
                         matched_blocks = p.matched_blocks;
-                        send(&router.http, &p.url, &body, &rec.request_id, router.api).await
+                        url = p.url;
+                        send(&router.http, &url, &body, &rec.request_id, router.api).await
                     }
                     Err(e) => Err(e),
                 };
@@ -669,9 +771,21 @@ pub async fn run(
                         rec.served_by = o.served_by;
                         rec.prompt_tokens = o.prompt_tokens;
                         rec.cached_tokens = o.cached_tokens;
-                        rec.prediction = matched_blocks.and_then(|m| {
-                            judge(m, router.block_size, o.prompt_tokens, o.cached_tokens)
+                        if router.strategy == Strategy::Gateway {
+                            matched_blocks = o.matched_blocks;
+                        }
+                        let judged = matched_blocks.and_then(|m| {
+                            judge_with_outcome(
+                                m,
+                                router.block_size,
+                                o.prompt_tokens,
+                                o.cached_tokens,
+                            )
                         });
+                        if let Some((mine, j)) = judged {
+                            rec.prediction = Some(mine);
+                            router.note_outcome(&url, &j);
+                        }
                         rec.ttft_ms = (o.ttft.as_secs_f64() * 1e3) + rec.route_ms.unwrap_or(0.0);
                         history.push(("assistant", o.content));
                     }
@@ -690,6 +804,11 @@ pub async fn run(
         let _ = t.await;
     }
     let elapsed = started.elapsed();
+    let _ = stop.send(());
+    if let Some(r) = reporter {
+        let _ = r.await;
+    }
+    router.report_outcomes().await;
     let recs = records.lock().map(|r| r.clone()).unwrap_or_default();
     (recs, elapsed)
 }

@@ -228,11 +228,47 @@ pub fn rule_json(
     serde_json::json!([{"serviceArguments": args, "endpoints": endpoints}])
 }
 
-/// Starts the inventory service on 127.0.0.1 with `rules` (in-memory, no Redis).
+/// The parity canary of an inventory the bench starts.
+pub struct Canary {
+    /// `KVROUTE_CANARY_INTERVAL_MS`.
+    pub interval_ms: u64,
+    /// The `--tokenizer-dir` holding the model's tokenizer ([`stage_tokenizer`]).
+    pub tokenizers: PathBuf,
+}
+
+/// Names the served model in every rule of `rules` (`kvModel`: the canary's requests and
+/// tokenizer).
+pub fn name_model(rules: &mut serde_json::Value, model: &str) {
+    for r in rules.as_array_mut().into_iter().flatten() {
+        if let Some(a) = r["serviceArguments"].as_object_mut() {
+            a.insert("kvModel".into(), model.into());
+        }
+    }
+}
+
+/// Copies the tokenizer files of `dir` where the inventory looks for `model`'s tokenizer
+/// (`<root>/tokenizers/<slug>/`) under a root in `tmp`, and returns the root.
+pub fn stage_tokenizer(dir: &Path, model: &str, tmp: &Path) -> anyhow::Result<PathBuf> {
+    let slug = kvroute_core::slug::slug(model).map_err(|e| anyhow!("--model {model:?}: {e}"))?;
+    let root = tmp.join(format!("kvroute-bench-tokenizers-{}", std::process::id()));
+    let to = root.join("tokenizers").join(slug);
+    std::fs::create_dir_all(&to).with_context(|| format!("create {}", to.display()))?;
+    for f in ["tokenizer.json", "tokenizer_config.json"] {
+        let from = dir.join(f);
+        if from.exists() {
+            std::fs::copy(&from, to.join(f)).with_context(|| format!("copy {}", from.display()))?;
+        }
+    }
+    Ok(root)
+}
+
+/// Starts the inventory service on 127.0.0.1 with `rules` (in-memory, no Redis), with the
+/// parity canary when `canary` is given.
 pub fn start_inventory(
     bin: &Path,
     rules: &serde_json::Value,
     seed: Option<&str>,
+    canary: Option<&Canary>,
     dir: &Path,
 ) -> anyhow::Result<Proc> {
     let cfg = dir.join(format!("kvroute-bench-rules-{}.json", std::process::id()));
@@ -245,6 +281,10 @@ pub fn start_inventory(
         .env("KVROUTE_SCRAPE_INTERVAL_MS", "200");
     if let Some(s) = seed {
         cmd.env("LLB_KV_NONE_HASH_SEED", s);
+    }
+    if let Some(c) = canary {
+        cmd.arg("--tokenizer-dir").arg(&c.tokenizers);
+        cmd.env("KVROUTE_CANARY_INTERVAL_MS", c.interval_ms.to_string());
     }
     if std::env::var_os("RUST_LOG").is_none() {
         cmd.env("RUST_LOG", "warn");

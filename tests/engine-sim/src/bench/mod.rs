@@ -16,6 +16,7 @@ pub mod plot;
 pub mod progress;
 pub mod report;
 pub mod sglang;
+pub mod signals;
 pub mod workload;
 
 use std::path::PathBuf;
@@ -151,6 +152,15 @@ pub struct BenchArgs {
     /// Text put before the progress line on stderr (e.g. a calling script's own runs done).
     #[arg(long)]
     pub progress_label: Option<String>,
+    /// The parity canary's interval in the inventory the kvroute strategies start
+    /// (`KVROUTE_CANARY_INTERVAL_MS`; 0 = off). It needs `--tokenizer-dir`. Its requests and
+    /// blocks load the kvroute runs' simulators, and the report counts its verdicts.
+    #[arg(long, default_value_t = 0)]
+    pub canary_ms: u64,
+    /// The inventory behind `--gateway`: its alarms (canary runs, divergent endpoints) are read
+    /// after each gateway run, once the filters' outcome reports hold the run's predictions.
+    #[arg(long)]
+    pub inventory_url: Option<String>,
 }
 
 fn list<T>(s: &str, what: &str, parse: impl Fn(&str) -> Option<T>) -> anyhow::Result<Vec<T>> {
@@ -511,8 +521,25 @@ pub async fn main(args: BenchArgs) -> anyhow::Result<Vec<Summary>> {
                         "engine"
                     };
                     let vip = fleet::free_port("127.0.0.1")?;
-                    let rules = fleet::rule_json(&spec, f, vip, key_mode);
-                    let inv = fleet::start_inventory(bin, &rules, spec.seed.as_deref(), &tmp)?;
+                    let mut rules = fleet::rule_json(&spec, f, vip, key_mode);
+                    let canary = match (&args.tokenizer_dir, args.canary_ms) {
+                        (_, 0) => None,
+                        (Some(dir), ms) => {
+                            fleet::name_model(&mut rules, &args.model);
+                            Some(fleet::Canary {
+                                interval_ms: ms,
+                                tokenizers: fleet::stage_tokenizer(dir, &args.model, &tmp)?,
+                            })
+                        }
+                        (None, _) => bail!("--canary-ms needs --tokenizer-dir"),
+                    };
+                    let inv = fleet::start_inventory(
+                        bin,
+                        &rules,
+                        spec.seed.as_deref(),
+                        canary.as_ref(),
+                        &tmp,
+                    )?;
                     let inv_url = format!("http://{}", inv.addr);
                     let rule = format!("127.0.0.1:{vip}");
                     warm_up(&http, &inv_url, &rule, &urls, &args.model).await?;
@@ -524,8 +551,9 @@ pub async fn main(args: BenchArgs) -> anyhow::Result<Vec<Summary>> {
                     _inventory = Some(inv);
                 }
                 run_seq += 1;
+                let router = Arc::new(router);
                 let (mut records, wall) = driver::run(
-                    Arc::new(router),
+                    router.clone(),
                     sessions.clone(),
                     &shape,
                     &args.model,
@@ -548,8 +576,18 @@ pub async fn main(args: BenchArgs) -> anyhow::Result<Vec<Summary>> {
                         .collect();
                     driver::attribute_from_logs(&mut records, &names, &logs);
                 }
-                let s =
+                let mut s =
                     report::summarize(kind.as_str(), strategy.as_str(), urls.len(), &records, wall);
+                // The kvroute strategies' last report is in (the driver sent it); a gateway's
+                // filters report on their own clock.
+                match (&router.inventory, &args.inventory_url) {
+                    (Some(inv), _) => s.signals = Some(signals::read(&http, &inv.url).await?),
+                    (None, Some(url)) if strategy == Strategy::Gateway => {
+                        let judged = s.predictions_judged as u64;
+                        s.signals = Some(signals::settled(&http, url, judged).await?);
+                    }
+                    _ => {}
+                }
                 if strategy == Strategy::RoundRobin {
                     rr_ratio = Some(s.cached_ratio);
                 }

@@ -10,13 +10,17 @@
 //!   shares of the judged requests whose engine reused, in whole blocks, exactly / fewer than
 //!   (over-predicted) / more than (under-predicted) the prediction capped before the last
 //!   token, and the over-predicted tokens: predicted minus `cached_tokens`, summed over the
-//!   over-predicted requests (prefill the strategy counted on and the engine computed).
+//!   over-predicted requests (prefill the strategy counted on and the engine computed);
+//! * the inventory's alarms (kvroute strategies, see [`super::signals`]; `-` for the others): the
+//!   parity canary's runs and, in brackets, those that named a failing leg; the endpoints the
+//!   divergence check judged divergent at the end of the run.
 
 use std::collections::{HashMap, HashSet};
 use std::fmt::Write;
 use std::time::Duration;
 
 use super::driver::{Record, Verdict};
+use super::signals::Signals;
 
 /// One row.
 #[derive(Clone, Debug, serde::Serialize)]
@@ -72,6 +76,8 @@ pub struct Summary {
     pub predicted_tokens: Option<u64>,
     /// Predicted minus cached tokens, summed over the over-predicted requests.
     pub over_predicted_tokens: Option<u64>,
+    /// The inventory's alarms over the run (kvroute strategies).
+    pub signals: Option<Signals>,
     /// Wall time, s.
     pub wall_s: f64,
 }
@@ -172,12 +178,13 @@ pub fn summarize(
         prediction_under_share: share(under),
         predicted_tokens: some(judged.iter().map(|j| j.2).sum()),
         over_predicted_tokens: some(over_tokens),
+        signals: None,
         wall_s: wall.as_secs_f64(),
     }
 }
 
 /// The markdown table header.
-pub const HEADER: &str = "| workload | strategy | endpoints | requests | errors | cached-token ratio | vs round robin | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms | req/s | load spread | engines/prefix | route p50 ms | route p99 ms | pred exact/over/under | over-pred tokens |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n";
+pub const HEADER: &str = "| workload | strategy | endpoints | requests | errors | cached-token ratio | vs round robin | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms | req/s | load spread | engines/prefix | route p50 ms | route p99 ms | pred exact/over/under | over-pred tokens | canary runs (failing) | divergent eps |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n";
 
 /// One markdown row; `rr` is the round-robin cached ratio of the same workload, when measured.
 pub fn row(s: &Summary, rr: Option<f64>) -> String {
@@ -198,9 +205,16 @@ pub fn row(s: &Summary, rr: Option<f64>) -> String {
     let over_tokens = s
         .over_predicted_tokens
         .map_or("-".to_string(), |t| t.to_string());
+    let (canary, divergent) = match &s.signals {
+        Some(g) => (
+            format!("{} ({})", g.canary_runs, g.canary_failing),
+            g.divergent_endpoints.to_string(),
+        ),
+        None => ("-".to_string(), "-".to_string()),
+    };
     let _ = writeln!(
         out,
-        "| {} | {} | {} | {} | {} | {:.1}% | {} | {:.1} | {:.1} | {:.1} | {:.1} | {:.2} | {:.2} | {} | {} | {} | {} |",
+        "| {} | {} | {} | {} | {} | {:.1}% | {} | {:.1} | {:.1} | {:.1} | {:.1} | {:.2} | {:.2} | {} | {} | {} | {} | {} | {} |",
         s.workload,
         s.strategy,
         s.endpoints,
@@ -218,6 +232,8 @@ pub fn row(s: &Summary, rr: Option<f64>) -> String {
         opt(s.route_p99_ms),
         shares,
         over_tokens,
+        canary,
+        divergent,
     );
     out
 }
@@ -294,13 +310,26 @@ mod tests {
             Some(64 + 64 + 48 + 32 + 16 + 80 + 64 + 96 + 48)
         );
         let line = row(&s, None);
-        assert!(line.ends_with("| 0.60/0.30/0.10 | 128 |\n"), "{line}");
+        assert!(
+            line.ends_with("| 0.60/0.30/0.10 | 128 | - | - |\n"),
+            "{line}"
+        );
         let json = serde_json::to_value(&s).unwrap();
         assert_eq!(json["prediction_over"], 3);
         assert_eq!(json["over_predicted_tokens"], 128);
         let columns = |l: &str| l.matches('|').count();
-        assert_eq!(HEADER.lines().map(columns).collect::<Vec<_>>(), [18, 18]);
-        assert_eq!(columns(&line), 18);
+        assert_eq!(HEADER.lines().map(columns).collect::<Vec<_>>(), [20, 20]);
+        assert_eq!(columns(&line), 20);
+        let alarmed = Summary {
+            signals: Some(Signals {
+                canary_runs: 12,
+                canary_failing: 1,
+                divergent_endpoints: 2,
+                ..Signals::default()
+            }),
+            ..s
+        };
+        assert!(row(&alarmed, None).ends_with("| 12 (1) | 2 |\n"));
     }
 
     #[test]
