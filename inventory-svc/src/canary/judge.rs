@@ -163,12 +163,20 @@ pub fn predicted_tokens(matched: u32, prompt_tokens: usize, block_size: usize) -
     (matched as usize).min(reusable) as u64 * block_size as u64
 }
 
+/// The repeated chat: what the inventory predicted it to reuse, what the engine reported.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Reuse {
+    pub predicted: u64,
+    /// `usage.prompt_tokens_details.cached_tokens`, when reported.
+    pub cached: Option<u64>,
+    /// Between the chat and its repeat the chat's blocks left the engine's cache: the index lost
+    /// its first block (an eviction or a reset published), or the engine stored that block again.
+    pub evicted: bool,
+}
+
 /// The verdict of a run from its findings (`None`: the probe was not sent) and the repeated
-/// chat's prediction; the message says what was seen and what to change.
-pub fn verdict(
-    findings: &[(Probe, Option<&Finding>)],
-    repeat: Option<(u64, Option<u64>)>,
-) -> (Leg, String) {
+/// chat's reuse; the message says what was seen and what to change.
+pub fn verdict(findings: &[(Probe, Option<&Finding>)], repeat: Option<Reuse>) -> (Leg, String) {
     let get = |p: Probe| findings.iter().find(|(q, _)| *q == p).and_then(|(_, f)| *f);
     let (completion, chat) = (get(Probe::Completion), get(Probe::Chat));
     let tokens_differ =
@@ -256,7 +264,12 @@ pub fn verdict(
     }
     // Reusing none of it is a broken chain; reusing part of it is an eviction in between (a
     // full cache under load), which the healthy message reports.
-    if let Some((predicted, Some(0))) = repeat {
+    if let Some(Reuse {
+        predicted,
+        cached: Some(0),
+        evicted: false,
+    }) = repeat
+    {
         if predicted > 0 {
             return (
                 Leg::NoReuse,
@@ -274,8 +287,19 @@ pub fn verdict(
         );
     }
     let reuse = match repeat {
-        Some((p, Some(c))) => format!(", the engine reused {c} of {p} predicted tokens"),
-        Some((_, None)) => {
+        Some(Reuse {
+            predicted: p,
+            cached: Some(c),
+            evicted,
+        }) => format!(
+            ", the engine reused {c} of {p} predicted tokens{}",
+            if evicted {
+                " (its blocks were evicted between the chat and its repeat)"
+            } else {
+                ""
+            }
+        ),
+        Some(Reuse { cached: None, .. }) => {
             ", the engine does not report cached_tokens (vLLM: --enable-prompt-tokens-details)"
                 .into()
         }
@@ -485,7 +509,12 @@ mod tests {
             (Probe::Chat, Some(&Finding::Match)),
             (Probe::Salted, Some(&ignored)),
         ];
-        let (leg, msg) = verdict(&all, Some((48, Some(48))));
+        let full = Reuse {
+            predicted: 48,
+            cached: Some(48),
+            evicted: false,
+        };
+        let (leg, msg) = verdict(&all, Some(full));
         assert_eq!(leg, Leg::CacheSalt);
         assert!(msg.contains("ignores cache_salt"), "{msg}");
         // Salted keys of another salt: mixed in differently.
@@ -524,15 +553,26 @@ mod tests {
             (Probe::Completion, Some(&Finding::Match)),
             (Probe::Chat, Some(&Finding::Match)),
         ];
-        assert_eq!(verdict(&ok, Some((64, Some(0)))).0, Leg::NoReuse);
+        let reuse = |predicted, cached, evicted| {
+            Some(Reuse {
+                predicted,
+                cached,
+                evicted,
+            })
+        };
+        assert_eq!(verdict(&ok, reuse(64, Some(0), false)).0, Leg::NoReuse);
+        // Every block evicted in between (seen in the index or in a second store): healthy.
+        let (leg, msg) = verdict(&ok, reuse(64, Some(0), true));
+        assert_eq!(leg, Leg::Healthy, "{msg}");
+        assert!(msg.contains("0 of 64") && msg.contains("evicted"), "{msg}");
         // Part of it evicted in between: healthy, and said.
-        let (leg, msg) = verdict(&ok, Some((64, Some(16))));
+        let (leg, msg) = verdict(&ok, reuse(64, Some(16), false));
         assert_eq!(leg, Leg::Healthy);
         assert!(msg.contains("16 of 64"), "{msg}");
-        let (leg, msg) = verdict(&ok, Some((64, Some(64))));
+        let (leg, msg) = verdict(&ok, reuse(64, Some(64), false));
         assert_eq!(leg, Leg::Healthy, "{msg}");
         assert!(msg.contains("64 of 64"), "{msg}");
-        assert_eq!(verdict(&ok, Some((64, None))).0, Leg::Healthy);
+        assert_eq!(verdict(&ok, reuse(64, None, false)).0, Leg::Healthy);
         // Tokens mode: keys are not compared.
         let c = contract("0", 16);
         let tokens: Vec<u32> = (100..170).collect();

@@ -41,7 +41,7 @@ use crate::index::EndpointId;
 use crate::ingest::decode::Stored;
 use crate::ingest::tap::Tap;
 use crate::offload::Loaded;
-use judge::{find, predicted_tokens, verdict, Answer, Expected, Finding};
+use judge::{find, predicted_tokens, verdict, Answer, Expected, Finding, Reuse};
 
 /// Bytes of an engine's answer read at most (a one-token answer is far smaller).
 const MAX_ANSWER_BYTES: usize = 64 << 10;
@@ -363,6 +363,7 @@ pub async fn run(
     let mut answers: Vec<Option<Answer>> = vec![None; bodies.len()];
     let mut repeat: Option<Answer> = None;
     let mut predicted = None;
+    let mut evicted = false;
     let deadline = || tokio::time::Instant::now() + timeout;
     let result: Result<(), String> = async {
         for (i, (_, endpoint, body)) in bodies.iter().enumerate().take(2) {
@@ -390,21 +391,34 @@ pub async fn run(
                 tokio::time::sleep(INDEX_POLL).await;
             }
         }
-        let matched = matched();
+        let held = matched();
         predicted = Some(predicted_tokens(
-            matched,
+            held,
             chat.tokens.len(),
             contract.block_size.get(),
         ));
-        repeat = Some(
-            send(
-                fleet,
-                &url(Endpoint::ChatCompletions),
-                &bodies[1].2,
-                timeout,
-            )
-            .await?,
-        );
+        let again = send(
+            fleet,
+            &url(Endpoint::ChatCompletions),
+            &bodies[1].2,
+            timeout,
+        )
+        .await?;
+        repeat = Some(again);
+        // Nothing reused of a prediction: under cache pressure (or a reset) the engine can have
+        // evicted the chat's blocks in between. It then computes the repeat anew and stores its
+        // first block again, and the index loses it once the removal is published.
+        if again.cached_tokens == Some(0) && predicted.is_some_and(|p| p > 0) {
+            let bs = contract.block_size.get();
+            let first = chat.tokens.get(..bs).unwrap_or(&[]);
+            let stores = |ev: &[Stored]| {
+                ev.iter()
+                    .filter(|s| s.parent.is_none() && s.token_ids.get(..bs) == Some(first))
+                    .count()
+            };
+            wait_for(tap, deadline(), |ev| stores(ev) >= 2 || matched() < held).await;
+            evicted = stores(&tap.events()) >= 2 || matched() < held;
+        }
         answers[2] = Some(send(fleet, &url(bodies[2].1), &bodies[2].2, timeout).await?);
         let salted = answers[2];
         wait_for(tap, deadline(), |ev| {
@@ -456,7 +470,11 @@ pub async fn run(
         .zip(&findings)
         .map(|(x, f)| (x.probe, f.as_ref()))
         .collect();
-    let reuse = predicted.zip(repeat).map(|(p, a)| (p, a.cached_tokens));
+    let reuse = predicted.zip(repeat).map(|(p, a)| Reuse {
+        predicted: p,
+        cached: a.cached_tokens,
+        evicted,
+    });
     let (leg, message) = verdict(&judged, reuse);
     done(leg, message, probes)
 }
