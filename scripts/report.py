@@ -148,6 +148,15 @@ def stamp():
     return time.strftime("%Y-%m-%d")
 
 
+def machine():
+    """The machine line of a page: CPU, cores and the load average while the bench ran."""
+    one, five, fifteen = os.getloadavg()
+    return (
+        f"on {cpu_model('an unknown CPU')} ({os.cpu_count()} cores; load average "
+        f"{one:.1f} / {five:.1f} / {fifteen:.1f} over 1 / 5 / 15 minutes as the page was written)"
+    )
+
+
 def cpu_model(unknown):
     """The CPU's model name from /proc/cpuinfo, or `unknown`."""
     try:
@@ -221,7 +230,7 @@ def placement(res: Path, out: Path):
 
     text = (
         "# Benchmark: placement on a constrained fleet\n\n"
-        f"Measured {stamp()} by `scripts/bench.sh placement` (kvroute-bench `--preset constrained`, "
+        f"Measured {stamp()} {machine()} by `scripts/bench.sh placement` (kvroute-bench `--preset constrained`, "
         "the Qwen3 tokenizer, vLLM simulators with a vLLM-like free-block queue). "
         f"Workload: {shape_line(runs['staggered'][0])}; burst = every user at once "
         f"(bounded by 8 requests in flight). Multi-turn figures are the median of {RUNS} runs "
@@ -457,7 +466,7 @@ def scale(res: Path, out: Path):
 def gateways(res: Path, out: Path):
     text = (
         "# Benchmark: 1 vs 4 Envoy gateways sharing one inventory\n\n"
-        f"Measured {stamp()} by `scripts/bench.sh gateways`: one kvroute-inventory, the same "
+        f"Measured {stamp()} {machine()} by `scripts/bench.sh gateways`: one kvroute-inventory, the same "
         "simulators, Envoy + the kvroute filter; the driver spreads requests round robin over the "
         "gateways, so turns of one conversation cross gateways. Caches and the inventory are "
         "fresh for each run.\n\n"
