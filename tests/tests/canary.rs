@@ -2,7 +2,10 @@
 //! tokenizer, a wrong chat template, a wrong block size, a wrong seed, a LoRA adapter, an engine
 //! that ignores `cache_salt` and one that writes it in vLLM's pre-0.31 flat layout are each named
 //! in `/healthz`, `/metrics` and `kvroutectl health`, and the correctly configured engines (the
-//! flat one with `kvVllmExtraKeys: flat`) report healthy with the reuse they predicted.
+//! flat one with `kvVllmExtraKeys: flat`) report healthy with the reuse they predicted. The same
+//! for TensorRT-LLM simulators drained over `POST /kv_cache_events`: healthy when configured
+//! correctly (the salted probe skipped, with the reason), and a wrong tokenizer, chat template
+//! and block size each named.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::net::SocketAddr;
@@ -27,6 +30,8 @@ struct Case {
     model: &'static str,
     /// The rule's `kvVllmExtraKeys` (absent: tagged).
     extra_keys: Option<&'static str>,
+    /// `vllm` (events over ZMQ) or `trtllm` (the `/kv_cache_events` drain).
+    engine: &'static str,
 }
 
 fn case(leg: &'static str, sim_args: &[&str]) -> Case {
@@ -36,6 +41,14 @@ fn case(leg: &'static str, sim_args: &[&str]) -> Case {
         tokenizer: None,
         model: MODEL,
         extra_keys: None,
+        engine: "vllm",
+    }
+}
+
+fn trtllm(leg: &'static str, sim_args: &[&str]) -> Case {
+    Case {
+        engine: "trtllm",
+        ..case(leg, sim_args)
     }
 }
 
@@ -66,6 +79,16 @@ fn cases() -> Vec<Case> {
             extra_keys: Some("flat"),
             ..case("healthy", &["--seed", "0", "--extra-keys", "flat"])
         },
+        trtllm("healthy", &[]),
+        Case {
+            tokenizer: Some("swapped-vocab"),
+            ..trtllm("tokenizer", &[])
+        },
+        Case {
+            tokenizer: Some("other-template"),
+            ..trtllm("chat_template", &[])
+        },
+        trtllm("block_size", &["--block-size", "32"]),
     ]
 }
 
@@ -108,37 +131,34 @@ fn other_template(dir: &Path) {
 
 struct Sim {
     http: SocketAddr,
-    zmq: u16,
+    /// The ZMQ event port (vLLM); TensorRT-LLM is drained over HTTP.
+    zmq: Option<u16>,
 }
 
-/// Starts the simulator of `case`; returns its event port and its process.
-fn spawn_sim(i: usize, case: &Case, dir: &TempDir) -> (u16, ChildGuard) {
+/// Starts the simulator of `case`; returns its event port (vLLM) and its process.
+fn spawn_sim(i: usize, case: &Case, dir: &TempDir) -> (Option<u16>, ChildGuard) {
     let tokenizer = match case.tokenizer {
         None => harness::tokenizer_dir().unwrap(),
         Some(name) => dir.path().join(name),
     };
-    let zmq = free_port().unwrap();
-    let name = format!("{i}-{}", case.leg);
+    let name = format!("{i}-{}-{}", case.engine, case.leg);
     let mut cmd = Command::new(harness::built_bin("kvroute-engine-sim").unwrap());
     cmd.args([
         "--listen",
         "127.0.0.1:0",
         "--engine",
-        "vllm",
+        case.engine,
         "--kv-blocks",
         "400",
-    ])
-    .args([
-        "--zmq-port",
-        &zmq.to_string(),
-        "--model",
-        case.model,
-        "--name",
-        &name,
-    ])
-    .arg("--tokenizer-dir")
-    .arg(tokenizer)
-    .args(&case.sim_args);
+    ]);
+    let zmq = (case.engine == "vllm").then(|| free_port().unwrap());
+    if let Some(port) = zmq {
+        cmd.args(["--zmq-port", &port.to_string()]);
+    }
+    cmd.args(["--model", case.model, "--name", &name])
+        .arg("--tokenizer-dir")
+        .arg(tokenizer)
+        .args(&case.sim_args);
     let log = dir.path().join(format!("sim-{name}.log"));
     (zmq, ChildGuard::spawn(&name, cmd, &log).unwrap())
 }
@@ -177,6 +197,7 @@ async fn each_mismatch_is_named_and_the_right_configuration_is_healthy() {
         ("KVROUTE_CANARY_INTERVAL_MS", "600000"),
         ("KVROUTE_CANARY_TIMEOUT_MS", "5000"),
         ("LLB_KV_NONE_HASH_SEED", "0"),
+        ("KVROUTE_TRTLLM_DRAIN_MS", "20"),
     ];
     let (inv, addr) = harness::start_inventory(dir.path(), TOKEN, &env)
         .await
@@ -187,9 +208,14 @@ async fn each_mismatch_is_named_and_the_right_configuration_is_healthy() {
         .unwrap();
     let mut names = Vec::new();
     for (i, (c, s)) in cases.iter().zip(&sims).enumerate() {
-        let rule = json!({"serviceArguments": {"externalIP": "127.0.0.1", "port": 21001 + i, "protocol": "tcp",
-            "sel": 0, "mode": 4, "kvExactMode": 3, "kvEngineType": "vllm", "kvBlockSize": 16,
-            "kvZmqPort": s.zmq, "kvModel": c.model, "kvVllmExtraKeys": c.extra_keys},
+        let mut args = json!({"externalIP": "127.0.0.1", "port": 21001 + i, "protocol": "tcp",
+            "sel": 0, "mode": 4, "kvExactMode": 3, "kvEngineType": c.engine, "kvBlockSize": 16,
+            "kvModel": c.model});
+        if let Some(zmq) = s.zmq {
+            args["kvZmqPort"] = json!(zmq);
+            args["kvVllmExtraKeys"] = json!(c.extra_keys);
+        }
+        let rule = json!({"serviceArguments": args,
             "endpoints": [{"endpointIP": s.http.ip().to_string(), "targetPort": s.http.port(), "weight": 1}]});
         harness::add_rule(addr, TOKEN, &rule)
             .await
@@ -259,11 +285,35 @@ async fn each_mismatch_is_named_and_the_right_configuration_is_healthy() {
                     repeat["cached_tokens"], repeat["predicted_tokens"],
                     "{canary:#}"
                 );
+                if c.engine == "trtllm" {
+                    // The simulator's block_hash is v1_block_key: keys compared too; no salted
+                    // probe, and the message says why.
+                    let m = canary["message"].as_str().unwrap();
+                    assert!(
+                        m.contains("checked: tokenizer, chat template, block size, keys, reuse;")
+                            && m.contains("salted canary not sent"),
+                        "{m}"
+                    );
+                    let probes: Vec<&str> = canary["probes"]
+                        .as_array()
+                        .unwrap()
+                        .iter()
+                        .map(|p| p["probe"].as_str().unwrap())
+                        .collect();
+                    assert_eq!(probes, ["completion", "chat", "chat_repeat"], "{canary:#}");
+                }
             }
             "tokenizer" => {
                 let m = canary["message"].as_str().unwrap();
                 assert!(
                     m.contains(" engine") && m.contains("completion canary"),
+                    "{m}"
+                );
+            }
+            "chat_template" => {
+                let m = canary["message"].as_str().unwrap();
+                assert!(
+                    m.contains("chat canary") && m.contains("completion canary's tokens agree"),
                     "{m}"
                 );
             }
@@ -275,7 +325,7 @@ async fn each_mismatch_is_named_and_the_right_configuration_is_healthy() {
         }
     }
     assert!(
-        metrics.contains("kvroute_canary_runs_total{outcome=\"healthy\"} 2"),
+        metrics.contains("kvroute_canary_runs_total{outcome=\"healthy\"} 3"),
         "{metrics}"
     );
 

@@ -2,6 +2,12 @@
 //!
 //! Pure: the run ([`super::run`]) hands over what kvroute computed for each probe, what the
 //! engine answered and the `BlockStored` events the endpoint's ingestion tapped meanwhile.
+//!
+//! TensorRT-LLM: the inventory keys each stored block from its tokens (`v1_block_key` over the
+//! rule's block size), so the engine's own `block_hash` matters for removals only. Its keys are
+//! compared when they are kvroute's for the same tokens; when they are not, the probe is judged
+//! on its tokens and its tokens per block ([`Finding::TokensOnly`]) and the verdict says that
+//! keys were not compared. The salted probe is not sent to TensorRT-LLM (see [`SALT_NOT_JUDGED`]).
 
 use kvroute_core::hash::{BlockKey, Engine, HashContract};
 
@@ -61,8 +67,14 @@ pub enum Finding {
         /// The engine's first key is the prompt's under this `kvVllmExtraKeys` layout.
         layout: Option<&'static str>,
     },
+    /// TensorRT-LLM: tokens and tokens per block agree, the engine's keys are not kvroute's for
+    /// the same tokens and were not compared (the inventory re-keys the blocks from their tokens).
+    TokensOnly,
     NoEvent,
 }
+
+/// Why the salted probe is not sent to TensorRT-LLM: nothing kvroute routes on could show it.
+pub const SALT_NOT_JUDGED: &str = "TensorRT-LLM's events do not carry the salt and the inventory keys each block from its tokens alone, so salted requests are never predicted to hit and no event shows the salt's place in the keys";
 
 /// Tokens shown either side of a differing position.
 const CONTEXT: usize = 8;
@@ -111,6 +123,12 @@ pub fn find(
             Some(Placed::KeyMismatch { report, .. }) => {
                 if tokens_mode {
                     return Finding::Match;
+                }
+                // Same tokens, same block size: the inventory's keys for them are kvroute's
+                // whatever the engine's block_hash is.
+                if engine == Engine::Trtllm && report.suggested_block_size.is_none() && !s.has_lora
+                {
+                    return Finding::TokensOnly;
                 }
                 let first = |keys: &[BlockKey]| {
                     s.parent.is_none()
@@ -176,7 +194,11 @@ pub struct Reuse {
 
 /// The verdict of a run from its findings (`None`: the probe was not sent) and the repeated
 /// chat's reuse; the message says what was seen and what to change.
-pub fn verdict(findings: &[(Probe, Option<&Finding>)], repeat: Option<Reuse>) -> (Leg, String) {
+pub fn verdict(
+    engine: Engine,
+    findings: &[(Probe, Option<&Finding>)],
+    repeat: Option<Reuse>,
+) -> (Leg, String) {
     let get = |p: Probe| findings.iter().find(|(q, _)| *q == p).and_then(|(_, f)| *f);
     let (completion, chat) = (get(Probe::Completion), get(Probe::Chat));
     let tokens_differ =
@@ -277,9 +299,8 @@ pub fn verdict(findings: &[(Probe, Option<&Finding>)], repeat: Option<Reuse>) ->
             );
         }
     }
-    let judged = [completion, chat]
-        .iter()
-        .any(|f| matches!(f, Some(Finding::Match)));
+    let agrees = |f: Option<&Finding>| matches!(f, Some(Finding::Match | Finding::TokensOnly));
+    let judged = agrees(completion) || agrees(chat);
     if !judged {
         return (
             Leg::NoEvents,
@@ -305,9 +326,56 @@ pub fn verdict(findings: &[(Probe, Option<&Finding>)], repeat: Option<Reuse>) ->
         }
         None => String::new(),
     };
+    if engine != Engine::Trtllm {
+        return (
+            Leg::Healthy,
+            format!("tokens and keys agree with the rule's contract{reuse}"),
+        );
+    }
+    // TensorRT-LLM: say which legs this run checked, and why the others were not.
+    let keys = [completion, chat]
+        .iter()
+        .any(|f| matches!(f, Some(Finding::Match)));
+    let mut checked = Vec::new();
+    for (f, leg) in [(completion, "tokenizer"), (chat, "chat template")] {
+        if agrees(f) {
+            checked.push(leg);
+        }
+    }
+    checked.push("block size");
+    if keys {
+        checked.push("keys");
+    }
+    if matches!(
+        repeat,
+        Some(Reuse {
+            cached: Some(_),
+            ..
+        })
+    ) {
+        checked.push("reuse");
+    }
+    let mut not = Vec::new();
+    if !keys {
+        not.push("keys (the engine's block_hash is not kvroute's v1_block_key of the same tokens; the inventory keys each block from its tokens, so routing does not need it)".to_owned());
+    }
+    if get(Probe::Salted).is_none() {
+        not.push(format!(
+            "cache_salt (salted canary not sent: {SALT_NOT_JUDGED})"
+        ));
+    }
+    let agreed = if keys {
+        "tokens, tokens per block and keys agree with the rule's contract"
+    } else {
+        "tokens and tokens per block agree with the rule's contract"
+    };
     (
         Leg::Healthy,
-        format!("tokens and keys agree with the rule's contract{reuse}"),
+        format!(
+            "{agreed}{reuse}; checked: {}; not checked: {}",
+            checked.join(", "),
+            not.join("; ")
+        ),
     )
 }
 
@@ -386,7 +454,7 @@ mod tests {
         ] {
             let got = f(&[stored(&engine_side, &tokens, None)]);
             assert!(matches!(got, Finding::Keys { .. }), "{got:?}");
-            let (l, msg) = verdict(&[(Probe::Completion, Some(&got))], None);
+            let (l, msg) = verdict(E, &[(Probe::Completion, Some(&got))], None);
             assert_eq!(l, leg, "{msg}");
         }
         // A token swapped at position 40: placed, the position and both ids named.
@@ -405,6 +473,7 @@ mod tests {
         }
         assert_eq!(
             verdict(
+                E,
                 &[
                     (Probe::Completion, Some(&got)),
                     (Probe::Chat, Some(&Finding::Match))
@@ -417,6 +486,7 @@ mod tests {
         // The chat's tokens differ while the completion's agree: the chat template.
         assert_eq!(
             verdict(
+                E,
                 &[
                     (Probe::Completion, Some(&Finding::Match)),
                     (Probe::Chat, Some(&got))
@@ -430,7 +500,7 @@ mod tests {
         let mut lora = stored(&contract("7", 16), &tokens, None);
         lora.has_lora = true;
         let got = f(&[lora]);
-        assert_eq!(verdict(&[(Probe::Chat, Some(&got))], None).0, Leg::Lora);
+        assert_eq!(verdict(E, &[(Probe::Chat, Some(&got))], None).0, Leg::Lora);
     }
 
     #[test]
@@ -457,7 +527,7 @@ mod tests {
             Finding::NoEvent
         );
         assert_eq!(
-            verdict(&[(Probe::Completion, Some(&Finding::NoEvent))], None).0,
+            verdict(E, &[(Probe::Completion, Some(&Finding::NoEvent))], None).0,
             Leg::NoEvents
         );
     }
@@ -514,7 +584,7 @@ mod tests {
             cached: Some(48),
             evicted: false,
         };
-        let (leg, msg) = verdict(&all, Some(full));
+        let (leg, msg) = verdict(E, &all, Some(full));
         assert_eq!(leg, Leg::CacheSalt);
         assert!(msg.contains("ignores cache_salt"), "{msg}");
         // Salted keys of another salt: mixed in differently.
@@ -542,9 +612,87 @@ mod tests {
             ),
             "{old:?}"
         );
-        let (leg, msg) = verdict(&[(Probe::Salted, Some(&old))], None);
+        let (leg, msg) = verdict(E, &[(Probe::Salted, Some(&old))], None);
         assert_eq!(leg, Leg::CacheSalt);
         assert!(msg.contains("kvVllmExtraKeys \"flat\""), "{msg}");
+    }
+
+    /// TensorRT-LLM: keys compared when the engine's are kvroute's, tokens and tokens per block
+    /// judged when they are not, and the verdict names the legs it checked.
+    #[test]
+    fn trtllm_is_judged_on_keys_when_comparable_and_on_tokens_per_block_otherwise() {
+        let ours = HashContract::new(HashAlgo::BlockhashTrtllm, BlockSize::new(16).unwrap());
+        let tokens: Vec<u32> = (100..170).collect();
+        let exp = expected(&ours, Probe::Chat, tokens.clone());
+        let a = answer(tokens.len());
+        let f = |s: Stored| find(Engine::Trtllm, &ours, false, &exp, &a, &[s], &decode);
+        // Both probes' events alike (the same engine hashed both).
+        fn findings(f: &Finding) -> [(Probe, Option<&Finding>); 3] {
+            [
+                (Probe::Completion, Some(f)),
+                (Probe::Chat, Some(f)),
+                (Probe::Salted, None),
+            ]
+        }
+        // The engine's block_hash is v1_block_key: keys compared.
+        let v1 = stored(&ours, &tokens, None);
+        assert_eq!(f(v1.clone()), Finding::Match);
+        let (leg, msg) = verdict(
+            Engine::Trtllm,
+            &findings(&Finding::Match),
+            Some(Reuse {
+                predicted: 48,
+                cached: Some(48),
+                evicted: false,
+            }),
+        );
+        assert_eq!(leg, Leg::Healthy, "{msg}");
+        assert!(
+            msg.contains("checked: tokenizer, chat template, block size, keys, reuse;"),
+            "{msg}"
+        );
+        assert!(msg.contains("salted canary not sent"), "{msg}");
+        // Another block_hash for the same tokens: judged on tokens and tokens per block.
+        let mut other = v1.clone();
+        other.block_hashes.iter_mut().for_each(|h| *h ^= 0x5555);
+        assert_eq!(f(other.clone()), Finding::TokensOnly);
+        let (leg, msg) = verdict(
+            Engine::Trtllm,
+            &findings(&Finding::TokensOnly),
+            Some(Reuse {
+                predicted: 48,
+                cached: Some(48),
+                evicted: false,
+            }),
+        );
+        assert_eq!(leg, Leg::Healthy, "{msg}");
+        assert!(
+            msg.contains("checked: tokenizer, chat template, block size, reuse;"),
+            "{msg}"
+        );
+        assert!(msg.contains("not checked: keys"), "{msg}");
+        // Blocks of 32 tokens: the block size, read from the tokens whatever the hashes.
+        let mut big = stored(
+            &HashContract::new(HashAlgo::BlockhashTrtllm, BlockSize::new(32).unwrap()),
+            &tokens,
+            None,
+        );
+        big.block_hashes.iter_mut().for_each(|h| *h ^= 0x5555);
+        let got = f(big);
+        let (leg, msg) = verdict(Engine::Trtllm, &findings(&got), None);
+        assert_eq!(leg, Leg::BlockSize, "{msg}");
+        assert!(msg.contains("kvBlockSize should be 32"), "{msg}");
+        // A token of another vocabulary is still a token difference.
+        let mut theirs = tokens.clone();
+        theirs[20] = 7;
+        let mut swapped = stored(&ours, &theirs, None);
+        swapped.block_hashes.iter_mut().for_each(|h| *h ^= 0x5555);
+        assert!(matches!(f(swapped), Finding::Tokens { position: 20, .. }));
+        // vLLM's healthy message is unchanged by the TensorRT-LLM wording.
+        assert_eq!(
+            verdict(E, &findings(&Finding::Match), None).1,
+            "tokens and keys agree with the rule's contract"
+        );
     }
 
     #[test]
@@ -560,19 +708,19 @@ mod tests {
                 evicted,
             })
         };
-        assert_eq!(verdict(&ok, reuse(64, Some(0), false)).0, Leg::NoReuse);
+        assert_eq!(verdict(E, &ok, reuse(64, Some(0), false)).0, Leg::NoReuse);
         // Every block evicted in between (seen in the index or in a second store): healthy.
-        let (leg, msg) = verdict(&ok, reuse(64, Some(0), true));
+        let (leg, msg) = verdict(E, &ok, reuse(64, Some(0), true));
         assert_eq!(leg, Leg::Healthy, "{msg}");
         assert!(msg.contains("0 of 64") && msg.contains("evicted"), "{msg}");
         // Part of it evicted in between: healthy, and said.
-        let (leg, msg) = verdict(&ok, reuse(64, Some(16), false));
+        let (leg, msg) = verdict(E, &ok, reuse(64, Some(16), false));
         assert_eq!(leg, Leg::Healthy);
         assert!(msg.contains("16 of 64"), "{msg}");
-        let (leg, msg) = verdict(&ok, reuse(64, Some(64), false));
+        let (leg, msg) = verdict(E, &ok, reuse(64, Some(64), false));
         assert_eq!(leg, Leg::Healthy, "{msg}");
         assert!(msg.contains("64 of 64"), "{msg}");
-        assert_eq!(verdict(&ok, reuse(64, None, false)).0, Leg::Healthy);
+        assert_eq!(verdict(E, &ok, reuse(64, None, false)).0, Leg::Healthy);
         // Tokens mode: keys are not compared.
         let c = contract("0", 16);
         let tokens: Vec<u32> = (100..170).collect();

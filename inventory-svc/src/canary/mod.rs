@@ -12,17 +12,24 @@
 //!    the inventory predicts from the events of the first (**reuse**);
 //! 4. a chat with a `cache_salt`: its keys check the **salt** leg (an engine that ignores the
 //!    salt publishes the unsalted keys; a vLLM in the other extra-keys layout, `kvVllmExtraKeys`,
-//!    publishes that layout's keys).
+//!    publishes that layout's keys). Not sent to TensorRT-LLM ([`judge::SALT_NOT_JUDGED`]).
+//!
+//! TensorRT-LLM's stored events carry each block's tokens, so the tokenizer, the chat template
+//! and the block size (tokens per block) are judged from them whatever the engine's `block_hash`
+//! is; its keys are compared when they are kvroute's `v1_block_key` of the same tokens, and the
+//! verdict says which legs were checked ([`judge`]).
 //!
 //! While a run listens, the endpoint's ingestion hands it a copy of each `BlockStored` with token
-//! ids that starts a chain or continues one of the canary's ([`Tap`]). The verdict
+//! ids that starts a chain or continues one of the canary's ([`Tap`]): a ZMQ subscriber its
+//! decoded events, the TensorRT-LLM drain each stored event's full blocks. The verdict
 //! ([`CanaryVerdict`]) is in `/healthz`, in `kvroute_canary_runs_total{outcome}` and
 //! `kvroute_endpoint_canary_failing{rule,ep}`, and in `kvroutectl health`. It is the verdict of
 //! the replica that ingests the endpoint (not replicated), and it does not change routing
 //! (the divergence signal does that from live traffic).
 //!
-//! Runs on vLLM and SGLang rules with a KV contract, `kvModel` and `--tokenizer-dir`; each
-//! endpoint's first run waits until it is healthy and its subscribers are connected.
+//! Runs on vLLM, SGLang and TensorRT-LLM rules with a KV contract, `kvModel` and
+//! `--tokenizer-dir`; each endpoint's first run waits until it is healthy and its event feed
+//! (subscribers, or the drain) is connected.
 
 pub mod judge;
 
@@ -66,7 +73,7 @@ pub fn spawn_rule(fleet: &Arc<Fleet>, rule: &Arc<RuleRuntime>, taps: Vec<Arc<Tap
         return;
     }
     let spec = &rule.spec;
-    let engine_ok = matches!(spec.engine, Engine::Vllm | Engine::Sglang);
+    let engine_ok = matches!(spec.engine, Engine::Vllm | Engine::Sglang | Engine::Trtllm);
     if !engine_ok
         || spec.contract().is_none()
         || spec.slug.is_none()
@@ -74,7 +81,7 @@ pub fn spawn_rule(fleet: &Arc<Fleet>, rule: &Arc<RuleRuntime>, taps: Vec<Arc<Tap
     {
         tracing::warn!(
             rule = %spec.name(),
-            "parity canary not run for this rule: it needs a vllm or sglang rule with a KV contract, kvModel and --tokenizer-dir"
+            "parity canary not run for this rule: it needs a vllm, sglang or trtllm rule with a KV contract, kvModel and --tokenizer-dir"
         );
         return;
     }
@@ -148,8 +155,8 @@ fn nonce(ep: EndpointId) -> String {
     format!("{:016x}", xxhash_rust::xxh3::xxh3_64(&seed))
 }
 
-/// The bodies of one run (the repeated chat is the chat's).
-fn bodies(model: &str, nonce: &str) -> Vec<(Probe, Endpoint, Value)> {
+/// The bodies of one run (the repeated chat is the chat's); no salted chat for TensorRT-LLM.
+fn bodies(engine: Engine, model: &str, nonce: &str) -> Vec<(Probe, Endpoint, Value)> {
     let chat = |first: &str, salt: Option<String>| {
         let mut b = json!({
             "model": model, "max_tokens": 1, "temperature": 0, "stream": false,
@@ -163,7 +170,7 @@ fn bodies(model: &str, nonce: &str) -> Vec<(Probe, Endpoint, Value)> {
         }
         b
     };
-    vec![
+    let mut v = vec![
         (
             Probe::Completion,
             Endpoint::Completions,
@@ -171,12 +178,15 @@ fn bodies(model: &str, nonce: &str) -> Vec<(Probe, Endpoint, Value)> {
                    "prompt": format!("Completion canary {nonce}. {FILLER}")}),
         ),
         (Probe::Chat, Endpoint::ChatCompletions, chat("Chat", None)),
-        (
+    ];
+    if engine != Engine::Trtllm {
+        v.push((
             Probe::Salted,
             Endpoint::ChatCompletions,
             chat("Salted", Some(format!("kvroute-canary-{nonce}"))),
-        ),
-    ]
+        ));
+    }
+    v
 }
 
 /// kvroute's tokens and keys for each body, as the data plane computes them.
@@ -318,7 +328,11 @@ pub async fn run(
     };
     let base = format!("http://{}", target.addr());
     let timeout = fleet.settings.canary.timeout;
-    let bodies = bodies(spec.model.as_deref().unwrap_or_default(), &nonce(ep));
+    let bodies = bodies(
+        spec.engine,
+        spec.model.as_deref().unwrap_or_default(),
+        &nonce(ep),
+    );
     let cache = fleet.tokenizers.clone();
     let max = fleet.settings.max_prefix_tokens;
     let (c, b) = (contract.clone(), bodies.clone());
@@ -385,7 +399,8 @@ pub async fn run(
         };
         // Ingestion taps an event before it applies it to the index: when the chat's events
         // matched, give the index until the deadline to hold every block they stored.
-        if judge(chat, &answers[1].unwrap_or_default(), &tap.events()) == Finding::Match {
+        let found = judge(chat, &answers[1].unwrap_or_default(), &tap.events());
+        if matches!(found, Finding::Match | Finding::TokensOnly) {
             let until = deadline();
             while (matched() as usize) < chat.keys.len() && tokio::time::Instant::now() < until {
                 tokio::time::sleep(INDEX_POLL).await;
@@ -419,12 +434,14 @@ pub async fn run(
             wait_for(tap, deadline(), |ev| stores(ev) >= 2 || matched() < held).await;
             evicted = stores(&tap.events()) >= 2 || matched() < held;
         }
-        answers[2] = Some(send(fleet, &url(bodies[2].1), &bodies[2].2, timeout).await?);
-        let salted = answers[2];
-        wait_for(tap, deadline(), |ev| {
-            judge(&expected[2], &salted.unwrap_or_default(), ev) != Finding::NoEvent
-        })
-        .await;
+        if let (Some((_, endpoint, body)), Some(x)) = (bodies.get(2), expected.get(2)) {
+            let salted = send(fleet, &url(*endpoint), body, timeout).await?;
+            answers[2] = Some(salted);
+            wait_for(tap, deadline(), |ev| {
+                judge(x, &salted, ev) != Finding::NoEvent
+            })
+            .await;
+        }
         Ok(())
     }
     .await;
@@ -475,7 +492,7 @@ pub async fn run(
         cached: a.cached_tokens,
         evicted,
     });
-    let (leg, message) = verdict(&judged, reuse);
+    let (leg, message) = verdict(spec.engine, &judged, reuse);
     done(leg, message, probes)
 }
 
@@ -486,6 +503,7 @@ fn finding_word(f: Option<&Finding>) -> &'static str {
         Some(Finding::Tokens { .. }) => "tokens",
         Some(Finding::Count { .. }) => "count",
         Some(Finding::Keys { .. }) => "keys",
+        Some(Finding::TokensOnly) => "tokens_only",
         Some(Finding::NoEvent) => "no_event",
     }
 }

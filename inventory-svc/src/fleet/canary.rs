@@ -121,6 +121,8 @@ pub struct ProbeReport {
     pub cached_tokens: Option<u64>,
     /// `chat_repeat`: the tokens the inventory predicted the engine to reuse.
     pub predicted_tokens: Option<u64>,
-    /// `match`, `tokens`, `count`, `keys`, `no_event`, or `not_sent`.
+    /// `match`, `tokens`, `count`, `keys`, `tokens_only` (TensorRT-LLM: tokens and tokens per
+    /// block agree, the engine's keys are not kvroute's and were not compared), `no_event`, or
+    /// `not_sent`.
     pub finding: String,
 }

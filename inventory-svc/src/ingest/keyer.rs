@@ -7,7 +7,8 @@
 //!   parent's content key; an engine-key -> content-key map serves later removals and parents.
 //! * TensorRT-LLM: stored blocks are re-hashed from their tokens with `blockhash_trtllm` (or the
 //!   content key in tokens mode); partial blocks are skipped; the engine hash -> key map serves
-//!   removals.
+//!   removals. While the endpoint's canary listens, each stored event is also offered to its
+//!   tap as a [`Stored`] of the engine's own hashes and tokens ([`super::trtllm::tapped`]).
 //! * Only GPU blocks enter the index; other media are counted.
 //! * Only full-attention KV-cache groups enter the index. A hybrid model publishes its
 //!   sliding-window or Mamba group's blocks under the same hashes as the full-attention group's;
@@ -23,6 +24,7 @@ use kvroute_core::hash::{
 
 use super::decode::{EventBatch, GroupKind, KvEvent, Medium, Stored};
 use super::parity::diagnose;
+use super::trtllm::{block_tokens, tapped};
 use crate::fleet::ParityReport;
 use crate::index::{IndexOp, KeyMap};
 use crate::metrics::{ClearCause, Metrics, ParityCheck};
@@ -389,6 +391,10 @@ impl Keyer {
             match kind {
                 Some("stored") => {
                     self.count("block_stored");
+                    // Built only while a canary run listens: otherwise one relaxed load.
+                    if let Some(t) = self.tap.as_deref().filter(|t| t.armed()) {
+                        t.offer(&tapped(data, self.block_size));
+                    }
                     let mut parent_engine = data.get("parent_hash").and_then(Value::as_u64);
                     let mut parent_key: Option<u64> = match parent_engine {
                         None => Some(0),
@@ -402,23 +408,7 @@ impl Keyer {
                         .unwrap_or(&[])
                     {
                         let engine_hash = b.get("block_hash").and_then(Value::as_u64);
-                        // A token that is not an id below 2^32 makes the block unkeyable (never
-                        // truncated into a different key).
-                        let tokens: Option<Vec<u32>> = b
-                            .get("tokens")
-                            .and_then(Value::as_array)
-                            .map(|t| {
-                                t.iter()
-                                    .map(|x| {
-                                        x.get("token_id")
-                                            .and_then(Value::as_u64)
-                                            .or_else(|| x.as_u64())
-                                            .and_then(|v| u32::try_from(v).ok())
-                                    })
-                                    .collect()
-                            })
-                            .unwrap_or(Some(Vec::new()));
-                        let Some(tokens) = tokens else {
+                        let Some(tokens) = block_tokens(b) else {
                             self.metrics
                                 .malformed_events
                                 .with_label_values(&[self.engine.as_str(), "bad_token_ids"])
@@ -698,6 +688,100 @@ mod tests {
             plain.trtllm_ops(&[e]),
             vec![IndexOp::Store(vec![BlockKey(key)])]
         );
+    }
+
+    /// While a canary run listens, each indexed stored event reaches the tap as the engine's
+    /// full blocks; otherwise nothing is built or kept.
+    #[test]
+    fn trtllm_stored_events_feed_an_armed_tap() {
+        let tap = Arc::new(crate::ingest::tap::Tap::default());
+        let mut k =
+            Keyer::new(Engine::Trtllm, KeyMode::Engine, 4, None, metrics()).with_tap(tap.clone());
+        let toks = |r: std::ops::Range<u32>| {
+            r.map(|t| serde_json::json!({"token_id": t, "token_extra_id": 0}))
+                .collect::<Vec<_>>()
+        };
+        let block = |hash: u64, r: std::ops::Range<u32>| {
+            serde_json::json!({"type": "stored_block", "block_hash": hash, "tokens": toks(r),
+                "cache_level": 0, "priority": 35})
+        };
+        let stored = |id: u64, parent: Option<u64>, blocks: Vec<serde_json::Value>| {
+            serde_json::json!({"event_id": id, "window_size": 64,
+                "data": {"type": "stored", "parent_hash": parent, "blocks": blocks}})
+        };
+        let first = stored(
+            1,
+            None,
+            vec![block(111, 0..4), block(222, 4..8), block(333, 8..10)],
+        );
+        // Not armed: the drain is keyed, nothing is kept.
+        assert!(!tap.armed());
+        assert_eq!(k.trtllm_ops(std::slice::from_ref(&first)).len(), 1);
+        assert!(tap.events().is_empty());
+
+        let _armed = tap.arm([111, 222].into_iter().collect());
+        let mut lora = block(444, 8..12);
+        lora["lora_id"] = serde_json::json!(7);
+        let mut media = block(666, 0..4);
+        media["mm_keys"] = serde_json::json!([{"hash": "ab", "start_offset": 0}]);
+        media["cache_salt"] = serde_json::json!("tenant");
+        k.trtllm_ops(&[
+            first,
+            // A continuation of one of the run's keys, naming an adapter: kept.
+            stored(2, Some(222), vec![lora]),
+            // A continuation of other traffic: not the run's.
+            stored(3, Some(999), vec![block(555, 0..4)]),
+            // A lone partial block (its full predecessors came before): no full block.
+            stored(4, Some(222), vec![block(777, 8..10)]),
+            // A chain start with media and a salt: kept, flagged.
+            stored(5, None, vec![media]),
+            // The smaller attention window: not indexed, not offered.
+            serde_json::json!({"event_id": 6, "window_size": 8, "data": {"type": "stored",
+                "parent_hash": null, "blocks": [block(888, 0..4)]}}),
+            serde_json::json!({"event_id": 7, "window_size": 64,
+                "data": {"type": "removed", "block_hashes": [111]}}),
+        ]);
+        let got = tap.events();
+        assert_eq!(got.len(), 3, "{got:?}");
+        let s = &got[0];
+        assert_eq!(
+            s.block_hashes,
+            vec![111, 222],
+            "the partial tail is dropped"
+        );
+        assert_eq!(s.parent, None);
+        assert_eq!(s.token_ids, (0..8).collect::<Vec<u32>>());
+        assert_eq!(s.block_size, Some(4));
+        assert_eq!(s.medium, Medium::Gpu);
+        assert!(!s.has_lora && !s.has_extra_keys && s.cache_salt.is_none());
+        assert_eq!(
+            (got[1].parent, got[1].block_hashes.clone()),
+            (Some(222), vec![444])
+        );
+        assert!(got[1].has_lora && !got[1].has_extra_keys);
+        assert_eq!(got[2].block_hashes, vec![666]);
+        assert!(got[2].has_extra_keys && !got[2].has_lora);
+        assert_eq!(got[2].cache_salt.as_deref(), Some("tenant"));
+    }
+
+    /// Blocks of another size than the rule's are tapped with their own size, keyed or not.
+    #[test]
+    fn trtllm_tap_reports_the_engines_tokens_per_block() {
+        let tap = Arc::new(crate::ingest::tap::Tap::default());
+        let mut k =
+            Keyer::new(Engine::Trtllm, KeyMode::Engine, 4, None, metrics()).with_tap(tap.clone());
+        let _armed = tap.arm(Default::default());
+        let tokens = |r: std::ops::Range<u32>| r.collect::<Vec<u32>>();
+        let ev = serde_json::json!([{"event_id": 1, "data": {"type": "stored", "parent_hash": null,
+            "blocks": [{"block_hash": 1, "tokens": tokens(0..8), "cache_level": 0},
+                       {"block_hash": 2, "tokens": tokens(8..16), "cache_level": 0}]}}]);
+        let ops = k.trtllm_ops(ev.as_array().unwrap());
+        assert_eq!(ops, vec![IndexOp::Store(Vec::new())], "unkeyable at size 4");
+        let got = tap.events();
+        assert_eq!(got.len(), 1);
+        assert_eq!(got[0].block_size, Some(8));
+        assert_eq!(got[0].block_hashes, vec![1, 2]);
+        assert_eq!(got[0].token_ids, tokens(0..16));
     }
 
     #[test]

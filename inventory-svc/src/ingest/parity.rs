@@ -12,7 +12,23 @@ use kvroute_core::hash::{
 };
 
 /// Searches the plausible contracts for one that reproduces the event's first key.
+///
+/// TensorRT-LLM's events give each block's tokens, so its block size is read from them: blocks
+/// of another size name `kvBlockSize` whether or not the engine's keys are reproducible.
 pub fn diagnose(engine: Engine, c: &HashContract, s: &Stored) -> ParityReport {
+    if let Some(b) = s.block_size.filter(|b| {
+        engine == Engine::Trtllm && *b != u32::from(c.block_size) && BlockSize::new(*b).is_some()
+    }) {
+        return ParityReport {
+            message: format!(
+                "{engine} blocks hold {b} tokens (tokens_per_block), the rule's kvBlockSize is {}: kvBlockSize should be {b}",
+                u32::from(c.block_size)
+            ),
+            suggested_algo: None,
+            suggested_seed: None,
+            suggested_block_size: Some(b),
+        };
+    }
     let n = s.block_hashes.len().max(1);
     let mut sizes: Vec<u32> = vec![u32::from(c.block_size)];
     if let Some(b) = s.block_size {

@@ -31,6 +31,12 @@ struct Tapped {
 }
 
 impl Tap {
+    /// Whether a run listens: one relaxed load, for ingestion that must build the event it
+    /// would offer (TensorRT-LLM's JSON) only when someone takes it.
+    pub fn armed(&self) -> bool {
+        self.armed.load(Ordering::Relaxed)
+    }
+
     /// Called by ingestion for every `BlockStored`: keeps a copy while a run listens.
     pub fn offer(&self, s: &Stored) {
         if !self.armed.load(Ordering::Relaxed) || s.token_ids.is_empty() {

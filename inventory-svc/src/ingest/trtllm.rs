@@ -4,11 +4,15 @@
 //! ZMQ sequence numbers: a jump means events were lost (cleared, no replay exists), an id back at
 //! or below the last after a failed poll, or 0, means a restart (cleared); a run of ids below the last
 //! one means the last was out of range (cleared, then followed).
+//!
+//! Also here: reading a stored block's tokens, and the [`Stored`] a stored event makes for the
+//! parity canary's tap ([`tapped`]).
 
 use std::time::Duration;
 
 use serde_json::Value;
 
+use super::decode::{Medium, Stored};
 use super::keyer::Keyer;
 use super::{clear_for, next_backoff, Feed, SeqTracker};
 use crate::metrics::ClearCause;
@@ -17,6 +21,89 @@ use crate::metrics::Metrics;
 /// Largest drain body read: a drain of 100 ms holds a few hundred events of a few KiB; past this the
 /// drain is refused (counted as a decode error) instead of buffered.
 pub const MAX_DRAIN_BODY: usize = 32 << 20;
+
+/// A stored block's token ids (`tokens: [{token_id, ...}]`, or bare ids); no `tokens` is no
+/// tokens. `None` when a token is not an id below 2^32: such a block is unkeyable, never
+/// truncated into a different key.
+pub(super) fn block_tokens(block: &Value) -> Option<Vec<u32>> {
+    let Some(tokens) = block.get("tokens").and_then(Value::as_array) else {
+        return Some(Vec::new());
+    };
+    tokens
+        .iter()
+        .map(|x| {
+            x.get("token_id")
+                .and_then(Value::as_u64)
+                .or_else(|| x.as_u64())
+                .and_then(|v| u32::try_from(v).ok())
+        })
+        .collect()
+}
+
+/// The `BlockStored` a stored event's `data` makes for the parity canary: the engine's
+/// `block_hash` and the concatenated tokens of its full blocks, its `parent_hash`, the tokens
+/// per block, and whether a block names a LoRA adapter (`lora_id`), media (`mm_keys`) or a
+/// `cache_salt`. The event's first block sets the block size; the blocks holding that many tokens
+/// from the start are full, and the chain of full blocks ends at the first other one (a partial
+/// tail, a block without hash or with a bad token). A lone block holding fewer tokens than the
+/// rule's `block_size` is a partial block (its full predecessors came in an earlier event), not
+/// another block size.
+pub(super) fn tapped(data: &Value, block_size: u32) -> Stored {
+    let blocks = data
+        .get("blocks")
+        .and_then(Value::as_array)
+        .map(Vec::as_slice)
+        .unwrap_or(&[]);
+    let named = |b: &Value, field: &str| b.get(field).is_some_and(|v| !v.is_null());
+    let media = |b: &Value| {
+        b.get("mm_keys")
+            .and_then(Value::as_array)
+            .is_some_and(|m| !m.is_empty())
+    };
+    let cache_salt = blocks.iter().find_map(|b| match b.get("cache_salt") {
+        Some(Value::String(s)) => Some(s.clone()),
+        Some(Value::Null) | None => None,
+        Some(other) => Some(other.to_string()),
+    });
+    let mut s = Stored {
+        block_hashes: Vec::new(),
+        parent: data.get("parent_hash").and_then(Value::as_u64),
+        token_ids: Vec::new(),
+        block_size: None,
+        medium: match blocks
+            .first()
+            .and_then(|b| b.get("cache_level"))
+            .and_then(Value::as_u64)
+        {
+            Some(0) | None => Medium::Gpu,
+            Some(_) => Medium::Cpu,
+        },
+        has_lora: blocks.iter().any(|b| named(b, "lora_id")),
+        has_extra_keys: cache_salt.is_some() || blocks.iter().any(media),
+        cache_salt,
+        group: None,
+        kind: None,
+    };
+    let mut size = None;
+    for b in blocks {
+        let (Some(hash), Some(tokens)) =
+            (b.get("block_hash").and_then(Value::as_u64), block_tokens(b))
+        else {
+            break;
+        };
+        let n = *size.get_or_insert(tokens.len());
+        let lone_partial = blocks.len() == 1 && n < block_size as usize;
+        if n == 0 || tokens.len() != n || lone_partial {
+            break;
+        }
+        s.block_hashes.push(hash);
+        s.token_ids.extend_from_slice(&tokens);
+    }
+    if !s.block_hashes.is_empty() {
+        s.block_size = size.and_then(|n| u32::try_from(n).ok());
+    }
+    s
+}
 
 /// Reads a drain body of at most [`MAX_DRAIN_BODY`] bytes and parses it.
 async fn read_bounded(
