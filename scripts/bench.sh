@@ -19,7 +19,8 @@
 #
 # Before measuring it installs what is missing, idempotently: scripts/setup.sh (Envoy, the Qwen3
 # tokenizer fixture, the wasm toolchain, sglang-router==0.3.2 into $KVROUTE_CACHE/sglang-router-venv),
-# the filter .wasm (scripts/build-wasm.sh, only for `gateways`), and the release binaries.
+# the filter .wasm (scripts/build-wasm.sh, only for `gateways`), and the release binaries (under
+# $CARGO_TARGET_DIR when set, else target/).
 # Raw results (JSON) go to $KVROUTE_CACHE/bench/. KVROUTE_INVENTORY_BIN=PATH measures that
 # kvroute-inventory binary instead of building the workspace's (e.g. a reviewed build while the
 # tree is mid-change). KVROUTE_PLACEMENT_RUNS=N sets the placement part's runs per arrival
@@ -32,7 +33,7 @@ REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$REPO"
 export KVROUTE_CACHE="${KVROUTE_CACHE:-$REPO/.cache}"
 OUT="$KVROUTE_CACHE/bench"
-BIN="$REPO/target/release"
+BIN="${CARGO_TARGET_DIR:-$REPO/target}/release"
 
 say() { echo "bench.sh: $*"; }
 die() {
