@@ -23,7 +23,8 @@
 # as bench_gateways.sh).
 #
 # Writes into OUT_DIR, for arrival A, path P (wasm, epp, rr) and round R:
-#   epp-ratio-A-P-R.{json,md}      kvroute-bench's results
+#   epp-ratio-A-P-R.{json,md}      kvroute-bench's results (and -records.json, per request, for
+#                                  the gateway paths)
 #   epp-ratio-A-P-R.envoy-{before,after}  that Envoy's kvroute counters around the run (wasm:
 #                                  wasmcustom.kvroute_filter_*, epp: ext_proc and cluster engines)
 #   epp-ratio-A-P-R.inventory      the inventory's /metrics at the end of the run (P: wasm, epp)
@@ -305,7 +306,8 @@ run() {
     start_inventory
     envoy_stats "$path" >"$base.envoy-before"
     "$BIN/kvroute-bench" "${common[@]}" --arrival "$arrival" --strategies gateway --gateway "${GW[$path]}" \
-        --json "$base.json" --markdown "$base.md" >/dev/null || die "the $path run failed"
+        --json "$base.json" --markdown "$base.md" --records "$base-records.json" >/dev/null ||
+        die "the $path run failed"
     envoy_stats "$path" >"$base.envoy-after"
     curl -fs "http://127.0.0.1:$INV_PORT/metrics" >"$base.inventory"
 }
