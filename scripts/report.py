@@ -454,7 +454,7 @@ def epp(res: Path, out: Path):
              ("rr", "round robin (reference)", "round-robin")]
     text = (
         "# Benchmark: the endpoint picker next to the Wasm filter\n\n"
-        f"Measured {stamp()} by `scripts/bench.sh epp` (scripts/bench_epp_ratio.sh) on "
+        f"Measured {stamp()} by scripts/bench_epp_ratio.sh (the `epp` part of scripts/bench.sh) on "
         f"{cpu_model('an unknown CPU')} ({os.cpu_count()} cores), shared with other work: load average "
         f"{avg(loadavg[0])} before the first run, {avg(loadavg[-1])} after the last.\n\n"
         "One fleet, two data planes: 4 simulated vLLM engines (the small preset's 96 KV blocks each, the "
@@ -463,8 +463,9 @@ def epp(res: Path, out: Path):
         "100 ms callout budget). **Endpoint picker**: Envoy 1.40 with the ext_proc filter and the "
         "`override_host` policy of docs/epp.md, *Plain Envoy* (full-duplex streamed request body, "
         "response body `NONE`), the picker's defaults (`--epp-timeout-ms 150`, one fallback). Both decide "
-        "with the same function. Workload: kvroute-bench's small preset, multi-turn (48 users x 4 turns "
-        "over 4 system prompts of 820 tokens), 16 requests in flight, the `gateway` strategy through one "
+        "with the same function; the filter also reports predicted-against-realised outcomes to the inventory "
+        "every 5 s, which the picker, reading no response body, does not. Workload: kvroute-bench's small preset, multi-turn (48 users x 4 turns "
+        "over 4 system prompts of ~820 tokens), 16 requests in flight, the `gateway` strategy through one "
         "Envoy at a time.\n\n"
         f"{rounds} rounds per arrival; each round runs both paths, the order alternating (odd rounds "
         "Wasm first), then round robin straight to the simulators. Before every run the simulators' caches "
@@ -529,6 +530,7 @@ def epp(res: Path, out: Path):
             )
         text += "\n"
     first = arrivals[0] if arrivals else "staggered"
+    text += f"## kvroute-bench commands (round 1, {first} arrival)\n\n"
     for p in ("wasm", "epp"):
         text += command_of(res / f"epp-ratio-{first}-{p}-1.md")
     out.write_text(text)
