@@ -10,29 +10,34 @@
 #                                       as Anthropic Messages, interleaved (5 runs per arrival)
 #   scale      docs/bench-scale.md      multi-turn at 4, 8 and 16 endpoints
 #   gateways   docs/bench-gateways.md   1 vs 4 Envoy gateways (kvroute filter) sharing one inventory
+#   epp        docs/bench-epp-ratio.md  the endpoint picker (Envoy ext_proc) next to the Wasm filter on
+#                                       one workload and fleet: paired, interleaved rounds (5 per
+#                                       arrival), cached-token ratio compared
 #
 # After each part kvroute-plot draws its SVG plots beside the page (docs/bench-small.svg and
 # bench-small-ttft.svg, bench-placement.svg and bench-placement-ttft-{staggered,burst}.svg,
 # bench-scale.svg), which the page embeds.
 #
-# Usage: scripts/bench.sh [small|placement|anthropic|scale|gateways]...   (default: all five)
+# Usage: scripts/bench.sh [small|placement|anthropic|scale|gateways|epp]...   (default: all six)
 #
 # Before measuring it installs what is missing, idempotently: scripts/setup.sh (Envoy, the Qwen3
 # tokenizer fixture, the wasm toolchain, sglang-router==0.3.2 into $KVROUTE_CACHE/sglang-router-venv),
-# the filter .wasm (scripts/build-wasm.sh, only for `gateways`), and the release binaries.
+# the filter .wasm (scripts/build-wasm.sh, only for `gateways` and `epp`), and the release binaries
+# (under $CARGO_TARGET_DIR when set, else target/).
 # Raw results (JSON) go to $KVROUTE_CACHE/bench/. KVROUTE_INVENTORY_BIN=PATH measures that
 # kvroute-inventory binary instead of building the workspace's (e.g. a reviewed build while the
 # tree is mid-change). KVROUTE_PLACEMENT_RUNS=N sets the placement part's runs per arrival
 # (default 9; one run measures every strategy for ~3 s); KVROUTE_ANTHROPIC_RUNS=N the anthropic
-# part's (default 3). Every process a part starts is stopped when it
-# ends (kvroute-bench kills its children on exit; this script kills the gateways' processes).
+# part's (default 3); KVROUTE_EPP_ROUNDS=N the epp part's rounds per arrival (default 5). Every
+# process a part starts is stopped when it ends (kvroute-bench kills its children on exit;
+# bench_gateways.sh and bench_epp_ratio.sh kill the processes they start).
 set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$REPO"
 export KVROUTE_CACHE="${KVROUTE_CACHE:-$REPO/.cache}"
 OUT="$KVROUTE_CACHE/bench"
-BIN="$REPO/target/release"
+BIN="${CARGO_TARGET_DIR:-$REPO/target}/release"
 
 say() { echo "bench.sh: $*"; }
 die() {
@@ -42,12 +47,12 @@ die() {
 
 parts=("$@")
 if ((${#parts[@]} == 0)); then
-    parts=(small placement anthropic scale gateways)
+    parts=(small placement anthropic scale gateways epp)
 fi
 for p in "${parts[@]}"; do
     case "$p" in
-    small | placement | anthropic | scale | gateways) ;;
-    *) die "unknown part '$p' (allowed: small placement anthropic scale gateways)" ;;
+    small | placement | anthropic | scale | gateways | epp) ;;
+    *) die "unknown part '$p' (allowed: small placement anthropic scale gateways epp)" ;;
     esac
 done
 want() {
@@ -63,7 +68,7 @@ source "$KVROUTE_CACHE/env.sh"
 
 # setup.sh installed sglang-router into $KVROUTE_CACHE/sglang-router-venv (env.sh exports its python).
 
-if want gateways; then
+if want gateways || want epp; then
     say "building the filter .wasm"
     ./scripts/build-wasm.sh
 fi
@@ -193,5 +198,10 @@ fi
 if want gateways; then
     "$REPO/scripts/bench_gateways.sh" "$OUT"
     report gateways "$OUT" "$REPO/docs/bench-gateways.md"
+fi
+
+if want epp; then
+    "$REPO/scripts/bench_epp_ratio.sh" "$OUT"
+    report epp "$OUT" "$DOCS/bench-epp-ratio.md"
 fi
 say "done: tables in docs/bench-*.md, plots in docs/bench-*.svg, raw results in $OUT"

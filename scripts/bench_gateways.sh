@@ -20,7 +20,7 @@ OUT="${1:?usage: bench_gateways.sh OUT_DIR}"
 export KVROUTE_CACHE="${KVROUTE_CACHE:-$REPO/.cache}"
 # shellcheck source=/dev/null
 source "$KVROUTE_CACHE/env.sh"
-BIN="$REPO/target/release"
+BIN="${CARGO_TARGET_DIR:-$REPO/target}/release"
 INVENTORY_BIN="${KVROUTE_INVENTORY_BIN:-$BIN/kvroute-inventory}"
 MODEL="Qwen/Qwen3-0.6B"
 SLUG="Qwen__Qwen3-0.6B"

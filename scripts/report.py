@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Writes the measured pages in docs/ (every markdown report the scripts produce).
 
-usage: report.py PART RESULTS_DIR OUT.md     PART: small, placement, anthropic, scale, gateways (scripts/bench.sh)
+usage: report.py PART RESULTS_DIR OUT.md     PART: small, placement, anthropic, scale, gateways, epp (scripts/bench.sh)
        report.py hash CRITERION_DIR WASM.json OPENSSL.txt    docs/bench-hash.md on stdout (scripts/bench-hash.sh)
        report.py soak SAMPLES.tsv OUT.md      figures in SOAK_* variables (scripts/soak.sh)
        report.py fuzz DOC.md RESULTS          one row per target run, other rows kept (scripts/fuzz.sh)
@@ -506,6 +506,150 @@ def gateways(res: Path, out: Path):
     out.write_text(text)
 
 
+def counters(path: Path) -> dict:
+    """`name: value` (Envoy's /stats) or `name value` (Prometheus) lines of a file, as numbers."""
+    out = {}
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            m = re.match(r"^([^\s:]+(?:\{[^}]*\})?):? (-?[0-9.]+)$", line)
+            if m:
+                out[m.group(1)] = float(m.group(2))
+    return out
+
+
+def pinning(base: Path, path: str):
+    """(pinned, unpinned) requests of one gateway run from the counters bench_epp_ratio.sh kept:
+    the filter's pins and fail-opens (Envoy's counters after minus before), or the picker's picks
+    and fail-opens (the fresh inventory's) plus the requests Envoy let through with the picker
+    unreachable."""
+    before = counters(base.with_name(base.name + ".envoy-before"))
+    after = counters(base.with_name(base.name + ".envoy-after"))
+    delta = lambda k: after.get(k, 0) - before.get(k, 0)  # noqa: E731
+    if path == "wasm":
+        f = "wasmcustom.kvroute_filter_"
+        unpinned = sum(delta(k) for k in after if k.startswith(f + "fail_open_"))
+        return delta(f + "pinned_total"), unpinned + delta(f + "no_tokenizer_total")
+    inv = counters(base.with_name(base.name + ".inventory"))
+    picked = inv.get('kvroute_epp_requests_total{outcome="picked"}', 0)
+    unpinned = inv.get('kvroute_epp_requests_total{outcome="fail_open"}', 0)
+    return picked, unpinned + sum(delta(k) for k in after if k.endswith("ext_proc.failure_mode_allowed"))
+
+
+def epp(res: Path, out: Path):
+    """The endpoint picker against the Wasm filter on one workload and fleet, paired by round."""
+    order = [l.split() for l in (res / "epp-ratio-order").read_text().splitlines() if l.strip()]
+    arrivals = list(dict.fromkeys(a for a, _, _ in order))
+    rounds = max(int(r) for _, r, _ in order)
+    loadavg = (res / "epp-ratio-load").read_text().splitlines()
+    avg = lambda l: " ".join(l.split()[:3])  # noqa: E731
+    paths = [("wasm", "Wasm filter", "gateway"), ("epp", "endpoint picker", "gateway"),
+             ("rr", "round robin (reference)", "round-robin")]
+    text = (
+        "# Benchmark: the endpoint picker next to the Wasm filter\n\n"
+        f"Measured {stamp()} by scripts/bench_epp_ratio.sh (the `epp` part of scripts/bench.sh) on "
+        f"{cpu_model('an unknown CPU')} ({os.cpu_count()} cores), shared with other work: load average "
+        f"{avg(loadavg[0])} before the first run, {avg(loadavg[-1])} after the last.\n\n"
+        "One fleet, two data planes: 4 simulated vLLM engines (the small preset's 96 KV blocks each, the "
+        "Qwen3 tokenizer) and one kvroute-inventory serving both the filter's callouts and the endpoint "
+        "picker (`--epp-listen`). **Wasm filter**: Envoy 1.40 running envoy/envoy.yaml (the kvroute filter, "
+        "100 ms callout budget). **Endpoint picker**: Envoy 1.40 with the ext_proc filter and the "
+        "`override_host` policy of docs/epp.md, *Plain Envoy* (full-duplex streamed request body, "
+        "response body `NONE`), the picker's defaults (`--epp-timeout-ms 150`, one fallback). Both decide "
+        "with the same function; the filter also reports predicted-against-realised outcomes to the inventory "
+        "every 5 s, which the picker, reading no response body, does not. Workload: kvroute-bench's small preset, multi-turn (48 users x 4 turns "
+        "over 4 system prompts of ~820 tokens), 16 requests in flight, the `gateway` strategy through one "
+        "Envoy at a time.\n\n"
+        f"{rounds} rounds per arrival; each round runs both paths, the order alternating (odd rounds "
+        "Wasm first), then round robin straight to the simulators. Before every run the simulators' caches "
+        "are reset and the inventory is restarted (no placement memory or in-flight state carried over). "
+        "**Paired ratio** = endpoint picker / Wasm filter cached-token ratio of the same round. "
+        "*Pinned* counts the requests the filter pinned or the picker picked, *unpinned* those that "
+        "failed open (Envoy's load balancer chose), summed over the rounds.\n\n"
+        "Regenerate: `./scripts/bench.sh epp` (`KVROUTE_EPP_ROUNDS=N` for more rounds).\n\n"
+    )
+    span = lambda v: f"{pct(median(v))} ({pct(min(v))}-{pct(max(v))})"  # noqa: E731
+    for a in arrivals:
+        runs = {
+            p: [load_opt(res / f"epp-ratio-{a}-{p}-{r}.json", st) for r in range(1, rounds + 1)]
+            for p, _, st in paths
+        }
+        if any(s is None for v in runs.values() for s in v):
+            continue
+        ratio = {p: [s["cached_ratio"] for s in v] for p, v in runs.items()}
+        paired = [e / w for w, e in zip(ratio["wasm"], ratio["epp"]) if w > 0]
+        text += f"## {a.capitalize()} arrival\n\n"
+        text += (
+            "| path | cached-token ratio, median (min-max) | paired ratio, median (min-max) | TTFT p50 ms | "
+            "TTFT p90 ms | engines/prefix | errors | pinned / unpinned |\n|---|---|---|---|---|---|---|---|\n"
+        )
+        for p, name, _ in paths:
+            v = runs[p]
+            pr = f"{median(paired):.3f} ({min(paired):.3f}-{max(paired):.3f})" if p == "epp" and paired else "-"
+            pins = "-"
+            if p != "rr":
+                both = [pinning(res / f"epp-ratio-{a}-{p}-{r}", p) for r in range(1, rounds + 1)]
+                pins = f"{sum(x for x, _ in both):.0f} / {sum(y for _, y in both):.0f}"
+            text += (
+                f"| {name} | {span(ratio[p])} | {pr} | {median([s['ttft_p50_ms'] for s in v]):.1f} "
+                f"| {median([s['ttft_p90_ms'] for s in v]):.1f} | {median([s['engines_per_prefix'] for s in v]):.2f} "
+                f"| {sum(s['errors'] for s in v)} | {pins} |\n"
+            )
+        text += "\nTTFT and engines/prefix: medians over the rounds.\n\n"
+        turns = {p: turn_ttft(res, a, p, rounds) for p in ("wasm", "epp")}
+        if all(turns.values()):
+            text += (
+                "TTFT p50 ms of turns 1 / 2 / 3 / 4, median over the rounds (the p50 over all requests can "
+                "fall between the fast and the slow turns, where a small shift moves it far): "
+                + "; ".join(
+                    f"{name} " + " / ".join(f"{v:.0f}" for v in turns[p])
+                    for p, name, _ in paths[:2]
+                )
+                + ".\n\n"
+            )
+        if paired:
+            holds = min(paired) <= 1.0 <= max(paired)
+            text += (
+                f"Same cached-token ratio within noise (the paired ratio's range holds 1.0): {judge(holds)}: "
+                f"{min(paired):.3f}-{max(paired):.3f} over {len(paired)} rounds.\n\n"
+            )
+        text += "| round | first | Wasm filter | endpoint picker | paired ratio | round robin |\n|---|---|---|---|---|---|\n"
+        for r in range(rounds):
+            first = next(p for aa, rr, p in order if aa == a and int(rr) == r + 1)
+            w, e = ratio["wasm"][r], ratio["epp"][r]
+            text += (
+                f"| {r + 1} | {'Wasm filter' if first == 'wasm' else 'endpoint picker'} | {pct(w)} | {pct(e)} "
+                f"| {e / w if w > 0 else 0:.3f} | {pct(ratio['rr'][r])} |\n"
+            )
+        text += "\n"
+    first = arrivals[0] if arrivals else "staggered"
+    text += f"## kvroute-bench commands (round 1, {first} arrival)\n\n"
+    for p in ("wasm", "epp"):
+        text += command_of(res / f"epp-ratio-{first}-{p}-1.md")
+    out.write_text(text)
+
+
+def turn_ttft(res: Path, arrival, path, rounds):
+    """The TTFT p50 of each turn (from kvroute-bench's --records), median over the rounds; [] when a
+    round has no records."""
+    per_round = []
+    for r in range(1, rounds + 1):
+        f = res / f"epp-ratio-{arrival}-{path}-{r}-records.json"
+        if not f.is_file():
+            return []
+        by_turn = {}
+        for x in load(f)[0]["records"]:
+            by_turn.setdefault(x["turn"], []).append(x["ttft_ms"])
+        per_round.append([median(v) for _, v in sorted(by_turn.items())])
+    return [median(v) for v in zip(*per_round)]
+
+
+def load_opt(path: Path, strategy):
+    """The multi-turn summary of `strategy` in a kvroute-bench JSON file, or None."""
+    if not path.is_file():
+        return None
+    return find(load(path)["summaries"], "multi-turn", strategy)
+
+
 HASH_ALGOS = ["sha256_cbor", "xxhash_cbor", "sha256_sglang", "blockhash_trtllm", "tokens"]
 
 
@@ -645,9 +789,16 @@ def main():
         soak_page(*sys.argv[2:4])
     elif part == "fuzz" and len(sys.argv) == 4:
         fuzz_page(*sys.argv[2:4])
-    elif part in ("small", "placement", "anthropic", "scale", "gateways") and len(sys.argv) == 4:
+    elif part in ("small", "placement", "anthropic", "scale", "gateways", "epp") and len(sys.argv) == 4:
         res, out = Path(sys.argv[2]), Path(sys.argv[3])
-        parts = {"small": small, "placement": placement, "anthropic": anthropic, "scale": scale, "gateways": gateways}
+        parts = {
+            "small": small,
+            "placement": placement,
+            "anthropic": anthropic,
+            "scale": scale,
+            "gateways": gateways,
+            "epp": epp,
+        }
         parts[part](res, out)
         print(f"report.py: wrote {out}")
     else:
