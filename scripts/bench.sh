@@ -28,7 +28,7 @@
 # kvroute-inventory binary instead of building the workspace's (e.g. a reviewed build while the
 # tree is mid-change). KVROUTE_PLACEMENT_RUNS=N sets the placement part's runs per arrival
 # (default 9; one run measures every strategy for ~3 s); KVROUTE_ANTHROPIC_RUNS=N the anthropic
-# part's (default 3); KVROUTE_EPP_ROUNDS=N the epp part's rounds per arrival (default 5). Every
+# part's (default 5); KVROUTE_EPP_ROUNDS=N the epp part's rounds per arrival (default 5). Every
 # process a part starts is stopped when it ends (kvroute-bench kills its children on exit;
 # bench_gateways.sh and bench_epp_ratio.sh kill the processes they start).
 set -euo pipefail
