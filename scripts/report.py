@@ -401,7 +401,8 @@ def anthropic(res: Path, out: Path):
         text += f"## {a.capitalize()} arrival\n\n"
         text += (
             "| strategy | OpenAI cached-token ratio, median (min-max) | Anthropic cached-token ratio, median (min-max) "
-            "| paired ratio | Anthropic TTFT p50 ms, median | errors |\n|---|---|---|---|---|---|\n"
+            "| paired ratio | Anthropic TTFT p50 ms, median | pred exact/over/under, OpenAI | Anthropic "
+            "| errors |\n|---|---|---|---|---|---|---|---|\n"
         )
         for st in strategies:
             o = [find(r["summaries"], "multi-turn", st) for r in runs["openai"]]
@@ -415,9 +416,15 @@ def anthropic(res: Path, out: Path):
             pr = f"{median(ratios):.3f} ({min(ratios):.3f}-{max(ratios):.3f})" if ratios else "-"
             errors = sum(s["errors"] for s in o + n)
             text += (
-                f"| {st} | {span(ov)} | {span(nv)} | {pr} | {median([s['ttft_p50_ms'] for s in n]):.1f} | {errors} |\n"
+                f"| {st} | {span(ov)} | {span(nv)} | {pr} | {median([s['ttft_p50_ms'] for s in n]):.1f} "
+                f"| {prediction_cell(o)} | {prediction_cell(n)} | {errors} |\n"
             )
-        text += "\n"
+        text += (
+            "\nPredictions: the shares of judged requests whose engine reused exactly / fewer than / "
+            "more than the predicted blocks (median over the runs; `-` for strategies that make none).\n"
+        )
+        every = [s for api in runs.values() for r in api for s in r["summaries"]]
+        text += "\n" + alarms_line(every, f"the {a} kvroute runs") + "\n"
     text += command_of(res / "anthropic-staggered-anthropic-1.md")
     out.write_text(text)
 
@@ -580,7 +587,8 @@ def epp(res: Path, out: Path):
         text += f"## {a.capitalize()} arrival\n\n"
         text += (
             "| path | cached-token ratio, median (min-max) | paired ratio, median (min-max) | TTFT p50 ms | "
-            "TTFT p90 ms | engines/prefix | errors | pinned / unpinned |\n|---|---|---|---|---|---|---|---|\n"
+            "TTFT p90 ms | engines/prefix | pred exact/over/under | errors | pinned / unpinned |\n"
+            "|---|---|---|---|---|---|---|---|---|\n"
         )
         for p, name, _ in paths:
             v = runs[p]
@@ -592,9 +600,14 @@ def epp(res: Path, out: Path):
             text += (
                 f"| {name} | {span(ratio[p])} | {pr} | {median([s['ttft_p50_ms'] for s in v]):.1f} "
                 f"| {median([s['ttft_p90_ms'] for s in v]):.1f} | {median([s['engines_per_prefix'] for s in v]):.2f} "
-                f"| {sum(s['errors'] for s in v)} | {pins} |\n"
+                f"| {prediction_cell(v)} | {sum(s['errors'] for s in v)} | {pins} |\n"
             )
-        text += "\nTTFT and engines/prefix: medians over the rounds.\n\n"
+        text += (
+            "\nTTFT and engines/prefix: medians over the rounds. Predictions (median over the "
+            "rounds): the Wasm path's `x-kvroute-matched-blocks`, echoed by the simulators, against "
+            "the engine's `cached_tokens`; the picker writes no such header, so its predictions are "
+            "judged by the picker itself when it reads response bodies (docs/epp.md), not here.\n\n"
+        )
         turns = {p: turn_ttft(res, a, p, rounds) for p in ("wasm", "epp")}
         if all(turns.values()):
             text += (

@@ -627,6 +627,11 @@ mod tests {
         let a = answer(tokens.len());
         let f = |s: Stored| find(Engine::Trtllm, &ours, false, &exp, &a, &[s], &decode);
         // Both probes' events alike (the same engine hashed both).
+        const FULL_REUSE: Reuse = Reuse {
+            predicted: 48,
+            cached: Some(48),
+            evicted: false,
+        };
         fn findings(f: &Finding) -> [(Probe, Option<&Finding>); 3] {
             [
                 (Probe::Completion, Some(f)),
@@ -637,15 +642,7 @@ mod tests {
         // The engine's block_hash is v1_block_key: keys compared.
         let v1 = stored(&ours, &tokens, None);
         assert_eq!(f(v1.clone()), Finding::Match);
-        let (leg, msg) = verdict(
-            Engine::Trtllm,
-            &findings(&Finding::Match),
-            Some(Reuse {
-                predicted: 48,
-                cached: Some(48),
-                evicted: false,
-            }),
-        );
+        let (leg, msg) = verdict(Engine::Trtllm, &findings(&Finding::Match), Some(FULL_REUSE));
         assert_eq!(leg, Leg::Healthy, "{msg}");
         assert!(
             msg.contains("checked: tokenizer, chat template, block size, keys, reuse;"),
@@ -659,11 +656,7 @@ mod tests {
         let (leg, msg) = verdict(
             Engine::Trtllm,
             &findings(&Finding::TokensOnly),
-            Some(Reuse {
-                predicted: 48,
-                cached: Some(48),
-                evicted: false,
-            }),
+            Some(FULL_REUSE),
         );
         assert_eq!(leg, Leg::Healthy, "{msg}");
         assert!(
