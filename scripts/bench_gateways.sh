@@ -34,50 +34,20 @@ die() {
 }
 [[ -f "$KVROUTE_WASM" ]] || die "no filter module at $KVROUTE_WASM: run scripts/build-wasm.sh"
 [[ -x "$KVROUTE_ENVOY" ]] || die "no Envoy at $KVROUTE_ENVOY: run scripts/setup.sh"
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 
 RUN="$KVROUTE_CACHE/bench/gateways-run"
 rm -rf "$RUN"
-mkdir -p "$RUN/tokenizers/$SLUG" "$RUN/logs"
-cp "$KVROUTE_TOKENIZER_DIR"/tokenizer.json "$KVROUTE_TOKENIZER_DIR"/tokenizer_config.json "$RUN/tokenizers/$SLUG/"
-
-PIDS=()
-INV_PID=""
-cleanup() {
-    trap - EXIT INT TERM
-    local p
-    for p in "${PIDS[@]}" $INV_PID; do kill "$p" 2>/dev/null || true; done
-    for p in "${PIDS[@]}" $INV_PID; do wait "$p" 2>/dev/null || true; done
-}
-trap cleanup EXIT
-trap 'exit 130' INT TERM
-
 # shellcheck source=scripts/lib.sh
 source "$REPO/scripts/lib.sh"
+PIDS=()
+INV_PID=""
+trap stop_bench_processes EXIT
+trap 'exit 130' INT TERM
 
-SIM_PORT=$(free_port)
-ZMQ_PORT=$(free_port)
-REPLAY_PORT=$(free_port)
 INV_PORT=$(free_port)
 VIP_PORT=$(free_port)
 RULE_ID="127.0.0.1:$VIP_PORT"
-for ip in "${SIMS[@]}"; do
-    "$BIN/kvroute-engine-sim" --listen "$ip:$SIM_PORT" --engine vllm --seed 0 --block-size 16 \
-        --kv-blocks 96 --zmq-port "$ZMQ_PORT" --replay-port "$REPLAY_PORT" \
-        --prefill-us-per-token 40 --decode-us-per-token 400 --max-concurrency 4 \
-        --tokenizer-dir "$KVROUTE_TOKENIZER_DIR" --model "$MODEL" --name "sim-$ip" \
-        >"$RUN/logs/sim-$ip.log" 2>&1 &
-    PIDS+=($!)
-done
-for ip in "${SIMS[@]}"; do wait_http "http://$ip:$SIM_PORT/health" "simulator $ip" "$RUN/logs/sim-$ip.log"; done
-
-endpoints=""
-for ip in "${SIMS[@]}"; do endpoints+="${endpoints:+,}{\"endpointIP\":\"$ip\",\"targetPort\":$SIM_PORT,\"weight\":1}"; done
-cat >"$RUN/rules.json" <<EOF
-[{"serviceArguments":{"externalIP":"127.0.0.1","port":$VIP_PORT,"protocol":"tcp","sel":0,"mode":4,
-"kvExactMode":3,"kvEngineType":"vllm","kvHashAlgo":"sha256_cbor","kvBlockSize":16,"kvZmqPort":$ZMQ_PORT,
-"kvReplayPort":$REPLAY_PORT,"kvModel":"$MODEL"},"endpoints":[$endpoints]}]
-EOF
+sim_fleet "$RUN" "$BIN/kvroute-engine-sim" "$MODEL" "$SLUG" "$VIP_PORT" "${SIMS[@]}"
 
 start_inventory() {
     # The parity canary on (KVROUTE_BENCH_CANARY_MS, default every second): the report counts

@@ -1,5 +1,6 @@
-# Shell helpers shared by the scripts: waiting for processes (stack.sh, bench_gateways.sh) and
-# installing Debian packages (setup.sh, build-images.sh). Source it after defining `die MESSAGE`
+# Shell helpers shared by the scripts: waiting for processes (stack.sh, bench_gateways.sh), the
+# simulator fleet of the gateway benches (bench_gateways.sh, bench_epp_ratio.sh) and installing
+# Debian packages (setup.sh, build-images.sh). Source it after defining `die MESSAGE`
 # (prints and exits).
 
 # poll LOG CMD...: runs CMD every 0.2 s until it succeeds, at most 60 s; on timeout prints LOG's
@@ -67,4 +68,44 @@ apt_install() {
         die "$what: apt-get update failed (log: $(tail -n 1 "$SCRATCH/apt.log"))"
     DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "$@" >>"$SCRATCH/apt.log" 2>&1 ||
         die "$what: apt-get install $* failed (log: $(tail -n 1 "$SCRATCH/apt.log"))"
+}
+
+# free_port: a TCP port free on 127.0.0.1 right now.
+free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+
+# stop_bench_processes: kills and reaps every pid in PIDS and INV_PID (the gateway benches' EXIT trap).
+stop_bench_processes() {
+    trap - EXIT INT TERM
+    local p
+    for p in "${PIDS[@]}" $INV_PID; do kill "$p" 2>/dev/null || true; done
+    for p in "${PIDS[@]}" $INV_PID; do wait "$p" 2>/dev/null || true; done
+}
+
+# sim_fleet RUN SIM_BIN MODEL SLUG VIP_PORT IP...: stages the Qwen3 tokenizer under RUN/tokenizers/SLUG,
+# starts one vLLM simulator per IP (the small preset's 96 KV blocks, events over ZMQ) on SIM_PORT,
+# adds their pids to PIDS, waits until each answers, and writes RUN/rules.json: one kvroute rule
+# on 127.0.0.1:VIP_PORT over them. Sets SIM_PORT, ZMQ_PORT and REPLAY_PORT.
+sim_fleet() {
+    local run=$1 bin=$2 model=$3 slug=$4 vip=$5 ip endpoints=""
+    shift 5
+    mkdir -p "$run/tokenizers/$slug" "$run/logs"
+    cp "$KVROUTE_TOKENIZER_DIR"/tokenizer.json "$KVROUTE_TOKENIZER_DIR"/tokenizer_config.json "$run/tokenizers/$slug/"
+    SIM_PORT=$(free_port)
+    ZMQ_PORT=$(free_port)
+    REPLAY_PORT=$(free_port)
+    for ip in "$@"; do
+        "$bin" --listen "$ip:$SIM_PORT" --engine vllm --seed 0 --block-size 16 \
+            --kv-blocks 96 --zmq-port "$ZMQ_PORT" --replay-port "$REPLAY_PORT" \
+            --prefill-us-per-token 40 --decode-us-per-token 400 --max-concurrency 4 \
+            --tokenizer-dir "$KVROUTE_TOKENIZER_DIR" --model "$model" --name "sim-$ip" \
+            >"$run/logs/sim-$ip.log" 2>&1 &
+        PIDS+=($!)
+    done
+    for ip in "$@"; do wait_http "http://$ip:$SIM_PORT/health" "simulator $ip" "$run/logs/sim-$ip.log"; done
+    for ip in "$@"; do endpoints+="${endpoints:+,}{\"endpointIP\":\"$ip\",\"targetPort\":$SIM_PORT,\"weight\":1}"; done
+    cat >"$run/rules.json" <<EOF
+[{"serviceArguments":{"externalIP":"127.0.0.1","port":$vip,"protocol":"tcp","sel":0,"mode":4,
+"kvExactMode":3,"kvEngineType":"vllm","kvHashAlgo":"sha256_cbor","kvBlockSize":16,"kvZmqPort":$ZMQ_PORT,
+"kvReplayPort":$REPLAY_PORT,"kvModel":"$model"},"endpoints":[$endpoints]}]
+EOF
 }

@@ -554,7 +554,7 @@ def epp(res: Path, out: Path):
     text = (
         "# Benchmark: the endpoint picker next to the Wasm filter\n\n"
         f"Measured {stamp()} by scripts/bench_epp_ratio.sh (the `epp` part of scripts/bench.sh) on "
-        f"{cpu_model('an unknown CPU')} ({os.cpu_count()} cores), shared with other work: load average "
+        f"{cpu_model('an unknown CPU')} ({os.cpu_count()} cores), load average "
         f"{avg(loadavg[0])} before the first run, {avg(loadavg[-1])} after the last.\n\n"
         "One fleet, two data planes: 4 simulated vLLM engines (the small preset's 96 KV blocks each, the "
         "Qwen3 tokenizer) and one kvroute-inventory serving both the filter's callouts and the endpoint "
