@@ -422,7 +422,8 @@ pub async fn run(
         repeat = Some(again);
         // Nothing reused of a prediction: under cache pressure (or a reset) the engine can have
         // evicted the chat's blocks in between. It then computes the repeat anew and stores its
-        // first block again, and the index loses it once the removal is published.
+        // first block again, and the index loses it once the removal is published. The wait wakes
+        // on tapped stores; an engine that truly reuses nothing waits out the deadline.
         if again.cached_tokens == Some(0) && predicted.is_some_and(|p| p > 0) {
             let bs = contract.block_size.get();
             let first = chat.tokens.get(..bs).unwrap_or(&[]);

@@ -173,12 +173,13 @@ pub fn judge(
     judge_with_outcome(matched_blocks, block_size, prompt_tokens, cached_tokens).map(|(j, _)| j)
 }
 
-fn judge_usage(
+/// [`judge`], with the judgement an outcome report is made of.
+fn judge_with_outcome(
     matched_blocks: u64,
     block_size: BlockSize,
     prompt_tokens: u64,
     cached_tokens: u64,
-) -> Option<kvroute_core::usage::Judged> {
+) -> Option<(Judged, kvroute_core::usage::Judged)> {
     if prompt_tokens == 0 {
         return None;
     }
@@ -187,17 +188,7 @@ fn judge_usage(
         miss_tokens: prompt_tokens.saturating_sub(cached_tokens),
     };
     let bs = u32::try_from(block_size.get()).unwrap_or(u32::MAX);
-    kvroute_core::usage::judge_blocks(matched_blocks, bs, &usage)
-}
-
-/// [`judge`], with the judgement an outcome report is made of.
-fn judge_with_outcome(
-    matched_blocks: u64,
-    block_size: BlockSize,
-    prompt_tokens: u64,
-    cached_tokens: u64,
-) -> Option<(Judged, kvroute_core::usage::Judged)> {
-    let j = judge_usage(matched_blocks, block_size, prompt_tokens, cached_tokens)?;
+    let j = kvroute_core::usage::judge_blocks(matched_blocks, bs, &usage)?;
     let mine = Judged {
         matched_blocks,
         predicted_tokens: j.predicted_tokens,
