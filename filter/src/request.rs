@@ -451,6 +451,7 @@ impl RequestFilter {
         vm.stats.inc(
             host,
             match a.known_tier() {
+                Some(Tier::Session) => Stat::DecisionSession,
                 Some(Tier::Tier15) => Stat::DecisionTier15,
                 Some(Tier::Fallback) => Stat::DecisionFallback,
                 None => Stat::DecisionOther,

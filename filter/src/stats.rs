@@ -86,6 +86,7 @@ pub enum Stat {
     PinHonored,
     PinOverridden,
     /// Decisions by tier.
+    DecisionSession,
     DecisionTier15,
     DecisionFallback,
     DecisionOther,
@@ -147,7 +148,7 @@ pub enum Stat {
 }
 
 /// How many counters and histograms `FIXED` defines (the handles array has the same length).
-const FIXED_LEN: usize = 39;
+const FIXED_LEN: usize = 40;
 
 const FIXED: [(Stat, &str, MetricKind); FIXED_LEN] = [
     (
@@ -163,6 +164,11 @@ const FIXED: [(Stat, &str, MetricKind); FIXED_LEN] = [
     (
         Stat::Pinned,
         "kvroute_filter_pinned_total",
+        MetricKind::Counter,
+    ),
+    (
+        Stat::DecisionSession,
+        "kvroute_filter_decisions_session_total",
         MetricKind::Counter,
     ),
     (

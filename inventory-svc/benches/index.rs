@@ -300,6 +300,7 @@ impl Bench {
             token_count: (keys.len() * 16) as u32,
             affinity_key: None,
             model: None,
+            session: None,
             explain: false,
             only: None,
         }

@@ -183,6 +183,24 @@ labels! {
     }
 }
 
+labels! {
+    /// `outcome` of `kvroute_session_bindings_total`: what a committed decision did to the
+    /// binding of the question's session.
+    SessionOutcome {
+        /// The session had no live binding: bound to the chosen endpoint.
+        New => "new",
+        /// Routed to its bound endpoint, the binding refreshed.
+        Kept => "kept",
+        /// Bound to another endpoint than the one read before the decision (a concurrent
+        /// decision or another replica bound it meanwhile).
+        Moved => "moved",
+        /// The bound endpoint was unavailable: routed elsewhere, the binding kept.
+        Detour => "detour",
+        /// Bindings dropped, least recently used first, for `KVROUTE_SESSIONS_MAX`.
+        Evicted => "evicted",
+    }
+}
+
 /// Every metric the service exports, registered in one private registry.
 pub struct Metrics {
     pub registry: Registry,
@@ -220,6 +238,10 @@ pub struct Metrics {
     pub tier15_placements: IntCounter,
     /// Decisions that went elsewhere because the family's remembered home is unhealthy.
     pub tier15_detours: IntCounter,
+    /// What committed decisions did to session bindings: `outcome` ([`SessionOutcome`]).
+    session_bindings: IntCounterVec,
+    /// `kvroute_sessions{rule}`: session bindings the rule holds.
+    pub sessions: IntGaugeVec,
     /// Blocks of prefix overlap given away per decision: the best overlap of an eligible healthy
     /// endpoint minus the chosen endpoint's (the price of load, spill and seeding).
     pub locality_given_away: Histogram,
@@ -394,6 +416,16 @@ impl Metrics {
             tier15_detours: c(
                 "kvroute_tier15_home_detours_total",
                 "Decisions sent elsewhere because the prefix family's remembered home is unhealthy (the family keeps its home).",
+            )?,
+            session_bindings: cv(
+                "kvroute_session_bindings_total",
+                "Session bindings by what a committed decision did: new, kept, moved (the session was bound to another endpoint meanwhile, by a concurrent decision or another replica), detour (the bound endpoint was unavailable; the binding stays), evicted (dropped for KVROUTE_SESSIONS_MAX).",
+                &["outcome"],
+            )?,
+            sessions: gv(
+                "kvroute_sessions",
+                "Session bindings the rule holds (KVROUTE_SESSIONS_MAX bounds it; expired ones count until replaced).",
+                &["rule"],
             )?,
             tier15_placements: c(
                 "kvroute_tier15_footprint_placements_total",
@@ -648,6 +680,9 @@ impl Metrics {
                     .with_label_values(&[t.as_str(), r.as_str()]);
             }
         }
+        for o in SessionOutcome::ALL {
+            m.session(*o);
+        }
         for o in EppOutcome::ALL {
             m.epp_requests.with_label_values(&[o.as_str()]);
         }
@@ -700,6 +735,11 @@ impl Metrics {
         self.snapshot_loads.with_label_values(&[l.as_str()])
     }
 
+    /// `kvroute_session_bindings_total{outcome}`.
+    pub fn session(&self, o: SessionOutcome) -> IntCounter {
+        self.session_bindings.with_label_values(&[o.as_str()])
+    }
+
     /// `kvroute_ingest_clears_total{engine,cause}`.
     pub fn clear(&self, engine: &str, cause: ClearCause) -> IntCounter {
         self.clears.with_label_values(&[engine, cause.as_str()])
@@ -719,6 +759,7 @@ impl Metrics {
     /// and its per-rule accounting series.
     pub fn drop_endpoint_series(&self, rule: &str, eps: usize, ranks: usize) {
         let _ = self.tenants.remove_label_values(&[rule]);
+        let _ = self.sessions.remove_label_values(&[rule]);
         let _ = self.tenant_folded.remove_label_values(&[rule]);
         for i in 0..eps {
             let ep = i.to_string();

@@ -146,6 +146,8 @@ pub struct Ask<'a> {
     pub token_count: u32,
     pub affinity_key: Option<&'a str>,
     pub model: Option<&'a str>,
+    /// The conversation id, for the session tier.
+    pub session: Option<&'a str>,
     /// Decide without committing anything (see `POST /v1/route`'s `explain`).
     pub explain: bool,
     /// When set, only the endpoints whose flag is true may be chosen (the proxy's candidate
@@ -178,6 +180,7 @@ pub fn answer(
         token_count: ask.token_count,
         affinity_key: ask.affinity_key,
         model: ask.model,
+        session: ask.session,
         explain: ask.explain,
         only: ask.only,
     };
@@ -186,6 +189,7 @@ pub fn answer(
         ep,
         views,
         recall,
+        session,
     } = fleet.route(rule, &q, now)?;
     if let (Some(why), false) = (ask.truncated, ask.explain) {
         fleet
@@ -211,6 +215,7 @@ pub fn answer(
             })
             .collect(),
         recall: recall.map(|r| (r.ep, r.depth)),
+        session,
     });
     let mut others: Vec<usize> = Vec::new();
     if ask.fallbacks > 0 {

@@ -160,6 +160,20 @@ pub const PLACEMENT_MEMORY_TTL_MS: Setting = Setting::int(
     1_800_000,
     "a remembered prefix family is forgotten this long after its last use",
 );
+pub const SESSIONS_MAX: Setting = Setting::int(
+    "KVROUTE_SESSIONS_MAX",
+    (0, 16_777_216),
+    100_000,
+    "session bindings (conversation id to endpoint) per rule, least recently used go first; \
+     0 disables the session tier",
+);
+pub const SESSION_TTL_MS: Setting = Setting::int(
+    "KVROUTE_SESSION_TTL_MS",
+    (0, 86_400_000),
+    1_800_000,
+    "a conversation's binding to its endpoint is forgotten this long after its last request; \
+     0 disables the session tier",
+);
 pub const PLACEMENT_CAPACITY_BLOCKS: Setting = Setting::int(
     "KVROUTE_PLACEMENT_CAPACITY_BLOCKS",
     (0, 1 << 40),
@@ -330,7 +344,7 @@ pub struct HealthThresholds {
 }
 
 /// The service's own tuning variables, in the order errors are reported (after the shared ones).
-pub const SERVICE_VARS: [Setting; 31] = [
+pub const SERVICE_VARS: [Setting; 33] = [
     MEAN_LOAD_FACTOR,
     LB_MODE,
     LOAD_PENALTY,
@@ -349,6 +363,8 @@ pub const SERVICE_VARS: [Setting; 31] = [
     PLACEMENT,
     PLACEMENT_MEMORY_ENTRIES,
     PLACEMENT_MEMORY_TTL_MS,
+    SESSIONS_MAX,
+    SESSION_TTL_MS,
     PLACEMENT_CAPACITY_BLOCKS,
     HTTP_HEADER_TIMEOUT_MS,
     HTTP_IDLE_TIMEOUT_MS,
@@ -478,6 +494,10 @@ pub struct Settings {
     pub memory_entries: usize,
     /// [`PLACEMENT_MEMORY_TTL_MS`].
     pub memory_ttl: Duration,
+    /// [`SESSIONS_MAX`]: session bindings per rule; 0 disables the session tier.
+    pub sessions_max: usize,
+    /// [`SESSION_TTL_MS`]; zero disables the session tier.
+    pub session_ttl: Duration,
     /// [`PLACEMENT_CAPACITY_BLOCKS`]; 0 = unknown.
     pub capacity_blocks: u64,
     /// [`MAX_PREFIX_TOKENS`] (the filter's `max_prefix_tokens`).
@@ -725,6 +745,8 @@ impl<'a> Env<'a> {
         let memory_entries = self.int(&PLACEMENT_MEMORY_ENTRIES);
         let memory_ttl = self.ms(&PLACEMENT_MEMORY_TTL_MS);
         let capacity_blocks = self.int(&PLACEMENT_CAPACITY_BLOCKS);
+        let sessions_max = self.int(&SESSIONS_MAX);
+        let session_ttl = self.ms(&SESSION_TTL_MS);
         let http = HttpLimits {
             header_timeout: self.ms(&HTTP_HEADER_TIMEOUT_MS),
             idle_timeout: self.ms(&HTTP_IDLE_TIMEOUT_MS),
@@ -767,6 +789,8 @@ impl<'a> Env<'a> {
             placement,
             memory_entries: usize::try_from(memory_entries).unwrap_or(usize::MAX),
             memory_ttl,
+            sessions_max: usize::try_from(sessions_max).unwrap_or(usize::MAX),
+            session_ttl,
             capacity_blocks,
             max_prefix_tokens: usize::try_from(max_prefix_tokens).unwrap_or(usize::MAX),
             redis,

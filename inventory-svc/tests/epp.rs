@@ -217,6 +217,8 @@ struct Req<'a> {
     /// A destination the client set itself.
     spoof: Option<&'a str>,
     subset: Option<Vec<&'a str>>,
+    /// The conversation id (`x-conversation-id`).
+    session: Option<&'a str>,
 }
 
 impl<'a> Req<'a> {
@@ -226,6 +228,7 @@ impl<'a> Req<'a> {
             chunk: 4096,
             spoof: None,
             subset: None,
+            session: None,
         }
     }
 }
@@ -246,6 +249,13 @@ fn headers(mode: BodySendMode, req: &Req<'_>) -> ProcessingRequest {
     if let Some(s) = req.spoof {
         hs.push(HeaderValue {
             key: DEST.into(),
+            raw_value: s.as_bytes().to_vec(),
+            ..HeaderValue::default()
+        });
+    }
+    if let Some(s) = req.session {
+        hs.push(HeaderValue {
+            key: "x-conversation-id".into(),
             raw_value: s.as_bytes().to_vec(),
             ..HeaderValue::default()
         });
@@ -483,6 +493,67 @@ async fn the_callout_and_the_picker_make_the_same_decisions() {
             "kvroute_epp_requests_total{{outcome=\"picked\"}} {}",
             (0..n).filter(|i| i % 3 != 0).count()
         ))
+        .await;
+}
+
+/// A conversation bound through the HTTP callout is pinned by the picker to the same endpoint
+/// (its `x-conversation-id` header), ahead of the prefix another endpoint holds: one session
+/// table behind both doors.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_bound_through_the_callout_holds_through_the_picker() {
+    let p = Picker::start("epp-session", json!([qwen_rule(true)]), true, &[]);
+    p.wait_ready().await;
+    let route = async |messages: &Value, session: &str, explain: bool| {
+        let (s, a) = p
+            .svc
+            .post(
+                "/v1/route",
+                &json!({"rule": "1", "model": "Qwen/Qwen3-0.6B", "messages": messages,
+                        "session": session, "explain": explain})
+                .to_string(),
+                None,
+            )
+            .await;
+        assert_eq!(s, 200, "{a}");
+        a
+    };
+    // The prefix of `b` is credited to one endpoint; `s1` is bound to the other through a
+    // conversation that was placed there.
+    let b = conversation("compilers", 1);
+    let held = p.http(&b, false).await["endpoint"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let mut home = None;
+    for topic in ["routers", "tokenizers", "caches", "schedulers"] {
+        let s = format!("s-{topic}");
+        let a = route(&conversation(topic, 0), &s, false).await;
+        if a["endpoint"] != held.as_str() {
+            home = Some((s, a["endpoint"].as_str().unwrap().to_owned()));
+            break;
+        }
+    }
+    let (session, home) = home.expect("a conversation placed on the other endpoint");
+    // Without the session, `b`'s follow-up goes where its prefix is.
+    let b2 = conversation("compilers", 2);
+    assert_eq!(p.http(&b2, true).await["endpoint"], held.as_str());
+    for mode in [BodySendMode::Buffered, BodySendMode::FullDuplexStreamed] {
+        let body = chat(&b2);
+        let req = Req {
+            session: Some(&session),
+            ..Req::new(&body)
+        };
+        let seen = p.ask(mode, &req).await;
+        assert_eq!(seen.pinned(), Some(home.as_str()), "{mode:?}");
+    }
+    let a = route(&b2, &session, true).await;
+    assert_eq!(
+        (a["endpoint"].as_str(), a["tier"].as_str()),
+        (Some(home.as_str()), Some("session")),
+        "{a}"
+    );
+    p.svc
+        .assert_metrics(r#"kvroute_route_decisions_total{reason="session",tier="session"} 2"#)
         .await;
 }
 

@@ -394,6 +394,58 @@ async fn redis_restart_converges_and_rules_replicate() {
     assert_eq!(b.terminate(), Some(0), "{}", b.stderr());
 }
 
+/// A conversation bound on one replica is routed to the same endpoint by the other, from the
+/// session tier: the binding travels with the decision's replication entry.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_bound_on_one_replica_holds_on_the_other() {
+    let redis = Redis::start().unwrap();
+    let (_pubs, rules) = publishers().await;
+    let a = replica("ss-a", &redis, "a", &rules);
+    let b = replica("ss-b", &redis, "b", &rules);
+    single_owner(&[&a, &b], 0, 20).await;
+    let ask = |explain: bool| {
+        json!({"rule": RULE, "keys": [], "token_count": 0, "session": "conv-9", "explain": explain})
+            .to_string()
+    };
+    // The first request has no keys: the rule's sel chooses, and the session is bound there.
+    let (s, first) = a.post("/v1/route", &ask(false), None).await;
+    assert_eq!(s, 200, "{first}");
+    assert_eq!(first["tier"], "fallback", "{first}");
+    let home = first["endpoint"].as_str().unwrap().to_owned();
+    let idx = EP_IPS.iter().position(|ip| home.starts_with(ip)).unwrap();
+    // `b` has not decided for this session itself (explain binds nothing): what it shows came
+    // from `a`. Each round asks `a` again (its session tier keeps the same endpoint), so the
+    // entry is written after `b` tails the log.
+    let seen = wait_until(
+        "the binding on the other replica",
+        Duration::from_secs(15),
+        async || {
+            let (_, again) = a.post("/v1/route", &ask(false), None).await;
+            assert_eq!(again["endpoint"].as_str(), Some(home.as_str()), "{again}");
+            let (s, v) = b.post("/v1/route", &ask(true), None).await;
+            s == 200 && v["explain"]["session"] == json!(idx)
+        },
+    )
+    .await;
+    assert!(seen.is_ok(), "b never learnt the binding:\n{}", b.stderr());
+    let (s, v) = b.post("/v1/route", &ask(false), None).await;
+    assert_eq!(s, 200, "{v}");
+    assert_eq!(
+        (v["endpoint"].as_str(), v["tier"].as_str()),
+        (Some(home.as_str()), Some("session")),
+        "{v}"
+    );
+    let m = b.metrics().await;
+    assert_eq!(
+        metric(&m, &format!(r#"kvroute_sessions{{rule="{RULE_ID}"}}"#)),
+        Some(1.0),
+        "{m}"
+    );
+    let (mut a, mut b) = (a, b);
+    assert_eq!(a.terminate(), Some(0), "{}", a.stderr());
+    assert_eq!(b.terminate(), Some(0), "{}", b.stderr());
+}
+
 /// A rule of 1,024 endpoints installed on one replica reaches the other, and a block endpoint
 /// 1000 stores (ingested by whichever replica owns its lease) shows in both indexes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -15,6 +15,10 @@
 //! when there is no key. kvroute puts the end user first: one tenant's key often serves many
 //! users, and keeping each conversation together (not each tenant) is what saves prefill without
 //! piling a large tenant onto one engine.
+//!
+//! The session id ([`session_id`]) is separate: a conversation id the client sends (the
+//! [`SESSION_HEADER`], or the `user` field where the gateway is configured so), which the
+//! service's session tier routes on ahead of prefix scoring.
 
 use std::net::IpAddr;
 
@@ -71,6 +75,31 @@ pub fn api_key<'a>(
         .filter(|k| !k.is_empty())
 }
 
+/// Header a conversation id is read from: the filter's default `session_header`, and the one
+/// the endpoint picker reads.
+pub const SESSION_HEADER: &str = "x-conversation-id";
+
+/// Longest session id sent as it is; a longer one (or one with bytes outside printable ASCII) is
+/// sent as `#<hash>`.
+pub const MAX_SESSION_BYTES: usize = 128;
+
+/// The session id of a request from a conversation-id header value or, where the gateway is
+/// configured to, the OpenAI `user` field: trimmed, `None` when empty. Ids are never secrets
+/// here, but they are client input: a long or binary one is replaced by the hash of its bytes,
+/// so the question stays small and printable.
+pub fn session_id(raw: &[u8]) -> Option<String> {
+    let raw = raw.trim_ascii();
+    if raw.is_empty() {
+        return None;
+    }
+    let printable = raw.iter().all(|b| (0x20..0x7f).contains(b));
+    match (printable, raw.len() <= MAX_SESSION_BYTES) {
+        // Printable ASCII is UTF-8.
+        (true, true) => Some(String::from_utf8_lossy(raw).into_owned()),
+        _ => Some(format!("#{}", short_hash(raw))),
+    }
+}
+
 /// First 8 bytes of the SHA-256 of `bytes`, in hex.
 fn short_hash(bytes: &[u8]) -> String {
     sha2::Sha256::digest(bytes)
@@ -84,6 +113,24 @@ fn short_hash(bytes: &[u8]) -> String {
 #[allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 mod tests {
     use super::*;
+    #[test]
+    fn session_ids_are_trimmed_printable_and_bounded() {
+        assert_eq!(session_id(b"  conv-42 \t").as_deref(), Some("conv-42"));
+        assert_eq!(session_id(b"   "), None);
+        assert_eq!(session_id(b""), None);
+        let long = "a".repeat(MAX_SESSION_BYTES + 1);
+        let hashed = session_id(long.as_bytes()).unwrap();
+        assert!(hashed.starts_with('#') && hashed.len() == 17, "{hashed}");
+        assert_eq!(session_id(long.as_bytes()), Some(hashed));
+        let exact = "b".repeat(MAX_SESSION_BYTES);
+        assert_eq!(
+            session_id(exact.as_bytes()).as_deref(),
+            Some(exact.as_str())
+        );
+        // Control and non-ASCII bytes never reach the question as they are.
+        assert!(session_id(b"a\x00b").unwrap().starts_with('#'));
+        assert!(session_id("é".as_bytes()).unwrap().starts_with('#'));
+    }
 
     #[test]
     fn the_user_then_the_key_then_the_client_and_the_service_type() {

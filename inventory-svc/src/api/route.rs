@@ -159,6 +159,7 @@ pub fn answer(fleet: &Fleet, req: &RouteRequest, now: Instant) -> Result<RouteRe
         token_count: req.token_count,
         affinity_key: req.affinity_key.as_deref(),
         model: req.model.as_deref(),
+        session: req.session.as_deref(),
         explain: req.explain,
         only: None,
         fallbacks: 0,

@@ -127,6 +127,9 @@ pub struct Exchange {
     pub subset: Option<Vec<String>>,
     /// The request's API key (for the affinity key), from its headers.
     pub api_key: Option<Vec<u8>>,
+    /// The request's conversation id ([`kvroute_core::affinity::SESSION_HEADER`]), for the
+    /// session tier.
+    pub session: Option<String>,
     /// The API the request's `:path` names (completions, chat completions, Anthropic
     /// messages); `None` for another path (the body tells chat from completions).
     pub endpoint: Option<kvroute_core::prompt::Endpoint>,
@@ -148,8 +151,17 @@ impl Exchange {
             trailers_pending: false,
             subset: None,
             api_key: None,
+            session: None,
             endpoint: None,
             picked: None,
+        }
+    }
+
+    /// Who sent the request, from its headers.
+    pub fn caller(&self) -> super::Caller<'_> {
+        super::Caller {
+            api_key: self.api_key.as_deref(),
+            session: self.session.as_deref(),
         }
     }
 
@@ -190,6 +202,9 @@ impl Exchange {
                 }
                 self.subset = reply::subset(req.metadata_context.as_ref());
                 self.api_key = reply::api_key(h.headers.as_ref());
+                self.session =
+                    reply::header(h.headers.as_ref(), kvroute_core::affinity::SESSION_HEADER)
+                        .and_then(kvroute_core::affinity::session_id);
                 self.endpoint = reply::header(h.headers.as_ref(), ":path")
                     .and_then(|p| std::str::from_utf8(p).ok())
                     .and_then(kvroute_core::prompt::Endpoint::from_path);

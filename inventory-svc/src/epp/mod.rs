@@ -101,6 +101,14 @@ pub struct EppOptions {
     pub fallbacks: usize,
 }
 
+/// Who sent a request, from its headers: the API key (for the affinity key) and the
+/// conversation id (`x-conversation-id`, for the session tier).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Caller<'a> {
+    pub api_key: Option<&'a [u8]>,
+    pub session: Option<&'a str>,
+}
+
 /// What a picked request's response is judged against.
 #[derive(Clone, Debug)]
 struct Judging {
@@ -133,10 +141,10 @@ impl Picker {
         &self,
         input: Input,
         subset: Option<&[String]>,
-        api_key: Option<&[u8]>,
+        caller: Caller<'_>,
         endpoint: Option<Endpoint>,
     ) -> Verdict {
-        self.pick_judged(input, subset, api_key, endpoint).await.0
+        self.pick_judged(input, subset, caller, endpoint).await.0
     }
 
     /// [`Picker::pick`], and what the response is judged against when the request was picked.
@@ -144,7 +152,7 @@ impl Picker {
         &self,
         input: Input,
         subset: Option<&[String]>,
-        api_key: Option<&[u8]>,
+        caller: Caller<'_>,
         endpoint: Option<Endpoint>,
     ) -> (Verdict, Option<Judging>) {
         let body = match input {
@@ -152,7 +160,7 @@ impl Picker {
             Input::NoBody => None,
             Input::Body(b) => Some(b),
         };
-        let decision = self.decide(body.map(|b| (b, endpoint)), subset, api_key);
+        let decision = self.decide(body.map(|b| (b, endpoint)), subset, caller);
         match tokio::time::timeout(self.opts.timeout, decision).await {
             Ok(v) => v,
             Err(_) => (Verdict::Fail(EppFailure::Timeout), None),
@@ -163,7 +171,7 @@ impl Picker {
         &self,
         body: Option<(bytes::Bytes, Option<Endpoint>)>,
         subset: Option<&[String]>,
-        api_key: Option<&[u8]>,
+        caller: Caller<'_>,
     ) -> (Verdict, Option<Judging>) {
         let fail = |v: Verdict| (v, None);
         let Some(rule) = self.fleet.find(&self.opts.rule) else {
@@ -201,13 +209,19 @@ impl Picker {
         };
         // As the filter forms it, without the client IP (the picker does not see the peer).
         let affinity = t.as_ref().and_then(|t| {
-            kvroute_core::affinity::affinity_key(t.user.as_deref(), api_key, None, t.endpoint?)
+            kvroute_core::affinity::affinity_key(
+                t.user.as_deref(),
+                caller.api_key,
+                None,
+                t.endpoint?,
+            )
         });
         let ask = Ask {
             keys: t.as_ref().map_or(&[], |t| &t.keyed.keys),
             token_count: t.as_ref().map_or(0, |t| t.keyed.token_count),
             affinity_key: affinity.as_deref(),
             model: t.as_ref().and_then(|t| t.model.as_deref()),
+            session: caller.session,
             explain: false,
             only: only.as_deref(),
             fallbacks: self.opts.fallbacks,
@@ -307,7 +321,7 @@ impl Picker {
                 Ok(Next::Decide(input)) => {
                     let start = Instant::now();
                     let (verdict, judging) = self
-                        .pick_judged(input, x.subset.as_deref(), x.api_key.as_deref(), x.endpoint)
+                        .pick_judged(input, x.subset.as_deref(), x.caller(), x.endpoint)
                         .await;
                     reading.judging = judging;
                     if let Verdict::Fail(why) = &verdict {

@@ -17,8 +17,10 @@ use kvroute_core::hash::BlockKey;
 use super::rule::RuleRuntime;
 use super::{EpRuntime, Fleet};
 use crate::index::EndpointId;
+use crate::metrics::SessionOutcome;
 use crate::score::{
-    decide, given_away, Decision, EpView, HashRing, Reason, Recall, ScoreInput, Tier, Update,
+    decide, given_away, session_hash, Bound, Decision, EpView, HashRing, Reason, Recall,
+    ScoreInput, Tier, Update,
 };
 use crate::settings::{DivergencePolicy, Settings};
 
@@ -34,6 +36,8 @@ pub struct Question<'a> {
     /// Tenant identity or client IP, for sticky fallback.
     pub affinity_key: Option<&'a str>,
     pub model: Option<&'a str>,
+    /// The conversation id ([`kvroute_core::affinity::session_id`]), for the session tier.
+    pub session: Option<&'a str>,
     /// Decide without committing anything.
     pub explain: bool,
     /// When set, only the endpoints whose flag is true are eligible (an endpoint picker's
@@ -59,6 +63,8 @@ pub struct Routed {
     pub views: Vec<EpView>,
     /// The placement memory's answer.
     pub recall: Option<Recall>,
+    /// The endpoint the question's session was bound to before this decision.
+    pub session: Option<usize>,
 }
 
 /// Whether routing ignores `ep`'s locality: it diverges and the policy is `load_only`.
@@ -84,6 +90,8 @@ impl Fleet {
             false => rule.memory.recall(q.keys, now),
         };
         let s = &self.settings;
+        let session = q.session.map(|id| session_hash(rule.id, id));
+        let bound = session.and_then(|h| rule.sessions.get(h, now));
         // A divergent endpoint under `load_only` is not remembered either (see `observe`).
         let recall = recall.filter(|r| !load_only(s, rule.eps().get(r.ep)));
         let affinity = q
@@ -104,11 +112,13 @@ impl Fleet {
             hit_seq: rule.hit_seq.load(Ordering::Relaxed),
             rr_seq: rule.rr_seq.load(Ordering::Relaxed),
             recall,
+            session: bound,
             settings: s,
         };
         let decision = decide(&inp);
         if !q.explain {
-            self.commit(rule, &decision, &views, q.keys, now);
+            let session = session.map(|h| (h, bound));
+            self.commit(rule, &decision, &views, q.keys, session, now);
             if let Some(shadow) = s.shadow.as_deref() {
                 self.shadow(rule, &inp, &decision, shadow);
             }
@@ -119,6 +129,7 @@ impl Fleet {
             ep,
             views,
             recall,
+            session: bound,
         })
     }
 
@@ -164,13 +175,15 @@ impl Fleet {
             .collect()
     }
 
-    /// Every side effect of a decision (see the module docs).
+    /// Every side effect of a decision (see the module docs). `session`: the question's
+    /// session hash and the endpoint it was bound to.
     fn commit(
         &self,
         rule: &Arc<RuleRuntime>,
         d: &Decision,
         views: &[EpView],
         keys: &[BlockKey],
+        session: Option<(u64, Option<usize>)>,
         now: Instant,
     ) {
         let m = &self.metrics;
@@ -227,32 +240,83 @@ impl Fleet {
         let how = match d.reason {
             _ if d.detour => None,
             Reason::MissNoOverlap => Some(Update::Place),
-            Reason::Hit | Reason::Remembered => Some(Update::Keep),
+            Reason::Hit | Reason::Remembered | Reason::Session => Some(Update::Keep),
             _ => None,
         };
         if let (Some(how), true) = (how, kv) {
             rule.memory.record(keys, ep, how, now);
         }
-        // The other replicas credit the same endpoint (speculation, memory, in-flight load).
+        let session = session.and_then(|(h, bound)| self.bind_session(rule, h, bound, ep, now));
+        // The other replicas credit the same endpoint (speculation, memory, in-flight load,
+        // the session binding).
         let shared = if kv { keys } else { &[] };
         self.replication()
-            .decision(rule, EndpointId(ep as u16), how, shared);
+            .decision(rule, EndpointId(ep as u16), how, shared, session);
+    }
+
+    /// Binds session `h` (bound to `bound` before) to `ep`, the endpoint chosen, unless that
+    /// was a detour from an unavailable bound endpoint; returns `h` when it was bound.
+    fn bind_session(
+        &self,
+        rule: &RuleRuntime,
+        h: u64,
+        bound: Option<usize>,
+        ep: usize,
+        now: Instant,
+    ) -> Option<u64> {
+        let m = &self.metrics;
+        // The scorer takes a bound endpoint whenever it is eligible: another choice is a detour,
+        // and the conversation goes home once its endpoint is back (or the binding expires).
+        if bound.is_some_and(|b| b != ep) {
+            m.session(SessionOutcome::Detour).inc();
+            return None;
+        }
+        let (what, evicted) = rule.sessions.bind(h, ep, now);
+        self.count_binding(rule, Some(what), evicted);
+        (what != Bound::Off).then_some(h)
+    }
+
+    /// Counts a binding this replica decided (`what`) and the bindings evicted, and updates the
+    /// rule's gauge.
+    fn count_binding(&self, rule: &RuleRuntime, what: Option<Bound>, evicted: usize) {
+        let m = &self.metrics;
+        let outcome = match what {
+            Some(Bound::Off) => return,
+            Some(Bound::New) => Some(SessionOutcome::New),
+            Some(Bound::Kept) => Some(SessionOutcome::Kept),
+            Some(Bound::Moved) => Some(SessionOutcome::Moved),
+            None => None,
+        };
+        if let Some(o) = outcome {
+            m.session(o).inc();
+        }
+        m.session(SessionOutcome::Evicted).inc_by(evicted as u64);
+        m.sessions
+            .with_label_values(&[rule.spec.name()])
+            .set(rule.sessions.len() as i64);
     }
 
     /// Applies a decision another replica made `age` ago: speculative credit for what is left
-    /// of its time to live (`ttl_left`), the placement memory, and the in-flight estimate while
-    /// the decision is inside the in-flight window.
+    /// of its time to live (`ttl_left`), the placement memory, the session binding, and the
+    /// in-flight estimate while the decision is inside the in-flight window.
+    #[allow(clippy::too_many_arguments)]
     pub fn apply_peer_decision(
         &self,
         rule: &RuleRuntime,
         ep: EndpointId,
         update: Option<Update>,
         keys: &[BlockKey],
+        session: Option<u64>,
         age: Duration,
         ttl_left: Duration,
     ) {
         let Some(e) = rule.ep(ep) else { return };
         let now = Instant::now();
+        if let Some(h) = session {
+            // Counted where it was decided; evictions are this replica's own.
+            let (_, evicted) = rule.sessions.bind(h, usize::from(ep.0), now);
+            self.count_binding(rule, None, evicted);
+        }
         if !ttl_left.is_zero() && !keys.is_empty() {
             // As the deciding replica does: only the keys past what the endpoint holds.
             let held = rule.match_prefix(keys, now);

@@ -42,7 +42,7 @@ use tokio_util::sync::CancellationToken;
 use crate::index::{EndpointId, IndexOp, Rank};
 use crate::metrics::Metrics;
 use crate::rules::RuleSpec;
-use crate::score::PlacementMemory;
+use crate::score::{PlacementMemory, SessionTable};
 use crate::settings::Settings;
 
 pub use canary::{CanaryVerdict, Leg, Probe, ProbeReport};
@@ -186,6 +186,7 @@ impl Fleet {
                     self.settings.memory_entries,
                     self.settings.memory_ttl,
                 ),
+                sessions: SessionTable::new(self.settings.sessions_max, self.settings.session_ttl),
                 cancel: self.cancel.child_token(),
                 tokenizer_problem: self.tokenizer_problem(&spec),
             };
@@ -496,6 +497,7 @@ mod tests {
             token_count: 96,
             affinity_key: None,
             model: None,
+            session: None,
             explain: true,
             only,
         };
@@ -505,6 +507,74 @@ mod tests {
         assert_eq!(
             f.route(&r, &q(Some(&[false, false])), now).err(),
             Some(RouteError::NoEndpoint)
+        );
+    }
+
+    /// A named conversation goes where it went before, ahead of a longer match elsewhere; while
+    /// that endpoint is down it detours without moving, and comes home once it is back.
+    #[test]
+    fn a_session_returns_to_its_endpoint_and_comes_home_after_a_detour() {
+        use crate::metrics::SessionOutcome;
+        use crate::score::Tier;
+        let s = Settings::default();
+        let f = fleet(s.clone());
+        let r = f.install(spec(80, 1, &s), Origin::Local).unwrap().rule;
+        fn q<'a>(keys: &'a [BlockKey], session: Option<&'a str>) -> Question<'a> {
+            Question {
+                keys,
+                token_count: 96,
+                affinity_key: None,
+                model: None,
+                session,
+                explain: false,
+                only: None,
+            }
+        }
+        let (short, long) = (keys(2), keys(6));
+        let (short, long) = (short.as_slice(), long.as_slice());
+        let now = Instant::now();
+        // Its first request is placed (no overlap anywhere); the prefix then shows up on the
+        // other endpoint only.
+        let first = f.route(&r, &q(short, Some("conv-1")), now).unwrap();
+        let home = first.ep;
+        let other = 1 - home;
+        f.apply_ops(
+            &r,
+            EndpointId(other as u16),
+            Rank(0),
+            &[IndexOp::Store(keys(6))],
+        );
+        let d = f.route(&r, &q(long, Some("conv-1")), now).unwrap();
+        assert_eq!(
+            (d.ep, d.decision.tier, d.session),
+            (home, Tier::Session, Some(home))
+        );
+        // Ahead of the longer match.
+        assert_eq!((d.views[home].matched, d.views[other].matched), (2, 6));
+        r.eps()[home].set_healthy(false);
+        let d = f.route(&r, &q(long, Some("conv-1")), now).unwrap();
+        assert_eq!((d.ep, d.decision.tier), (other, Tier::Tier15));
+        r.eps()[home].set_healthy(true);
+        let d = f.route(&r, &q(long, Some("conv-1")), now).unwrap();
+        assert_eq!((d.ep, d.decision.tier), (home, Tier::Session));
+        let count = |o| f.metrics.session(o).get();
+        assert_eq!(
+            [
+                SessionOutcome::New,
+                SessionOutcome::Kept,
+                SessionOutcome::Detour
+            ]
+            .map(count),
+            [1, 2, 1]
+        );
+        let gauge = f.metrics.sessions.with_label_values(&[r.spec.name()]).get();
+        assert_eq!(gauge, 1);
+        assert_eq!(
+            f.metrics
+                .route_decisions
+                .with_label_values(&["session", "session"])
+                .get(),
+            2
         );
     }
 
@@ -520,6 +590,7 @@ mod tests {
             token_count: 96,
             affinity_key: None,
             model: None,
+            session: None,
             explain,
             only: None,
         };
@@ -568,6 +639,7 @@ mod tests {
             token_count: 0,
             affinity_key: None,
             model: None,
+            session: None,
             explain: false,
             only: None,
         };
@@ -601,6 +673,7 @@ mod tests {
             token_count: 128,
             affinity_key: None,
             model: None,
+            session: None,
             explain: false,
             only: None,
         };

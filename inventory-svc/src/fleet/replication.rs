@@ -36,13 +36,15 @@ pub trait Replication: Send + Sync {
     fn rule_removed(&self, rule: &RuleRuntime, origin: Origin);
     /// This replica (the owner) applied `ops` for `(ep, rank)`.
     fn ops(&self, rule: &Arc<RuleRuntime>, ep: EndpointId, rank: Rank, ops: &[IndexOp]);
-    /// A routing decision: speculative credit for `keys`, placement memory, in-flight load.
+    /// A routing decision: speculative credit for `keys`, placement memory, in-flight load, and
+    /// the session bound to `ep` (its hash), if any.
     fn decision(
         &self,
         rule: &Arc<RuleRuntime>,
         ep: EndpointId,
         update: Option<Update>,
         keys: &[BlockKey],
+        session: Option<u64>,
     );
     /// Runs endpoint `ep`'s feeds while this replica owns it: `start` is called with a token
     /// cancelled when ownership ends (or the rule stops).
@@ -61,7 +63,15 @@ impl Replication for Standalone {
 
     fn ops(&self, _: &Arc<RuleRuntime>, _: EndpointId, _: Rank, _: &[IndexOp]) {}
 
-    fn decision(&self, _: &Arc<RuleRuntime>, _: EndpointId, _: Option<Update>, _: &[BlockKey]) {}
+    fn decision(
+        &self,
+        _: &Arc<RuleRuntime>,
+        _: EndpointId,
+        _: Option<Update>,
+        _: &[BlockKey],
+        _: Option<u64>,
+    ) {
+    }
 
     fn own(&self, _: &Arc<Fleet>, rule: &Arc<RuleRuntime>, ep: EndpointId, start: StartFeeds) {
         if let Some(e) = rule.ep(ep) {

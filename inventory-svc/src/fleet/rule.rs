@@ -18,7 +18,7 @@ use super::shadow::ShadowSeries;
 use crate::index::{BlockIndex, BlockPage, EndpointId, IndexOp, MemIndex, Rank};
 use crate::metrics::Metrics;
 use crate::rules::RuleSpec;
-use crate::score::{HashRing, PlacementMemory};
+use crate::score::{HashRing, PlacementMemory, SessionTable};
 use crate::settings::Divergence;
 use kvroute_core::rule::{EndpointRole, KvMode};
 
@@ -37,6 +37,8 @@ pub struct RuleRuntime {
     addrs: Vec<String>,
     /// Where each prefix family was sent, remembered past eviction.
     pub(super) memory: PlacementMemory,
+    /// Which endpoint each named conversation was sent to (the session tier).
+    pub(super) sessions: SessionTable,
     pub(super) hit_seq: AtomicU64,
     pub(super) rr_seq: AtomicU64,
     /// The shadow policy's series, resolved at the rule's first shadowed decision.
@@ -52,6 +54,7 @@ pub struct RuleRuntime {
 pub(super) struct Parts {
     pub id: u32,
     pub memory: PlacementMemory,
+    pub sessions: SessionTable,
     pub cancel: CancellationToken,
     pub tokenizer_problem: Option<String>,
 }
@@ -82,6 +85,7 @@ impl RuleRuntime {
             ring: HashRing::new(&addrs),
             addrs,
             memory: parts.memory,
+            sessions: parts.sessions,
             created: Instant::now(),
             generation: spec.generation(),
             hit_seq: AtomicU64::new(0),

@@ -222,6 +222,7 @@ mod tests {
             token_count: 16 * k.len() as u32,
             affinity_key: None,
             model: None,
+            session: None,
             explain,
             only: None,
         }

@@ -5,6 +5,11 @@
 //! credit and placement memory), or a snapshot marker telling tailers to load an endpoint's
 //! snapshot at this point of the log. Keys are 8 bytes each; nothing is JSON on this path.
 //!
+//! A decision may end with the session it bound (`1` and the session's 8-byte hash; absent or
+//! `0`: none). Entries without the tail decode as binding no session, and a reader that predates
+//! the tail ignores it (entries are length-delimited in a batch and a single entry ends the
+//! payload), so the version did not change.
+//!
 //! Versions (the first byte of every entry and batch): 2 writes the endpoint as a `u16` (a rule
 //! holds up to 1,024 endpoints); 1 wrote it as one byte. Entries of version 1 still decode (a
 //! replica reading a log a version-1 replica wrote during a rolling upgrade); any other version
@@ -37,12 +42,14 @@ pub enum Entry {
         seq: Option<u64>,
         ops: Vec<IndexOp>,
     },
-    /// A routing decision: speculative credit for `ttl_ms`, and the placement memory update.
+    /// A routing decision: speculative credit for `ttl_ms`, the placement memory update, and
+    /// the session bound to `ep` (its hash), if any.
     Decision {
         ep: u16,
         update: Option<Update>,
         ttl_ms: u32,
         keys: Vec<BlockKey>,
+        session: Option<u64>,
     },
     /// The owner wrote `ep`'s snapshot right before this entry. `resync`: entries were lost
     /// (Redis outage, full outbox, takeover), so every replica loads it here; otherwise it is a
@@ -168,6 +175,7 @@ impl Entry {
                 update,
                 ttl_ms,
                 keys,
+                session,
             } => {
                 let u = match update {
                     None => 0,
@@ -179,6 +187,10 @@ impl Entry {
                 out.push(u);
                 out.extend_from_slice(&ttl_ms.to_le_bytes());
                 put_keys(&mut out, keys);
+                if let Some(h) = session {
+                    out.push(1);
+                    out.extend_from_slice(&h.to_le_bytes());
+                }
             }
             Entry::Snapshot { ep, resync } => {
                 out.push(b'S');
@@ -223,11 +235,20 @@ impl Entry {
                 };
                 let ttl_ms = r.u32()?;
                 let keys = r.keys()?;
+                let session = match r.at == r.b.len() {
+                    true => None,
+                    false => match r.u8()? {
+                        0 => None,
+                        1 => Some(r.u64()?),
+                        t => return Err(CodecError::Tag(t)),
+                    },
+                };
                 Ok(Entry::Decision {
                     ep,
                     update,
                     ttl_ms,
                     keys,
+                    session,
                 })
             }
             b'S' => Ok(Entry::Snapshot {
@@ -397,12 +418,14 @@ mod tests {
                 update: Some(Update::Place),
                 ttl_ms: 2000,
                 keys: k(&[5, 6]),
+                session: None,
             },
             Entry::Decision {
                 ep: 1,
                 update: None,
                 ttl_ms: 0,
                 keys: vec![],
+                session: Some(u64::MAX - 7),
             },
             Entry::Snapshot {
                 ep: 300,
@@ -475,6 +498,7 @@ mod tests {
             update: Some(Update::Place),
             ttl_ms: 2000,
             keys: k(&[5]),
+            session: None,
         };
         assert_eq!(Entry::decode(&dec).unwrap(), want_dec);
         let snap = [1, b'S', 9, 1];
@@ -503,6 +527,37 @@ mod tests {
     }
 
     #[test]
+    fn a_decisions_session_is_an_optional_tail() {
+        let with = Entry::Decision {
+            ep: 2,
+            update: Some(Update::Keep),
+            ttl_ms: 10,
+            keys: k(&[4]),
+            session: Some(0x0102_0304_0506_0708),
+        };
+        let b = with.encode();
+        // What a writer before the tail wrote: the same entry without it binds no session.
+        let old = &b[..b.len() - 9];
+        assert!(matches!(
+            Entry::decode(old),
+            Ok(Entry::Decision { session: None, ref keys, .. }) if *keys == k(&[4])
+        ));
+        let mut zero = old.to_vec();
+        zero.push(0);
+        assert!(matches!(
+            Entry::decode(&zero),
+            Ok(Entry::Decision { session: None, .. })
+        ));
+        let mut bad = old.to_vec();
+        bad.push(2);
+        assert_eq!(Entry::decode(&bad), Err(CodecError::Tag(2)));
+        assert!(matches!(
+            Entry::decode(&b[..b.len() - 1]),
+            Err(CodecError::Truncated(_))
+        ));
+    }
+
+    #[test]
     fn batches_round_trip() {
         let a = Entry::Snapshot {
             ep: 1,
@@ -513,6 +568,7 @@ mod tests {
             update: Some(Update::Keep),
             ttl_ms: 5,
             keys: k(&[1, 2, 3]),
+            session: Some(9),
         };
         let both = vec![a.clone(), b.clone()];
         assert_eq!(decode_batch(&encode_batch(&both)).unwrap(), both);

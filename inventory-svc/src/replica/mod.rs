@@ -234,12 +234,14 @@ impl Replication for Replica {
         ep: EndpointId,
         update: Option<Update>,
         keys: &[BlockKey],
+        session: Option<u64>,
     ) {
         let entry = Entry::Decision {
             ep: ep.0,
             update,
             ttl_ms: u32::try_from(self.spec_ttl.as_millis()).unwrap_or(u32::MAX),
             keys: keys.to_vec(),
+            session,
         };
         self.send(
             None,

@@ -467,6 +467,7 @@ async fn apply_entry(
             update,
             ttl_ms,
             keys,
+            session,
         } => {
             // Credit only what is left of the decision's time to live.
             let age = now_ms().saturating_sub(id.ms);
@@ -476,6 +477,7 @@ async fn apply_entry(
                 EndpointId(ep),
                 update,
                 &keys,
+                session,
                 Duration::from_millis(age),
                 Duration::from_millis(left),
             );

@@ -5,10 +5,18 @@
 //! keeps every branch (hit, spill, cold seed, each miss reason, prefill/decode) unit-testable.
 //!
 //! [`decide`] runs named steps, each a function with its own table test: eligible endpoints
-//! (`Pool`), the KV gate (`kv_gate`), spill relief (`spill_relief_on`), overlap and load as
-//! scored with the placement memory and hot families (`Scored`), footprint placement of a new
-//! family (`place`), the load blend (`blend`), the spill (`spill`), cold seeding (`cold_seed`)
-//! and the sticky fallback on a miss (`sel_fallback`).
+//! (`Pool`), the session tier (the question's bound endpoint), the KV gate (`kv_gate`), spill
+//! relief (`spill_relief_on`), overlap and load as scored with the placement memory and hot
+//! families (`Scored`), footprint placement of a new family (`place`), the load blend (`blend`),
+//! the spill (`spill`), cold seeding (`cold_seed`) and the sticky fallback on a miss
+//! (`sel_fallback`).
+//!
+//! The cascade, first answer wins: the session tier (a conversation id bound to a healthy,
+//! eligible endpoint: tier `session`), then prefix scoring (tier `tier15`; the placement memory is
+//! its approximate leg: a remembered home counts as holding the remembered depth, so an exact
+//! longer match elsewhere still wins, and a decision it made says `remembered`), then the rule's
+//! `sel` (tier `fallback`; kvExactMode 1 picks the decode endpoint by load beside whichever
+//! tier chose the prefill one).
 //!
 //! Policy (the seed's Tier 1.5):
 //! * prompts shorter than `LLB_KV_MIN_MATCH_TOKENS`, rules in warm-up and rules without KV events
@@ -42,10 +50,12 @@
 mod capacity;
 mod memory;
 mod ring;
+mod session;
 
 pub use capacity::parse_num_gpu_blocks;
 pub use memory::{PlacementMemory, Recall, Update};
 pub use ring::HashRing;
+pub use session::{session_hash, Bound, SessionTable};
 
 use crate::settings::{LoadBlend, Placement, Settings};
 use kvroute_core::rule::{EndpointRole, KvMode, Sel};
@@ -97,6 +107,8 @@ pub struct ScoreInput<'a> {
     pub rr_seq: u64,
     /// The placement memory's answer for this request.
     pub recall: Option<Recall>,
+    /// The endpoint the question's session is bound to ([`SessionTable`]).
+    pub session: Option<usize>,
     pub settings: &'a Settings,
 }
 
@@ -162,6 +174,18 @@ fn steps(inp: &ScoreInput<'_>) -> Decision {
         placed: false,
         detour: false,
     };
+    if let Some(ep) = inp.session.filter(|s| pool.cands.contains(s)) {
+        return Decision {
+            ep: Some(ep),
+            matched: inp.eps[ep].matched,
+            tier: Tier::Session,
+            reason: Reason::Session,
+            decode: pool.decode,
+            counted_hit: false,
+            placed: false,
+            detour: false,
+        };
+    }
     if let Some(reason) = kv_gate(inp) {
         return fallback(reason);
     }
@@ -587,6 +611,7 @@ mod tests {
             hit_seq: 0,
             rr_seq: 0,
             recall: None,
+            session: None,
             settings: s,
         }
     }
@@ -602,6 +627,53 @@ mod tests {
             hit_seq,
             ..input(eps, &r, s)
         })
+    }
+
+    #[test]
+    fn a_bound_session_comes_first_while_its_endpoint_is_eligible() {
+        let s = Settings::default();
+        let r = ring(3);
+        let with = |eps: &[EpView], mode: KvMode, session: Option<usize>, token_count| {
+            decide(&ScoreInput {
+                exact_mode: mode,
+                session,
+                token_count,
+                ..input(eps, &r, &s)
+            })
+        };
+        // Ahead of a longer exact match elsewhere, and of the KV gate (a short prompt).
+        let eps = [ep(10, 0), ep(3, 0), ep(0, 0)];
+        for tokens in [160, 1] {
+            let d = with(&eps, KvMode::SinglePool, Some(1), tokens);
+            assert_eq!(
+                (d.ep, d.tier, d.reason),
+                (Some(1), Tier::Session, Reason::Session)
+            );
+            assert_eq!((d.matched, d.counted_hit), (3, false));
+        }
+        // An unhealthy endpoint, or one outside the rule: the cascade goes on.
+        let mut down = eps;
+        down[1].healthy = false;
+        for (eps, session) in [(&down, Some(1)), (&eps, Some(7)), (&eps, None)] {
+            let d = with(eps, KvMode::SinglePool, session, 160);
+            assert_eq!(
+                (d.ep, d.tier, d.reason),
+                (Some(0), Tier::Tier15, Reason::Hit)
+            );
+        }
+        // Prefill/decode: only a prefill endpoint holds a session; the decode one is by load.
+        let mut pd = [ep(10, 0), ep(3, 0), ep(0, 1), ep(0, 0)];
+        pd[0].role = Some(EndpointRole::Prefill);
+        pd[1].role = Some(EndpointRole::Prefill);
+        pd[2].role = Some(EndpointRole::Decode);
+        pd[3].role = Some(EndpointRole::Decode);
+        let d = with(&pd, KvMode::PrefillDecode, Some(1), 160);
+        assert_eq!((d.ep, d.tier, d.decode), (Some(1), Tier::Session, Some(3)));
+        let d = with(&pd, KvMode::PrefillDecode, Some(2), 160);
+        assert_eq!((d.ep, d.tier), (Some(0), Tier::Tier15));
+        // Without KV the session still holds.
+        let d = with(&eps, KvMode::Off, Some(2), 160);
+        assert_eq!((d.ep, d.tier), (Some(2), Tier::Session));
     }
 
     #[test]

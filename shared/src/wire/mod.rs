@@ -201,6 +201,10 @@ pub struct RouteRequest {
     /// the tenant being the `user` field, the API key's hash or the client IP.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub affinity_key: Option<String>,
+    /// The conversation this request belongs to ([`crate::affinity::session_id`]): routed to the
+    /// endpoint its earlier requests went to while that one is healthy (the session tier).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub session: Option<String>,
     /// Raw prompt when the filter offloads tokenization.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub prompt: Option<String>,
@@ -221,7 +225,9 @@ pub struct RouteRequest {
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "snake_case")]
 pub enum Tier {
-    /// KV-overlap scoring.
+    /// The conversation's bound endpoint (the question's `session`).
+    Session,
+    /// KV-overlap scoring, with the placement memory's remembered homes.
     Tier15,
     /// The rule's `sel` algorithm.
     Fallback,
@@ -229,11 +235,12 @@ pub enum Tier {
 
 impl Tier {
     /// Every tier.
-    pub const ALL: [Tier; 2] = [Tier::Tier15, Tier::Fallback];
+    pub const ALL: [Tier; 3] = [Tier::Session, Tier::Tier15, Tier::Fallback];
 
     /// Metric label and API value.
     pub fn as_str(self) -> &'static str {
         match self {
+            Tier::Session => "session",
             Tier::Tier15 => "tier15",
             Tier::Fallback => "fallback",
         }
@@ -267,6 +274,8 @@ pub enum Reason {
     /// Sent to the family's remembered home, which the exact inventory no longer (or only
     /// partly) shows holding it.
     Remembered,
+    /// The endpoint the question's session is bound to.
+    Session,
 }
 
 impl Reason {
@@ -281,11 +290,12 @@ impl Reason {
             Reason::MissNoKeys => "miss_no_keys",
             Reason::KvOff => "kv_off",
             Reason::Remembered => "remembered",
+            Reason::Session => "session",
         }
     }
 
     /// Every reason, for pre-registering metric series.
-    pub const ALL: [Reason; 8] = [
+    pub const ALL: [Reason; 9] = [
         Reason::Hit,
         Reason::Spill,
         Reason::ColdSeed,
@@ -294,6 +304,7 @@ impl Reason {
         Reason::MissNoKeys,
         Reason::KvOff,
         Reason::Remembered,
+        Reason::Session,
     ];
 }
 
@@ -311,6 +322,9 @@ pub struct Explain {
         schema(value_type = Option<Vec<u64>>, min_items = 2, max_items = 2)
     )]
     pub recall: Option<(usize, u32)>,
+    /// The endpoint index the question's session is bound to (the session tier), if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub session: Option<usize>,
 }
 
 /// One endpoint as the scorer saw it.
