@@ -124,6 +124,14 @@ pub struct RawConfig {
     /// (0 = never, else 200..=3600000; default 5000).
     #[serde(default)]
     pub report_ms: Option<u64>,
+    /// Header carrying the conversation id the session tier routes on (default
+    /// `x-conversation-id`; `""` reads none).
+    #[serde(default)]
+    pub session_header: Option<String>,
+    /// Take the OpenAI `user` field as the conversation id when the header is absent (default
+    /// false: `user` names a person, who may hold several conversations).
+    #[serde(default)]
+    pub session_from_user: Option<bool>,
 }
 
 /// The checked configuration.
@@ -150,6 +158,10 @@ pub struct Config {
     pub max_prefix_tokens: usize,
     /// Outcome report period (`report_ms`); `None` = never.
     pub report: Option<Duration>,
+    /// Conversation-id header (`session_header`); `None` = none is read.
+    pub session_header: Option<String>,
+    /// `session_from_user`.
+    pub session_from_user: bool,
 }
 
 /// A validated `route_token`: non-empty, printable ASCII (a header value). Its `Debug` hides it.
@@ -191,6 +203,8 @@ impl Default for Config {
             route_token: None,
             max_prefix_tokens: MAX_PREFIX_TOKENS,
             report: Some(Duration::from_secs(5)),
+            session_header: Some(kvroute_core::affinity::SESSION_HEADER.into()),
+            session_from_user: false,
         }
     }
 }
@@ -203,7 +217,7 @@ pub enum ConfigError {
          timeout_ms, max_body_bytes, pin_header, tokenize (filter|service), tokenizer (inventory|embedded|none), \
          model, refresh_ms, pin_mode (header|filter_state), segment_cache_bytes, segment_cache_entries, \
          piece_cache_bytes, piece_cache_entries, key_cache_bytes, key_cache_entries, route_token, max_prefix_tokens, \
-         report_ms: {0}"
+         report_ms, session_header, session_from_user: {0}"
     )]
     Json(String),
     #[error("invalid plugin configuration: {}", .0.iter().map(ToString::to_string).collect::<Vec<_>>().join("; "))]
@@ -356,6 +370,19 @@ impl TryFrom<RawConfig> for Config {
             false,
         );
         let pin_header = text("pin_header", raw.pin_header, &d.pin_header, true);
+        let session_header = match raw.session_header {
+            None => d.session_header.clone(),
+            Some(h) if h.is_empty() => None,
+            Some(h) if header_name_ok(&h) => Some(h),
+            Some(h) => {
+                problems.push(FieldError::new(
+                    "session_header",
+                    format!("{h:?}"),
+                    "a lowercase header name ([a-z0-9-]+), or \"\" for none",
+                ));
+                None
+            }
+        };
         if let Some(r) = &raw.rule {
             if r.is_empty() {
                 problems.push(FieldError::new("rule", "\"\"", "a rule id or VIP:port"));
@@ -396,6 +423,8 @@ impl TryFrom<RawConfig> for Config {
             route_token,
             max_prefix_tokens: usize::try_from(max_prefix_tokens).unwrap_or(d.max_prefix_tokens),
             report: (report > 0).then(|| Duration::from_millis(report)),
+            session_header,
+            session_from_user: raw.session_from_user.unwrap_or(d.session_from_user),
         })
     }
 }
@@ -486,13 +515,14 @@ mod tests {
     #[test]
     fn lists_every_problem_with_field_value_and_range() {
         let err =
-            Config::parse(br#"{"timeout_ms":0,"max_body_bytes":1,"pin_header":"X Pin","rule":""}"#)
+            Config::parse(br#"{"timeout_ms":0,"max_body_bytes":1,"pin_header":"X Pin","rule":"","session_header":"X Conv"}"#)
                 .unwrap_err()
                 .to_string();
         for part in [
             "timeout_ms: got 0, allowed: 1..=10000",
             "max_body_bytes: got 1",
             "pin_header: got \"X Pin\"",
+            "session_header: got \"X Conv\", allowed: a lowercase header name",
             "rule",
         ] {
             assert!(err.contains(part), "{err}");

@@ -48,6 +48,7 @@ pub fn build(
         rule,
         model: request.model.clone(),
         affinity_key: affinity_key(host, endpoint, request.user.as_deref()),
+        session: session(vm, host, request.user.as_deref()),
         ..Default::default()
     };
     // KV off for the rule: the service applies its fallback.
@@ -149,6 +150,19 @@ fn affinity_key(host: &dyn Host, endpoint: Endpoint, user: Option<&str>) -> Opti
     kvroute_core::affinity::affinity_key(user, key, client_ip(host), endpoint)
 }
 
+/// The request's conversation id: the configured header's value, else (with
+/// `session_from_user`) the `user` field.
+fn session(vm: &VmState, host: &dyn Host, user: Option<&str>) -> Option<String> {
+    let header = vm.config.session_header.as_deref();
+    header
+        .and_then(|h| host.header_bytes(Headers::Request, h))
+        .and_then(|v| kvroute_core::affinity::session_id(&v))
+        .or_else(|| {
+            user.filter(|_| vm.config.session_from_user)
+                .and_then(|u| kvroute_core::affinity::session_id(u.as_bytes()))
+        })
+}
+
 /// The downstream peer's IP (`source.address` is `ip:port`).
 fn client_ip(host: &dyn Host) -> Option<std::net::IpAddr> {
     let raw = host.property(&["source", "address"])?;
@@ -222,6 +236,39 @@ mod tests {
         .unwrap();
         assert_eq!((q.prompt.as_deref(), q.keys.len()), (Some("hi"), 0));
         assert!(host.calls.borrow().is_empty());
+    }
+
+    /// The session is the configured header's value, else (only when configured) the `user`
+    /// field; an empty `session_header` reads no header.
+    #[test]
+    fn sessions_come_from_the_header_then_optionally_the_user() {
+        let host = FakeHost::default();
+        let body = br#"{"model":"m","prompt":[1,2,3],"user":"u-1"}"#;
+        let ask = |config: &str| {
+            let p = loaded(&host, config, KV_ON);
+            build(p.vm(), &host, Endpoint::Completions, body)
+                .unwrap()
+                .session
+        };
+        assert_eq!(ask(r#"{"rule":"1"}"#), None);
+        assert_eq!(
+            ask(r#"{"rule":"1","session_from_user":true}"#).as_deref(),
+            Some("u-1")
+        );
+        host.request_headers
+            .borrow_mut()
+            .insert("x-conversation-id".into(), " conv-7 ".into());
+        assert_eq!(ask(r#"{"rule":"1"}"#).as_deref(), Some("conv-7"));
+        assert_eq!(
+            ask(r#"{"rule":"1","session_from_user":true}"#).as_deref(),
+            Some("conv-7")
+        );
+        assert_eq!(ask(r#"{"rule":"1","session_header":""}"#), None);
+        host.request_headers
+            .borrow_mut()
+            .insert("x-chat".into(), "c".repeat(500));
+        let long = ask(r#"{"rule":"1","session_header":"x-chat"}"#).unwrap();
+        assert!(long.starts_with('#') && long.len() == 17, "{long}");
     }
 
     /// The tenant is the `user` field, else the API key's hash (never the key), else the client

@@ -582,6 +582,89 @@ async fn offloaded_tokenization_pins_to_the_chosen_endpoint() {
     assert!(!gw.envoy.log().contains("tokenizer loaded"));
 }
 
+/// A conversation that names itself (`x-conversation-id`) goes back to the engine its first turn
+/// went to, ahead of a longer prefix another engine holds; without the id, or under another id,
+/// the prefix wins. The tier reaches the engine and the filter's stats.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_named_conversation_returns_to_its_engine_ahead_of_a_longer_prefix() {
+    let a = Engine::start("engine-a").await.unwrap();
+    let b = Engine::start("engine-b").await.unwrap();
+    // a holds the first turn's prompt, b a longer, different one.
+    let first = chat_body(json!({"messages": [
+        {"role": "system", "content": "You answer questions about the Rhine and nothing else."},
+        {"role": "user", "content": "Where does the Rhine rise, which countries does it cross, and where does it reach the sea?"},
+    ]}));
+    let body = chat_body(json!({}));
+    let (t_first, t_body) = (
+        harness::prompt_tokens(&first).unwrap(),
+        harness::prompt_tokens(&body).unwrap(),
+    );
+    let (n_first, n_body) = (t_first.len() / envoy::BLOCK, t_body.len() / envoy::BLOCK);
+    assert!(n_first >= 2 && n_body > n_first, "{n_first} {n_body}");
+    a.store_blocks(&t_first);
+    b.store_blocks(&t_body);
+    let inv = Inventory::start().await.unwrap();
+    let rule = inv.add_rule(&[&a, &b]).await.unwrap();
+    inv.wait_for_blocks(rule, 0, n_first).await.unwrap();
+    inv.wait_for_blocks(rule, 1, n_body).await.unwrap();
+    let gw = gateway(&[&a, &b], inv.addr, json!({})).await;
+    gw.wait_until_routing(READY).await.unwrap();
+
+    let send = async |body: &[u8], conv: Option<&str>| {
+        let headers: Vec<(&str, &str)> =
+            conv.map(|c| ("x-conversation-id", c)).into_iter().collect();
+        let r = gw
+            .post("/v1/chat/completions", body.to_vec(), &headers)
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        let engine = r.headers()[BACKEND_HEADER].to_str().unwrap().to_owned();
+        let got = match engine.as_str() {
+            "engine-a" => a.received(),
+            _ => b.received(),
+        };
+        let last = got.last().unwrap();
+        assert!(
+            last.body.as_ref() == body,
+            "the engine received another body"
+        );
+        (engine, header(last, "x-kvroute-tier").map(str::to_owned))
+    };
+    // Turn 1 goes to a by its prefix, and binds the conversation there.
+    assert_eq!(
+        send(&first, Some("conv-1")).await,
+        ("engine-a".into(), Some("tier15".into()))
+    );
+    // b holds the second prompt's longer prefix: without an id, or under a new one, the prefix
+    // decides (asked first: the turn below credits a with that prompt speculatively).
+    assert_eq!(
+        send(&body, None).await,
+        ("engine-b".into(), Some("tier15".into()))
+    );
+    assert_eq!(
+        send(&body, Some("conv-2")).await,
+        ("engine-b".into(), Some("tier15".into()))
+    );
+    // The conversation's second turn sends that prompt too: it still goes to a.
+    assert_eq!(
+        send(&body, Some("conv-1")).await,
+        ("engine-a".into(), Some("session".into()))
+    );
+    assert_stats(&gw, &[("kvroute_filter_decisions_session_total", 1)]).await;
+    let m = inv.metrics().await.unwrap();
+    for (series, want) in [
+        (r#"kvroute_session_bindings_total{outcome="new"}"#, 2),
+        (r#"kvroute_session_bindings_total{outcome="kept"}"#, 1),
+        (
+            r#"kvroute_route_decisions_total{reason="session",tier="session"}"#,
+            1,
+        ),
+    ] {
+        let line = format!("{series} {want}");
+        assert!(m.lines().any(|l| l == line), "want {line}:\n{m}");
+    }
+}
+
 /// The service requires a credential on `/v1/route` (`--route-token-file`): a filter with the
 /// same `route_token` pins; one with a wrong token, or none, is refused (401) and fails open,
 /// counted as `status`, the request still served.
