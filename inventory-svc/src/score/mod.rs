@@ -174,17 +174,19 @@ fn steps(inp: &ScoreInput<'_>) -> Decision {
         placed: false,
         detour: false,
     };
+    // A chosen endpoint with the overlap it holds; only Tier 1.5 counts toward `hit_seq`.
+    let at = |ep: usize, tier: Tier, reason: Reason| Decision {
+        ep: Some(ep),
+        matched: inp.eps[ep].matched,
+        tier,
+        reason,
+        decode: pool.decode,
+        counted_hit: tier == Tier::Tier15,
+        placed: false,
+        detour: false,
+    };
     if let Some(ep) = inp.session.filter(|s| pool.cands.contains(s)) {
-        return Decision {
-            ep: Some(ep),
-            matched: inp.eps[ep].matched,
-            tier: Tier::Session,
-            reason: Reason::Session,
-            decode: pool.decode,
-            counted_hit: false,
-            placed: false,
-            detour: false,
-        };
+        return at(ep, Tier::Session, Reason::Session);
     }
     if let Some(reason) = kv_gate(inp) {
         return fallback(reason);
@@ -216,16 +218,7 @@ fn steps(inp: &ScoreInput<'_>) -> Decision {
         return fallback(Reason::MissNoOverlap);
     };
     if let Some(cold) = cold_seed(inp, &pool) {
-        return Decision {
-            ep: Some(cold),
-            matched: inp.eps[cold].matched,
-            tier: Tier::Tier15,
-            reason: Reason::ColdSeed,
-            decode: pool.decode,
-            counted_hit: true,
-            placed: false,
-            detour: false,
-        };
+        return at(cold, Tier::Tier15, Reason::ColdSeed);
     }
     let reason = if Some(c) != argmax {
         Reason::Spill
@@ -234,16 +227,7 @@ fn steps(inp: &ScoreInput<'_>) -> Decision {
     } else {
         Reason::Hit
     };
-    Decision {
-        ep: Some(c),
-        matched: inp.eps[c].matched,
-        tier: Tier::Tier15,
-        reason,
-        decode: pool.decode,
-        counted_hit: true,
-        placed: false,
-        detour: false,
-    }
+    at(c, Tier::Tier15, reason)
 }
 
 /// Step 1, eligible endpoints: the candidates Tier 1.5 and `sel` choose from (healthy; prefill
