@@ -165,7 +165,7 @@ pub fn decide(inp: &ScoreInput<'_>) -> Decision {
 fn steps(inp: &ScoreInput<'_>) -> Decision {
     let pool = Pool::of(inp);
     let fallback = |reason: Reason| Decision {
-        ep: sel_fallback(inp, &pool.cands),
+        ep: miss_fallback(inp, &pool.cands),
         matched: 0,
         tier: Tier::Fallback,
         reason,
@@ -491,6 +491,24 @@ fn least_loaded_of(eps: &[EpView], it: impl Iterator<Item = usize>) -> Option<us
     it.min_by_key(|&i| (eps[i].load, i))
 }
 
+/// Where a request goes when no tier above chose (and footprint placement did not place it):
+/// a prefill/decode rule (kvExactMode 1) sends it to the least loaded prefill candidate, round
+/// robin breaking ties, as loxilb's P/D ladder does; any other rule applies its `sel`.
+fn miss_fallback(inp: &ScoreInput<'_>, cands: &[usize]) -> Option<usize> {
+    if inp.exact_mode != KvMode::PrefillDecode {
+        return sel_fallback(inp, cands);
+    }
+    let min = cands.iter().map(|&i| inp.eps[i].load).min()?;
+    let least: Vec<usize> = cands
+        .iter()
+        .copied()
+        .filter(|&i| inp.eps[i].load == min)
+        .collect();
+    least
+        .get((inp.rr_seq % least.len() as u64) as usize)
+        .copied()
+}
+
 /// The sticky fallback, the rule's `sel` over the candidates: round robin on the rule's
 /// decision counter; consistent hash (`sel` 1 hash and 3 persist) on the affinity key, round
 /// robin without one; priority (highest weight, then lower index); least connections (least
@@ -752,6 +770,45 @@ mod tests {
         eps[3].role = Some(EndpointRole::Decode);
         let d = run(&eps, &s, KvMode::PrefillDecode, 0);
         assert_eq!((d.ep, d.decode, d.reason), (Some(2), Some(3), Reason::Hit));
+    }
+
+    /// A prefill/decode miss goes to the least loaded prefill endpoint (round robin among the
+    /// least loaded), whatever the rule's `sel`; a single pool's miss applies `sel`.
+    #[test]
+    fn a_prefill_decode_miss_falls_back_to_the_least_loaded_prefill() {
+        let s = shared(|c| c.with_min_match_tokens(1000));
+        let r = ring(4);
+        let mut eps = [ep(0, 3), ep(0, 1), ep(0, 9), ep(0, 1)];
+        eps[0].role = Some(EndpointRole::Prefill);
+        eps[1].role = Some(EndpointRole::Prefill);
+        eps[2].role = Some(EndpointRole::Decode);
+        eps[3].role = Some(EndpointRole::Prefill);
+        for (sel, rr_seq, want) in [
+            (Sel::RoundRobin, 0, 1),
+            (Sel::RoundRobin, 1, 3),
+            (Sel::RoundRobin, 2, 1),
+            (Sel::Priority, 0, 1),
+            (Sel::Hash, 1, 3),
+        ] {
+            let d = decide(&ScoreInput {
+                exact_mode: KvMode::PrefillDecode,
+                sel,
+                rr_seq,
+                ..input(&eps, &r, &s)
+            });
+            assert_eq!(
+                (d.ep, d.tier, d.reason, d.decode),
+                (Some(want), Tier::Fallback, Reason::MissShortPrompt, Some(2)),
+                "{sel:?} {rr_seq}"
+            );
+        }
+        // One pool: the rule's sel (round robin's first candidate, loaded or not).
+        let one = [ep(0, 3), ep(0, 1)];
+        let d = decide(&ScoreInput {
+            exact_mode: KvMode::SinglePool,
+            ..input(&one, &r, &s)
+        });
+        assert_eq!((d.ep, d.tier), (Some(0), Tier::Fallback));
     }
 
     fn run_recall(eps: &[EpView], s: &Settings, recall: Option<Recall>) -> Decision {
