@@ -206,7 +206,8 @@ pub struct Metrics {
     pub registry: Registry,
     /// `engine`, `type` (block_stored, block_removed, all_blocks_cleared).
     pub events: IntCounterVec,
-    /// Blocks stored on a medium other than GPU (not routed on): `engine`, `medium`.
+    /// Blocks stored on a medium other than GPU (cpu and storage are indexed as lower tiers):
+    /// `engine`, `medium`.
     pub non_gpu_blocks: IntCounterVec,
     /// Blocks of KV-cache groups other than full attention, not indexed: `engine`, `kind`, `event`.
     pub partial_group_blocks: IntCounterVec,
@@ -228,6 +229,11 @@ pub struct Metrics {
     pub subscriber_connected: IntGaugeVec,
     /// Blocks per endpoint: `rule`, `ep`.
     pub inventory_blocks: IntGaugeVec,
+    /// `rule`, `ep`, `medium` (cpu, storage): blocks held in each lower cache tier.
+    pub lower_blocks: IntGaugeVec,
+    /// `medium`: blocks of the chosen endpoints' lower-tier runs, which the engines are expected
+    /// to load instead of recomputing.
+    pub route_lower_blocks: IntCounterVec,
     /// `tier` (tier15, fallback), `reason`.
     pub route_decisions: IntCounterVec,
     pub tier15_spills: IntCounter,
@@ -373,7 +379,7 @@ impl Metrics {
             events: cv("kvroute_ingest_events_total", "KV events applied, by engine and event type.", &["engine", "type"])?,
             non_gpu_blocks: cv(
                 "kvroute_ingest_non_gpu_blocks_total",
-                "Blocks stored on a medium other than GPU (counted, not routed on).",
+                "Blocks stored on a medium other than GPU: cpu and storage are indexed as lower tiers, other media only counted.",
                 &["engine", "medium"],
             )?,
             partial_group_blocks: cv(
@@ -406,6 +412,16 @@ impl Metrics {
                 &["rule", "ep", "rank"],
             )?,
             inventory_blocks: gv("kvroute_index_blocks", "GPU blocks held per endpoint.", &["rule", "ep"])?,
+            lower_blocks: gv(
+                "kvroute_index_lower_blocks",
+                "Blocks held per endpoint in a lower cache tier (medium: cpu for host memory, storage).",
+                &["rule", "ep", "medium"],
+            )?,
+            route_lower_blocks: cv(
+                "kvroute_route_lower_tier_blocks_total",
+                "Blocks of the chosen endpoints' lower-tier runs (past their GPU match), which the engines load instead of recomputing, by medium.",
+                &["medium"],
+            )?,
             route_decisions: cv("kvroute_route_decisions_total", "Routing decisions by tier and reason.", &["tier", "reason"])?,
             tier15_spills: c("kvroute_tier15_spills_total", "Tier 1.5 decisions moved off the best-overlap endpoint by load.")?,
             tier15_cold_seeds: c("kvroute_tier15_cold_seeds_total", "Tier 1.5 hits sent to a cold endpoint to seed it.")?,
@@ -683,6 +699,9 @@ impl Metrics {
         for o in SessionOutcome::ALL {
             m.session(*o);
         }
+        for l in crate::index::Lower::ALL {
+            m.route_lower_blocks.with_label_values(&[l.as_str()]);
+        }
         for o in EppOutcome::ALL {
             m.epp_requests.with_label_values(&[o.as_str()]);
         }
@@ -776,6 +795,11 @@ impl Metrics {
                 &self.endpoint_canary_failing,
             ] {
                 let _ = g.remove_label_values(&labels);
+            }
+            for l in crate::index::Lower::ALL {
+                let _ = self
+                    .lower_blocks
+                    .remove_label_values(&[rule, ep.as_str(), l.as_str()]);
             }
             for c in [
                 &self.endpoint_predicted_blocks,

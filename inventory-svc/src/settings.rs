@@ -174,6 +174,20 @@ pub const SESSION_TTL_MS: Setting = Setting::int(
     "a conversation's binding to its endpoint is forgotten this long after its last request; \
      0 disables the session tier",
 );
+pub const CPU_TIER_WEIGHT: Setting = Setting::int(
+    "KVROUTE_CPU_TIER_WEIGHT",
+    (0, 100),
+    75,
+    "percent of a GPU block's credit a block in an endpoint's host-memory tier earns past its \
+     GPU match; 0 credits none",
+);
+pub const STORAGE_TIER_WEIGHT: Setting = Setting::int(
+    "KVROUTE_STORAGE_TIER_WEIGHT",
+    (0, 100),
+    25,
+    "percent of a GPU block's credit a block in an endpoint's storage tier earns past its GPU \
+     and host-memory match; 0 credits none",
+);
 pub const PLACEMENT_CAPACITY_BLOCKS: Setting = Setting::int(
     "KVROUTE_PLACEMENT_CAPACITY_BLOCKS",
     (0, 1 << 40),
@@ -344,7 +358,7 @@ pub struct HealthThresholds {
 }
 
 /// The service's own tuning variables, in the order errors are reported (after the shared ones).
-pub const SERVICE_VARS: [Setting; 33] = [
+pub const SERVICE_VARS: [Setting; 35] = [
     MEAN_LOAD_FACTOR,
     LB_MODE,
     LOAD_PENALTY,
@@ -365,6 +379,8 @@ pub const SERVICE_VARS: [Setting; 33] = [
     PLACEMENT_MEMORY_TTL_MS,
     SESSIONS_MAX,
     SESSION_TTL_MS,
+    CPU_TIER_WEIGHT,
+    STORAGE_TIER_WEIGHT,
     PLACEMENT_CAPACITY_BLOCKS,
     HTTP_HEADER_TIMEOUT_MS,
     HTTP_IDLE_TIMEOUT_MS,
@@ -498,6 +514,9 @@ pub struct Settings {
     pub sessions_max: usize,
     /// [`SESSION_TTL_MS`]; zero disables the session tier.
     pub session_ttl: Duration,
+    /// [`CPU_TIER_WEIGHT`] and [`STORAGE_TIER_WEIGHT`], in percent, by
+    /// [`crate::index::Lower::index`].
+    pub lower_weights: [u32; 2],
     /// [`PLACEMENT_CAPACITY_BLOCKS`]; 0 = unknown.
     pub capacity_blocks: u64,
     /// [`MAX_PREFIX_TOKENS`] (the filter's `max_prefix_tokens`).
@@ -747,6 +766,8 @@ impl<'a> Env<'a> {
         let capacity_blocks = self.int(&PLACEMENT_CAPACITY_BLOCKS);
         let sessions_max = self.int(&SESSIONS_MAX);
         let session_ttl = self.ms(&SESSION_TTL_MS);
+        let lower_weights = [CPU_TIER_WEIGHT, STORAGE_TIER_WEIGHT]
+            .map(|w| u32::try_from(self.int(&w)).unwrap_or(100));
         let http = HttpLimits {
             header_timeout: self.ms(&HTTP_HEADER_TIMEOUT_MS),
             idle_timeout: self.ms(&HTTP_IDLE_TIMEOUT_MS),
@@ -791,6 +812,7 @@ impl<'a> Env<'a> {
             memory_ttl,
             sessions_max: usize::try_from(sessions_max).unwrap_or(usize::MAX),
             session_ttl,
+            lower_weights,
             capacity_blocks,
             max_prefix_tokens: usize::try_from(max_prefix_tokens).unwrap_or(usize::MAX),
             redis,

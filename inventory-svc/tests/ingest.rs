@@ -113,6 +113,58 @@ async fn vllm_golden_and_generated_payloads_feed_the_index() {
     assert_eq!(hz["status"], "ok", "{hz}");
 }
 
+/// Blocks an engine publishes on its host-memory and storage tiers continue the endpoint's GPU
+/// match (the answer counts every block the engine reuses), show in their own gauges, and a
+/// lower-tier removal cuts the run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lower_tier_blocks_extend_the_match() {
+    // No speculative credit: the second answer must come from the index alone.
+    let (mut p, svc) = subscribed_vllm("lower", json!({}), &[("KVROUTE_SPEC_TTL_MS", "0")]).await;
+    p.send(&batch(vec![
+        stored(&[1, 2], &[], false),
+        stored_on(&[1, 2, 3, 4], "CPU"),
+        stored_on(&[5], "STORAGE"),
+        stored_on(&[6], "EXTERNAL_THING"),
+    ]))
+    .await;
+    let route = async || {
+        let req = json!({"rule": RULE, "keys": [1, 2, 3, 4, 5, 6, 7], "token_count": 112});
+        let (s, body) = svc.post("/v1/route", &req.to_string(), None).await;
+        assert_eq!(s, 200, "{body}");
+        body["matched_blocks"].as_u64().unwrap()
+    };
+    svc.wait_for("the lower tiers", 10, || async {
+        let m = svc.metrics().await;
+        metric(
+            &m,
+            r#"kvroute_index_lower_blocks{ep="0",medium="storage",rule="10.0.0.1:8080/tcp"}"#,
+        ) == Some(1.0)
+    })
+    .await;
+    // 2 GPU blocks, then 3 and 4 in host memory, then 5 in storage; 6 is on a medium not indexed.
+    assert_eq!(route().await, 5);
+    assert_metrics(
+        &svc.metrics().await,
+        r#"
+        kvroute_index_blocks{ep="0",rule="10.0.0.1:8080/tcp"} 3
+        kvroute_index_lower_blocks{ep="0",medium="cpu",rule="10.0.0.1:8080/tcp"} 4
+        kvroute_route_lower_tier_blocks_total{medium="cpu"} 2
+        kvroute_route_lower_tier_blocks_total{medium="storage"} 1
+        kvroute_ingest_non_gpu_blocks_total{engine="vllm",medium="other"} 1
+        "#,
+    );
+    p.send(&batch(vec![removed_on(&[3], "CPU")])).await;
+    svc.wait_for("the removal", 10, || async {
+        let m = svc.metrics().await;
+        metric(
+            &m,
+            r#"kvroute_index_lower_blocks{ep="0",medium="cpu",rule="10.0.0.1:8080/tcp"}"#,
+        ) == Some(3.0)
+    })
+    .await;
+    assert_eq!(route().await, 2);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn parity_self_check_names_the_wrong_seed() {
     let (mut p, svc) = subscribed_vllm(

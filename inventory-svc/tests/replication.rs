@@ -9,7 +9,8 @@ use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 
 use common::{
-    batch, bind_same_port, metric, removed, rule, stored, Publisher, Redis, Service, TOKEN,
+    batch, bind_same_port, metric, removed, rule, stored, stored_on, Publisher, Redis, Service,
+    TOKEN,
 };
 use kvroute_test_support::{wait_until, Poll, Probe};
 use serde_json::{json, Value};
@@ -390,6 +391,40 @@ async fn redis_restart_converges_and_rules_replicate() {
     .await;
     let mut a = a;
     let mut b = b;
+    assert_eq!(a.terminate(), Some(0), "{}", a.stderr());
+    assert_eq!(b.terminate(), Some(0), "{}", b.stderr());
+}
+
+/// Blocks the owner ingests on an engine's host-memory tier reach the other replica through the
+/// log: its answer counts them past the GPU match.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lower_tier_blocks_replicate() {
+    let redis = Redis::start().unwrap();
+    let (mut pubs, rules) = publishers().await;
+    let a = replica("lt-a", &redis, "a", &rules);
+    let b = replica("lt-b", &redis, "b", &rules);
+    let svcs = [&a, &b];
+    let o = single_owner(&svcs, 0, 20).await;
+    send_until_seen(svcs[o], &mut pubs[0], 0, 0, 0xA0).await;
+    pubs[0]
+        .send(&batch(vec![stored_on(&[0xA0, 0xA1, 0xA2], "CPU")]))
+        .await;
+    let ask = json!({"rule": RULE, "keys": [0xA0, 0xA1, 0xA2, 0xA3], "token_count": 64,
+                     "explain": true})
+    .to_string();
+    for s in svcs {
+        let seen = wait_until(
+            "the host-memory blocks in the answer",
+            Duration::from_secs(15),
+            async || {
+                let (_, v) = s.post("/v1/route", &ask, None).await;
+                v["matched_blocks"] == json!(3) && v["endpoint"] == json!("127.0.0.51:9")
+            },
+        )
+        .await;
+        assert!(seen.is_ok(), "{}", s.stderr());
+    }
+    let (mut a, mut b) = (a, b);
     assert_eq!(a.terminate(), Some(0), "{}", a.stderr());
     assert_eq!(b.terminate(), Some(0), "{}", b.stderr());
 }

@@ -16,7 +16,7 @@ use kvroute_core::hash::BlockKey;
 
 use super::rule::RuleRuntime;
 use super::{EpRuntime, Fleet};
-use crate::index::EndpointId;
+use crate::index::{EndpointId, Lower};
 use crate::metrics::SessionOutcome;
 use crate::score::{
     decide, given_away, session_hash, Bound, Decision, EpView, HashRing, Reason, Recall,
@@ -144,6 +144,7 @@ impl Fleet {
         // Per-rule state is read once for all endpoints (one lock each), not per endpoint: at
         // 1,024 endpoints the per-endpoint locks were most of a decision.
         let matched = rule.match_prefix(keys, now);
+        let lower = rule.match_lower(keys, &matched);
         let blocks = rule.block_counts();
         let homed = rule.memory.homed_all(rule.spec.endpoints.len());
         let s = &self.settings;
@@ -168,6 +169,11 @@ impl Fleet {
                     load: rt.load(now, s.inflight_window, fresh),
                     blocks: blocks.get(i).copied().unwrap_or(0),
                     matched: matched.get(i).copied().filter(|_| locality).unwrap_or(0),
+                    lower: lower
+                        .get(i)
+                        .copied()
+                        .filter(|_| locality)
+                        .unwrap_or_default(),
                     capacity: rule.capacity(i, s.capacity_blocks),
                     homed: homed.get(i).copied().filter(|_| locality).unwrap_or(0),
                 }
@@ -220,11 +226,21 @@ impl Fleet {
             rule.eps()[dec].record_decision(now);
         }
         let kv = rule.spec.kv_enabled();
+        if let Some(run) = views.get(ep).map(|v| v.lower).filter(|r| r.blocks() > 0) {
+            for (l, n) in Lower::ALL.iter().zip([run.cpu, run.storage]) {
+                m.route_lower_blocks
+                    .with_label_values(&[l.as_str()])
+                    .inc_by(u64::from(n));
+            }
+        }
         // Speculation covers the blind spot before the engine reports the blocks it is about to
         // compute: the keys past what the chosen endpoint already holds. Re-crediting held keys
         // would only hide their eviction for the TTL (and cost a table insert per key on every
         // follow-up).
-        let unheld = keys.get(d.matched as usize..).unwrap_or(&[]);
+        // The chosen endpoint's GPU match: blocks it loads from a lower tier land in GPU
+        // memory too.
+        let gpu = views.get(ep).map_or(d.matched, |v| v.matched);
+        let unheld = keys.get(gpu as usize..).unwrap_or(&[]);
         let ttl = self.settings.spec_ttl;
         if kv && !unheld.is_empty() && !ttl.is_zero() {
             rule.index

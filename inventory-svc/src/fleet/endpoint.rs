@@ -91,6 +91,8 @@ pub struct EpRuntime {
     /// The endpoint's `kvroute_index_blocks` series, looked up once: ingestion sets it after
     /// every message.
     pub(super) blocks_gauge: OnceLock<IntGauge>,
+    /// `kvroute_index_lower_blocks{rule,ep,medium}` per [`crate::index::Lower`] tier, looked up once.
+    pub(super) lower_gauges: OnceLock<[IntGauge; 2]>,
     /// The parity canary's latest verdict (none before its first run, or with the canary off).
     canary: Mutex<Option<CanaryVerdict>>,
 }
@@ -111,6 +113,7 @@ impl EpRuntime {
             outcomes: Mutex::default(),
             divergent: AtomicBool::new(false),
             blocks_gauge: OnceLock::new(),
+            lower_gauges: OnceLock::new(),
             canary: Mutex::new(None),
         }
     }

@@ -39,7 +39,7 @@ use std::time::Duration;
 use kvroute_core::rule::RuleErrors;
 use tokio_util::sync::CancellationToken;
 
-use crate::index::{EndpointId, IndexOp, Rank};
+use crate::index::{EndpointId, IndexOp, Lower, Rank};
 use crate::metrics::Metrics;
 use crate::rules::RuleSpec;
 use crate::score::{PlacementMemory, SessionTable};
@@ -295,19 +295,30 @@ impl Fleet {
         }
         let held = rule.index.block_count(ep);
         let cap = self.key_cap(rule, ep);
-        if held >= cap && ops.iter().any(|o| matches!(o, IndexOp::Store(_))) {
+        // The cap bounds each tier apart: the GPU table, and each lower tier's.
+        let full: [bool; 3] = [
+            held >= cap,
+            rule.index.lower_block_count(Lower::Cpu, ep) >= cap,
+            rule.index.lower_block_count(Lower::Storage, ep) >= cap,
+        ];
+        let refuses = |o: &IndexOp| match o {
+            IndexOp::Store(k) => full[0].then_some(k.len()),
+            IndexOp::StoreLower(l, k) => full[1 + l.index()].then_some(k.len()),
+            _ => None,
+        };
+        if ops.iter().any(|o| refuses(o).is_some()) {
             // At the cap: stores are refused (counted) until evictions or a clear make room, so
             // one endpoint's index is bounded by the cap plus one message whatever a publisher
             // sends.
             let mut refused = 0u64;
             let kept: Vec<IndexOp> = ops
                 .iter()
-                .filter(|o| match o {
-                    IndexOp::Store(k) => {
-                        refused += k.len() as u64;
+                .filter(|o| match refuses(o) {
+                    Some(n) => {
+                        refused += n as u64;
                         false
                     }
-                    _ => true,
+                    None => true,
                 })
                 .cloned()
                 .collect();
@@ -336,6 +347,18 @@ impl Fleet {
                 .with_label_values(&[&rule.spec.name(), &ep.0.to_string()])
         });
         gauge.set(i64::try_from(rule.index.block_count(ep)).unwrap_or(i64::MAX));
+        let lower = e.lower_gauges.get_or_init(|| {
+            Lower::ALL.map(|l| {
+                self.metrics.lower_blocks.with_label_values(&[
+                    &rule.spec.name(),
+                    &ep.0.to_string(),
+                    l.as_str(),
+                ])
+            })
+        });
+        for (l, g) in Lower::ALL.iter().zip(lower) {
+            g.set(i64::try_from(rule.index.lower_block_count(*l, ep)).unwrap_or(i64::MAX));
+        }
     }
 
     /// Blocks endpoint `ep` may hold: `KVROUTE_MAX_KEYS_PER_ENDPOINT`, else 4 x its capacity

@@ -15,7 +15,7 @@ use tokio_util::sync::{CancellationToken, WaitForCancellationFuture};
 
 use super::endpoint::EpRuntime;
 use super::shadow::ShadowSeries;
-use crate::index::{BlockIndex, BlockPage, EndpointId, IndexOp, MemIndex, Rank};
+use crate::index::{BlockIndex, BlockPage, EndpointId, IndexOp, LowerRun, MemIndex, Rank};
 use crate::metrics::Metrics;
 use crate::rules::RuleSpec;
 use crate::score::{HashRing, PlacementMemory, SessionTable};
@@ -158,6 +158,13 @@ impl RuleRuntime {
     pub fn match_prefix(&self, keys: &[BlockKey], now: Instant) -> Vec<u32> {
         let mut out = Vec::new();
         self.index.match_prefix(keys, now, &mut out);
+        out
+    }
+
+    /// Each endpoint's lower-tier run past its match `from` ([`BlockIndex::match_lower`]).
+    pub fn match_lower(&self, keys: &[BlockKey], from: &[u32]) -> Vec<LowerRun> {
+        let mut out = Vec::new();
+        self.index.match_lower(keys, from, &mut out);
         out
     }
 

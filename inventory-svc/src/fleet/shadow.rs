@@ -176,6 +176,7 @@ mod tests {
             load: 0,
             blocks: 0,
             matched,
+            lower: Default::default(),
             capacity: 0,
             homed: 0,
         };

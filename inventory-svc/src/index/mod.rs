@@ -19,6 +19,10 @@
 //! * Speculative credits (the blind spot between a routing decision and the engine's BlockStored)
 //!   live in a separate table, one entry per decision with a deadline, and never touch the
 //!   per-endpoint counts. An endpoint's eviction of a key cuts its credits at that key.
+//! * Blocks an engine keeps in a lower tier ([`Lower`]: host memory, storage) live in tables of
+//!   their own, one per tier, with the same layout; they never count as GPU blocks. A match
+//!   continues each endpoint's GPU run through them ([`BlockIndex::match_lower`]), as an engine
+//!   that offloads KV looks its lower tiers up after its GPU prefix.
 
 mod holders;
 mod spec;
@@ -64,15 +68,68 @@ impl EndpointId {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
 pub struct Rank(pub u8);
 
+/// A KV-cache tier below GPU memory: an engine that offloads KV keeps copies of blocks there and
+/// loads them back instead of recomputing them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Lower {
+    /// Host memory: vLLM's KV offloading and LMCache (`CPU`), SGLang's HiCache (`CPU_PINNED`).
+    Cpu,
+    /// Storage: `STORAGE` (vLLM), `DISK` / `EXTERNAL` (SGLang's HiCache storage backends).
+    Storage,
+}
+
+impl Lower {
+    /// Every lower tier, fastest first.
+    pub const ALL: [Lower; 2] = [Lower::Cpu, Lower::Storage];
+
+    /// The tier's position in [`Lower::ALL`].
+    pub fn index(self) -> usize {
+        match self {
+            Lower::Cpu => 0,
+            Lower::Storage => 1,
+        }
+    }
+
+    /// Metric label and API value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Lower::Cpu => "cpu",
+            Lower::Storage => "storage",
+        }
+    }
+}
+
+/// One endpoint's lower-tier run past its GPU match ([`BlockIndex::match_lower`]): consecutive
+/// request blocks held in host memory, and after those not in host memory but in storage.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct LowerRun {
+    /// Blocks of the run in host memory.
+    pub cpu: u32,
+    /// Blocks of the run in storage only.
+    pub storage: u32,
+}
+
+impl LowerRun {
+    /// Blocks in the run.
+    pub fn blocks(self) -> u32 {
+        self.cpu + self.storage
+    }
+}
+
 /// One change to the inventory, as decoded from an engine message.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum IndexOp {
-    /// The endpoint now holds these blocks (idempotent).
+    /// The endpoint now holds these blocks in GPU memory (idempotent).
     Store(Vec<BlockKey>),
-    /// The endpoint evicted these blocks.
+    /// The endpoint evicted these blocks from GPU memory.
     Remove(Vec<BlockKey>),
-    /// The endpoint (this rank) dropped everything: restart, `AllBlocksCleared`, lost sync.
+    /// The endpoint (this rank) dropped everything, in every tier: restart, `AllBlocksCleared`,
+    /// lost sync.
     Clear,
+    /// The endpoint now holds these blocks in a lower tier (idempotent).
+    StoreLower(Lower, Vec<BlockKey>),
+    /// The endpoint dropped these blocks from a lower tier.
+    RemoveLower(Lower, Vec<BlockKey>),
 }
 
 /// One page of an endpoint's blocks ([`BlockIndex::blocks`]).
@@ -123,6 +180,14 @@ pub trait BlockIndex: Send + Sync {
 
     /// Approximate heap bytes used by the index tables (for docs and the memory test).
     fn heap_bytes(&self) -> usize;
+
+    /// For each endpoint `e < from.len()`, the lower-tier run that continues its match: how
+    /// many consecutive `keys` from position `from[e]` (its GPU match) it holds in a lower tier
+    /// ([`LowerRun`]). `out` is resized to `from.len()`. Free when no lower tier holds anything.
+    fn match_lower(&self, keys: &[BlockKey], from: &[u32], out: &mut Vec<LowerRun>);
+
+    /// Blocks `ep` holds in tier `lower`.
+    fn lower_block_count(&self, lower: Lower, ep: EndpointId) -> u64;
 }
 
 /// Hasher for keys that are already uniformly distributed hashes: one multiply instead of SipHash,
@@ -408,6 +473,8 @@ impl Tables {
 #[derive(Default)]
 pub struct MemIndex {
     inner: RwLock<Tables>,
+    /// One table per [`Lower`] tier (no speculative credits there). Lock order: `inner` first.
+    lower: [RwLock<Tables>; 2],
 }
 
 impl MemIndex {
@@ -424,6 +491,7 @@ impl MemIndex {
         };
         MemIndex {
             inner: RwLock::new(t),
+            lower: Default::default(),
         }
     }
 
@@ -441,6 +509,18 @@ impl MemIndex {
     fn write(&self) -> std::sync::RwLockWriteGuard<'_, Tables> {
         self.inner.write().unwrap_or_else(|e| e.into_inner())
     }
+
+    fn read_lower(&self, l: Lower) -> std::sync::RwLockReadGuard<'_, Tables> {
+        self.lower[l.index()]
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn write_lower(&self, l: Lower) -> std::sync::RwLockWriteGuard<'_, Tables> {
+        self.lower[l.index()]
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+    }
 }
 
 impl BlockIndex for MemIndex {
@@ -454,7 +534,25 @@ impl BlockIndex for MemIndex {
             match op {
                 IndexOp::Store(keys) => t.store(ep, rank, keys),
                 IndexOp::Remove(keys) => t.remove(ep, rank, keys),
-                IndexOp::Clear => t.clear(ep, rank),
+                IndexOp::Clear => {
+                    t.clear(ep, rank);
+                    for l in Lower::ALL {
+                        let mut lt = self.write_lower(l);
+                        if lt.counts.len() > ep.index() {
+                            lt.clear(ep, rank);
+                        }
+                    }
+                }
+                IndexOp::StoreLower(l, keys) => {
+                    let mut lt = self.write_lower(*l);
+                    lt.ensure_ep(ep);
+                    lt.store(ep, rank, keys);
+                }
+                IndexOp::RemoveLower(l, keys) => {
+                    let mut lt = self.write_lower(*l);
+                    lt.ensure_ep(ep);
+                    lt.remove(ep, rank, keys);
+                }
             }
         }
     }
@@ -543,7 +641,59 @@ impl BlockIndex for MemIndex {
             b += buckets(rm.capacity()) * (12 + 1);
         }
         b += t.wide.as_ref().map_or(0, Wide::heap_bytes);
-        b + t.counts.capacity() * 8 + t.ranks.capacity() * 8 + t.spec.heap_bytes()
+        let gpu = b + t.counts.capacity() * 8 + t.ranks.capacity() * 8 + t.spec.heap_bytes();
+        drop(t);
+        gpu + Lower::ALL
+            .iter()
+            .map(|&l| {
+                let lt = self.read_lower(l);
+                lt.holders.heap_bytes()
+                    + lt.wide.as_ref().map_or(0, Wide::heap_bytes)
+                    + lt.ranks
+                        .iter()
+                        .flatten()
+                        .map(|rm| buckets(rm.capacity()) * 13)
+                        .sum::<usize>()
+                    + lt.counts.capacity() * 8
+            })
+            .sum::<usize>()
+    }
+
+    fn match_lower(&self, keys: &[BlockKey], from: &[u32], out: &mut Vec<LowerRun>) {
+        out.clear();
+        out.resize(from.len(), LowerRun::default());
+        let (cpu, sto) = (self.read_lower(Lower::Cpu), self.read_lower(Lower::Storage));
+        if cpu.holders.is_empty() && sto.holders.is_empty() {
+            return;
+        }
+        // Each key's words are read once, by the first endpoint whose run reaches it.
+        let mut words: Vec<Option<(u64, u64)>> = vec![None; keys.len()];
+        for (e, (&f, run)) in from.iter().zip(out.iter_mut()).enumerate() {
+            let Some(ep) = EndpointId::at(e) else { break };
+            let (in_cpu, in_sto) = (e < cpu.counts.len(), e < sto.counts.len());
+            if !in_cpu && !in_sto {
+                continue;
+            }
+            for (k, w) in keys.iter().zip(words.iter_mut()).skip(f as usize) {
+                let (wc, ws) =
+                    *w.get_or_insert_with(|| (cpu.holders.get(k.0), sto.holders.get(k.0)));
+                if in_cpu && cpu.names(wc, ep) {
+                    run.cpu += 1;
+                } else if in_sto && sto.names(ws, ep) {
+                    run.storage += 1;
+                } else {
+                    break;
+                }
+            }
+        }
+    }
+
+    fn lower_block_count(&self, lower: Lower, ep: EndpointId) -> u64 {
+        self.read_lower(lower)
+            .counts
+            .get(ep.index())
+            .copied()
+            .unwrap_or(0)
     }
 }
 
@@ -607,6 +757,18 @@ mod tests {
             self.ix.block_count(self.ep(e))
         }
 
+        /// The lower-tier runs of test endpoints `0..gpu.len()` past their GPU matches `gpu`.
+        fn lower(&self, keys: &[u64], gpu: &[u32]) -> Vec<LowerRun> {
+            let n = gpu.len() as u16;
+            let mut from = vec![0u32; self.ep(n).index()];
+            for (e, g) in gpu.iter().enumerate() {
+                from[self.ep(e as u16).index()] = *g;
+            }
+            let mut out = Vec::new();
+            self.ix.match_lower(&k(keys), &from, &mut out);
+            (0..n).map(|e| out[self.ep(e).index()]).collect()
+        }
+
         /// Every block of `e`, sorted, by following the page cursor.
         fn all_blocks(&self, e: u16) -> Vec<BlockKey> {
             all_blocks(&self.ix, self.ep(e))
@@ -639,6 +801,48 @@ mod tests {
         assert_eq!(fx.m(&[], 3), vec![0, 0, 0]);
         assert_eq!(fx.count(0), 3);
         assert_eq!(fx.ix.key_count(), 3);
+    }
+
+    /// A lower tier continues each endpoint's GPU run, host memory before storage at each
+    /// block, up to the first block held in neither; GPU counts and pages never include
+    /// lower-tier blocks; a removal cuts the run; a clear empties every tier.
+    #[rstest]
+    fn lower_tiers_continue_the_gpu_run(#[values(Width::Narrow, Width::Wide)] w: Width) {
+        let fx = Fx::new(w);
+        let run = |cpu, storage| LowerRun { cpu, storage };
+        fx.store(0, &[1, 2]);
+        fx.apply(
+            0,
+            0,
+            &[
+                IndexOp::StoreLower(Lower::Cpu, k(&[1, 2, 3])),
+                IndexOp::StoreLower(Lower::Storage, k(&[3, 4, 5])),
+            ],
+        );
+        fx.apply(1, 0, &[IndexOp::StoreLower(Lower::Storage, k(&[1, 2]))]);
+        // Without the first block there is no run.
+        fx.apply(2, 0, &[IndexOp::StoreLower(Lower::Cpu, k(&[2, 3]))]);
+        let keys = [1, 2, 3, 4, 5, 6];
+        let gpu = fx.m(&keys, 3);
+        assert_eq!(gpu, vec![2, 0, 0]);
+        assert_eq!(fx.lower(&keys, &gpu), vec![run(1, 2), run(0, 2), run(0, 0)]);
+        assert_eq!(run(1, 2).blocks(), 3);
+        assert_eq!((fx.count(0), fx.ix.key_count()), (2, 2));
+        assert_eq!(fx.all_blocks(0), k(&[1, 2]));
+        assert_eq!(fx.ix.lower_block_count(Lower::Cpu, fx.ep(0)), 3);
+        assert_eq!(fx.ix.lower_block_count(Lower::Storage, fx.ep(1)), 2);
+        // Block 3 leaves host memory but is still in storage; then storage loses it too.
+        fx.apply(0, 0, &[IndexOp::RemoveLower(Lower::Cpu, k(&[3]))]);
+        assert_eq!(fx.lower(&keys, &gpu)[0], run(0, 3));
+        fx.apply(0, 0, &[IndexOp::RemoveLower(Lower::Storage, k(&[3]))]);
+        assert_eq!(fx.lower(&keys, &gpu)[0], run(0, 0));
+        fx.apply(1, 0, &[IndexOp::Clear]);
+        assert_eq!(fx.lower(&keys, &[0, 0, 0])[1], run(0, 0));
+        assert_eq!(fx.ix.lower_block_count(Lower::Storage, fx.ep(1)), 0);
+        // Endpoints past every table, and an empty `from`.
+        let mut out = vec![run(9, 9)];
+        fx.ix.match_lower(&k(&keys), &[], &mut out);
+        assert!(out.is_empty());
     }
 
     #[rstest]

@@ -15,7 +15,8 @@
 
 use super::msgpack::{Head, Rd, MAX_DEPTH};
 
-/// Where a block lives; only [`Medium::Gpu`] counts for GPU routing.
+/// Where a block lives: GPU blocks are the index's main table, host memory and storage its
+/// lower tiers ([`Medium::lower`]); another medium is counted only.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Medium {
     Gpu,
@@ -34,6 +35,15 @@ impl Medium {
             Some("CPU") | Some("CPU_PINNED") | Some("cpu") => Medium::Cpu,
             Some("STORAGE") | Some("DISK") | Some("EXTERNAL") => Medium::Storage,
             Some(_) => Medium::Other,
+        }
+    }
+
+    /// The index's lower tier for blocks on this medium (`None`: GPU, or a medium not indexed).
+    pub fn lower(self) -> Option<crate::index::Lower> {
+        match self {
+            Medium::Cpu => Some(crate::index::Lower::Cpu),
+            Medium::Storage => Some(crate::index::Lower::Storage),
+            Medium::Gpu | Medium::Other => None,
         }
     }
 

@@ -143,13 +143,25 @@ impl Keyer {
                             .non_gpu_blocks
                             .with_label_values(&[self.engine.as_str(), s.medium.as_str()])
                             .inc_by(s.block_hashes.len() as u64);
+                    }
+                    let lower = s.medium.lower();
+                    if s.medium != Medium::Gpu && lower.is_none() {
                         continue;
                     }
                     if let Some(kind) = self.partial_group(s.group, s.kind) {
                         self.skip_partial(kind, "block_stored", s.block_hashes.len());
                         continue;
                     }
-                    if let Some(op) = self.stored(s, ops) {
+                    let op = match lower {
+                        None => {
+                            if let Some(t) = &self.tap {
+                                t.offer(&s);
+                            }
+                            self.stored(s, ops)
+                        }
+                        Some(l) => self.stored_lower(s, ops).map(|k| IndexOp::StoreLower(l, k)),
+                    };
+                    if let Some(op) = op {
                         ops.push(op);
                     }
                 }
@@ -159,11 +171,25 @@ impl Keyer {
                     group,
                 } => {
                     self.count("block_removed");
-                    if medium != Medium::Gpu {
+                    let lower = medium.lower();
+                    if medium != Medium::Gpu && lower.is_none() {
                         continue;
                     }
                     if let Some(kind) = self.partial_group(group, None) {
                         self.skip_partial(kind, "block_removed", block_hashes.len());
+                        continue;
+                    }
+                    if let Some(l) = lower {
+                        // Tokens mode: the GPU copy may still be mapped, so the mapping stays.
+                        let keys = match self.key_mode {
+                            KeyMode::Engine => block_hashes.into_iter().map(BlockKey).collect(),
+                            KeyMode::Tokens => block_hashes
+                                .iter()
+                                .filter_map(|h| self.map.get(h).copied())
+                                .map(BlockKey)
+                                .collect(),
+                        };
+                        ops.push(IndexOp::RemoveLower(l, keys));
                         continue;
                     }
                     let keys = match self.key_mode {
@@ -231,10 +257,33 @@ impl Keyer {
         ops.push(IndexOp::Clear);
     }
 
-    fn stored(&mut self, s: Stored, ops: &mut Vec<IndexOp>) -> Option<IndexOp> {
-        if let Some(t) = &self.tap {
-            t.offer(&s);
+    /// The keys of a lower-tier store: as a GPU store's when the event carries its tokens (or
+    /// the engine's keys are the index's); in tokens mode without tokens, the keys the GPU
+    /// stores of the same engine hashes mapped (blocks never seen on GPU are counted unkeyed).
+    fn stored_lower(&mut self, s: Stored, ops: &mut Vec<IndexOp>) -> Option<Vec<BlockKey>> {
+        if self.key_mode == KeyMode::Tokens && s.token_ids.is_empty() {
+            let keys: Vec<BlockKey> = s
+                .block_hashes
+                .iter()
+                .filter_map(|h| self.map.get(h).copied())
+                .map(BlockKey)
+                .collect();
+            let unknown = s.block_hashes.len() - keys.len();
+            if unknown > 0 {
+                self.metrics
+                    .unkeyed_blocks
+                    .with_label_values(&[self.engine.as_str()])
+                    .inc_by(unknown as u64);
+            }
+            return Some(keys);
         }
+        match self.stored(s, ops)? {
+            IndexOp::Store(keys) => Some(keys),
+            _ => None,
+        }
+    }
+
+    fn stored(&mut self, s: Stored, ops: &mut Vec<IndexOp>) -> Option<IndexOp> {
         match self.key_mode {
             KeyMode::Engine => {
                 if s.parent.is_none()
@@ -618,6 +667,92 @@ mod tests {
         assert_eq!(skipped("sliding_window", "block_removed"), 2);
         assert_eq!(skipped("mamba", "block_stored"), 1);
         assert_eq!(skipped("mamba", "block_removed"), 1);
+    }
+
+    /// Host-memory and storage blocks go to the index's lower tiers (tokens mode through the
+    /// keys their GPU stores mapped, the mapping kept past a lower-tier removal); another medium
+    /// is counted only; none of them reaches the canary's tap.
+    #[test]
+    fn lower_tier_blocks_are_indexed_per_tier() {
+        use crate::index::Lower;
+        let m = metrics();
+        let batch = |events| EventBatch {
+            ts: 0.0,
+            events,
+            dp_rank: None,
+            skipped: 0,
+            skips: Vec::new(),
+        };
+        let keys = |v: &[u64]| v.iter().copied().map(BlockKey).collect::<Vec<_>>();
+        let on = |e: KvEvent, medium: Medium| match e {
+            KvEvent::Stored(s) => KvEvent::Stored(Stored { medium, ..s }),
+            KvEvent::Removed {
+                block_hashes,
+                group,
+                ..
+            } => KvEvent::Removed {
+                block_hashes,
+                medium,
+                group,
+            },
+            other => other,
+        };
+        let tap = Arc::new(crate::ingest::tap::Tap::default());
+        let mut k =
+            Keyer::new(Engine::Vllm, KeyMode::Engine, 16, None, m.clone()).with_tap(tap.clone());
+        let _armed = tap.arm(std::collections::HashSet::new());
+        let with_tokens_of = |hashes: &[u64]| match store(hashes, None, None) {
+            KvEvent::Stored(s) => KvEvent::Stored(Stored {
+                token_ids: (0..32).collect(),
+                ..s
+            }),
+            e => e,
+        };
+        let ops = k.batch_ops(&batch(vec![
+            on(with_tokens_of(&[1, 2]), Medium::Cpu),
+            on(store(&[3], None, None), Medium::Storage),
+            on(store(&[4], None, None), Medium::Other),
+            on(remove(&[1], None), Medium::Cpu),
+            on(remove(&[4], None), Medium::Other),
+        ]));
+        assert_eq!(
+            ops,
+            vec![
+                IndexOp::StoreLower(Lower::Cpu, keys(&[1, 2])),
+                IndexOp::StoreLower(Lower::Storage, keys(&[3])),
+                IndexOp::RemoveLower(Lower::Cpu, keys(&[1])),
+            ]
+        );
+        assert!(
+            tap.events().is_empty(),
+            "lower tiers are not offered to the canary"
+        );
+        let non_gpu = |medium| m.non_gpu_blocks.with_label_values(&["vllm", medium]).get();
+        assert_eq!(
+            (non_gpu("cpu"), non_gpu("storage"), non_gpu("other")),
+            (2, 1, 1)
+        );
+
+        // Tokens mode: a lower-tier store without tokens takes the GPU store's keys.
+        let mut k = Keyer::new(Engine::Vllm, KeyMode::Tokens, 16, None, m.clone());
+        let stored_hashes = [11, 12];
+        let gpu = k.batch_ops(&batch(vec![with_tokens_of(&stored_hashes)]));
+        let content = content_keys(&(0..32).collect::<Vec<u32>>(), bs16(), None);
+        assert_eq!(gpu, vec![IndexOp::Store(content.clone())]);
+        let ops = k.batch_ops(&batch(vec![
+            on(store(&stored_hashes, None, None), Medium::Cpu),
+            on(remove(&stored_hashes[1..], None), Medium::Cpu),
+            on(store(&[77], None, None), Medium::Cpu),
+        ]));
+        assert_eq!(
+            ops,
+            vec![
+                IndexOp::StoreLower(Lower::Cpu, content.clone()),
+                IndexOp::RemoveLower(Lower::Cpu, content[1..].to_vec()),
+                IndexOp::StoreLower(Lower::Cpu, Vec::new()),
+            ]
+        );
+        assert_eq!(m.unkeyed_blocks.with_label_values(&["vllm"]).get(), 1);
     }
 
     #[test]

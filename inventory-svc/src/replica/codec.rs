@@ -10,6 +10,12 @@
 //! the tail ignores it (entries are length-delimited in a batch and a single entry ends the
 //! payload), so the version did not change.
 //!
+//! Operations are tagged `s` (store), `r` (remove), `c` (clear), and for a lower cache tier `l`
+//! (store) and `m` (remove), each followed by the tier (`0` host memory, `1` storage) and the
+//! keys. A reader that predates the lower-tier tags rejects such an entry as an unknown tag
+//! (counted; the owner's next snapshot carries the GPU tier), which is why a fleet is upgraded
+//! before its engines publish lower tiers.
+//!
 //! Versions (the first byte of every entry and batch): 2 writes the endpoint as a `u16` (a rule
 //! holds up to 1,024 endpoints); 1 wrote it as one byte. Entries of version 1 still decode (a
 //! replica reading a log a version-1 replica wrote during a rolling upgrade); any other version
@@ -17,7 +23,7 @@
 
 use kvroute_core::hash::BlockKey;
 
-use crate::index::IndexOp;
+use crate::index::{IndexOp, Lower};
 use crate::score::Update;
 
 /// The version written.
@@ -167,6 +173,14 @@ impl Entry {
                             put_keys(&mut out, k);
                         }
                         IndexOp::Clear => out.push(b'c'),
+                        IndexOp::StoreLower(l, k) | IndexOp::RemoveLower(l, k) => {
+                            out.push(match op {
+                                IndexOp::StoreLower(..) => b'l',
+                                _ => b'm',
+                            });
+                            out.push(l.index() as u8);
+                            put_keys(&mut out, k);
+                        }
                     }
                 }
             }
@@ -220,6 +234,17 @@ impl Entry {
                         b's' => IndexOp::Store(r.keys()?),
                         b'r' => IndexOp::Remove(r.keys()?),
                         b'c' => IndexOp::Clear,
+                        t @ (b'l' | b'm') => {
+                            let l = match r.u8()? {
+                                0 => Lower::Cpu,
+                                1 => Lower::Storage,
+                                x => return Err(CodecError::Tag(x)),
+                            };
+                            match t {
+                                b'l' => IndexOp::StoreLower(l, r.keys()?),
+                                _ => IndexOp::RemoveLower(l, r.keys()?),
+                            }
+                        }
                         t => return Err(CodecError::Tag(t)),
                     });
                 }
@@ -404,6 +429,8 @@ mod tests {
                 ops: vec![
                     IndexOp::Store(k(&[1, u64::MAX])),
                     IndexOp::Remove(k(&[7])),
+                    IndexOp::StoreLower(Lower::Cpu, k(&[8, 9])),
+                    IndexOp::RemoveLower(Lower::Storage, k(&[10])),
                     IndexOp::Clear,
                 ],
             },
@@ -467,6 +494,18 @@ mod tests {
         let mut batch = encode_batch(&[one.clone(), one]);
         batch[0] = 3;
         assert_eq!(decode_batch(&batch), Err(CodecError::Version(3)));
+        // A lower tier this build does not know.
+        let mut tier = Entry::Ops {
+            ep: 1,
+            rank: 0,
+            seq: None,
+            ops: vec![IndexOp::StoreLower(Lower::Cpu, k(&[1]))],
+        }
+        .encode();
+        // version, 'O', ep (2), rank, seq (8), op count (4), 'l', then the tier.
+        assert_eq!((tier[17], tier[18]), (b'l', 0));
+        tier[18] = 7;
+        assert_eq!(Entry::decode(&tier), Err(CodecError::Tag(7)));
         // A key count larger than the payload must not allocate it.
         let mut huge = vec![VERSION, b'D', 0, 0, 0, 0, 0, 0, 0];
         huge.extend_from_slice(&u32::MAX.to_le_bytes());

@@ -57,6 +57,7 @@ pub use memory::{PlacementMemory, Recall, Update};
 pub use ring::HashRing;
 pub use session::{session_hash, Bound, SessionTable};
 
+use crate::index::LowerRun;
 use crate::settings::{LoadBlend, Placement, Settings};
 use kvroute_core::rule::{EndpointRole, KvMode, Sel};
 
@@ -84,10 +85,31 @@ pub struct EpView {
     pub blocks: u64,
     /// Leading request blocks the endpoint holds.
     pub matched: u32,
+    /// The blocks after `matched` it holds in a lower cache tier (host memory, then storage),
+    /// which its engine loads instead of recomputing.
+    pub lower: LowerRun,
     /// Cache capacity in blocks (scraped `num_gpu_blocks` or configured); 0 = unknown.
     pub capacity: u64,
     /// Distinct blocks of remembered families homed here (the placement memory's footprint).
     pub homed: u64,
+}
+
+impl EpView {
+    /// Leading request blocks the engine reuses rather than recomputes: held (or credited) in
+    /// GPU memory, then loaded from a lower tier.
+    pub fn reusable(&self) -> u32 {
+        self.matched.saturating_add(self.lower.blocks())
+    }
+
+    /// The overlap as scored, in hundredths of a GPU block: each GPU block 100, each block of
+    /// the lower-tier run its tier's weight (`KVROUTE_CPU_TIER_WEIGHT`,
+    /// `KVROUTE_STORAGE_TIER_WEIGHT`).
+    fn credit(&self, weights: [u32; 2]) -> u32 {
+        self.matched
+            .saturating_mul(100)
+            .saturating_add(self.lower.cpu.saturating_mul(weights[0]))
+            .saturating_add(self.lower.storage.saturating_mul(weights[1]))
+    }
 }
 
 /// Everything one decision depends on.
@@ -140,7 +162,7 @@ pub fn given_away(mode: KvMode, views: &[EpView], matched: u32) -> u32 {
         .iter()
         .filter(|v| v.healthy)
         .filter(|v| mode != KvMode::PrefillDecode || v.role == Some(EndpointRole::Prefill))
-        .map(|v| v.matched)
+        .map(EpView::reusable)
         .max()
         .unwrap_or(0)
         .saturating_sub(matched)
@@ -177,7 +199,7 @@ fn steps(inp: &ScoreInput<'_>) -> Decision {
     // A chosen endpoint with the overlap it holds; only Tier 1.5 counts toward `hit_seq`.
     let at = |ep: usize, tier: Tier, reason: Reason| Decision {
         ep: Some(ep),
-        matched: inp.eps[ep].matched,
+        matched: inp.eps[ep].reusable(),
         tier,
         reason,
         decode: pool.decode,
@@ -222,7 +244,7 @@ fn steps(inp: &ScoreInput<'_>) -> Decision {
     }
     let reason = if Some(c) != argmax {
         Reason::Spill
-    } else if scored.overlap[c] > inp.eps[c].matched {
+    } else if scored.overlap[c] > scored.credit[c] {
         Reason::Remembered
     } else {
         Reason::Hit
@@ -301,6 +323,9 @@ fn spill_relief_on(inp: &ScoreInput<'_>) -> bool {
 /// its fair share).
 struct Scored<'a> {
     eps: &'a [EpView],
+    /// Each endpoint's [`EpView::credit`]: what it holds, in hundredths of a GPU block.
+    credit: Vec<u32>,
+    /// The credit, or on the family's remembered home the remembered depth when larger.
     overlap: Vec<u32>,
     /// The family's remembered home; it takes ties unless the family is hot.
     home: Option<usize>,
@@ -314,10 +339,14 @@ struct Scored<'a> {
 impl<'a> Scored<'a> {
     fn of(inp: &ScoreInput<'a>, pool: &Pool, relief: bool) -> Scored<'a> {
         let eps = inp.eps;
+        let credit: Vec<u32> = eps
+            .iter()
+            .map(|e| e.credit(inp.settings.lower_weights))
+            .collect();
         let overlap = (0..eps.len())
             .map(|i| match inp.recall {
-                Some(r) if r.ep == i => eps[i].matched.max(r.depth),
-                _ => eps[i].matched,
+                Some(r) if r.ep == i => credit[i].max(r.depth.saturating_mul(100)),
+                _ => credit[i],
             })
             .collect();
         let hot = relief && is_hot(inp.recall, eps, pool);
@@ -343,6 +372,7 @@ impl<'a> Scored<'a> {
             .collect();
         Scored {
             eps,
+            credit,
             overlap,
             home: inp.recall.map(|r| r.ep),
             hot,
@@ -405,7 +435,8 @@ fn blend(
                 .iter()
                 .copied()
                 .fold(None, |acc: Option<(usize, f64)>, i| {
-                    let s = f64::from(scored.overlap[i]) - p * inp.eps[i].load as f64;
+                    // Overlap in blocks, as the penalty is calibrated.
+                    let s = f64::from(scored.overlap[i]) / 100.0 - p * inp.eps[i].load as f64;
                     match acc {
                         Some((_, bs)) if bs >= s => acc,
                         _ => Some((i, s)),
@@ -558,6 +589,7 @@ mod tests {
             load,
             blocks: 100,
             matched,
+            lower: LowerRun::default(),
             capacity: 0,
             homed: 0,
         }
@@ -770,6 +802,47 @@ mod tests {
         eps[3].role = Some(EndpointRole::Decode);
         let d = run(&eps, &s, KvMode::PrefillDecode, 0);
         assert_eq!((d.ep, d.decode, d.reason), (Some(2), Some(3), Reason::Hit));
+    }
+
+    /// A lower-tier run extends an endpoint's overlap at its tier's weight: a longer run in host
+    /// memory beats a shorter GPU match, a GPU block beats a host-memory one, a tier at weight
+    /// 0 earns nothing; the answer's matched blocks count every block the engine reuses.
+    #[test]
+    fn lower_tiers_are_credited_at_their_weights() {
+        let s = Settings::default();
+        assert_eq!(s.lower_weights, [75, 25]);
+        let r = ring(3);
+        let with_lower = |matched, cpu, storage| EpView {
+            lower: LowerRun { cpu, storage },
+            blocks: 100,
+            ..ep(matched, 0)
+        };
+        let go = |eps: &[EpView], s: &Settings| decide(&input(eps, &r, s));
+        // 2 GPU + 4 host-memory blocks (5 blocks of credit) beat 4 GPU blocks.
+        let eps = [with_lower(4, 0, 0), with_lower(2, 4, 0)];
+        let d = go(&eps, &s);
+        assert_eq!((d.ep, d.reason, d.matched), (Some(1), Reason::Hit, 6));
+        // 2 GPU + 2 host-memory (3.5) lose to 4 GPU; storage counts a quarter.
+        let eps = [
+            with_lower(4, 0, 0),
+            with_lower(2, 2, 0),
+            with_lower(0, 0, 15),
+        ];
+        assert_eq!(go(&eps, &s).ep, Some(0));
+        let eps = [with_lower(3, 0, 0), with_lower(0, 0, 13)];
+        assert_eq!(go(&eps, &s).ep, Some(1));
+        // A lower run alone is overlap; at weight 0 it is not, and the request is a miss.
+        let eps = [with_lower(0, 0, 0), with_lower(0, 3, 0)];
+        let d = go(&eps, &s);
+        assert_eq!((d.ep, d.tier, d.matched), (Some(1), Tier::Tier15, 3));
+        let gpu_only = Settings {
+            lower_weights: [0, 0],
+            ..Settings::default()
+        };
+        let d = go(&eps, &gpu_only);
+        assert_eq!((d.tier, d.reason), (Tier::Fallback, Reason::MissNoOverlap));
+        // Given away counts reusable blocks.
+        assert_eq!(given_away(KvMode::SinglePool, &eps, 0), 3);
     }
 
     /// A prefill/decode miss goes to the least loaded prefill endpoint (round robin among the
@@ -1081,7 +1154,7 @@ mod tests {
     fn step_overlap_memory_and_caps() {
         let s = Settings::default();
         let r = ring(3);
-        // (overlap, hot, over the cap, full) of `eps` with `recall` remembered
+        // (overlap in blocks, hot, over the cap, full) of `eps` with `recall` remembered
         let scored = |eps: &[EpView], recall: Option<Recall>, relief: bool| {
             let inp = ScoreInput {
                 recall,
@@ -1089,7 +1162,8 @@ mod tests {
             };
             let pool = Pool::of(&inp);
             let sc = Scored::of(&inp, &pool, relief);
-            (sc.overlap, sc.hot, sc.over, sc.full)
+            let blocks: Vec<u32> = sc.overlap.iter().map(|o| o / 100).collect();
+            (blocks, sc.hot, sc.over, sc.full)
         };
         let home = |depth, heat_permille| {
             Some(Recall {

@@ -418,6 +418,31 @@ pub fn stored(keys: &[u64], tokens: &[u32], signed: bool) -> Mp {
     ])
 }
 
+/// [`stored`] on `medium` (`"CPU"`, `"STORAGE"`, ...), without tokens.
+pub fn stored_on(keys: &[u64], medium: &str) -> Mp {
+    with_medium(stored(keys, &[], false), medium)
+}
+
+/// [`removed`] on `medium`.
+pub fn removed_on(keys: &[u64], medium: &str) -> Mp {
+    with_medium(removed(keys), medium)
+}
+
+fn with_medium(event: Mp, medium: &str) -> Mp {
+    match event {
+        Mp::Map(fields) => Mp::Map(
+            fields
+                .into_iter()
+                .map(|(k, v)| match k.as_str() == Some("medium") {
+                    true => (k, Mp::from(medium)),
+                    false => (k, v),
+                })
+                .collect(),
+        ),
+        other => other,
+    }
+}
+
 /// A BlockRemoved event.
 pub fn removed(keys: &[u64]) -> Mp {
     map(vec![
