@@ -210,6 +210,7 @@ pub fn answer(
                 endpoint: addr(i),
                 healthy: e.healthy,
                 matched_blocks: e.matched,
+                lower_blocks: (e.lower.cpu, e.lower.storage),
                 blocks: e.blocks,
                 load: e.load,
             })

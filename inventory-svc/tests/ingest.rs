@@ -142,6 +142,15 @@ async fn lower_tier_blocks_extend_the_match() {
     })
     .await;
     // 2 GPU blocks, then 3 and 4 in host memory, then 5 in storage; 6 is on a medium not indexed.
+    let explain = json!({"rule": RULE, "keys": [1, 2, 3, 4, 5, 6, 7], "token_count": 112,
+                         "explain": true});
+    let (_, e) = svc.post("/v1/route", &explain.to_string(), None).await;
+    let ep = &e["explain"]["endpoints"][0];
+    assert_eq!(
+        (&ep["matched_blocks"], &ep["lower_blocks"]),
+        (&json!(2), &json!([2, 1])),
+        "{e}"
+    );
     assert_eq!(route().await, 5);
     assert_metrics(
         &svc.metrics().await,

@@ -336,10 +336,22 @@ pub struct ExplainEndpoint {
     pub healthy: bool,
     /// Leading request blocks this endpoint holds (speculative credit included).
     pub matched_blocks: u32,
+    /// The blocks after `matched_blocks` it holds in its host-memory tier, then in storage
+    /// only (its engine loads them instead of recomputing); absent when both are 0.
+    #[serde(default, skip_serializing_if = "is_zero_pair")]
+    #[cfg_attr(
+        feature = "openapi",
+        schema(value_type = Option<Vec<u32>>, min_items = 2, max_items = 2)
+    )]
+    pub lower_blocks: (u32, u32),
     /// Blocks the endpoint really holds.
     pub blocks: u64,
     /// In-flight estimate.
     pub load: u64,
+}
+
+fn is_zero_pair(p: &(u32, u32)) -> bool {
+    *p == (0, 0)
 }
 
 /// The answer.
