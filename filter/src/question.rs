@@ -22,6 +22,7 @@ use crate::host::{Headers, Host};
 use crate::plugin::VmState;
 use crate::request::Unpinned;
 use crate::stats::{FailReason, Stat};
+use crate::tokens::Located;
 use crate::wire::RouteRequest;
 
 /// Builds the question for `body`, a complete request to `endpoint`.
@@ -31,6 +32,17 @@ pub fn build(
     endpoint: Endpoint,
     body: &[u8],
 ) -> Result<RouteRequest, Unpinned> {
+    Ok(build_located(vm, host, endpoint, body)?.0)
+}
+
+/// [`build`], and the prompt's token count through each `cache_control` breakpoint of an
+/// Anthropic request the filter tokenized and placed (counted in the breakpoint stats).
+pub fn build_located(
+    vm: &VmState,
+    host: &dyn Host,
+    endpoint: Endpoint,
+    body: &[u8],
+) -> Result<(RouteRequest, Vec<u32>), Unpinned> {
     let mut request = Request::from_json_for(body, endpoint)
         .map_err(|e| Unpinned::new(FailReason::BadRequest, e.to_string()))?;
     let hash = vm
@@ -53,8 +65,9 @@ pub fn build(
     };
     // KV off for the rule: the service applies its fallback.
     let Some(hash) = hash else {
-        return Ok(route);
+        return Ok((route, Vec::new()));
     };
+    let mut located = Located::default();
     let offload = vm.config.tokenize == TokenizeMode::Service;
     let tokens = match &mut request.body {
         RequestBody::Completion(Prompt::TokenIds(ids)) => Some((std::mem::take(ids), None)),
@@ -74,7 +87,7 @@ pub fn build(
                 .and_then(|mut v| v.get_mut("messages").map(serde_json::Value::take));
             None
         }
-        _ => tokenize(vm, host, &request)?,
+        _ => tokenize(vm, host, &request, &mut located)?,
     };
     if let Some((ids, truncated)) = tokens {
         route.truncated = truncated;
@@ -84,15 +97,21 @@ pub fn build(
             .collect();
         route.token_count = u32::try_from(ids.len()).unwrap_or(u32::MAX);
     }
-    Ok(route)
+    Ok((route, located.tokens))
 }
 
 /// A prompt's token ids, and why they stop before its end when they do.
 type Ids = (Vec<u32>, Option<Truncation>);
 
 /// The prompt's token ids with the VM's encoder, and why they stop before its end when they do;
-/// `None` (counted) while no tokenizer is loaded.
-fn tokenize(vm: &VmState, host: &dyn Host, request: &Request) -> Result<Option<Ids>, Unpinned> {
+/// `None` (counted) while no tokenizer is loaded. An Anthropic request's breakpoints are placed
+/// in `located` and counted.
+fn tokenize(
+    vm: &VmState,
+    host: &dyn Host,
+    request: &Request,
+    located: &mut Located,
+) -> Result<Option<Ids>, Unpinned> {
     let encoder = vm.encoder.borrow().clone();
     let Some(enc) = encoder else {
         vm.stats.inc(host, Stat::NoTokenizer);
@@ -100,7 +119,7 @@ fn tokenize(vm: &VmState, host: &dyn Host, request: &Request) -> Result<Option<I
     };
     let res = timed(vm, host, Stat::TokenizeUs, |t0| {
         crate::tokens::set_clock(i64::try_from(t0 / 1_000_000_000).unwrap_or(0));
-        enc.tokens(request)
+        enc.tokens_located(request, Some(located))
     });
     let (ids, seg, render) = res.map_err(|e| Unpinned::new(FailReason::Tokenize, e.to_string()))?;
     match render {
@@ -115,6 +134,13 @@ fn tokenize(vm: &VmState, host: &dyn Host, request: &Request) -> Result<Option<I
     if let Some(t) = seg.truncated {
         vm.stats.inc(host, Stat::truncated(t));
     }
+    vm.stats
+        .add(host, Stat::Breakpoints, located.tokens.len() as u64);
+    vm.stats.add(
+        host,
+        Stat::BreakpointsUnlocated,
+        u64::from(located.unlocated),
+    );
     Ok(Some((ids, seg.truncated)))
 }
 

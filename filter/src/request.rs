@@ -71,6 +71,8 @@ pub enum RequestState {
         dispatched_ns: u64,
         /// Whom the response's tokens are accounted to (with reports on).
         account: Option<Account>,
+        /// The prompt's token count through each placed `cache_control` breakpoint.
+        breakpoints: Vec<u32>,
     },
     /// Released upstream after a decision (pinned) or a failure (unpinned).
     Forwarded {
@@ -90,6 +92,8 @@ pub struct UsageReader {
     account: Option<Account>,
     /// What the pin's answer predicted the engine reuses (pinned requests only).
     predicted: Option<Prediction>,
+    /// The prompt's token count through each placed `cache_control` breakpoint.
+    breakpoints: Vec<u32>,
 }
 
 /// Why a step releases the request without a pin: the counted reason, and a detail for the log.
@@ -300,18 +304,20 @@ impl RequestFilter {
             .body(Body::Request, body_size)
             .ok_or_else(|| Unpinned::new(FailReason::BadRequest, "body unavailable"))?;
         let prepare_ns = host.now_nanos();
-        let question = crate::question::build(&self.vm, host, endpoint, &body)?;
-        self.send(host, question, started_ns, prepare_ns)
+        let (question, breakpoints) =
+            crate::question::build_located(&self.vm, host, endpoint, &body)?;
+        self.send(host, question, breakpoints, (started_ns, prepare_ns))
     }
 
     /// Sends the question as the route callout and holds the request until it answers: in the
     /// binary form when the service advertises it and there are keys to carry, else JSON.
+    /// `times`: when the request started and when its question began to be prepared.
     fn send(
         &mut self,
         host: &dyn Host,
         question: RouteRequest,
-        started_ns: u64,
-        prepare_ns: u64,
+        breakpoints: Vec<u32>,
+        (started_ns, prepare_ns): (u64, u64),
     ) -> Result<Step, Unpinned> {
         let vm = self.vm.clone();
         let account = match (&vm.config.report, &question.affinity_key) {
@@ -356,6 +362,7 @@ impl RequestFilter {
             started_ns,
             dispatched_ns,
             account,
+            breakpoints,
         };
         Ok(Step::Pause)
     }
@@ -468,6 +475,16 @@ impl RequestFilter {
             block_size,
             endpoint: a.endpoint,
         });
+        if let (Some(p), true, RequestState::AwaitingRoute { breakpoints, .. }) =
+            (predicted, pinned, &self.state)
+        {
+            let covered = breakpoints
+                .iter()
+                .filter(|&&t| (1..=p.blocks).contains(&(t / p.block_size.max(1))))
+                .count();
+            vm.stats
+                .add(host, Stat::BreakpointsPredicted, covered as u64);
+        }
         self.finish(
             host,
             pinned,
@@ -485,14 +502,19 @@ impl RequestFilter {
         check_pin: Option<String>,
         predicted: Option<Prediction>,
     ) {
-        let (started_ns, account) = match &mut self.state {
-            RequestState::ReadingBody { started_ns, .. } => (Some(*started_ns), None),
+        let (started_ns, account, breakpoints) = match &mut self.state {
+            RequestState::ReadingBody { started_ns, .. } => (Some(*started_ns), None, Vec::new()),
             RequestState::AwaitingRoute {
                 started_ns,
                 account,
+                breakpoints,
                 ..
-            } => (Some(*started_ns), account.take()),
-            _ => (None, None),
+            } => (
+                Some(*started_ns),
+                account.take(),
+                std::mem::take(breakpoints),
+            ),
+            _ => (None, None, Vec::new()),
         };
         if let Some(t0) = started_ns.filter(|&t| t > 0) {
             self.vm.stats.record(
@@ -507,6 +529,7 @@ impl RequestFilter {
             usage: started_ns.map(|_| UsageReader {
                 predicted,
                 account,
+                breakpoints,
                 ..UsageReader::default()
             }),
         };
@@ -583,6 +606,16 @@ impl RequestFilter {
                 s.add(host, Stat::CacheMissTokens, u.miss_tokens);
                 if let Some(a) = &reader.account {
                     self.vm.outcomes.borrow_mut().account(a, &u);
+                }
+                if let Some(p) = reader.predicted {
+                    // A breakpoint is hit when the engine reused every whole block before it.
+                    let bs = p.block_size.max(1);
+                    let hit = reader
+                        .breakpoints
+                        .iter()
+                        .filter(|&&t| t >= bs && u.hit_tokens >= u64::from(t / bs * bs))
+                        .count();
+                    s.add(host, Stat::BreakpointsHit, hit as u64);
                 }
                 if let Some((p, j)) = reader.predicted.and_then(|p| Some((p, p.judge(&u)?))) {
                     if self.vm.config.report.is_some()
@@ -843,6 +876,61 @@ mod tests {
         assert_eq!(r.on_request_headers(&host, false), Step::Pause);
         assert_eq!(r.on_request_body(&host, bad.len(), true), Step::Continue);
         assert_eq!(pinned(&r), Some(false));
+    }
+
+    /// An Anthropic request's `cache_control` breakpoints are placed in its tokens, counted as
+    /// predicted when the pinned answer's matched blocks cover their whole blocks, and as hit
+    /// when the engine reports those blocks cached; marks it cannot place are counted apart.
+    #[test]
+    fn cache_control_breakpoints_are_counted_predicted_and_hit() {
+        let host = FakeHost::default();
+        let p = ready(&host, CFG);
+        let cc = json!({"type": "ephemeral"});
+        let body = json!({"model": "m", "max_tokens": 16,
+            "system": [{"type": "text", "text": "hello", "cache_control": cc}],
+            "tools": [{"name": "t", "input_schema": {}, "cache_control": cc}],
+            "messages": [{"role": "user", "content": [
+                {"type": "text", "text": "hello there hello there hello there", "cache_control": cc}]}]})
+        .to_string();
+        let count = |name: &str| host.counter(name).unwrap_or(0);
+        // (the engine's cached tokens, in whole blocks of the first breakpoint or all) -> hit
+        for (cached, hit) in [(None, 0), (Some(0), 1), (Some(1), 2)] {
+            let (mut r, _) = to_callout(&host, &p, "/v1/messages", body.as_bytes());
+            let (token, at) = match r.state() {
+                RequestState::AwaitingRoute {
+                    token, breakpoints, ..
+                } => (*token, breakpoints.clone()),
+                s => panic!("{s:?}"),
+            };
+            // Block size 2; the answer covers the system text's blocks, not the user turn's.
+            let matched = at[0] / 2 + 1;
+            assert!(at.len() == 2 && at[0] >= 2 && at[1] / 2 > matched, "{at:?}");
+            let answer = format!(
+                r#"{{"rule_id":1,"endpoint":"127.0.0.1:8001","matched_blocks":{matched},"tier":"tier15","reason":"hit","decode_endpoint":null}}"#
+            );
+            let before = count("kvroute_filter_cache_breakpoints_hit_total");
+            r.on_route_response(&host, token, Some("200"), answer.as_bytes());
+            r.on_response_headers(&host);
+            let cached = cached.map_or(0, |i: usize| at[i] / 2 * 2);
+            let usage = format!(
+                r#"{{"usage":{{"input_tokens":1,"cache_read_input_tokens":{cached},"output_tokens":1}}}}"#
+            );
+            *host.response_body.borrow_mut() = usage.clone().into_bytes();
+            r.on_response_body(&host, usage.len(), true);
+            assert_eq!(
+                count("kvroute_filter_cache_breakpoints_hit_total") - before,
+                hit,
+                "{at:?} {cached}"
+            );
+        }
+        assert_eq!(
+            (
+                count("kvroute_filter_cache_breakpoints_total"),
+                count("kvroute_filter_cache_breakpoints_unlocated_total"),
+                count("kvroute_filter_cache_breakpoints_predicted_total"),
+            ),
+            (6, 3, 3)
+        );
     }
 
     /// An Anthropic Messages request is routed like the chat completions request vLLM converts

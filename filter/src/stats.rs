@@ -120,6 +120,13 @@ pub enum Stat {
     PredictedTokens,
     /// Of those, tokens the engines did not reuse (over-predicted responses only).
     OverPredictedTokens,
+    /// Anthropic `cache_control` breakpoints placed in the routed tokens / not placed.
+    Breakpoints,
+    BreakpointsUnlocated,
+    /// Placed breakpoints whose prefix (its whole blocks) the answer's matched blocks covered /
+    /// the engine reported cached.
+    BreakpointsPredicted,
+    BreakpointsHit,
     /// Outcome reports the inventory accepted.
     OutcomeReports,
     /// Outcome reports that failed (added back for the next one).
@@ -148,7 +155,7 @@ pub enum Stat {
 }
 
 /// How many counters and histograms `FIXED` defines (the handles array has the same length).
-const FIXED_LEN: usize = 40;
+const FIXED_LEN: usize = 44;
 
 const FIXED: [(Stat, &str, MetricKind); FIXED_LEN] = [
     (
@@ -269,6 +276,26 @@ const FIXED: [(Stat, &str, MetricKind); FIXED_LEN] = [
     (
         Stat::PredictedTokens,
         "kvroute_filter_predicted_tokens_total",
+        MetricKind::Counter,
+    ),
+    (
+        Stat::Breakpoints,
+        "kvroute_filter_cache_breakpoints_total",
+        MetricKind::Counter,
+    ),
+    (
+        Stat::BreakpointsUnlocated,
+        "kvroute_filter_cache_breakpoints_unlocated_total",
+        MetricKind::Counter,
+    ),
+    (
+        Stat::BreakpointsPredicted,
+        "kvroute_filter_cache_breakpoints_predicted_total",
+        MetricKind::Counter,
+    ),
+    (
+        Stat::BreakpointsHit,
+        "kvroute_filter_cache_breakpoints_hit_total",
         MetricKind::Counter,
     ),
     (

@@ -19,6 +19,7 @@ use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::Arc;
 
 use kvroute_core::bpe::{FastBpe, PrefixCap, Truncation};
+use kvroute_core::chat::anthropic::Breakpoints;
 use kvroute_core::chat::{ChatTemplate, Renderer};
 use kvroute_core::prompt::{stop_before_media, Prompt, PromptError, Request, RequestBody};
 use kvroute_core::tokenize::Tokenizer;
@@ -49,6 +50,17 @@ enum Encoder {
     /// The fast exact path, with its segment cache.
     Fast(RefCell<SegmentEncoder>),
     Hf(Tokenizer),
+}
+
+/// Where an Anthropic request's `cache_control` breakpoints fall in its prompt tokens.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Located {
+    /// The prompt's token count through each breakpoint found, in order.
+    pub tokens: Vec<u32>,
+    /// Breakpoints not placed: marks on tools or on blocks other than text, text the rendered
+    /// prompt does not contain (cut before it at a media item, or changed by the template), and
+    /// breakpoints past the tokens routed on (`max_prefix_tokens`).
+    pub unlocated: u32,
 }
 
 /// A model's tokenizer and chat template, with the segment cache.
@@ -131,6 +143,16 @@ impl PromptEncoder {
         &self,
         request: &Request,
     ) -> Result<(Vec<u32>, SegmentStats, Option<Renderer>), PromptError> {
+        self.tokens_located(request, None)
+    }
+
+    /// [`PromptEncoder::tokens`], also placing an Anthropic request's `cache_control`
+    /// breakpoints in `located` (see [`Located`]).
+    pub fn tokens_located(
+        &self,
+        request: &Request,
+        located: Option<&mut Located>,
+    ) -> Result<(Vec<u32>, SegmentStats, Option<Renderer>), PromptError> {
         match &request.body {
             RequestBody::Completion(Prompt::TokenIds(ids)) => {
                 let n = ids.len().min(self.cap.get().max_tokens);
@@ -147,14 +169,54 @@ impl PromptEncoder {
             RequestBody::Chat(chat) => {
                 let template = self.template.as_ref().ok_or(PromptError::NoChatTemplate)?;
                 let rendered = template.render_prefix(chat)?;
-                let (mut ids, mut stats) =
-                    self.encode(&rendered.text, request.add_special_tokens.unwrap_or(false))?;
+                let special = request.add_special_tokens.unwrap_or(false);
+                let (mut ids, mut stats) = self.encode(&rendered.text, special)?;
                 if rendered.media.is_some() {
                     stats.truncated = stop_before_media(&mut ids, stats.truncated);
+                }
+                if let Some(out) = located {
+                    *out = self.locate(&rendered.text, special, &request.breakpoints, ids.len());
                 }
                 Ok((ids, stats, Some(rendered.renderer)))
             }
         }
+    }
+
+    /// Each breakpoint's end in `text` (searched in order, each after the one before) and the
+    /// token count of `text` up to it. The prefix is encoded like the prompt, so its segments
+    /// come from the segment cache (a breakpoint that ends a message ends a segment: the
+    /// template's special token follows). A breakpoint past the `routed` ids is not located.
+    fn locate(
+        &self,
+        text: &str,
+        add_special_tokens: bool,
+        bp: &Breakpoints,
+        routed: usize,
+    ) -> Located {
+        let mut out = Located {
+            tokens: Vec::with_capacity(bp.texts.len()),
+            unlocated: bp.elsewhere,
+        };
+        let mut at = 0;
+        for t in &bp.texts {
+            let found = text
+                .get(at..)
+                .and_then(|rest| rest.find(t.as_str()))
+                .map(|i| at + i + t.len());
+            let ids = found
+                .and_then(|end| text.get(..end))
+                .and_then(|head| self.encode(head, add_special_tokens).ok())
+                .filter(|(ids, stats)| stats.truncated.is_none() && ids.len() <= routed);
+            match (found, ids) {
+                (Some(end), Some((ids, _))) => {
+                    at = end;
+                    out.tokens
+                        .push(u32::try_from(ids.len()).unwrap_or(u32::MAX));
+                }
+                _ => out.unlocated += 1,
+            }
+        }
+        out
     }
 
     fn encode(
@@ -272,6 +334,57 @@ pub(crate) mod tests {
         assert!(ids2.contains(&1000) && ids2.contains(&1001));
         // The hello merges applied.
         assert!(ids2.contains(&259), "{ids2:?}");
+    }
+
+    /// An Anthropic request's marked text blocks are placed at the token count of the rendered
+    /// prompt through them; a mark the prompt does not show (a dropped billing block, a tool)
+    /// is counted as not located; other requests place nothing.
+    #[test]
+    fn breakpoints_are_placed_in_the_prompt_tokens() {
+        let tok = tiny_tokenizer_json();
+        let enc = PromptEncoder::load(tok.as_bytes(), Some(TINY_CONFIG.as_bytes())).unwrap();
+        let cc = serde_json::json!({"type": "ephemeral"});
+        let body = serde_json::json!({"model": "m", "max_tokens": 1,
+            "system": [
+                {"type": "text", "text": "x-anthropic-billing-header: cc_version=1", "cache_control": cc},
+                {"type": "text", "text": "hello hello", "cache_control": cc}],
+            "tools": [{"name": "t", "input_schema": {}, "cache_control": cc}],
+            "messages": [{"role": "user", "content": [
+                {"type": "text", "text": "hello there", "cache_control": cc}]}]});
+        let r = Request::from_json_for(
+            body.to_string().as_bytes(),
+            kvroute_core::prompt::Endpoint::Messages,
+        )
+        .unwrap();
+        let mut located = Located::default();
+        let (ids, _, _) = enc.tokens_located(&r, Some(&mut located)).unwrap();
+        let head = |text: &str| {
+            let p = serde_json::json!({"prompt": text, "add_special_tokens": false});
+            enc.tokens(&Request::from_json(p.to_string().as_bytes()).unwrap())
+                .unwrap()
+                .0
+        };
+        let system = head("<|im_start|>system\nhello hello");
+        let user = head("<|im_start|>system\nhello hello<|im_end|>\n<|im_start|>user\nhello there");
+        assert!(ids.starts_with(&user) && user.starts_with(&system));
+        assert_eq!(
+            located,
+            Located {
+                tokens: vec![system.len() as u32, user.len() as u32],
+                unlocated: 2,
+            }
+        );
+        // Past the routed tokens: not located.
+        enc.set_max_prefix_tokens(system.len() + 1);
+        enc.tokens_located(&r, Some(&mut located)).unwrap();
+        assert_eq!((located.tokens.len(), located.unlocated), (1, 3));
+        let (_, _, _) = enc
+            .tokens_located(
+                &chat(serde_json::json!([{"role": "user", "content": "x"}])),
+                Some(&mut located),
+            )
+            .unwrap();
+        assert_eq!(located, Located::default());
     }
 
     #[test]

@@ -156,6 +156,8 @@ pub struct Request {
     pub lora: Option<String>,
     /// The endpoint the body was parsed for.
     pub endpoint: Endpoint,
+    /// An Anthropic body's `cache_control` breakpoints (empty for other endpoints).
+    pub breakpoints: crate::chat::anthropic::Breakpoints,
 }
 
 impl Request {
@@ -240,6 +242,7 @@ impl Request {
                 user,
                 lora: None,
                 endpoint,
+                breakpoints: crate::chat::anthropic::breakpoints(obj),
             });
         }
         Ok(Self {
@@ -253,6 +256,7 @@ impl Request {
                 None => opt_string(obj, "lora")?,
             },
             endpoint,
+            breakpoints: Default::default(),
         })
     }
 }

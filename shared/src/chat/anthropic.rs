@@ -20,7 +20,9 @@
 //!   dropped;
 //! * `tools` become functions (`input_schema` with `"type": "object"` added when absent).
 //!
-//! `cache_control` breakpoints do not change the prompt: the engine sees the same tokens.
+//! `cache_control` breakpoints do not change the prompt: the engine sees the same tokens. They
+//! are natural prefix boundaries, so [`breakpoints`] lists them for the gateway's metrics: the
+//! text of each marked `text` block, which the gateway finds in the rendered prompt.
 
 use serde_json::{Map, Value};
 
@@ -41,6 +43,54 @@ const BLOCK_TYPES: [&str; 7] = [
     "thinking",
     "redacted_thinking",
 ];
+
+/// Most breakpoints [`breakpoints`] lists per request (Anthropic accepts 4); more are counted as
+/// not located.
+pub const MAX_BREAKPOINTS: usize = 8;
+
+/// The `cache_control` breakpoints of an Anthropic body.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Breakpoints {
+    /// The text of each marked non-empty `text` block, `system` blocks first and then the
+    /// messages' blocks, in order: where each appears in the rendered prompt is a breakpoint.
+    pub texts: Vec<String>,
+    /// Marks that cannot be placed by their text: on tools, on blocks other than text, on
+    /// empty text, or past [`MAX_BREAKPOINTS`].
+    pub elsewhere: u32,
+}
+
+/// The breakpoints of a body [`to_chat`] accepted (see [`Breakpoints`]).
+pub fn breakpoints(obj: &Map<String, Value>) -> Breakpoints {
+    let marked = |v: &Value| v.get("cache_control").is_some_and(|c| !c.is_null());
+    let mut bp = Breakpoints::default();
+    let mut block = |b: &Value| {
+        if !marked(b) {
+            return;
+        }
+        let text = (b.get("type").and_then(Value::as_str) == Some("text"))
+            .then(|| b.get("text").and_then(Value::as_str))
+            .flatten()
+            .filter(|t| !t.is_empty());
+        match text {
+            Some(t) if bp.texts.len() < MAX_BREAKPOINTS => bp.texts.push(t.to_owned()),
+            _ => bp.elsewhere += 1,
+        }
+    };
+    if let Some(Value::Array(blocks)) = obj.get("system") {
+        blocks.iter().for_each(&mut block);
+    }
+    if let Some(Value::Array(messages)) = obj.get("messages") {
+        for m in messages {
+            if let Some(Value::Array(blocks)) = m.get("content") {
+                blocks.iter().for_each(&mut block);
+            }
+        }
+    }
+    if let Some(Value::Array(tools)) = obj.get("tools") {
+        bp.elsewhere += tools.iter().filter(|t| marked(t)).count() as u32;
+    }
+    bp
+}
 
 /// The chat request's messages and tools for an Anthropic body (see the module docs).
 pub fn to_chat(obj: &Map<String, Value>) -> Result<(Vec<Value>, Option<Vec<Value>>), PromptError> {
@@ -518,5 +568,58 @@ fn missing_in(field: String, expected: &'static str) -> PromptError {
         field,
         expected,
         found: "nothing",
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+mod tests {
+    use super::*;
+    use crate::prompt::{Endpoint, Request};
+
+    /// Marked text blocks are listed in prompt order (system, then messages); marks on tools,
+    /// other blocks and empty text, and marks past the bound, are counted apart; other
+    /// endpoints list none.
+    #[test]
+    fn breakpoints_list_marked_text_blocks_in_order() {
+        let cc = serde_json::json!({"type": "ephemeral"});
+        let mut messages: Vec<Value> = vec![
+            serde_json::json!({"role": "user", "content": [
+                {"type": "text", "text": "turn one", "cache_control": cc},
+                {"type": "text", "text": "unmarked"},
+                {"type": "image", "source": {"type": "url", "url": "http://x/i.png"}, "cache_control": cc},
+            ]}),
+            serde_json::json!({"role": "assistant", "content": "a string is never marked"}),
+            serde_json::json!({"role": "user", "content": [
+                {"type": "text", "text": "turn two", "cache_control": cc},
+                {"type": "text", "text": "null mark", "cache_control": null},
+            ]}),
+        ];
+        let body = serde_json::json!({
+            "model": "m", "max_tokens": 1,
+            "system": [{"type": "text", "text": "the system", "cache_control": cc}],
+            "tools": [{"name": "t", "input_schema": {}, "cache_control": cc}],
+            "messages": messages.clone(),
+        });
+        let r = Request::from_json_for(body.to_string().as_bytes(), Endpoint::Messages).unwrap();
+        assert_eq!(
+            r.breakpoints,
+            Breakpoints {
+                texts: vec!["the system".into(), "turn one".into(), "turn two".into()],
+                elsewhere: 2,
+            }
+        );
+        // Past the bound.
+        for i in 0..MAX_BREAKPOINTS {
+            messages.push(serde_json::json!({"role": "user", "content": [
+                {"type": "text", "text": format!("more {i}"), "cache_control": cc}]}));
+        }
+        let obj = serde_json::json!({"messages": messages});
+        let bp = breakpoints(obj.as_object().unwrap());
+        assert_eq!((bp.texts.len(), bp.elsewhere), (MAX_BREAKPOINTS, 3));
+        let chat = serde_json::json!({"messages": [{"role": "user", "content": [
+            {"type": "text", "text": "x", "cache_control": cc}]}]});
+        let r = Request::from_json(chat.to_string().as_bytes()).unwrap();
+        assert_eq!(r.breakpoints, Breakpoints::default());
     }
 }
