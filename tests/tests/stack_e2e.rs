@@ -527,6 +527,25 @@ async fn an_anthropic_conversation_sticks_to_its_prefix_and_its_usage_is_counted
         .await
         .unwrap();
     assert!(hits >= cached, "hit tokens counted: {hits}");
+    // The system prompt's breakpoint was placed in both turns' tokens, and the follow-up's
+    // engine reused it.
+    let at_least = async |name: &str, min: u64| {
+        let series = format!("wasmcustom.{name}");
+        stack
+            .envoy
+            .wait_for_stat(&series, Duration::from_secs(5), |v| v >= min)
+            .await
+    };
+    let placed = at_least("kvroute_filter_cache_breakpoints_total", 2).await;
+    assert_eq!(placed.unwrap(), 2);
+    let hit = at_least("kvroute_filter_cache_breakpoints_hit_total", 1).await;
+    assert!(hit.is_ok(), "{hit:?}");
+    let unlocated = stack
+        .envoy
+        .stats("wasmcustom.kvroute_filter_cache_breakpoints_unlocated_total")
+        .await
+        .unwrap();
+    assert_eq!(unlocated.values().sum::<u64>(), 0, "{unlocated:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
