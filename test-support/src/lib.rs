@@ -20,5 +20,5 @@ pub mod process;
 pub mod redis;
 
 pub use poll::{wait_until, wait_until_blocking, Poll, Probe, POLL_INTERVAL};
-pub use process::{free_port, local, ready_line, ChildGuard, TempDir};
+pub use process::{free_port, local, ready_line, wait_exit, ChildGuard, TempDir};
 pub use redis::{Redis, RedisCluster};

@@ -168,3 +168,20 @@ pub fn ready_line(child: &mut Child, prefix: &str, timeout: Duration) -> Result<
     let status = child.wait().map(|s| s.to_string()).unwrap_or_default();
     bail!("the process {failure} {prefix:?} ({timeout:?}; {status})")
 }
+
+/// Waits (at most `timeout`, checking every 20 ms) for `child` to exit and returns its status;
+/// past the timeout it kills and reaps the child and fails.
+pub fn wait_exit(child: &mut Child, timeout: Duration) -> Result<ExitStatus> {
+    let deadline = std::time::Instant::now() + timeout;
+    loop {
+        if let Some(s) = child.try_wait()? {
+            return Ok(s);
+        }
+        if std::time::Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            bail!("the process did not exit within {timeout:?}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}

@@ -87,6 +87,15 @@ pub struct SimArgs {
     /// later) or flat (before 0.31).
     #[arg(long, default_value = "tagged")]
     pub extra_keys: String,
+    /// vLLM only: a CPU (host-memory) KV tier of N blocks per rank, as vLLM's KV offloading
+    /// (`OffloadingConnector` with `num_cpu_blocks` N): computed blocks are written to it, a
+    /// lookup continues there after the GPU hits, and its changes are published with medium
+    /// CPU. 0: none.
+    #[arg(long, default_value_t = 0)]
+    pub cpu_blocks: usize,
+    /// Simulated cost of loading one prompt token's KV from the CPU tier, microseconds.
+    #[arg(long, default_value_t = 5.0)]
+    pub cpu_load_us_per_token: f64,
 }
 
 /// Why flags are invalid; each message names the flag, the value and what is allowed.
@@ -138,6 +147,14 @@ pub enum ConfigError {
     /// `--lora-adapter` malformed or given for another engine.
     #[error("--lora-adapter {0:?}: give NAME=PATH, with --engine vllm")]
     Lora(String),
+    /// A CPU tier asked of an engine that has none here.
+    #[error("--cpu-blocks {blocks} needs --engine vllm (vLLM's KV offloading); allowed engines: vllm; got --engine {engine}")]
+    CpuTier {
+        /// The flag's value.
+        blocks: usize,
+        /// The engine.
+        engine: String,
+    },
     /// The hash contract is unusable (e.g. xxhash_cbor without a seed).
     #[error("--hash-algo/--seed: {0}")]
     Contract(String),
@@ -184,6 +201,10 @@ pub struct SimConfig {
     pub lora: Option<(String, String)>,
     /// `--ignore-cache-salt`.
     pub ignore_cache_salt: bool,
+    /// CPU-tier blocks per rank (0: no CPU tier).
+    pub cpu_blocks: usize,
+    /// Cost of loading one token's KV from the CPU tier.
+    pub cpu_load_per_token: Duration,
 }
 
 impl TryFrom<SimArgs> for SimConfig {
@@ -237,6 +258,12 @@ impl TryFrom<SimArgs> for SimConfig {
                 return Err(ConfigError::Zero { flag });
             }
         }
+        if a.cpu_blocks > 0 && engine != Engine::Vllm {
+            return Err(ConfigError::CpuTier {
+                blocks: a.cpu_blocks,
+                engine: engine.as_str().to_string(),
+            });
+        }
         if a.dp_ranks == 0 {
             return Err(ConfigError::Zero { flag: "dp-ranks" });
         }
@@ -278,6 +305,8 @@ impl TryFrom<SimArgs> for SimConfig {
             sliding_window: (a.sliding_window_blocks > 0).then_some(a.sliding_window_blocks),
             lora,
             ignore_cache_salt: a.ignore_cache_salt,
+            cpu_blocks: a.cpu_blocks,
+            cpu_load_per_token: cost("cpu-load-us-per-token", a.cpu_load_us_per_token)?,
         })
     }
 }
@@ -344,6 +373,30 @@ mod tests {
             parse(&["--extra-keys", "x"]).unwrap_err(),
             ConfigError::ExtraKeys("x".into())
         );
+        let c = parse(&["--cpu-blocks", "64", "--cpu-load-us-per-token", "2.5"]).unwrap();
+        assert_eq!(c.cpu_blocks, 64);
+        assert_eq!(c.cpu_load_per_token, Duration::from_nanos(2500));
+        assert_eq!(parse(&[]).unwrap().cpu_blocks, 0);
+        assert_eq!(
+            parse(&[]).unwrap().cpu_load_per_token,
+            Duration::from_micros(5)
+        );
+        for engine in ["sglang", "trtllm", "llamacpp"] {
+            assert_eq!(
+                parse(&["--engine", engine, "--cpu-blocks", "8"])
+                    .unwrap_err()
+                    .to_string(),
+                format!("--cpu-blocks 8 needs --engine vllm (vLLM's KV offloading); allowed engines: vllm; got --engine {engine}")
+            );
+            assert!(parse(&["--engine", engine, "--cpu-blocks", "0"]).is_ok());
+        }
+        assert!(matches!(
+            parse(&["--cpu-load-us-per-token=-1"]),
+            Err(ConfigError::Cost {
+                flag: "cpu-load-us-per-token",
+                ..
+            })
+        ));
         for bad in [
             &["--lora-adapter", "a"][..],
             &["--lora-adapter", "=/p"],

@@ -2,11 +2,13 @@
 //! admission) and simulated time.
 //!
 //! A request's life: tokenize (off the reactor) -> wait for a running slot and for enough free
-//! KV blocks -> prefill (sleep `prefill_per_token` x uncached prompt tokens, then the prompt's
-//! full blocks become cached and are published) -> decode (`decode_per_token` per output token)
-//! -> the output's full blocks are cached too -> blocks released tail first. So TTFT responds to
-//! cache hits and to load as on a real engine. [`Admitted`] releases its blocks and counters on
-//! drop, so an abandoned request never leaks capacity.
+//! KV blocks -> with a CPU tier, load its CPU hits (`cpu_load_per_token` x their tokens; they
+//! are cached on the GPU once loaded) -> prefill (sleep `prefill_per_token` x uncached prompt
+//! tokens, then the prompt's full blocks become cached and are published) -> decode
+//! (`decode_per_token` per output token) -> the output's full blocks are cached too -> blocks
+//! released tail first. So TTFT responds to cache hits and to load as on a real engine.
+//! [`Admitted`] releases its blocks and counters on drop, so an abandoned request never leaks
+//! capacity.
 
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -17,7 +19,7 @@ use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
 
 use crate::config::SimConfig;
 use crate::events::KvEvent;
-use crate::kv::{Allocation, KvCache, KvError};
+use crate::kv::{Allocation, Hit, KvCache, KvError};
 use crate::prompt::{fake_output, hash_view, Encoded, Encoder, MediaItem};
 
 /// Locks a mutex, taking the data even if a panicking thread poisoned it (the cache stays
@@ -66,8 +68,15 @@ pub struct Counters {
     pub requests: AtomicU64,
     /// Prompt tokens of finished requests.
     pub prompt_tokens: AtomicU64,
-    /// Of which served from the cache.
+    /// Of which served from the cache (GPU hits and CPU-tier loads, as reported in usage).
     pub cached_tokens: AtomicU64,
+    /// Prompt tokens hit in the GPU cache (vLLM's `prefix_cache_hits`).
+    pub local_hit_tokens: AtomicU64,
+    /// With a CPU tier: prompt tokens looked up there, i.e. past the GPU hits (vLLM's
+    /// `external_prefix_cache_queries`).
+    pub cpu_query_tokens: AtomicU64,
+    /// With a CPU tier: prompt tokens loaded from it (vLLM's `external_prefix_cache_hits`).
+    pub cpu_hit_tokens: AtomicU64,
     /// Output tokens.
     pub generation_tokens: AtomicU64,
 }
@@ -123,6 +132,8 @@ pub struct Admitted {
     output_ids: Vec<u32>,
     /// Prompt tokens served from the cache.
     pub cached_tokens: usize,
+    /// Where the prompt hit (GPU blocks, then CPU-tier blocks loaded).
+    hit: Hit,
     salt: Option<String>,
     /// The prompt's media items (their blocks are hashed and published with them).
     media: Vec<MediaItem>,
@@ -139,8 +150,16 @@ impl Admitted {
         }
     }
 
-    /// Runs prefill: simulated time for the uncached tokens, then the prompt's full blocks are cached.
+    /// Runs prefill: the CPU-tier hits are loaded (simulated time for their tokens, then they
+    /// are cached on the GPU), then simulated time for the uncached tokens, then the prompt's
+    /// full blocks are cached.
     pub async fn prefill(&mut self) {
+        let bs = self.engine.cfg.contract.block_size.get();
+        if self.hit.cpu > 0 {
+            let loaded = (self.hit.cpu * bs) as u32;
+            tokio::time::sleep(self.engine.cfg.cpu_load_per_token * loaded).await;
+            self.commit((self.hit.gpu + self.hit.cpu) * bs);
+        }
         let uncached = (self.prompt_len - self.cached_tokens) as u32;
         tokio::time::sleep(self.engine.cfg.prefill_per_token * uncached).await;
         self.commit(self.prompt_len);
@@ -164,12 +183,22 @@ impl Admitted {
             .fetch_add(usage.prompt_tokens as u64, Ordering::Relaxed);
         c.cached_tokens
             .fetch_add(usage.cached_tokens as u64, Ordering::Relaxed);
+        let bs = self.engine.cfg.contract.block_size.get();
+        let local = self.hit.gpu * bs;
+        c.local_hit_tokens
+            .fetch_add(local as u64, Ordering::Relaxed);
+        if self.engine.cfg.cpu_blocks > 0 {
+            c.cpu_query_tokens
+                .fetch_add((usage.prompt_tokens - local) as u64, Ordering::Relaxed);
+            c.cpu_hit_tokens
+                .fetch_add((self.hit.cpu * bs) as u64, Ordering::Relaxed);
+        }
         c.generation_tokens
             .fetch_add(usage.completion_tokens as u64, Ordering::Relaxed);
         usage
     }
 
-    /// Hashes and caches the full blocks of `seq[..upto]`.
+    /// Hashes and caches the full blocks of `seq[..upto]` (and writes them to the CPU tier).
     fn commit(&mut self, upto: usize) {
         let bs = self.hasher.block_size().get();
         let full = upto / bs;
@@ -182,10 +211,11 @@ impl Admitted {
             }
         }
         let rank = &self.engine.ranks[self.rank];
+        let keys = &self.keys[..full.min(self.keys.len())];
         if let Some(alloc) = self.alloc.as_mut() {
             lock(&rank.kv).commit_with_media(
                 alloc,
-                &self.keys,
+                keys,
                 &self.seq,
                 self.salt.as_deref(),
                 &self.media,
@@ -224,7 +254,8 @@ impl Engine {
         };
         let ranks = (0..cfg.dp_ranks)
             .map(|idx| {
-                let mut kv = KvCache::new(cfg.kv_blocks, cfg.contract.block_size.get(), record);
+                let mut kv = KvCache::new(cfg.kv_blocks, cfg.contract.block_size.get(), record)
+                    .with_cpu_tier(cfg.cpu_blocks);
                 if matches!(cfg.engine, EngineKind::Sglang | EngineKind::Trtllm) {
                     kv.push_event(KvEvent::Cleared);
                 }
@@ -328,7 +359,8 @@ impl Engine {
         self.running.fetch_add(1, Ordering::Relaxed);
         // Evictions made room: publish them with this step.
         r.step.notify_one();
-        let cached_tokens = alloc.hit_blocks * self.cfg.contract.block_size.get();
+        let hit = alloc.hit();
+        let cached_tokens = hit.cached_tokens(self.cfg.contract.block_size.get(), prompt_len);
         // The hasher has consumed every full prompt block: commit continues from there.
         Ok(Admitted {
             engine: self.clone(),
@@ -341,17 +373,31 @@ impl Engine {
             words,
             output_ids,
             cached_tokens,
+            hit,
             salt,
             media: enc.media,
             _permit: permit,
         })
     }
 
-    /// Leading blocks of `keys` cached on each rank.
-    pub fn match_keys(&self, keys: &[BlockKey]) -> Vec<usize> {
+    /// Per rank: leading blocks of `keys` cached on the GPU, and the blocks right after them
+    /// that the CPU tier holds.
+    pub fn match_keys(&self, keys: &[BlockKey]) -> Vec<(usize, usize)> {
         self.ranks
             .iter()
-            .map(|r| lock(&r.kv).match_prefix(keys))
+            .map(|r| {
+                let kv = lock(&r.kv);
+                let gpu = kv.match_prefix(keys);
+                (gpu, kv.cpu_match(keys, gpu))
+            })
+            .collect()
+    }
+
+    /// Per rank: where a prompt of `prompt_len` tokens with these keys would hit now.
+    pub fn plan(&self, keys: &[BlockKey], prompt_len: usize) -> Vec<Hit> {
+        self.ranks
+            .iter()
+            .map(|r| lock(&r.kv).plan(keys, prompt_len))
             .collect()
     }
 
@@ -361,11 +407,17 @@ impl Engine {
         self.ranks.iter().map(|r| lock(&r.kv).usage()).sum::<f64>() / n
     }
 
-    /// Forgets every cached block on every rank (vLLM `/reset_prefix_cache`).
-    pub fn reset_prefix_cache(&self) {
+    /// Forgets every cached block on every rank (vLLM `/reset_prefix_cache`); `external`
+    /// (vLLM's `reset_external`) forgets the CPU tier's blocks too.
+    pub fn reset_prefix_cache(&self, external: bool) {
         let as_removals = self.cfg.engine == EngineKind::Trtllm;
         for r in &self.ranks {
-            lock(&r.kv).clear(as_removals);
+            let mut kv = lock(&r.kv);
+            kv.clear(as_removals);
+            if external {
+                kv.clear_cpu();
+            }
+            drop(kv);
             r.step.notify_one();
         }
     }

@@ -6,6 +6,9 @@
 //!   events as maps with `"type"` first, byte-identical to msgspec's output (the golden vectors in
 //!   `shared/tests/vectors/` prove it in `tests/wire.rs`).
 //! * TensorRT-LLM: JSON envelopes `{event_id, data, window_size}` returned by `POST /kv_cache_events`.
+//! * vLLM's CPU tier (KV offloading): what its offloading connector publishes by default, one
+//!   placeholder `BlockStored` per block written (key, `medium` `"CPU"`, no tokens, no parent,
+//!   `block_size` 0, `group_idx`) and one `BlockRemoved` per eviction batch (`medium` `"CPU"`).
 //!
 //! msgspec details reproduced here because a byte-exact payload is the proof that the simulator
 //! speaks the real protocol: integers take their smallest msgpack form (non-negative ones as
@@ -42,7 +45,29 @@ pub enum KvEvent {
     },
     /// The whole cache was reset (prefix-cache reset, SGLang start).
     Cleared,
+    /// vLLM KV offloading: blocks written to the CPU tier. Published as vLLM's offloading
+    /// connector does by default: one placeholder `BlockStored` per block, `medium` `"CPU"`,
+    /// no tokens, no parent, `block_size` 0.
+    CpuStored {
+        /// Keys of the blocks written, in sequence order.
+        keys: Vec<BlockKey>,
+    },
+    /// vLLM KV offloading: blocks evicted from the CPU tier (`BlockRemoved`, `medium` `"CPU"`).
+    CpuRemoved {
+        /// Keys of the evicted blocks.
+        keys: Vec<BlockKey>,
+    },
 }
+
+impl KvEvent {
+    /// Whether the event is about the CPU tier rather than the GPU cache.
+    pub fn is_cpu(&self) -> bool {
+        matches!(self, KvEvent::CpuStored { .. } | KvEvent::CpuRemoved { .. })
+    }
+}
+
+/// `medium` of the CPU tier's events (vLLM's `MEDIUM_CPU`).
+pub const MEDIUM_CPU: &str = "CPU";
 
 /// Which engine's map layout to write.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -101,6 +126,10 @@ pub fn encode_batch(
     let mut wire: Vec<(std::borrow::Cow<'_, KvEvent>, u64)> = Vec::with_capacity(events.len());
     for e in events {
         wire.push((std::borrow::Cow::Borrowed(e), 0));
+        if e.is_cpu() {
+            // The CPU tier holds the full-attention group's blocks only.
+            continue;
+        }
         let Some(window) = opts.sliding_window.filter(|_| opts.layout == Layout::Vllm) else {
             continue;
         };
@@ -115,7 +144,15 @@ pub fn encode_batch(
             }
         }
     }
-    array_len(&mut out, wire.len());
+    let n: usize = wire
+        .iter()
+        .map(|(e, _)| match e.as_ref() {
+            // One placeholder BlockStored per block.
+            KvEvent::CpuStored { keys } => keys.len(),
+            _ => 1,
+        })
+        .sum();
+    array_len(&mut out, n);
     for (e, group) in &wire {
         encode_event(&mut out, opts, e, *group);
     }
@@ -226,16 +263,59 @@ fn encode_event(out: &mut Vec<u8>, opts: &WireOptions, e: &KvEvent, group: u64) 
             map_len(out, 1);
             kv_str(out, "type", "AllBlocksCleared");
         }
+        KvEvent::CpuStored { keys } => {
+            for k in keys {
+                cpu_placeholder(out, opts.layout, *k, group);
+            }
+        }
+        KvEvent::CpuRemoved { keys } => {
+            map_len(out, if opts.layout == Layout::Vllm { 4 } else { 3 });
+            type_and_hashes(out, opts.layout, "BlockRemoved", keys);
+            kv_str(out, "medium", MEDIUM_CPU);
+            if opts.layout == Layout::Vllm {
+                str_(out, "group_idx");
+                uint(out, group);
+            }
+        }
     }
 }
 
-/// TensorRT-LLM's JSON envelope for one event (`POST /kv_cache_events` returns a list of them).
+/// vLLM's offloading connector's default `BlockStored` for one block written to the CPU tier
+/// (its events carry no request metadata unless `self_describing_kv_events` is set): the
+/// block's key, nil parent, no tokens, `block_size` 0, nil LoRA, `medium` `"CPU"` and (0.31+
+/// layout) the key's `group_idx`; `extra_keys` and `kv_cache_spec_kind` keep their defaults and
+/// are omitted.
+fn cpu_placeholder(out: &mut Vec<u8>, layout: Layout, k: BlockKey, group: u64) {
+    let n: u16 = if layout == Layout::Vllm { 9 } else { 8 };
+    // msgspec reserves a map16 header for BlockStored (more than 15 fields).
+    out.push(0xde);
+    out.extend_from_slice(&n.to_be_bytes());
+    type_and_hashes(out, layout, "BlockStored", &[k]);
+    str_(out, "parent_block_hash");
+    out.push(0xc0);
+    str_(out, "token_ids");
+    array_len(out, 0);
+    str_(out, "block_size");
+    uint(out, 0);
+    str_(out, "lora_id");
+    out.push(0xc0);
+    kv_str(out, "medium", MEDIUM_CPU);
+    str_(out, "lora_name");
+    out.push(0xc0);
+    if layout == Layout::Vllm {
+        str_(out, "group_idx");
+        uint(out, group);
+    }
+}
+
+/// TensorRT-LLM's JSON envelope for one event (`POST /kv_cache_events` returns a list of them);
+/// `None` for the CPU tier's events, which only vLLM publishes.
 pub fn trtllm_envelope(
     event_id: u64,
     event: &KvEvent,
     window_size: u32,
     dp_rank: Option<u32>,
-) -> Value {
+) -> Option<Value> {
     let data = match event {
         KvEvent::Stored {
             keys,
@@ -261,12 +341,13 @@ pub fn trtllm_envelope(
             json!({"type": "removed", "block_hashes": keys.iter().map(|k| k.0).collect::<Vec<u64>>()})
         }
         KvEvent::Cleared => json!({"type": "created", "num_blocks_per_cache_level": []}),
+        KvEvent::CpuStored { .. } | KvEvent::CpuRemoved { .. } => return None,
     };
     let mut env = json!({"event_id": event_id, "data": data, "window_size": window_size});
     if let (Some(r), Value::Object(m)) = (dp_rank, &mut env) {
         m.insert("attention_dp_rank".to_string(), json!(r));
     }
-    env
+    Some(env)
 }
 
 /// TensorRT-LLM's first event: the cache's geometry.
@@ -339,6 +420,69 @@ fn kv_str(out: &mut Vec<u8>, k: &str, v: &str) {
 mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
+
+    /// The offloading connector's default payloads: one placeholder `BlockStored` per block
+    /// (map16 header, nine fields in vLLM's declaration order), one `BlockRemoved` per batch of
+    /// evictions; never copied to a sliding-window group.
+    #[test]
+    fn cpu_tier_events_are_vllms_offloading_placeholders() {
+        let opts = WireOptions {
+            sliding_window: Some(1),
+            ..WireOptions::gpu(Layout::Vllm)
+        };
+        let events = [
+            KvEvent::CpuRemoved {
+                keys: vec![BlockKey(3)],
+            },
+            KvEvent::CpuStored {
+                keys: vec![BlockKey(1), BlockKey(u64::MAX)],
+            },
+        ];
+        let payload = encode_batch(&opts, 1.5, &events, Some(0));
+        let batch = rmpv::decode::read_value(&mut payload.as_slice()).unwrap();
+        let evs = batch[1].as_array().unwrap();
+        assert_eq!(evs.len(), 3);
+        let fields = |e: &rmpv::Value| -> Vec<(String, rmpv::Value)> {
+            e.as_map()
+                .unwrap()
+                .iter()
+                .map(|(k, v)| (k.as_str().unwrap().to_string(), v.clone()))
+                .collect()
+        };
+        use rmpv::Value as V;
+        assert_eq!(
+            fields(&evs[0]),
+            vec![
+                ("type".into(), V::from("BlockRemoved")),
+                ("block_hashes".into(), V::Array(vec![V::from(3u64)])),
+                ("medium".into(), V::from("CPU")),
+                ("group_idx".into(), V::from(0u64)),
+            ]
+        );
+        for (ev, key) in evs[1..].iter().zip([1u64, u64::MAX]) {
+            assert_eq!(
+                fields(ev),
+                vec![
+                    ("type".into(), V::from("BlockStored")),
+                    ("block_hashes".into(), V::Array(vec![V::from(key)])),
+                    ("parent_block_hash".into(), V::Nil),
+                    ("token_ids".into(), V::Array(vec![])),
+                    ("block_size".into(), V::from(0u64)),
+                    ("lora_id".into(), V::Nil),
+                    ("medium".into(), V::from("CPU")),
+                    ("lora_name".into(), V::Nil),
+                    ("group_idx".into(), V::from(0u64)),
+                ]
+            );
+        }
+        // msgspec's headers: fixmap for BlockRemoved, map16 for BlockStored.
+        let stored_at = payload
+            .windows(3)
+            .position(|w| w == [0xde, 0x00, 0x09])
+            .unwrap();
+        assert!(payload[..stored_at].contains(&0x84));
+        assert!(trtllm_envelope(0, &events[0], 16, None).is_none());
+    }
 
     #[test]
     fn ints_take_their_smallest_form() {

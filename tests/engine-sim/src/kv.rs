@@ -11,16 +11,23 @@
 //!   its shared beginning.
 //! * As in vLLM the last prompt token is always recomputed: a prompt that is entirely cached
 //!   reports one block fewer as cached.
+//! * With a CPU tier ([`crate::cpu`], vLLM's KV offloading): every full block a request
+//!   computes is written to the tier (write-through), from its first block, or from the end of
+//!   its hits when the tier supplied some. A lookup takes the GPU hits first, then the blocks
+//!   the tier holds right after them, up to the prompt's last full block; those are loaded into
+//!   fresh GPU blocks and cached there once loaded, and the request reports
+//!   `min(hit tokens, prompt - 1)` as cached.
 //!
-//! Events are recorded here, in order, and taken by the publisher once per scheduler step.
+//! Events are recorded here, in order, and taken by the publisher once per scheduler step: a
+//! step's GPU events, then its CPU-tier removals, then its CPU-tier stores.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 
 use kvroute_core::hash::BlockKey;
 
-use crate::prompt::MediaItem;
-
+use crate::cpu::{CpuStats, CpuTier};
 use crate::events::KvEvent;
+use crate::prompt::MediaItem;
 
 /// Why a request cannot be admitted.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -47,17 +54,49 @@ struct Block {
     free_pos: Option<u64>,
 }
 
+/// Where a prompt hits: its leading blocks cached on the GPU, then the blocks the CPU tier
+/// holds right after them (loaded into GPU blocks on admission).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Hit {
+    /// Leading blocks cached on the GPU (at most `(prompt - 1) / block size`).
+    pub gpu: usize,
+    /// Blocks after those that the CPU tier holds (up to the prompt's last full block).
+    pub cpu: usize,
+}
+
+impl Hit {
+    /// Prompt tokens a request with this hit reports as cached (vLLM's `num_cached_tokens`):
+    /// the hit blocks' tokens, but never the whole prompt: after a load that reaches the
+    /// prompt's end vLLM recomputes its last token.
+    pub fn cached_tokens(&self, block_size: usize, prompt_len: usize) -> usize {
+        ((self.gpu + self.cpu) * block_size).min(prompt_len.saturating_sub(1))
+    }
+}
+
 /// Blocks held by one running request, in sequence order.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Allocation {
     blocks: Vec<usize>,
-    /// Leading blocks that were cache hits.
+    /// Leading blocks that were GPU cache hits.
     pub hit_blocks: usize,
+    /// Blocks after those loaded from the CPU tier (cached on the GPU by the first commit
+    /// that reaches them).
+    pub cpu_hit_blocks: usize,
     /// Leading blocks already cached (hits plus blocks committed since).
     committed: usize,
+    /// The first block not yet written to the CPU tier (vLLM's next block to offload).
+    cpu_next: usize,
 }
 
 impl Allocation {
+    /// The hit this allocation was admitted with.
+    pub fn hit(&self) -> Hit {
+        Hit {
+            gpu: self.hit_blocks,
+            cpu: self.cpu_hit_blocks,
+        }
+    }
+
     /// Blocks held.
     pub fn len(&self) -> usize {
         self.blocks.len()
@@ -82,6 +121,9 @@ pub struct CacheStats {
     pub free: usize,
     /// Blocks evicted since start.
     pub evicted_total: u64,
+    /// The CPU tier's counters, when there is one.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cpu: Option<CpuStats>,
 }
 
 /// The paged cache of one engine (one data-parallel rank).
@@ -96,6 +138,7 @@ pub struct KvCache {
     next_event_id: u64,
     max_pending_events: usize,
     evicted_total: u64,
+    cpu: Option<CpuTier>,
 }
 
 impl KvCache {
@@ -119,7 +162,14 @@ impl KvCache {
             next_event_id: 0,
             max_pending_events,
             evicted_total: 0,
+            cpu: None,
         }
+    }
+
+    /// Adds a CPU tier of `blocks` blocks (vLLM's KV offloading); 0 leaves the cache without.
+    pub fn with_cpu_tier(mut self, blocks: usize) -> Self {
+        self.cpu = (blocks > 0).then(|| CpuTier::new(blocks));
+        self
     }
 
     /// Tokens per block.
@@ -132,6 +182,30 @@ impl KvCache {
         keys.iter()
             .take_while(|k| self.cached.contains_key(k))
             .count()
+    }
+
+    /// Leading blocks of `keys[from..]` the CPU tier holds (0 without a tier).
+    pub fn cpu_match(&self, keys: &[BlockKey], from: usize) -> usize {
+        match (&self.cpu, keys.get(from..)) {
+            (Some(t), Some(rest)) => t.lookup(rest),
+            _ => 0,
+        }
+    }
+
+    /// Where a prompt of `prompt_len` tokens with block keys `keys` would hit now (vLLM's
+    /// `get_computed_blocks`, then the offloading connector's `get_num_new_matched_tokens`).
+    pub fn plan(&self, keys: &[BlockKey], prompt_len: usize) -> Hit {
+        // vLLM recomputes at least the last prompt token, so a full GPU hit gives back one block.
+        let max_hit = prompt_len.saturating_sub(1) / self.block_size;
+        let gpu = self.match_prefix(keys).min(max_hit);
+        // The connector looks further, up to the prompt's last full block.
+        let full = (prompt_len / self.block_size).min(keys.len());
+        let cpu = if full > gpu {
+            self.cpu_match(&keys[..full], gpu)
+        } else {
+            0
+        };
+        Hit { gpu, cpu }
     }
 
     /// Blocks a request of `prompt_len + max_output` tokens holds at its end.
@@ -155,9 +229,13 @@ impl KvCache {
                 capacity: self.blocks.len(),
             });
         }
-        // vLLM recomputes at least the last prompt token, so a full hit gives back one block.
-        let max_hit = prompt_len.saturating_sub(1) / self.block_size;
-        let hits = self.match_prefix(keys).min(max_hit);
+        let hit = self.plan(keys, prompt_len);
+        if let Some(t) = self.cpu.as_mut() {
+            // The connector marks every block of the request it holds as just used.
+            let full = (prompt_len / self.block_size).min(keys.len());
+            t.touch(&keys[..full]);
+        }
+        let hits = hit.gpu;
         let hit_ids: Vec<usize> = keys[..hits]
             .iter()
             .filter_map(|k| self.cached.get(k).copied())
@@ -194,10 +272,17 @@ impl KvCache {
         for k in evicted {
             self.push_event(KvEvent::Removed { keys: vec![k] });
         }
+        if let Some(t) = self.cpu.as_mut() {
+            t.record_hits(hit.cpu);
+        }
         Ok(Some(Allocation {
             blocks,
             hit_blocks: hits,
+            cpu_hit_blocks: hit.cpu,
             committed: hits,
+            // A request the tier served offloads from the end of its hits; any other from its
+            // first block (blocks the tier still holds are skipped).
+            cpu_next: if hit.cpu > 0 { hits + hit.cpu } else { 0 },
         }))
     }
 
@@ -255,6 +340,33 @@ impl KvCache {
             self.flush_run(&mut run, run_start, keys, tokens, (salt, media));
         }
         alloc.committed = alloc.committed.max(upto);
+        self.write_through(alloc, &keys[..upto]);
+    }
+
+    /// Writes the allocation's computed blocks `keys[cpu_next..]` to the CPU tier (those it
+    /// holds are skipped) and records the tier's removals and stores. A write that cannot make
+    /// room stores nothing and is tried again by the next commit, as vLLM's `prepare_store`.
+    fn write_through(&mut self, alloc: &mut Allocation, keys: &[BlockKey]) {
+        let Some(tier) = self.cpu.as_mut() else {
+            return;
+        };
+        let Some(new) = keys.get(alloc.cpu_next..).filter(|k| !k.is_empty()) else {
+            return;
+        };
+        let Some(out) = tier.store(new) else {
+            tracing::debug!("CPU tier: cannot make room for {} blocks", new.len());
+            return;
+        };
+        alloc.cpu_next = keys.len();
+        if !out.stored.is_empty() {
+            tier.touch(keys);
+        }
+        if !out.evicted.is_empty() {
+            self.push_event(KvEvent::CpuRemoved { keys: out.evicted });
+        }
+        if !out.stored.is_empty() {
+            self.push_event(KvEvent::CpuStored { keys: out.stored });
+        }
     }
 
     fn flush_run(
@@ -322,6 +434,14 @@ impl KvCache {
         }
     }
 
+    /// Forgets every block of the CPU tier (vLLM's `reset_prefix_cache` with `reset_external`);
+    /// announces nothing: the GPU reset's `AllBlocksCleared` goes out with it.
+    pub fn clear_cpu(&mut self) {
+        if let Some(t) = self.cpu.as_mut() {
+            t.clear();
+        }
+    }
+
     /// Records an event for the publisher.
     pub fn push_event(&mut self, e: KvEvent) {
         if self.max_pending_events == 0 {
@@ -348,6 +468,7 @@ impl KvCache {
             cached: self.cached.len(),
             free: self.free.len(),
             evicted_total: self.evicted_total,
+            cpu: self.cpu.as_ref().map(CpuTier::stats),
         }
     }
 
@@ -497,6 +618,118 @@ mod tests {
         };
         removed.sort();
         assert_eq!(removed, k);
+    }
+
+    fn events(c: &mut KvCache) -> Vec<KvEvent> {
+        c.take_events().into_iter().map(|(_, e)| e).collect()
+    }
+
+    #[test]
+    fn computed_blocks_are_written_through_to_the_cpu_tier() {
+        let mut c = KvCache::new(8, 4, 100).with_cpu_tier(16);
+        let k = keys(&[1, 2, 3]);
+        let mut a = c.try_admit(&k, 13, 13).unwrap().unwrap();
+        c.commit(&mut a, &k, &toks(13), None);
+        let ev = events(&mut c);
+        assert_eq!(ev.len(), 2, "{ev:?}");
+        assert!(matches!(&ev[0], KvEvent::Stored { keys, .. } if *keys == k));
+        assert_eq!(ev[1], KvEvent::CpuStored { keys: k.clone() });
+        // A block held already is not written (nor announced) again.
+        c.release(a);
+        let k2 = keys(&[1, 2, 3, 4]);
+        let mut b = c.try_admit(&k2, 17, 17).unwrap().unwrap();
+        assert_eq!(b.hit(), Hit { gpu: 3, cpu: 0 });
+        c.commit(&mut b, &k2, &toks(17), None);
+        let ev = events(&mut c);
+        assert_eq!(ev[1], KvEvent::CpuStored { keys: keys(&[4]) });
+        let st = c.stats().cpu.unwrap();
+        assert_eq!((st.capacity, st.cached, st.stored_total), (16, 4, 4));
+        c.release(b);
+    }
+
+    #[test]
+    fn a_prompt_gone_from_the_gpu_is_loaded_back_from_the_cpu_tier() {
+        // 4 GPU blocks of 4 tokens: B's 4 blocks evict all of A's.
+        let mut c = KvCache::new(4, 4, 100).with_cpu_tier(16);
+        let ka = keys(&[1, 2, 3]);
+        let kb = keys(&[7, 8, 9]);
+        for k in [&ka, &kb] {
+            let mut a = c.try_admit(k, 13, 13).unwrap().unwrap();
+            c.commit(&mut a, k, &toks(13), None);
+            c.release(a);
+        }
+        events(&mut c);
+        assert_eq!(c.match_prefix(&ka), 0);
+        assert_eq!(c.plan(&ka, 13), Hit { gpu: 0, cpu: 3 });
+        let mut a = c.try_admit(&ka, 13, 13).unwrap().unwrap();
+        assert_eq!(a.hit(), Hit { gpu: 0, cpu: 3 });
+        assert_eq!(a.hit().cached_tokens(4, 13), 12);
+        // The load ends: the blocks are cached on the GPU again, and not written to the CPU again.
+        c.commit(&mut a, &ka, &toks(12), None);
+        let ev = events(&mut c);
+        assert!(
+            ev.iter().all(|e| !matches!(e, KvEvent::CpuStored { .. })),
+            "{ev:?}"
+        );
+        assert!(
+            ev.iter()
+                .any(|e| matches!(e, KvEvent::Stored { keys, parent: None, .. } if *keys == ka)),
+            "{ev:?}"
+        );
+        assert_eq!(c.match_prefix(&ka), 3);
+        assert_eq!(c.stats().cpu.unwrap().hit_blocks_total, 3);
+        c.release(a);
+    }
+
+    #[test]
+    fn the_cpu_tier_continues_after_the_gpu_hits_to_the_prompts_last_full_block() {
+        let mut c = KvCache::new(16, 4, 100).with_cpu_tier(16);
+        let k = keys(&[1, 2, 3]);
+        let mut a = c.try_admit(&k, 12, 12).unwrap().unwrap();
+        c.commit(&mut a, &k, &toks(12), None);
+        c.release(a);
+        // A fully cached 12-token prompt: the GPU gives 2 blocks (the last token is
+        // recomputed), the CPU tier the third; vLLM then reports all but the last token.
+        let hit = c.plan(&k, 12);
+        assert_eq!(hit, Hit { gpu: 2, cpu: 1 });
+        assert_eq!(hit.cached_tokens(4, 12), 11);
+        // Without a CPU tier the same prompt reports two blocks.
+        let mut g = KvCache::new(16, 4, 100);
+        let mut a = g.try_admit(&k, 12, 12).unwrap().unwrap();
+        g.commit(&mut a, &k, &toks(12), None);
+        g.release(a);
+        assert_eq!(g.plan(&k, 12).cached_tokens(4, 12), 8);
+        // A miss in the CPU tier ends the continuation.
+        assert_eq!(c.plan(&keys(&[1, 9, 3]), 13), Hit { gpu: 1, cpu: 0 });
+    }
+
+    #[test]
+    fn a_cpu_eviction_is_recorded_before_the_store_that_caused_it() {
+        let mut c = KvCache::new(16, 4, 100).with_cpu_tier(4);
+        let ka = keys(&[1, 2, 3, 4]);
+        let mut a = c.try_admit(&ka, 17, 17).unwrap().unwrap();
+        c.commit(&mut a, &ka, &toks(17), None);
+        c.release(a);
+        events(&mut c);
+        let kb = keys(&[5, 6]);
+        let mut b = c.try_admit(&kb, 9, 9).unwrap().unwrap();
+        c.commit(&mut b, &kb, &toks(9), None);
+        let ev = events(&mut c);
+        // A's tail goes first: the head of a prefix was touched last.
+        assert_eq!(
+            ev[1..],
+            [
+                KvEvent::CpuRemoved {
+                    keys: keys(&[4, 3])
+                },
+                KvEvent::CpuStored { keys: kb.clone() },
+            ]
+        );
+        assert_eq!(c.stats().cpu.unwrap().evicted_total, 2);
+        c.release(b);
+        c.clear_cpu();
+        assert_eq!(c.stats().cpu.unwrap().cached, 0);
+        assert!(c.take_events().is_empty(), "a CPU reset announces nothing");
     }
 
     #[test]

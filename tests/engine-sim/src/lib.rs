@@ -1,7 +1,8 @@
 //! `kvroute-engine-sim`: an inference engine as a router sees it, without a GPU.
 //!
 //! It serves the OpenAI API with real tokenization (kvroute-core), keeps a paged KV cache with
-//! prefix sharing and LRU eviction ([`kv`]), hashes blocks under the engine's real contract and
+//! prefix sharing and LRU eviction ([`kv`]) and, for vLLM, an optional CPU tier as vLLM's KV
+//! offloading keeps one ([`cpu`]), hashes blocks under the engine's real contract and
 //! publishes the engine's real KV events ([`events`], [`publish`]): vLLM and SGLang over ZMQ
 //! (map layout, sequence numbers, replay), TensorRT-LLM through `POST /kv_cache_events`;
 //! llama.cpp mode publishes nothing. Simulated time ([`engine`]) makes TTFT depend on cache hits
@@ -9,6 +10,7 @@
 
 pub mod bench;
 pub mod config;
+pub mod cpu;
 pub mod engine;
 pub mod events;
 pub mod kv;

@@ -2,8 +2,10 @@
 //!
 //! * vLLM: `vllm:num_requests_running`, `vllm:num_requests_waiting`, `vllm:kv_cache_usage_perc`
 //!   (and the pre-0.10 `vllm:gpu_cache_usage_perc`), `vllm:cache_config_info{num_gpu_blocks,block_size}`,
-//!   `vllm:prefix_cache_queries_total`/`_hits_total` (tokens), `vllm:prompt_tokens_total`,
-//!   `vllm:generation_tokens_total`, `vllm:request_success_total`.
+//!   `vllm:prefix_cache_queries_total`/`_hits_total` (tokens; hits in the GPU cache),
+//!   `vllm:prompt_tokens_total`, `vllm:generation_tokens_total`, `vllm:request_success_total`;
+//!   with a CPU tier also `vllm:external_prefix_cache_queries_total`/`_hits_total` (tokens looked
+//!   up in and loaded from the tier, as vLLM counts its KV connector's hits).
 //! * SGLang: `sglang:num_running_reqs`, `sglang:num_queue_reqs`, `sglang:token_usage`,
 //!   `sglang:cache_hit_rate`, `sglang:prompt_tokens_total`, `sglang:generation_tokens_total`.
 //! * llama.cpp: `llamacpp:requests_processing`, `llamacpp:requests_deferred`, `llamacpp:kv_cache_usage_ratio`.
@@ -26,6 +28,7 @@ pub fn render(e: &Engine) -> (&'static str, String) {
     let c = &e.counters;
     let prompt = c.prompt_tokens.load(Ordering::Relaxed);
     let cached = c.cached_tokens.load(Ordering::Relaxed);
+    let local_hits = c.local_hit_tokens.load(Ordering::Relaxed);
     let gen = c.generation_tokens.load(Ordering::Relaxed);
     let reqs = c.requests.load(Ordering::Relaxed);
     let model = &e.cfg.model;
@@ -86,8 +89,24 @@ pub fn render(e: &Engine) -> (&'static str, String) {
                 "vllm:prefix_cache_hits",
                 "Prefix cache hits, in terms of number of cached tokens.",
                 &l,
-                cached,
+                local_hits,
             );
+            if e.cfg.cpu_blocks > 0 {
+                counter(
+                    &mut s,
+                    "vllm:external_prefix_cache_queries",
+                    "External prefix cache queries from KV connector cross-instance cache sharing, in terms of number of queried tokens.",
+                    &l,
+                    c.cpu_query_tokens.load(Ordering::Relaxed),
+                );
+                counter(
+                    &mut s,
+                    "vllm:external_prefix_cache_hits",
+                    "External prefix cache hits from KV connector cross-instance cache sharing, in terms of number of cached tokens.",
+                    &l,
+                    c.cpu_hit_tokens.load(Ordering::Relaxed),
+                );
+            }
             counter(
                 &mut s,
                 "vllm:prompt_tokens",

@@ -8,9 +8,9 @@
 //! | `GET /metrics` | all | the engine's own metric names ([`crate::metrics`]) |
 //! | `GET /server_info`, `GET /get_server_info`, `GET /model_info`, `GET /get_model_info` | all | SGLang's (page size, model path) |
 //! | `POST /kv_cache_events` | trtllm | drains the event queue (JSON envelopes) |
-//! | `POST /reset_prefix_cache` | all | forgets every cached block (`AllBlocksCleared`) |
-//! | `GET /debug/cache` | all | per-rank block counters |
-//! | `GET /debug/cache/match?keys=K1,K2` | all | leading blocks cached, per rank |
+//! | `POST /reset_prefix_cache` | all | forgets every cached block (`AllBlocksCleared`); `?reset_external=true` the CPU tier's too |
+//! | `GET /debug/cache` | all | per-rank block counters (and the CPU tier's) |
+//! | `GET /debug/cache/match?keys=K1,K2` | all | leading blocks cached, per rank, and the CPU tier's continuation |
 //! | `POST /debug/cache/match` | all | same for an OpenAI body (the simulator tokenizes it) |
 //!
 //! Every response carries `x-kvroute-sim: <name>` so tests and the benchmark see who served.
@@ -455,10 +455,12 @@ async fn kv_cache_events(State(engine): State<Arc<Engine>>) -> Result<Json<Value
         let rank = multi.then_some(r.idx);
         for (id, e) in lock(&r.kv).take_events() {
             let Some(sliding) = engine.cfg.sliding_window else {
-                out.push(match e {
-                    KvEvent::Cleared => trtllm_created(id, engine.cfg.kv_blocks, window, rank),
-                    other => trtllm_envelope(id, &other, window, rank),
-                });
+                match e {
+                    KvEvent::Cleared => {
+                        out.push(trtllm_created(id, engine.cfg.kv_blocks, window, rank))
+                    }
+                    other => out.extend(trtllm_envelope(id, &other, window, rank)),
+                }
                 continue;
             };
             // Variable sliding-window attention: the full window's event, then the sliding
@@ -470,28 +472,39 @@ async fn kv_cache_events(State(engine): State<Arc<Engine>>) -> Result<Json<Value
                     out.push(trtllm_created(next(), engine.cfg.kv_blocks, window, rank))
                 }
                 KvEvent::Stored { keys, .. } => {
-                    out.push(trtllm_envelope(next(), &e, window, rank));
-                    out.push(trtllm_envelope(next(), &e, sliding_window, rank));
+                    out.extend(trtllm_envelope(next(), &e, window, rank));
+                    out.extend(trtllm_envelope(next(), &e, sliding_window, rank));
                     let outside = keys.len().saturating_sub(sliding);
                     if outside > 0 {
                         let gone = KvEvent::Removed {
                             keys: keys[..outside].to_vec(),
                         };
-                        out.push(trtllm_envelope(next(), &gone, sliding_window, rank));
+                        out.extend(trtllm_envelope(next(), &gone, sliding_window, rank));
                     }
                 }
                 KvEvent::Removed { .. } => {
-                    out.push(trtllm_envelope(next(), &e, window, rank));
-                    out.push(trtllm_envelope(next(), &e, sliding_window, rank));
+                    out.extend(trtllm_envelope(next(), &e, window, rank));
+                    out.extend(trtllm_envelope(next(), &e, sliding_window, rank));
                 }
+                // The CPU tier is vLLM's: never recorded here.
+                KvEvent::CpuStored { .. } | KvEvent::CpuRemoved { .. } => {}
             }
         }
     }
     Ok(Json(Value::Array(out)))
 }
 
-async fn reset_prefix_cache(State(engine): State<Arc<Engine>>) -> StatusCode {
-    engine.reset_prefix_cache();
+/// `?reset_external=true` (vLLM's query parameter) also forgets the CPU tier.
+async fn reset_prefix_cache(
+    State(engine): State<Arc<Engine>>,
+    Query(q): Query<std::collections::HashMap<String, String>>,
+) -> StatusCode {
+    let external = q.get("reset_external").is_some_and(|v| {
+        ["true", "1", "yes", "on"]
+            .iter()
+            .any(|t| v.eq_ignore_ascii_case(t))
+    });
+    engine.reset_prefix_cache(external);
     StatusCode::OK
 }
 
@@ -533,11 +546,39 @@ async fn match_keys(
                 })
         })
         .collect::<Result<Vec<_>, _>>()?;
-    let per_rank = engine.match_keys(&keys);
-    Ok(Json(
-        json!({"matched_blocks": per_rank.iter().max().copied().unwrap_or(0), "per_rank": per_rank,
-        "running": engine.running.load(Ordering::Relaxed), "waiting": engine.waiting.load(Ordering::Relaxed)}),
-    ))
+    let mut out = tier_match(&engine.match_keys(&keys));
+    if let Value::Object(m) = &mut out {
+        add_queue(m, &engine);
+    }
+    Ok(Json(out))
+}
+
+/// `matched_blocks` (the longest GPU match over ranks) and `per_rank`; `cpu_matched_blocks`
+/// (the blocks the CPU tier holds right after the GPU match, on the first rank with the
+/// longest GPU match: `matched_blocks + cpu_matched_blocks` is one rank's two-tier prefix) and
+/// `cpu_per_rank`.
+fn tier_match(tiers: &[(usize, usize)]) -> Value {
+    let per_rank: Vec<usize> = tiers.iter().map(|t| t.0).collect();
+    let cpu_per_rank: Vec<usize> = tiers.iter().map(|t| t.1).collect();
+    let (best, cpu) = tiers
+        .iter()
+        .rev()
+        .max_by_key(|t| t.0)
+        .copied()
+        .unwrap_or_default();
+    json!({"matched_blocks": best, "per_rank": per_rank, "cpu_matched_blocks": cpu, "cpu_per_rank": cpu_per_rank})
+}
+
+/// Adds the engine's running and waiting request counts to a `/debug/cache/match` answer.
+fn add_queue(m: &mut serde_json::Map<String, Value>, engine: &Engine) {
+    m.insert(
+        "running".into(),
+        engine.running.load(Ordering::Relaxed).into(),
+    );
+    m.insert(
+        "waiting".into(),
+        engine.waiting.load(Ordering::Relaxed).into(),
+    );
 }
 
 /// The oracle's question: how much of this request would hit here, and how busy is the engine.
@@ -557,13 +598,21 @@ async fn match_body(
         &hash_view(&enc.tokens, 0, &enc.media),
         enc.cache_salt.as_deref(),
     )?;
-    let per_rank = engine.match_keys(&keys);
-    let best = per_rank.iter().max().copied().unwrap_or(0);
     let bs = engine.cfg.contract.block_size.get();
-    let cached = (best.min(enc.tokens.len().saturating_sub(1) / bs)) * bs;
-    Ok(Json(
-        json!({"prompt_tokens": enc.tokens.len(), "matched_blocks": best, "cached_tokens": cached, "per_rank": per_rank,
-        "running": engine.running.load(Ordering::Relaxed), "waiting": engine.waiting.load(Ordering::Relaxed),
-        "kv_usage": engine.kv_usage()}),
-    ))
+    let prompt_len = enc.tokens.len();
+    // What admission would report now, on the rank that would report the most.
+    let cached = engine
+        .plan(&keys, prompt_len)
+        .iter()
+        .map(|h| h.cached_tokens(bs, prompt_len))
+        .max()
+        .unwrap_or(0);
+    let mut out = tier_match(&engine.match_keys(&keys));
+    if let Value::Object(m) = &mut out {
+        m.insert("prompt_tokens".into(), prompt_len.into());
+        m.insert("cached_tokens".into(), cached.into());
+        add_queue(m, &engine);
+        m.insert("kv_usage".into(), engine.kv_usage().into());
+    }
+    Ok(Json(out))
 }

@@ -2,9 +2,11 @@
 //! service when `kvroute-inventory` is built next to it), drives every strategy and writes JSON.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+use std::io::Read;
 use std::path::PathBuf;
-use std::process::Command;
-use std::time::{Duration, Instant};
+use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
 
 use serde_json::Value;
 
@@ -16,10 +18,12 @@ fn inventory_built() -> bool {
 
 /// Runs the bench with `args` (bounded: the child is killed after 120 s) and returns its JSON.
 fn bench(args: &[&str]) -> Value {
+    // Tests run in parallel in this process: one output file each.
+    static RUN: AtomicUsize = AtomicUsize::new(0);
     let out = std::env::temp_dir().join(format!(
         "kvroute-bench-test-{}-{}.json",
         std::process::id(),
-        args.join("_").len()
+        RUN.fetch_add(1, Ordering::Relaxed)
     ));
     let mut child = Command::new(env!("CARGO_BIN_EXE_kvroute-bench"))
         .args([
@@ -41,18 +45,8 @@ fn bench(args: &[&str]) -> Value {
         .arg(&out)
         .spawn()
         .unwrap();
-    let deadline = Instant::now() + Duration::from_secs(120);
-    let status = loop {
-        if let Some(s) = child.try_wait().unwrap() {
-            break s;
-        }
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            let _ = child.wait();
-            panic!("kvroute-bench did not finish within 120 s");
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    };
+    let status = kvroute_test_support::wait_exit(&mut child, Duration::from_secs(120))
+        .unwrap_or_else(|e| panic!("kvroute-bench: {e}"));
     assert!(status.success(), "kvroute-bench failed: {status}");
     let v: Value = serde_json::from_slice(&std::fs::read(&out).unwrap()).unwrap();
     let _ = std::fs::remove_file(&out);
@@ -221,4 +215,96 @@ fn bench_runs_the_sglang_router_peer() {
     assert!(s["cached_ratio"].as_f64().unwrap() > 0.3, "{s}");
     // The serving simulator is known for every request (header or system_fingerprint).
     assert_eq!(s["unattributed"], 0, "{s}");
+}
+
+/// Runs the bench with `args`, which must fail within 120 s; returns its stderr.
+fn bench_fails(args: &[&str]) -> String {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kvroute-bench"))
+        .args([
+            "--endpoints",
+            "2",
+            "--users",
+            "2",
+            "--turns",
+            "1",
+            "--groups",
+            "1",
+        ])
+        .args(["--prefix-words", "40", "--ramp-ms", "100"])
+        .args(args)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Drained on a thread: the child never blocks on a full pipe.
+    let mut stderr = child.stderr.take().unwrap();
+    let reader = std::thread::spawn(move || {
+        let mut s = String::new();
+        let _ = stderr.read_to_string(&mut s);
+        s
+    });
+    let status = kvroute_test_support::wait_exit(&mut child, Duration::from_secs(120))
+        .unwrap_or_else(|e| panic!("kvroute-bench {args:?}: {e}"));
+    let err = reader.join().unwrap();
+    assert!(
+        !status.success(),
+        "kvroute-bench {args:?} succeeded:\n{err}"
+    );
+    err
+}
+
+/// `--cpu-blocks` starts every simulator with the CPU tier: the bench checks each one reports
+/// it before measuring (and fails otherwise), and the cached-token ratio reads the engines'
+/// usage, CPU-tier loads included. `--inventory-env` reaches the inventory.
+#[test]
+fn bench_runs_simulators_with_the_cpu_tier() {
+    assert!(
+        inventory_built(),
+        "kvroute-inventory is not built next to kvroute-bench: run ./scripts/test.sh (it builds every binary first)"
+    );
+    let v = bench(&[
+        "--cpu-blocks",
+        "512",
+        "--kv-blocks",
+        "48",
+        "--workloads",
+        "multi-turn",
+        "--strategies",
+        "round-robin,kvroute-engine,oracle",
+        "--inventory-env",
+        "KVROUTE_CPU_TIER_WEIGHT=0",
+    ]);
+    assert_eq!(v["cpu_blocks"], 512);
+    for strategy in ["round-robin", "kvroute-engine", "oracle"] {
+        let s = find(&v, "multi-turn", strategy);
+        assert_eq!(s["errors"], 0, "{strategy}: {s}");
+        assert!(s["cached_ratio"].as_f64().unwrap() > 0.3, "{strategy}: {s}");
+    }
+    assert_judged(find(&v, "multi-turn", "oracle"));
+}
+
+#[test]
+fn bench_refuses_a_misused_cpu_tier_and_passes_inventory_env_through() {
+    let err = bench_fails(&["--engine", "sglang", "--cpu-blocks", "8"]);
+    assert!(err.contains("--cpu-blocks needs --engine vllm"), "{err}");
+    let err = bench_fails(&["--inventory-env", "KVROUTE_CPU_TIER_WEIGHT"]);
+    assert!(
+        err.contains("--inventory-env \"KVROUTE_CPU_TIER_WEIGHT\": give NAME=VALUE"),
+        "{err}"
+    );
+    assert!(
+        inventory_built(),
+        "kvroute-inventory is not built next to kvroute-bench: run ./scripts/test.sh (it builds every binary first)"
+    );
+    // The inventory refuses to start on a bad value: the variable got there.
+    let err = bench_fails(&[
+        "--workloads",
+        "one-shot",
+        "--strategies",
+        "kvroute-engine",
+        "--inventory-env",
+        "LOXILB_KV_LB_MODE=bogus",
+    ]);
+    assert!(err.contains("exited before it was ready"), "{err}");
+    assert!(err.contains("LOXILB_KV_LB_MODE"), "{err}");
 }

@@ -7,7 +7,8 @@
 //! * `partition`: shared prefix g on endpoint g mod n, a static partition of the prompts that
 //!   needs to know the workload (the bar a cache-aware router should reach without knowing it).
 //! * `oracle`: asks every simulator how many leading blocks of this request it holds
-//!   (`POST /debug/cache/match`) and picks the longest match, least loaded on ties.
+//!   (`POST /debug/cache/match`: GPU blocks, plus the CPU tier's continuation under
+//!   `--cpu-blocks`) and picks the longest match, least loaded on ties.
 //! * `kvroute-engine`, `kvroute-tokens`: the driver tokenizes and hashes like the filter (engine
 //!   contract or kvroute's content key) and asks the inventory service (`POST /v1/route`).
 //! * `gateway`: sends to Envoy with the kvroute filter (round robin over gateway URLs); the
@@ -18,7 +19,8 @@
 //! Predictions: the strategies that know how much of a request the chosen engine holds say so,
 //! and the driver judges it against the engine's `cached_tokens` ([`judge`], the filter's
 //! `kvroute_filter_prediction_*` rule): `kvroute-engine` and `kvroute-tokens` take the route
-//! answer's `matched_blocks`, `oracle` the chosen simulator's `matched_blocks`. The others make
+//! answer's `matched_blocks`, `oracle` the chosen simulator's `matched_blocks` plus
+//! `cpu_matched_blocks`. The others make
 //! none: round robin, sticky and partition do not look at the caches, and sglang-router keeps
 //! its tree to itself. `gateway` takes the filter's `x-kvroute-matched-blocks`, which the filter
 //! writes on the upstream request and the simulator echoes in its response (a real engine does
@@ -457,7 +459,9 @@ impl Router {
                 for k in 0..n {
                     let i = (start + k) % n;
                     let Some(a) = &answers[i] else { continue };
-                    let m = a["matched_blocks"].as_u64().unwrap_or(0);
+                    // The prefix held in either tier (the CPU tier's is loaded on admission).
+                    let m = a["matched_blocks"].as_u64().unwrap_or(0)
+                        + a["cpu_matched_blocks"].as_u64().unwrap_or(0);
                     let load =
                         a["running"].as_u64().unwrap_or(0) + a["waiting"].as_u64().unwrap_or(0);
                     if best.is_none_or(|(bm, bl, _)| m > bm || (m == bm && load < bl)) {

@@ -62,7 +62,13 @@ impl Proc {
                     .with_context(|| format!("bad ready address {a:?}"))?;
                 Ok(Proc { child, addr })
             }
-            Err(_) => {
+            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
+                // Its stdout closed without the ready line: it exited (its stderr is inherited).
+                let _ = child.kill();
+                let status = child.wait()?;
+                bail!("{cmd:?} exited before it was ready ({status}); its stderr is above")
+            }
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
                 let _ = child.kill();
                 let _ = child.wait();
                 bail!("{cmd:?} was not ready within {deadline:?}")
@@ -99,6 +105,8 @@ pub struct SimSpec {
     pub decode_us: f64,
     /// `--max-concurrency`.
     pub max_concurrency: usize,
+    /// `--cpu-blocks` (vLLM: the CPU tier per simulator; 0: none).
+    pub cpu_blocks: usize,
 }
 
 /// Running simulators.
@@ -180,6 +188,9 @@ impl Fleet {
                 &spec.decode_us.to_string(),
             ])
             .args(["--max-concurrency", &spec.max_concurrency.to_string()]);
+            if spec.cpu_blocks > 0 {
+                cmd.args(["--cpu-blocks", &spec.cpu_blocks.to_string()]);
+            }
             if let Some(p) = zmq_port {
                 cmd.args(["--zmq-port", &p.to_string()]);
             }
@@ -206,6 +217,34 @@ impl Fleet {
             .map(|p| format!("http://{}", p.addr))
             .collect()
     }
+}
+
+/// Checks that every simulator at `urls` runs the CPU tier of `blocks` blocks it was started
+/// with (`GET /debug/cache`, every rank), so a run never measures a fleet without it.
+pub async fn check_cpu_tier(
+    http: &reqwest::Client,
+    urls: &[String],
+    blocks: usize,
+) -> anyhow::Result<()> {
+    for u in urls {
+        let v: serde_json::Value = http
+            .get(format!("{u}/debug/cache"))
+            .send()
+            .await
+            .with_context(|| format!("{u}/debug/cache"))?
+            .json()
+            .await
+            .with_context(|| format!("{u}/debug/cache"))?;
+        let ranks = v["ranks"].as_array().map(Vec::as_slice).unwrap_or(&[]);
+        let ok = !ranks.is_empty()
+            && ranks
+                .iter()
+                .all(|r| r["cpu"]["capacity"].as_u64() == Some(blocks as u64));
+        if !ok {
+            bail!("{u} does not report a CPU tier of {blocks} blocks per rank: {v}");
+        }
+    }
+    Ok(())
 }
 
 /// The loxilb-shaped rule the inventory needs for this fleet.
@@ -262,13 +301,23 @@ pub fn stage_tokenizer(dir: &Path, model: &str, tmp: &Path) -> anyhow::Result<Pa
     Ok(root)
 }
 
+/// How the bench runs an inventory beyond its rules.
+#[derive(Default)]
+pub struct InventoryOptions<'a> {
+    /// `LLB_KV_NONE_HASH_SEED` (vLLM's PYTHONHASHSEED).
+    pub seed: Option<&'a str>,
+    /// The parity canary.
+    pub canary: Option<&'a Canary>,
+    /// Extra environment (`--inventory-env K=V`), set after the bench's own so it overrides them.
+    pub env: &'a [(String, String)],
+}
+
 /// Starts the inventory service on 127.0.0.1 with `rules` (in-memory, no Redis), with the
-/// parity canary when `canary` is given.
+/// parity canary when `opts.canary` is given.
 pub fn start_inventory(
     bin: &Path,
     rules: &serde_json::Value,
-    seed: Option<&str>,
-    canary: Option<&Canary>,
+    opts: &InventoryOptions<'_>,
     dir: &Path,
 ) -> anyhow::Result<Proc> {
     let cfg = dir.join(format!("kvroute-bench-rules-{}.json", std::process::id()));
@@ -279,15 +328,18 @@ pub fn start_inventory(
     cmd.env("KVROUTE_TRTLLM_DRAIN_MS", "20")
         .env("KVROUTE_HEALTH_INTERVAL_MS", "1000")
         .env("KVROUTE_SCRAPE_INTERVAL_MS", "200");
-    if let Some(s) = seed {
+    if let Some(s) = opts.seed {
         cmd.env("LLB_KV_NONE_HASH_SEED", s);
     }
-    if let Some(c) = canary {
+    if let Some(c) = opts.canary {
         cmd.arg("--tokenizer-dir").arg(&c.tokenizers);
         cmd.env("KVROUTE_CANARY_INTERVAL_MS", c.interval_ms.to_string());
     }
     if std::env::var_os("RUST_LOG").is_none() {
         cmd.env("RUST_LOG", "warn");
+    }
+    for (k, v) in opts.env {
+        cmd.env(k, v);
     }
     Proc::spawn(cmd, Duration::from_secs(60))
 }

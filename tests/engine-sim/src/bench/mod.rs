@@ -161,6 +161,25 @@ pub struct BenchArgs {
     /// after each gateway run, once the filters' outcome reports hold the run's predictions.
     #[arg(long)]
     pub inventory_url: Option<String>,
+    /// vLLM: start every simulator with a CPU (host-memory) KV tier of N blocks
+    /// (`kvroute-engine-sim --cpu-blocks N`, vLLM's KV offloading). 0: none.
+    #[arg(long, default_value_t = 0)]
+    pub cpu_blocks: usize,
+    /// An environment variable `K=V` for the inventory the kvroute strategies start
+    /// (repeatable; set after the bench's own, so it overrides them), e.g.
+    /// `KVROUTE_CPU_TIER_WEIGHT=0`.
+    #[arg(long = "inventory-env", value_name = "K=V")]
+    pub inventory_env: Vec<String>,
+}
+
+/// `--inventory-env` values as (name, value) pairs; each needs a non-empty name and a `=`.
+fn inventory_env(raw: &[String]) -> anyhow::Result<Vec<(String, String)>> {
+    raw.iter()
+        .map(|kv| match kv.split_once('=') {
+            Some((k, v)) if !k.is_empty() => Ok((k.to_string(), v.to_string())),
+            _ => Err(anyhow!("--inventory-env {kv:?}: give NAME=VALUE")),
+        })
+        .collect()
 }
 
 fn list<T>(s: &str, what: &str, parse: impl Fn(&str) -> Option<T>) -> anyhow::Result<Vec<T>> {
@@ -301,7 +320,7 @@ async fn warm_up(
         }
     }
     for s in sims {
-        http.post(format!("{s}/reset_prefix_cache"))
+        http.post(format!("{s}/reset_prefix_cache?reset_external=true"))
             .send()
             .await?
             .error_for_status()?;
@@ -374,6 +393,16 @@ pub async fn main(args: BenchArgs) -> anyhow::Result<Vec<Summary>> {
     })?;
     let block_size =
         BlockSize::new(args.block_size).ok_or_else(|| anyhow!("--block-size must be >= 1"))?;
+    if args.cpu_blocks > 0 && engine != EngineKind::Vllm {
+        bail!(
+            "--cpu-blocks needs --engine vllm (the simulators' CPU tier is vLLM's KV offloading); got --engine {}",
+            args.engine
+        );
+    }
+    if args.cpu_blocks > 0 && args.sims.is_some() {
+        bail!("--cpu-blocks configures the simulators the bench starts; drop it with --sims");
+    }
+    let inv_env = inventory_env(&args.inventory_env)?;
     let algo = engine
         .default_algo()
         .unwrap_or(kvroute_core::hash::HashAlgo::Tokens);
@@ -406,6 +435,7 @@ pub async fn main(args: BenchArgs) -> anyhow::Result<Vec<Summary>> {
         prefill_us: args.prefill_us,
         decode_us: args.decode_us,
         max_concurrency: args.sim_concurrency,
+        cpu_blocks: args.cpu_blocks,
     };
     let given_sims: Option<Vec<String>> = args.sims.as_ref().map(|s| {
         s.split(',')
@@ -436,10 +466,15 @@ pub async fn main(args: BenchArgs) -> anyhow::Result<Vec<Summary>> {
     let mut summaries: Vec<Summary> = Vec::new();
     let mut all_records: Vec<serde_json::Value> = Vec::new();
     let mut md = String::new();
+    let cpu_tier = if args.cpu_blocks > 0 {
+        format!(" (+ CPU tier {} blocks)", args.cpu_blocks)
+    } else {
+        String::new()
+    };
     md.push_str(&format!(
-        "Command: `kvroute-bench {}`\n\npreset {}, engine {}, block {}, KV {} blocks/endpoint, prefill {} us/token, decode {} us/token, {} running/endpoint, arrival {}, {} users x {} turns over {} shared prefixes of {} words, tokenizer {}\n\n",
+        "Command: `kvroute-bench {}`\n\npreset {}, engine {}, block {}, KV {} blocks/endpoint{}, prefill {} us/token, decode {} us/token, {} running/endpoint, arrival {}, {} users x {} turns over {} shared prefixes of {} words, tokenizer {}\n\n",
         std::env::args().skip(1).collect::<Vec<_>>().join(" "),
-        args.preset, args.engine, args.block_size, kv_blocks, args.prefill_us, args.decode_us, args.sim_concurrency, args.arrival,
+        args.preset, args.engine, args.block_size, kv_blocks, cpu_tier, args.prefill_us, args.decode_us, args.sim_concurrency, args.arrival,
         shape.users, shape.turns, shape.groups, shape.prefix_words,
         args.tokenizer_dir.as_ref().map_or("words".to_string(), |d| d.display().to_string())
     ));
@@ -482,7 +517,7 @@ pub async fn main(args: BenchArgs) -> anyhow::Result<Vec<Summary>> {
                 let (fleet, urls) = match &given_sims {
                     Some(urls) => {
                         for u in urls {
-                            http.post(format!("{u}/reset_prefix_cache"))
+                            http.post(format!("{u}/reset_prefix_cache?reset_external=true"))
                                 .send()
                                 .await
                                 .with_context(|| format!("reset {u}"))?;
@@ -492,6 +527,9 @@ pub async fn main(args: BenchArgs) -> anyhow::Result<Vec<Summary>> {
                     None => {
                         let f = Fleet::start(&spec, n)?;
                         let urls = f.urls();
+                        if spec.cpu_blocks > 0 {
+                            fleet::check_cpu_tier(&http, &urls, spec.cpu_blocks).await?;
+                        }
                         (Some(f), urls)
                     }
                 };
@@ -533,13 +571,12 @@ pub async fn main(args: BenchArgs) -> anyhow::Result<Vec<Summary>> {
                         }
                         (None, _) => bail!("--canary-ms needs --tokenizer-dir"),
                     };
-                    let inv = fleet::start_inventory(
-                        bin,
-                        &rules,
-                        spec.seed.as_deref(),
-                        canary.as_ref(),
-                        &tmp,
-                    )?;
+                    let opts = fleet::InventoryOptions {
+                        seed: spec.seed.as_deref(),
+                        canary: canary.as_ref(),
+                        env: &inv_env,
+                    };
+                    let inv = fleet::start_inventory(bin, &rules, &opts, &tmp)?;
                     let inv_url = format!("http://{}", inv.addr);
                     let rule = format!("127.0.0.1:{vip}");
                     warm_up(&http, &inv_url, &rule, &urls, &args.model).await?;
@@ -624,7 +661,8 @@ pub async fn main(args: BenchArgs) -> anyhow::Result<Vec<Summary>> {
         std::fs::write(
             p,
             serde_json::to_vec_pretty(
-                &json!({"shape": shape, "kv_blocks": kv_blocks, "summaries": summaries}),
+                &json!({"shape": shape, "kv_blocks": kv_blocks, "cpu_blocks": args.cpu_blocks,
+                        "summaries": summaries}),
             )?,
         )?;
     }
