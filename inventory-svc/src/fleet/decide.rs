@@ -249,14 +249,15 @@ impl Fleet {
         // A miss makes the chosen endpoint the family's home; a hit refreshes it; a spill or
         // cold seed is a detour and must not be remembered, or a hot family would end up homed
         // everywhere; so is a request whose home is unhealthy, or one failed probe would re-home
-        // the family for good.
+        // the family for good. A session decision follows its conversation, not the prefix: one
+        // conversation that switches prompts must not move a family's home either.
         if d.detour {
             m.tier15_detours.inc();
         }
         let how = match d.reason {
             _ if d.detour => None,
             Reason::MissNoOverlap => Some(Update::Place),
-            Reason::Hit | Reason::Remembered | Reason::Session => Some(Update::Keep),
+            Reason::Hit | Reason::Remembered => Some(Update::Keep),
             _ => None,
         };
         if let (Some(how), true) = (how, kv) {
