@@ -591,3 +591,21 @@ async fn echo(
     }
     resp
 }
+
+/// A port free on every address of `ips`, for a rule's one `kvZmqPort` that several simulators
+/// on different loopback addresses publish on. It is below the kernel's ephemeral range: a port
+/// picked by binding port 0 comes from that range, so a simulator's own HTTP listener (also port
+/// 0) could take it before its ZMQ publisher binds. `salt` spreads tests that run at once.
+pub fn shared_port(ips: &[&str], salt: u16) -> u16 {
+    let start = (std::process::id() % 600) as u16 * 20 + salt;
+    (0..500u16)
+        .map(|i| 20_000 + (start + i * 7) % 12_000)
+        .find(|p| {
+            let held: Vec<_> = ips
+                .iter()
+                .filter_map(|ip| std::net::TcpListener::bind((*ip, *p)).ok())
+                .collect();
+            held.len() == ips.len()
+        })
+        .unwrap_or(0)
+}

@@ -7,7 +7,7 @@
 //! makes the conversation fall back to another one without a failed request.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-use std::net::{SocketAddr, TcpListener};
+use std::net::SocketAddr;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
@@ -135,19 +135,22 @@ async fn inventory_blocks(
     v["total"].as_u64().context("total")
 }
 
-/// Posts one turn to the gateway: the simulator that served it (its response header) and the
-/// body; a status other than 200 is an error naming it.
+/// Posts one turn to the gateway (with `headers`): the simulator that served it (its response
+/// header) and the body; a status other than 200 is an error naming it.
 async fn post_turn(
     client: &reqwest::Client,
     gw: u16,
     path: &str,
     body: &Value,
+    headers: &[(&str, &str)],
 ) -> Result<(String, String)> {
-    let r = client
+    let mut req = client
         .post(format!("http://127.0.0.1:{gw}{path}"))
-        .json(body)
-        .send()
-        .await?;
+        .json(body);
+    for (k, v) in headers {
+        req = req.header(*k, *v);
+    }
+    let r = req.send().await?;
     let status = r.status();
     let sim = r
         .headers()
@@ -167,8 +170,18 @@ async fn chat(
     gw: u16,
     messages: &[Value],
 ) -> Result<(String, u64, String)> {
+    chat_with(client, gw, messages, &[]).await
+}
+
+/// [`chat`] with request `headers`.
+async fn chat_with(
+    client: &reqwest::Client,
+    gw: u16,
+    messages: &[Value],
+    headers: &[(&str, &str)],
+) -> Result<(String, u64, String)> {
     let body = json!({"model": MODEL, "messages": messages, "max_tokens": 8});
-    let (sim, text) = post_turn(client, gw, "/v1/chat/completions", &body).await?;
+    let (sim, text) = post_turn(client, gw, "/v1/chat/completions", &body, headers).await?;
     let v: Value = serde_json::from_str(&text).context("the answer is not JSON")?;
     let cached = v["usage"]["prompt_tokens_details"]["cached_tokens"]
         .as_u64()
@@ -180,21 +193,11 @@ async fn chat(
     Ok((sim, cached, answer))
 }
 
-/// One ZMQ port for the rule (kvZmqPort), free on every simulator's address and below the
-/// kernel's ephemeral range: a port picked by binding port 0 comes from that range, so a
-/// simulator's own HTTP listener (also port 0) could take it before its ZMQ publisher binds.
+/// One ZMQ port for the rule (kvZmqPort), free on every simulator's address.
 fn zmq_port(ips: &[&str]) -> u16 {
-    let start = (std::process::id() % 600) as u16 * 20 + u16::from(ips == LOAD_SIM_IPS) * 3;
-    (0..500u16)
-        .map(|i| 20_000 + (start + i * 7) % 12_000)
-        .find(|p| {
-            let held: Vec<_> = ips
-                .iter()
-                .filter_map(|ip| TcpListener::bind((*ip, *p)).ok())
-                .collect();
-            held.len() == ips.len()
-        })
-        .expect("a port free on every simulator address")
+    let port = harness::shared_port(ips, u16::from(ips == LOAD_SIM_IPS) * 3);
+    assert_ne!(port, 0, "no port free on every simulator address");
+    port
 }
 
 /// The running stack: simulators, the inventory, Envoy with the filter (tokenizer loaded).
@@ -438,6 +441,58 @@ async fn a_conversation_with_an_image_is_routed_on_its_text_before_the_image() {
     assert!(hits >= 3.0, "media decisions counted as hits: {hits}\n{m}");
 }
 
+/// Simulators for the session tier.
+const SESSION_SIM_IPS: [&str; 2] = ["127.0.0.58", "127.0.0.59"];
+
+/// A conversation that names itself (`x-conversation-id`) stays on the engine its first turn
+/// went to, even when a later turn's prompt is a prefix the other engine holds; the same prompt
+/// without the id goes where its prefix is.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_named_conversation_stays_on_its_engine_through_the_gateway() {
+    let stack = start_stack(&SESSION_SIM_IPS, false).await;
+    let (gw, client, inv) = (stack.gw_port, &stack.client, stack.inv);
+    let system = |topic: &str| json!({"role": "system", "content": format!("You answer questions about {topic}. ").repeat(30)});
+    let question = json!({"role": "user", "content": "Where do we start?"});
+    let conv = [("x-conversation-id", "agent-run-7")];
+    let (home, _, _) = chat_with(client, gw, &[system("rivers"), question.clone()], &conv)
+        .await
+        .unwrap();
+    stack.wait_holding(&home, 10).await;
+    // Another family, no id: placed on the engine with room, the other one.
+    let (other, _, _) = chat(client, gw, &[system("mountains"), question.clone()])
+        .await
+        .unwrap();
+    assert_ne!(other, home, "the second family was placed beside the first");
+    stack.wait_holding(&other, 10).await;
+    // The named conversation switches to that family's prompt: it stays home.
+    let (sim, _, _) = chat_with(client, gw, &[system("mountains"), question.clone()], &conv)
+        .await
+        .unwrap();
+    assert_eq!(sim, home, "the named conversation left its engine");
+    let (sim, cached, _) = chat(client, gw, &[system("mountains"), question.clone()])
+        .await
+        .unwrap();
+    assert_eq!(sim, other, "without the id the prefix decides");
+    assert!(cached >= 160, "{cached} cached tokens");
+    let m = harness::body_text(client.get(format!("http://{inv}/metrics")))
+        .await
+        .unwrap();
+    assert!(
+        m.lines()
+            .any(|l| l == r#"kvroute_route_decisions_total{reason="session",tier="session"} 1"#),
+        "{m}"
+    );
+    let decided = stack
+        .envoy
+        .wait_for_stat(
+            "wasmcustom.kvroute_filter_decisions_session_total",
+            Duration::from_secs(5),
+            |v| v >= 1,
+        )
+        .await;
+    assert_eq!(decided.unwrap(), 1);
+}
+
 /// Simulators serving Anthropic Messages (`POST /v1/messages`) as vLLM does.
 const ANTHROPIC_SIM_IPS: [&str; 2] = ["127.0.0.47", "127.0.0.48"];
 
@@ -448,7 +503,7 @@ async fn anthropic_turn(
     gw: u16,
     body: &Value,
 ) -> Result<(String, u64, String)> {
-    let (sim, text) = post_turn(client, gw, "/v1/messages", body).await?;
+    let (sim, text) = post_turn(client, gw, "/v1/messages", body, &[]).await?;
     let (usage, answer) = if body["stream"] == true {
         let events: Vec<Value> = text
             .lines()

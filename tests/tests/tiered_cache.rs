@@ -5,7 +5,7 @@
 //! blocks the engine will load, and the engine reports exactly those as cached.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-use std::net::{SocketAddr, TcpListener};
+use std::net::SocketAddr;
 use std::process::Command;
 use std::time::Duration;
 
@@ -20,18 +20,6 @@ const IPS: [&str; 2] = ["127.0.0.181", "127.0.0.182"];
 const BLOCK: usize = 16;
 /// GPU blocks per engine: a few prompts evict the first one.
 const GPU_BLOCKS: &str = "24";
-
-/// A port free on every address of `IPS`.
-fn shared_port() -> u16 {
-    for _ in 0..50 {
-        let first = TcpListener::bind((IPS[0], 0)).unwrap();
-        let port = first.local_addr().unwrap().port();
-        if TcpListener::bind((IPS[1], port)).is_ok() {
-            return port;
-        }
-    }
-    panic!("no port free on both {IPS:?}");
-}
 
 fn spawn_sim(ip: &str, zmq: u16, dir: &TempDir) -> ChildGuard {
     let mut cmd = Command::new(harness::built_bin("kvroute-engine-sim").unwrap());
@@ -72,7 +60,8 @@ async fn complete(client: &reqwest::Client, sim: SocketAddr, tokens: &[u32]) -> 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_prefix_evicted_from_gpu_but_kept_in_cpu_draws_its_request() {
     let dir = TempDir::new("tiered-cache").unwrap();
-    let zmq = shared_port();
+    let zmq = harness::shared_port(&IPS, 11);
+    assert_ne!(zmq, 0, "no port free on {IPS:?}");
     let mut children: Vec<ChildGuard> = IPS.iter().map(|ip| spawn_sim(ip, zmq, &dir)).collect();
     let mut sims = Vec::new();
     for c in &mut children {
