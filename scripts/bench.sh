@@ -13,12 +13,17 @@
 #   epp        docs/bench-epp-ratio.md  the endpoint picker (Envoy ext_proc) next to the Wasm filter on
 #                                       one workload and fleet: paired, interleaved rounds (5 per
 #                                       arrival), cached-token ratio compared
+#   tiered     docs/bench-tiered.md     the constrained multi-turn workload on engines with a small
+#                                       GPU cache and a CPU tier (vLLM KV offloading): the
+#                                       inventory crediting the CPU tier against GPU-only credit,
+#                                       with and without the placement memory, paired and
+#                                       interleaved (5 runs per arrival)
 #
 # After each part kvroute-plot draws its SVG plots beside the page (docs/bench-small.svg and
 # bench-small-ttft.svg, bench-placement.svg and bench-placement-ttft-{staggered,burst}.svg,
 # bench-scale.svg), which the page embeds.
 #
-# Usage: scripts/bench.sh [small|placement|anthropic|scale|gateways|epp]...   (default: all six)
+# Usage: scripts/bench.sh [small|placement|anthropic|scale|gateways|epp|tiered]...   (default: all seven)
 #
 # Before measuring it installs what is missing, idempotently: scripts/setup.sh (Envoy, the Qwen3
 # tokenizer fixture, the wasm toolchain, sglang-router==0.3.2 into $KVROUTE_CACHE/sglang-router-venv),
@@ -28,7 +33,8 @@
 # kvroute-inventory binary instead of building the workspace's (e.g. a reviewed build while the
 # tree is mid-change). KVROUTE_PLACEMENT_RUNS=N sets the placement part's runs per arrival
 # (default 9; one run measures every strategy for ~3 s); KVROUTE_ANTHROPIC_RUNS=N the anthropic
-# part's (default 5); KVROUTE_EPP_ROUNDS=N the epp part's rounds per arrival (default 5). Every
+# part's (default 5); KVROUTE_EPP_ROUNDS=N the epp part's rounds per arrival (default 5);
+# KVROUTE_TIERED_RUNS=N the tiered part's runs per arrival and configuration (default 5). Every
 # process a part starts is stopped when it ends (kvroute-bench kills its children on exit;
 # bench_gateways.sh and bench_epp_ratio.sh kill the processes they start).
 set -euo pipefail
@@ -47,12 +53,12 @@ die() {
 
 parts=("$@")
 if ((${#parts[@]} == 0)); then
-    parts=(small placement anthropic scale gateways epp)
+    parts=(small placement anthropic scale gateways epp tiered)
 fi
 for p in "${parts[@]}"; do
     case "$p" in
-    small | placement | anthropic | scale | gateways | epp) ;;
-    *) die "unknown part '$p' (allowed: small placement anthropic scale gateways epp)" ;;
+    small | placement | anthropic | scale | gateways | epp | tiered) ;;
+    *) die "unknown part '$p' (allowed: small placement anthropic scale gateways epp tiered)" ;;
     esac
 done
 want() {
@@ -183,6 +189,42 @@ if want anthropic; then
     progress "$finished" "$total" "finished"
     if [[ -t 2 ]]; then echo >&2; fi
     report anthropic "$OUT" "$REPO/docs/bench-anthropic.md"
+fi
+
+if want tiered; then
+    # Engines with a GPU cache too small for the workload (96 blocks) and a CPU tier that holds
+    # it (1024 blocks): the same runs with the inventory crediting the CPU tier (its default,
+    # KVROUTE_CPU_TIER_WEIGHT=75) and with GPU-only credit (0), interleaved run by run, each
+    # pair also without the placement memory (which keeps families home across evictions by
+    # itself).
+    common=(--preset constrained --tokenizer-dir "$KVROUTE_TOKENIZER_DIR" --workloads multi-turn
+        --strategies round-robin,kvroute-engine,oracle --kv-blocks 96 --cpu-blocks 1024)
+    runs="${KVROUTE_TIERED_RUNS:-5}"
+    [[ "$runs" =~ ^[1-9][0-9]*$ ]] || die "KVROUTE_TIERED_RUNS=$runs: allowed a positive integer"
+    export KVROUTE_TIERED_RUNS="$runs"
+    rm -f "$OUT"/tiered-*.json "$OUT"/tiered-*.md
+    total=$((8 * runs)) finished=0
+    for arrival in staggered burst; do
+        for run in $(seq 1 "$runs"); do
+            for memory in on off; do
+                entries=(); [[ "$memory" == off ]] && entries=(--inventory-env KVROUTE_PLACEMENT_MEMORY_ENTRIES=0)
+                for credit in cpu gpu; do
+                    weight=75; [[ "$credit" == gpu ]] && weight=0
+                    what="$credit credit, memory $memory, $arrival arrival, run $run of $runs"
+                    progress "$finished" "$total" "$what"
+                    bench "${common[@]}" --arrival "$arrival" "${entries[@]}" \
+                        --inventory-env "KVROUTE_CPU_TIER_WEIGHT=$weight" \
+                        --progress-label "bench.sh: tiered $finished/$total, $what" \
+                        --json "$OUT/tiered-$arrival-$memory-$credit-$run.json" \
+                        --markdown "$OUT/tiered-$arrival-$memory-$credit-$run.md"
+                    finished=$((finished + 1))
+                done
+            done
+        done
+    done
+    progress "$finished" "$total" "finished"
+    if [[ -t 2 ]]; then echo >&2; fi
+    report tiered "$OUT" "$REPO/docs/bench-tiered.md"
 fi
 
 if want scale; then

@@ -429,6 +429,74 @@ def anthropic(res: Path, out: Path):
     out.write_text(text)
 
 
+def tiered(res: Path, out: Path):
+    """CPU-tier credit against GPU-only credit on engines with a CPU tier, paired by run."""
+    RUNS = int(os.environ.get("KVROUTE_TIERED_RUNS", "5"))
+    strategies = ["round-robin", "kvroute-engine", "oracle"]
+    text = (
+        "# Benchmark: lower cache tiers (a CPU tier behind the GPU cache)\n\n"
+        f"Measured {stamp()} by `scripts/bench.sh tiered` {machine()}: the constrained multi-turn "
+        "workload (kvroute-bench `--preset constrained`: 2 simulated vLLM engines, 10 system prompts "
+        "of ~600 tokens, 40 users x 4 turns, the Qwen3 tokenizer) on engines whose GPU cache (96 blocks "
+        "of 16 tokens) cannot hold it and whose CPU tier (1024 blocks, vLLM's KV offloading as the "
+        "simulator models it: write-through, looked up after the GPU prefix, loaded at a quarter of the "
+        "prefill cost) can. Each run is made twice, interleaved: with the inventory crediting the CPU "
+        "tier (**CPU credit**: `KVROUTE_CPU_TIER_WEIGHT=75`, the default) and with **GPU-only credit** "
+        "(`KVROUTE_CPU_TIER_WEIGHT=0`); and each pair once with the placement memory on (the default) "
+        "and once off (`KVROUTE_PLACEMENT_MEMORY_ENTRIES=0`), since the memory keeps a family on its "
+        f"home after an eviction by itself. {RUNS} runs per arrival and configuration, fresh fleets "
+        "each run. The cached-token ratio counts what the engines report: GPU hits and CPU-tier loads. "
+        "**Paired ratio** = CPU credit / GPU-only credit cached-token ratio of the same run and "
+        "strategy, median (min-max).\n\n"
+        "Regenerate: `./scripts/bench.sh tiered` (`KVROUTE_TIERED_RUNS=N` for more runs).\n\n"
+    )
+    span = lambda v: f"{pct(median(v))} ({pct(min(v))}-{pct(max(v))})"  # noqa: E731
+    for a in ("staggered", "burst"):
+        text += f"## {a.capitalize()} arrival\n\n"
+        text += (
+            "| placement memory | strategy | CPU credit: cached-token ratio, median (min-max) "
+            "| GPU-only credit | paired ratio | engines/prefix, CPU / GPU-only | TTFT p50 ms, CPU / GPU-only "
+            "| pred exact/over/under, CPU credit | errors |\n|---|---|---|---|---|---|---|---|---|\n"
+        )
+        for memory in ("on", "off"):
+            runs = {
+                c: [load(res / f"tiered-{a}-{memory}-{c}-{i}.json") for i in range(1, RUNS + 1)]
+                for c in ("cpu", "gpu")
+            }
+            for st in strategies:
+                c = [find(r["summaries"], "multi-turn", st) for r in runs["cpu"]]
+                g = [find(r["summaries"], "multi-turn", st) for r in runs["gpu"]]
+                if any(x is None for x in c + g):
+                    continue
+                cv = [x["cached_ratio"] for x in c]
+                gv = [x["cached_ratio"] for x in g]
+                ratios = [x / y for x, y in zip(cv, gv) if y > 0]
+                pr = f"{median(ratios):.3f} ({min(ratios):.3f}-{max(ratios):.3f})" if ratios else "-"
+                epp = f"{median([x['engines_per_prefix'] for x in c]):.2f} / {median([x['engines_per_prefix'] for x in g]):.2f}"
+                ttft = f"{median([x['ttft_p50_ms'] for x in c]):.1f} / {median([x['ttft_p50_ms'] for x in g]):.1f}"
+                errors = sum(x["errors"] for x in c + g)
+                text += (
+                    f"| {memory} | {st} | {span(cv)} | {span(gv)} | {pr} | {epp} | {ttft} "
+                    f"| {prediction_cell(c)} | {errors} |\n"
+                )
+        text += (
+            "\nRound robin and the oracle do not read the inventory: their two columns are the same "
+            "routing measured twice, which shows the run-to-run noise. Predictions: the shares of "
+            "judged requests whose engine reused exactly / fewer than / more than the predicted "
+            "blocks (CPU-tier loads included), median over the runs.\n"
+        )
+        every = [
+            s
+            for memory in ("on", "off")
+            for c in ("cpu", "gpu")
+            for i in range(1, RUNS + 1)
+            for s in load(res / f"tiered-{a}-{memory}-{c}-{i}.json")["summaries"]
+        ]
+        text += "\n" + alarms_line(every, f"the {a} kvroute runs") + "\n"
+    text += command_of(res / "tiered-staggered-on-cpu-1.md")
+    out.write_text(text)
+
+
 def reasons_of(summaries):
     parts = []
     for s in summaries:
@@ -802,7 +870,7 @@ def main():
         soak_page(*sys.argv[2:4])
     elif part == "fuzz" and len(sys.argv) == 4:
         fuzz_page(*sys.argv[2:4])
-    elif part in ("small", "placement", "anthropic", "scale", "gateways", "epp") and len(sys.argv) == 4:
+    elif part in ("small", "placement", "anthropic", "scale", "gateways", "epp", "tiered") and len(sys.argv) == 4:
         res, out = Path(sys.argv[2]), Path(sys.argv[3])
         parts = {
             "small": small,
@@ -811,6 +879,7 @@ def main():
             "scale": scale,
             "gateways": gateways,
             "epp": epp,
+            "tiered": tiered,
         }
         parts[part](res, out)
         print(f"report.py: wrote {out}")
