@@ -201,6 +201,10 @@ labels! {
     }
 }
 
+/// `medium` of the lower-tier series: the index's lower tiers, fastest first
+/// (`crate::index::Lower::as_str`).
+pub const LOWER_MEDIA: [&str; 2] = ["cpu", "storage"];
+
 /// Every metric the service exports, registered in one private registry.
 pub struct Metrics {
     pub registry: Registry,
@@ -699,8 +703,8 @@ impl Metrics {
         for o in SessionOutcome::ALL {
             m.session(*o);
         }
-        for l in crate::index::Lower::ALL {
-            m.route_lower_blocks.with_label_values(&[l.as_str()]);
+        for medium in LOWER_MEDIA {
+            m.route_lower_blocks.with_label_values(&[medium]);
         }
         for o in EppOutcome::ALL {
             m.epp_requests.with_label_values(&[o.as_str()]);
@@ -796,10 +800,10 @@ impl Metrics {
             ] {
                 let _ = g.remove_label_values(&labels);
             }
-            for l in crate::index::Lower::ALL {
+            for medium in LOWER_MEDIA {
                 let _ = self
                     .lower_blocks
-                    .remove_label_values(&[rule, ep.as_str(), l.as_str()]);
+                    .remove_label_values(&[rule, ep.as_str(), medium]);
             }
             for c in [
                 &self.endpoint_predicted_blocks,

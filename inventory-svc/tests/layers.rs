@@ -17,7 +17,7 @@ const ALLOWED: &[(&str, &[&str])] = &[
     ("index", &[]),
     ("preflight", &["ingest"]),
     ("rules", &["index", "settings"]),
-    ("score", &["rules", "settings", "sync"]),
+    ("score", &["index", "rules", "settings", "sync"]),
     ("offload", &["sync"]),
     (
         "fleet",

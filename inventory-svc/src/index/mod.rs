@@ -803,6 +803,13 @@ mod tests {
         assert_eq!(fx.ix.key_count(), 3);
     }
 
+    /// The metrics label the lower tiers with the same names.
+    #[test]
+    fn lower_tiers_are_the_metrics_media() {
+        assert_eq!(Lower::ALL.map(Lower::as_str), crate::metrics::LOWER_MEDIA);
+        assert!(Lower::ALL.iter().enumerate().all(|(i, l)| l.index() == i));
+    }
+
     /// A lower tier continues each endpoint's GPU run, host memory before storage at each
     /// block, up to the first block held in neither; GPU counts and pages never include
     /// lower-tier blocks; a removal cuts the run; a clear empties every tier.
