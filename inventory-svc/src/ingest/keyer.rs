@@ -595,6 +595,21 @@ mod tests {
         assert_eq!(m.parity_mismatches.with_label_values(&["vllm"]).get(), 1);
     }
 
+    /// One batch of `events`.
+    fn batch(events: Vec<KvEvent>) -> EventBatch {
+        EventBatch {
+            ts: 0.0,
+            events,
+            dp_rank: None,
+            skipped: 0,
+            skips: Vec::new(),
+        }
+    }
+
+    fn keys(v: &[u64]) -> Vec<BlockKey> {
+        v.iter().copied().map(BlockKey).collect()
+    }
+
     fn store(hashes: &[u64], group: Option<u32>, kind: Option<GroupKind>) -> KvEvent {
         KvEvent::Stored(Stored {
             block_hashes: hashes.to_vec(),
@@ -622,14 +637,6 @@ mod tests {
     fn only_full_attention_groups_enter_the_index() {
         let m = metrics();
         let mut k = Keyer::new(Engine::Vllm, KeyMode::Engine, 16, None, m.clone());
-        let batch = |events| EventBatch {
-            ts: 0.0,
-            events,
-            dp_rank: None,
-            skipped: 0,
-            skips: Vec::new(),
-        };
-        let keys = |v: &[u64]| v.iter().copied().map(BlockKey).collect::<Vec<_>>();
         // A hybrid model stores the same blocks in its full-attention and sliding-window groups.
         let ops = k.batch_ops(&batch(vec![
             store(&[1, 2, 3], Some(0), Some(GroupKind::Full)),
@@ -676,14 +683,6 @@ mod tests {
     fn lower_tier_blocks_are_indexed_per_tier() {
         use crate::index::Lower;
         let m = metrics();
-        let batch = |events| EventBatch {
-            ts: 0.0,
-            events,
-            dp_rank: None,
-            skipped: 0,
-            skips: Vec::new(),
-        };
-        let keys = |v: &[u64]| v.iter().copied().map(BlockKey).collect::<Vec<_>>();
         let on = |e: KvEvent, medium: Medium| match e {
             KvEvent::Stored(s) => KvEvent::Stored(Stored { medium, ..s }),
             KvEvent::Removed {
