@@ -207,6 +207,9 @@ struct ExplainArgs {
     /// Affinity key (tenant) for sticky fallback.
     #[arg(long)]
     affinity_key: Option<String>,
+    /// Conversation id, as a client sends it in `x-conversation-id` (the session tier).
+    #[arg(long)]
+    session: Option<String>,
     /// Tokens routed on at most (the filter's max_prefix_tokens).
     #[arg(long, default_value_t = kvroute_core::bpe::MAX_PREFIX_TOKENS)]
     max_prefix_tokens: usize,
@@ -1025,6 +1028,10 @@ async fn explain(api: &Api, out: Output, a: &ExplainArgs) -> Res<()> {
         keys: keys.iter().map(|&k| WireKey::Unsigned(k)).collect(),
         token_count,
         affinity_key: a.affinity_key.clone(),
+        session: a
+            .session
+            .as_deref()
+            .and_then(|id| kvroute_core::affinity::session_id(id.as_bytes())),
         explain: true,
         ..Default::default()
     };
@@ -1068,6 +1075,9 @@ async fn explain(api: &Api, out: Output, a: &ExplainArgs) -> Res<()> {
                     s(r.get(1))
                 );
             }
+            if let Some(ep) = x.get("session") {
+                println!("session: bound to endpoint {}", s(Some(ep)));
+            }
             let empty = Vec::new();
             let rows: Vec<Vec<String>> = x
                 .get("endpoints")
@@ -1080,6 +1090,10 @@ async fn explain(api: &Api, out: Output, a: &ExplainArgs) -> Res<()> {
                         s(e.get("endpoint")),
                         s(e.get("healthy")),
                         s(e.get("matched_blocks")),
+                        match e.get("lower_blocks") {
+                            Some(Value::Array(l)) => format!("{}/{}", s(l.first()), s(l.get(1))),
+                            _ => "-".into(),
+                        },
                         s(e.get("blocks")),
                         s(e.get("load")),
                     ]
@@ -1088,7 +1102,15 @@ async fn explain(api: &Api, out: Output, a: &ExplainArgs) -> Res<()> {
             print!(
                 "{}",
                 table(
-                    &["EP", "ENDPOINT", "HEALTHY", "MATCHED", "BLOCKS", "LOAD"],
+                    &[
+                        "EP",
+                        "ENDPOINT",
+                        "HEALTHY",
+                        "MATCHED",
+                        "CPU/STORAGE",
+                        "BLOCKS",
+                        "LOAD"
+                    ],
                     &rows
                 )
             );

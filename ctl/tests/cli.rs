@@ -402,6 +402,33 @@ fn explain_decides_without_side_effects() {
         (&r2["reason"], &r2["endpoint"]),
         (&json!("hit"), &r1["endpoint"])
     );
+    // A conversation bound by a real request shows in explain, as JSON and in the table.
+    let (s, b) = svc.http(
+        "/v1/route",
+        Some(json!({"rule": "1", "keys": [], "token_count": 0, "session": "conv-9"})),
+    );
+    assert_eq!(s, 200, "{b}");
+    let bound: Value = serde_json::from_str(&b).unwrap();
+    let idx = e1["explain"]["endpoints"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .position(|e| e["endpoint"] == bound["endpoint"])
+        .unwrap();
+    let (code, out, err) = svc.explain("1", &tok, &["--session", "conv-9", "-o", "json"]);
+    assert_eq!(code, 0, "{err}");
+    let e4: Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(
+        (&e4["tier"], &e4["endpoint"], &e4["explain"]["session"]),
+        (&json!("session"), &bound["endpoint"], &json!(idx)),
+        "{e4}"
+    );
+    let (code, out, err) = svc.explain("1", &tok, &["--session", "conv-9"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        out.contains(&format!("session: bound to endpoint {idx}")) && out.contains("CPU/STORAGE"),
+        "{out}"
+    );
 }
 
 /// `kvroutectl hash` is `kvroute-inventory hash`; `explain` hashes a prompt to the same keys.
