@@ -307,10 +307,12 @@ impl Fleet {
         if let Some(o) = outcome {
             m.session(o).inc();
         }
-        m.session(SessionOutcome::Evicted).inc_by(evicted as u64);
-        m.sessions
-            .with_label_values(&[rule.spec.name()])
-            .set(rule.sessions.len() as i64);
+        if evicted > 0 {
+            m.session(SessionOutcome::Evicted).inc_by(evicted as u64);
+        }
+        rule.sessions_gauge
+            .get_or_init(|| m.sessions.with_label_values(&[rule.spec.name()]))
+            .set(i64::try_from(rule.sessions.len()).unwrap_or(i64::MAX));
     }
 
     /// Applies a decision another replica made `age` ago: speculative credit for what is left

@@ -39,6 +39,8 @@ pub struct RuleRuntime {
     pub(super) memory: PlacementMemory,
     /// Which endpoint each named conversation was sent to (the session tier).
     pub(super) sessions: SessionTable,
+    /// `kvroute_sessions{rule}`, looked up at the rule's first binding.
+    pub(super) sessions_gauge: OnceLock<prometheus::IntGauge>,
     pub(super) hit_seq: AtomicU64,
     pub(super) rr_seq: AtomicU64,
     /// The shadow policy's series, resolved at the rule's first shadowed decision.
@@ -86,6 +88,7 @@ impl RuleRuntime {
             addrs,
             memory: parts.memory,
             sessions: parts.sessions,
+            sessions_gauge: OnceLock::new(),
             created: Instant::now(),
             generation: spec.generation(),
             hit_seq: AtomicU64::new(0),

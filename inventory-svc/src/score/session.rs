@@ -12,6 +12,7 @@
 //! after its last use. Other replicas learn a binding with the decision that made it.
 
 use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
@@ -19,10 +20,7 @@ use crate::sync::lock;
 
 /// A session id as the table keys it.
 pub fn session_hash(rule_id: u32, id: &str) -> u64 {
-    let mut b = Vec::with_capacity(4 + id.len());
-    b.extend_from_slice(&rule_id.to_le_bytes());
-    b.extend_from_slice(id.as_bytes());
-    xxhash_rust::xxh3::xxh3_64(&b)
+    xxhash_rust::xxh3::xxh3_64_with_seed(id.as_bytes(), u64::from(rule_id))
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -57,6 +55,8 @@ pub enum Bound {
 /// The per-rule session table (see the module docs).
 pub struct SessionTable {
     inner: Mutex<Inner>,
+    /// `inner.map.len()`, published by [`SessionTable::bind`] for the gauge (no second lock).
+    held: AtomicUsize,
     max_entries: usize,
     ttl: Duration,
 }
@@ -65,6 +65,7 @@ impl SessionTable {
     pub fn new(max_entries: usize, ttl: Duration) -> SessionTable {
         SessionTable {
             inner: Mutex::new(Inner::default()),
+            held: AtomicUsize::new(0),
             max_entries,
             ttl,
         }
@@ -141,12 +142,13 @@ impl SessionTable {
                 .lru
                 .retain(|(k, st)| map.get(k).is_some_and(|b| b.stamp == *st));
         }
+        self.held.store(inner.map.len(), Ordering::Relaxed);
         (bound, dropped)
     }
 
-    /// Live and expired bindings held.
+    /// Live and expired bindings held, as of the last bind.
     pub fn len(&self) -> usize {
-        lock(&self.inner).map.len()
+        self.held.load(Ordering::Relaxed)
     }
 
     /// Whether no binding is held.
