@@ -96,6 +96,13 @@ pub struct UsageReader {
     breakpoints: Vec<u32>,
 }
 
+/// The whole blocks before each breakpoint (its token count), for those past the first block:
+/// what an engine must reuse for the breakpoint's prefix to count as cached.
+fn whole_blocks(breakpoints: &[u32], block_size: u32) -> impl Iterator<Item = u32> + '_ {
+    let bs = block_size.max(1);
+    breakpoints.iter().map(move |t| t / bs).filter(|&b| b > 0)
+}
+
 /// Why a step releases the request without a pin: the counted reason, and a detail for the log.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Unpinned {
@@ -478,9 +485,8 @@ impl RequestFilter {
         if let (Some(p), true, RequestState::AwaitingRoute { breakpoints, .. }) =
             (predicted, pinned, &self.state)
         {
-            let covered = breakpoints
-                .iter()
-                .filter(|&&t| (1..=p.blocks).contains(&(t / p.block_size.max(1))))
+            let covered = whole_blocks(breakpoints, p.block_size)
+                .filter(|&b| b <= p.blocks)
                 .count();
             vm.stats
                 .add(host, Stat::BreakpointsPredicted, covered as u64);
@@ -609,11 +615,9 @@ impl RequestFilter {
                 }
                 if let Some(p) = reader.predicted {
                     // A breakpoint is hit when the engine reused every whole block before it.
-                    let bs = p.block_size.max(1);
-                    let hit = reader
-                        .breakpoints
-                        .iter()
-                        .filter(|&&t| t >= bs && u.hit_tokens >= u64::from(t / bs * bs))
+                    let bs = u64::from(p.block_size);
+                    let hit = whole_blocks(&reader.breakpoints, p.block_size)
+                        .filter(|&b| u.hit_tokens >= u64::from(b) * bs)
                         .count();
                     s.add(host, Stat::BreakpointsHit, hit as u64);
                 }
