@@ -133,14 +133,12 @@ async fn lower_tier_blocks_extend_the_match() {
         assert_eq!(s, 200, "{body}");
         body["matched_blocks"].as_u64().unwrap()
     };
-    svc.wait_for("the lower tiers", 10, || async {
-        let m = svc.metrics().await;
-        metric(
-            &m,
-            r#"kvroute_index_lower_blocks{ep="0",medium="storage",rule="10.0.0.1:8080/tcp"}"#,
-        ) == Some(1.0)
-    })
-    .await;
+    let lower = |medium: &str| {
+        format!(
+            r#"kvroute_index_lower_blocks{{ep="0",medium="{medium}",rule="10.0.0.1:8080/tcp"}}"#
+        )
+    };
+    svc.wait_metric(&lower("storage"), 1.0).await;
     // 2 GPU blocks, then 3 and 4 in host memory, then 5 in storage; 6 is on a medium not indexed.
     let explain = json!({"rule": RULE, "keys": [1, 2, 3, 4, 5, 6, 7], "token_count": 112,
                          "explain": true});
@@ -163,14 +161,7 @@ async fn lower_tier_blocks_extend_the_match() {
         "#,
     );
     p.send(&batch(vec![removed_on(&[3], "CPU")])).await;
-    svc.wait_for("the removal", 10, || async {
-        let m = svc.metrics().await;
-        metric(
-            &m,
-            r#"kvroute_index_lower_blocks{ep="0",medium="cpu",rule="10.0.0.1:8080/tcp"}"#,
-        ) == Some(3.0)
-    })
-    .await;
+    svc.wait_metric(&lower("cpu"), 3.0).await;
     assert_eq!(route().await, 2);
 }
 
