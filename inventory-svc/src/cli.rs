@@ -88,6 +88,29 @@ pub enum Cmd {
         /// balancing policy and the GIE gateways read the list; an `ORIGINAL_DST` cluster needs 0.
         #[arg(long, env = "KVROUTE_EPP_FALLBACKS", default_value_t = 1, value_parser = clap::value_parser!(u64).range(0..=16))]
         epp_fallbacks: u64,
+        /// Follow this InferencePool (`inference.networking.k8s.io/v1`): the picker's rule gets
+        /// the pool's ready pods (pod IP x each `targetPorts` number) as its endpoints, updated
+        /// as pods come, go and change readiness. The rule's other fields come from `--config`
+        /// (a rule written without `endpoints`) or the management API (docs/epp.md).
+        #[arg(long, env = "KVROUTE_EPP_POOL", requires = "epp_listen")]
+        epp_pool: Option<String>,
+        /// The InferencePool's namespace (its pods'); default: this pod's own namespace (the
+        /// service account's), else `default`.
+        #[arg(long, env = "KVROUTE_EPP_POOL_NAMESPACE", requires = "epp_pool")]
+        epp_pool_namespace: Option<String>,
+        /// Kubernetes API server URL for `--epp-pool` (e.g. `kubectl proxy`'s
+        /// `http://127.0.0.1:8001`); default: in-cluster (`KUBERNETES_SERVICE_HOST`/`_PORT`,
+        /// the service account's CA and token).
+        #[arg(long, env = "KVROUTE_KUBE_API", requires = "epp_pool")]
+        kube_api: Option<String>,
+        /// PEM CA bundle the API server's certificate must chain to; default in a pod: the
+        /// service account's `ca.crt`.
+        #[arg(long, env = "KVROUTE_KUBE_CA_FILE", requires = "epp_pool")]
+        kube_ca_file: Option<PathBuf>,
+        /// Bearer token file for the API server, read again for every request (rotated tokens
+        /// are followed); default in a pod: the service account's `token`.
+        #[arg(long, env = "KVROUTE_KUBE_TOKEN_FILE", requires = "epp_pool")]
+        kube_token_file: Option<PathBuf>,
     },
     /// Print the block keys kvroute computes for a prompt (parity preflight); see `hash --help`.
     Hash {

@@ -3,7 +3,7 @@
 
 use clap::Parser;
 use kvroute_inventory::cli::{Cli, Cmd};
-use kvroute_inventory::server::{serve, EppOptions, ServeOptions};
+use kvroute_inventory::server::{serve, ApiSettings, EppOptions, PoolOptions, ServeOptions};
 use kvroute_inventory::settings::Settings;
 use tokio_util::sync::CancellationToken;
 
@@ -28,6 +28,11 @@ fn main() {
         epp_timeout_ms,
         epp_max_body_bytes,
         epp_fallbacks,
+        epp_pool,
+        epp_pool_namespace,
+        kube_api,
+        kube_ca_file,
+        kube_token_file,
     } = cli.cmd
     else {
         std::process::exit(2);
@@ -56,6 +61,15 @@ fn main() {
         }
     };
     let tls = tls_cert.zip(tls_key);
+    let pool = epp_pool.map(|name| PoolOptions {
+        name,
+        namespace: epp_pool_namespace.unwrap_or_else(PoolOptions::own_namespace),
+        api: ApiSettings {
+            url: kube_api,
+            ca_file: kube_ca_file,
+            token_file: kube_token_file,
+        },
+    });
     let epp = match epp_listen.zip(epp_rule) {
         None => None,
         Some((listen, rule)) => match epp_failure_mode.parse() {
@@ -66,6 +80,7 @@ fn main() {
                 timeout: std::time::Duration::from_millis(epp_timeout_ms),
                 max_body: usize::try_from(epp_max_body_bytes).unwrap_or(usize::MAX),
                 fallbacks: usize::try_from(epp_fallbacks).unwrap_or(0),
+                pool,
             }),
             Err(e) => {
                 eprintln!("kvroute-inventory: --epp-failure-mode: {e}");

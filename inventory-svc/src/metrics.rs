@@ -172,6 +172,43 @@ labels! {
 }
 
 labels! {
+    /// `outcome` of `kvroute_epp_pool_syncs_total`: what bringing the picker's rule in line with
+    /// its InferencePool's pods did (counted when the pods or the rule changed).
+    PoolSync {
+        /// The rule holds the pool's ready pods (installed now, or already).
+        Installed => "installed",
+        /// The rule with the pool's endpoints was refused (the log says why): the rule is left
+        /// as it was.
+        Rejected => "rejected",
+        /// No ready pod: the rule is left as it was, the picker answers `no_endpoint`.
+        Empty => "empty",
+        /// Neither `--config` nor the management API has given the rule yet.
+        Waiting => "waiting",
+    }
+}
+
+labels! {
+    /// `reason` of `kvroute_epp_pool_watch_restarts_total`.
+    PoolRestart {
+        /// The API server ended a watch (its timeout, a restart): resumed.
+        Closed => "closed",
+        /// The watch's resource version was compacted (410): listed again.
+        Expired => "expired",
+        /// A list or watch failed: listed again after a backoff; the last known set is kept.
+        Error => "error",
+    }
+}
+
+labels! {
+    /// `state` of `kvroute_epp_pool_pods`.
+    PodState {
+        /// Has a pod IP, its `Ready` condition is `True` and it is not being deleted.
+        Ready => "ready",
+        NotReady => "not_ready",
+    }
+}
+
+labels! {
     /// `outcome` of `kvroute_shadow_decisions_total`: the shadow policy's choice against the live one.
     ShadowOutcome {
         /// The endpoint the live policy chose.
@@ -277,6 +314,16 @@ pub struct Metrics {
     pub epp_usage: IntCounterVec,
     /// Time the endpoint picker holds a request: from the end of its body to the answer.
     pub epp_latency: Histogram,
+    /// `kvroute_epp_pool_present`: 1 while the followed InferencePool exists.
+    pub epp_pool_present: IntGauge,
+    /// `kvroute_epp_pool_endpoints`: the picker rule's endpoints from the pool's ready pods.
+    pub epp_pool_endpoints: IntGauge,
+    /// `kvroute_epp_pool_pods{state}` ([`PodState`]).
+    pub epp_pool_pods: IntGaugeVec,
+    /// `kvroute_epp_pool_syncs_total{outcome}` ([`PoolSync`]).
+    pub epp_pool_syncs: IntCounterVec,
+    /// `kvroute_epp_pool_watch_restarts_total{collection,reason}` ([`PoolRestart`]).
+    pub epp_pool_restarts: IntCounterVec,
     /// Offloaded prompts routed on a prefix of their tokens: `reason` (max_tokens, long_piece,
     /// media).
     pub offload_truncated: IntCounterVec,
@@ -485,6 +532,37 @@ impl Metrics {
                 "kvroute_epp_decision_duration_seconds",
                 "Time the endpoint picker holds a request: from the end of its body to the answer (tokenization included).",
                 vec![0.000_05, 0.000_1, 0.000_25, 0.000_5, 0.001, 0.002_5, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25],
+            )?,
+            epp_pool_present: {
+                let g = IntGauge::new(
+                    "kvroute_epp_pool_present",
+                    "1 while the InferencePool the endpoint picker follows (--epp-pool) exists, 0 otherwise.",
+                )?;
+                registry.register(Box::new(g.clone()))?;
+                g
+            },
+            epp_pool_endpoints: {
+                let g = IntGauge::new(
+                    "kvroute_epp_pool_endpoints",
+                    "Endpoints (ready pod x target port) the endpoint picker's rule holds from its InferencePool; 0 when no pod is ready.",
+                )?;
+                registry.register(Box::new(g.clone()))?;
+                g
+            },
+            epp_pool_pods: gv(
+                "kvroute_epp_pool_pods",
+                "Pods the InferencePool's selector names, by state: ready (a pod IP, Ready True, not being deleted) or not_ready.",
+                &["state"],
+            )?,
+            epp_pool_syncs: cv(
+                "kvroute_epp_pool_syncs_total",
+                "Changes of the InferencePool's pods or of the picker's rule, by what bringing the rule in line did: installed, rejected, empty (no ready pod), waiting (no rule yet).",
+                &["outcome"],
+            )?,
+            epp_pool_restarts: cv(
+                "kvroute_epp_pool_watch_restarts_total",
+                "Kubernetes API watches resumed or lists repeated, by collection (pods, inferencepools) and reason: closed (the server ended the watch), expired (410), error (the last known set is kept).",
+                &["collection", "reason"],
             )?,
             locality_given_away: h(
                 "kvroute_route_locality_given_away_blocks",
@@ -716,6 +794,37 @@ impl Metrics {
             m.epp_served.with_label_values(&[o.as_str()]);
         }
         Ok(m)
+    }
+
+    /// Pre-registers the pool-following series at 0 (only a picker that follows a pool has them).
+    pub fn epp_pool_series(&self) {
+        for o in PoolSync::ALL {
+            self.epp_pool_sync(*o);
+        }
+        for c in ["pods", "inferencepools"] {
+            for r in PoolRestart::ALL {
+                self.epp_pool_restart(c, *r);
+            }
+        }
+        for s in PodState::ALL {
+            self.epp_pool_pods(*s);
+        }
+    }
+
+    /// `kvroute_epp_pool_syncs_total{outcome}`.
+    pub fn epp_pool_sync(&self, o: PoolSync) -> IntCounter {
+        self.epp_pool_syncs.with_label_values(&[o.as_str()])
+    }
+
+    /// `kvroute_epp_pool_watch_restarts_total{collection,reason}`.
+    pub fn epp_pool_restart(&self, collection: &str, r: PoolRestart) -> IntCounter {
+        self.epp_pool_restarts
+            .with_label_values(&[collection, r.as_str()])
+    }
+
+    /// `kvroute_epp_pool_pods{state}`.
+    pub fn epp_pool_pods(&self, s: PodState) -> IntGauge {
+        self.epp_pool_pods.with_label_values(&[s.as_str()])
     }
 
     /// `kvroute_epp_requests_total{outcome}`.

@@ -14,6 +14,9 @@ use anyhow::Context;
 use tokio_util::sync::CancellationToken;
 
 use crate::api::{self, ApiState};
+pub use crate::epp::kube::ApiSettings;
+pub use crate::epp::pool::PoolOptions;
+use crate::epp::pool::PoolWatch;
 pub use crate::epp::EppOptions;
 use crate::epp::Picker;
 use crate::fleet::{Fleet, Origin, RuleRuntime};
@@ -82,30 +85,9 @@ pub async fn serve(
         }
         None => None,
     };
+    let mut template = None;
     if let Some(path) = &opts.config {
-        let text = std::fs::read_to_string(path)
-            .with_context(|| format!("--config {}: unreadable", path.display()))?;
-        let raws = parse_rules_file(&text).map_err(anyhow::Error::msg)?;
-        let mut problems = Vec::new();
-        let mut specs = Vec::new();
-        for (i, raw) in raws.iter().enumerate() {
-            match parse_rule(raw, &fleet.settings) {
-                Ok(s) => specs.push(s),
-                Err(e) => problems.push(format!("rule {i}: {e}")),
-            }
-        }
-        anyhow::ensure!(
-            problems.is_empty(),
-            "--config {}: {}",
-            path.display(),
-            problems.join("; ")
-        );
-        for s in specs {
-            let name = s.name();
-            fleet
-                .install(s, Origin::Local)
-                .map_err(|e| anyhow::anyhow!("--config {}: rule {name}: {e}", path.display()))?;
-        }
+        template = load_config(&fleet, path, opts.epp.as_ref())?;
     }
     if let Some(rep) = &replica {
         rep.start_tailer(&fleet);
@@ -122,10 +104,23 @@ pub async fn serve(
                 .await
                 .with_context(|| format!("--epp-listen {}: cannot bind", e.listen))?;
             println!("kvroute-inventory epp listening on {}", l.local_addr()?);
+            let pool = match &e.pool {
+                Some(p) => {
+                    let watch = PoolWatch::new(fleet.clone(), e.rule.clone(), p.clone(), template)
+                        .map_err(|err| anyhow::anyhow!("--epp-pool {}: {err}", p.name))?;
+                    fleet.metrics.epp_pool_series();
+                    let watch = Arc::new(watch);
+                    let view = watch.view();
+                    tokio::spawn(watch.run(cancel.child_token()));
+                    Some(view)
+                }
+                None => None,
+            };
             let picker = Arc::new(Picker {
                 fleet: fleet.clone(),
                 tokenizers: state.tokenizers.clone(),
                 opts: e.clone(),
+                pool,
             });
             Some(tokio::spawn(crate::epp::serve(l, picker, cancel.clone())))
         }
@@ -182,6 +177,80 @@ pub async fn serve(
     }
     tracing::info!("stopped");
     Ok(())
+}
+
+/// Installs the rules of `--config`. With `--epp-pool`, the picker's rule may be written without
+/// `endpoints` (the pool's pods will be): it is not installed but returned, as the template the
+/// pool's watcher installs the rule from.
+fn load_config(
+    fleet: &Arc<Fleet>,
+    path: &std::path::Path,
+    epp: Option<&EppOptions>,
+) -> anyhow::Result<Option<serde_json::Value>> {
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("--config {}: unreadable", path.display()))?;
+    let raws = parse_rules_file(&text).map_err(anyhow::Error::msg)?;
+    let mut problems = Vec::new();
+    let mut specs = Vec::new();
+    let mut template = None;
+    let following = epp.filter(|e| e.pool.is_some());
+    for (i, raw) in raws.iter().enumerate() {
+        let endpointless = raw
+            .get("endpoints")
+            .is_none_or(|e| e.as_array().is_some_and(Vec::is_empty));
+        if let (Some(e), true) = (following, endpointless) {
+            match pool_template(raw, &fleet.settings) {
+                Ok(s) if s.name() == e.rule || s.vip_port() == e.rule => {
+                    template = Some(raw.clone());
+                    continue;
+                }
+                Ok(s) => problems.push(format!(
+                    "rule {i} ({}): no endpoints, but it is not the --epp-rule {:?} whose endpoints --epp-pool gives",
+                    s.name(),
+                    e.rule
+                )),
+                Err(err) => problems.push(format!("rule {i}: {err}")),
+            }
+            continue;
+        }
+        match parse_rule(raw, &fleet.settings) {
+            Ok(s) => specs.push(s),
+            Err(e) => problems.push(format!("rule {i}: {e}")),
+        }
+    }
+    anyhow::ensure!(
+        problems.is_empty(),
+        "--config {}: {}",
+        path.display(),
+        problems.join("; ")
+    );
+    for s in specs {
+        let name = s.name();
+        if template.is_some() && following.is_some_and(|e| name == e.rule || s.vip_port() == e.rule)
+        {
+            anyhow::bail!("--config {}: rule {name} is given twice", path.display());
+        }
+        fleet
+            .install(s, Origin::Local)
+            .map_err(|e| anyhow::anyhow!("--config {}: rule {name}: {e}", path.display()))?;
+    }
+    Ok(template)
+}
+
+/// Validates an endpoint-less rule as the pool's template: every field but `endpoints`, with a
+/// stand-in endpoint (TEST-NET-1, never installed).
+fn pool_template(
+    raw: &serde_json::Value,
+    settings: &crate::settings::Settings,
+) -> Result<crate::rules::RuleSpec, crate::rules::RuleRejected> {
+    let mut probe = raw.clone();
+    if let Some(o) = probe.as_object_mut() {
+        o.insert(
+            "endpoints".into(),
+            serde_json::json!([{"endpointIP": "192.0.2.1", "targetPort": 1}]),
+        );
+    }
+    parse_rule(&probe, settings)
 }
 
 /// Installs the SIGTERM/SIGINT handlers now (before the listening line is printed, so a signal

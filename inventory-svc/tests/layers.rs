@@ -39,7 +39,7 @@ const ALLOWED: &[(&str, &[&str])] = &[
     ("question", &["fleet", "offload"]),
     ("canary", &["fleet", "index", "ingest", "offload"]),
     ("api", &["fleet", "index", "offload", "question", "rules"]),
-    ("epp", &["fleet", "metrics", "offload", "question"]),
+    ("epp", &["fleet", "metrics", "offload", "question", "rules"]),
     ("listener", &["metrics", "settings"]),
     ("tls", &["listener"]),
     ("cli", &["settings"]),

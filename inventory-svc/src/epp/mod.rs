@@ -28,6 +28,8 @@
 //! goes back unchanged.
 
 pub mod exchange;
+pub mod kube;
+pub mod pool;
 pub mod reply;
 
 use std::net::SocketAddr;
@@ -99,6 +101,8 @@ pub struct EppOptions {
     pub max_body: usize,
     /// Fallback endpoints listed after the chosen one (0: the chosen one only).
     pub fallbacks: usize,
+    /// `--epp-pool`: the InferencePool whose ready pods are the rule's endpoints.
+    pub pool: Option<pool::PoolOptions>,
 }
 
 /// Who sent a request, from its headers: the API key (for the affinity key) and the
@@ -133,6 +137,8 @@ pub struct Picker {
     pub fleet: Arc<Fleet>,
     pub tokenizers: Arc<TokenizerCache>,
     pub opts: EppOptions,
+    /// The followed pool (`--epp-pool`), as [`pool::PoolWatch`] last read it.
+    pub pool: Option<Arc<pool::PoolView>>,
 }
 
 impl Picker {
@@ -174,6 +180,11 @@ impl Picker {
         caller: Caller<'_>,
     ) -> (Verdict, Option<Judging>) {
         let fail = |v: Verdict| (v, None);
+        // The followed pool has no ready pod: its rule still lists the last ones (a rule cannot
+        // be empty), which must not be picked.
+        if self.pool.as_ref().is_some_and(|p| p.empty()) {
+            return fail(Verdict::Fail(EppFailure::NoEndpoint));
+        }
         let Some(rule) = self.fleet.find(&self.opts.rule) else {
             return fail(Verdict::Fail(EppFailure::NoRule));
         };
@@ -268,6 +279,12 @@ impl Picker {
     /// KV blocks, its tokenizer is loaded (loading it now if not, on the blocking pool), so the
     /// first request does not pay for the load inside its decision bound.
     pub async fn warm(&self) -> bool {
+        // A followed pool: not before its pods were read and the rule follows them.
+        match &self.pool {
+            Some(p) if !p.synced() => return false,
+            Some(p) if p.empty() => return true,
+            _ => {}
+        }
         let Some(rule) = self.fleet.find(&self.opts.rule) else {
             return false;
         };

@@ -309,6 +309,85 @@ impl Drop for Service {
     }
 }
 
+/// A test CA and a leaf certificate for 127.0.0.1 signed by it (rustls refuses a CA as end
+/// entity), made with `openssl` in `d`: (CA, leaf, leaf key), PEM files.
+pub fn test_ca(d: &std::path::Path) -> (PathBuf, PathBuf, PathBuf) {
+    let (ca, ca_key, cert, key) = (
+        d.join("ca.pem"),
+        d.join("ca.key"),
+        d.join("cert.pem"),
+        d.join("key.pem"),
+    );
+    let ec = [
+        "-newkey",
+        "ec",
+        "-pkeyopt",
+        "ec_paramgen_curve:prime256v1",
+        "-nodes",
+    ];
+    let run = |args: Vec<&std::ffi::OsStr>| {
+        let st = std::process::Command::new("openssl")
+            .args(args)
+            .stderr(std::process::Stdio::null())
+            .status()
+            .expect("openssl");
+        assert!(st.success());
+    };
+    let os = |s: &'static str| std::ffi::OsStr::new(s);
+    let mut a: Vec<&std::ffi::OsStr> = vec![os("req"), os("-x509")];
+    a.extend(ec.iter().map(|s| os(s)));
+    a.extend([
+        os("-days"),
+        os("1"),
+        os("-subj"),
+        os("/CN=kvroute-test-ca"),
+        os("-keyout"),
+        ca_key.as_os_str(),
+        os("-out"),
+        ca.as_os_str(),
+    ]);
+    run(a);
+    let csr = d.join("leaf.csr");
+    let mut a: Vec<&std::ffi::OsStr> = vec![os("req")];
+    a.extend(ec.iter().map(|s| os(s)));
+    a.extend([
+        os("-subj"),
+        os("/CN=127.0.0.1"),
+        os("-keyout"),
+        key.as_os_str(),
+        os("-out"),
+        csr.as_os_str(),
+    ]);
+    run(a);
+    let ext = d.join("ext.cnf");
+    std::fs::write(
+        &ext,
+        "subjectAltName=IP:127.0.0.1\nbasicConstraints=CA:FALSE\n",
+    )
+    .unwrap();
+    let serial = d.join("ca.srl");
+    run(vec![
+        os("x509"),
+        os("-req"),
+        os("-in"),
+        csr.as_os_str(),
+        os("-CA"),
+        ca.as_os_str(),
+        os("-CAkey"),
+        ca_key.as_os_str(),
+        os("-CAserial"),
+        serial.as_os_str(),
+        os("-CAcreateserial"),
+        os("-days"),
+        os("1"),
+        os("-extfile"),
+        ext.as_os_str(),
+        os("-out"),
+        cert.as_os_str(),
+    ]);
+    (ca, cert, key)
+}
+
 /// Serves `app` on 127.0.0.1 and a kernel-picked port until the task is aborted.
 pub async fn serve(app: axum::Router) -> (u16, tokio::task::JoinHandle<()>) {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
