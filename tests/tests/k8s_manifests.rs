@@ -210,16 +210,69 @@ fn gie_manifests_validate_and_agree() {
     );
     assert_eq!(flag("--epp-failure-mode"), epp_ref["failureMode"]);
     let rules = find(&docs, "ConfigMap", "kvroute-epp-rules");
-    let rules: Value = serde_yaml::from_str(rules["data"]["rules.yaml"].as_str().unwrap()).unwrap();
+    let rules_text = rules["data"]["rules.yaml"].as_str().unwrap();
+    let rules: Value = serde_yaml::from_str(rules_text).unwrap();
     let sa = &rules[0]["serviceArguments"];
     assert_eq!(
         flag("--epp-rule"),
         format!("{}:{}", sa["externalIP"].as_str().unwrap(), sa["port"])
     );
+    // The picker follows the pool: its rule has no endpoints, the pool's ready pods will be.
+    assert_eq!(flag("--epp-pool"), pool["metadata"]["name"]);
+    assert!(rules[0].get("endpoints").is_none(), "{rules}");
+    let sa = dep["spec"]["template"]["spec"]["serviceAccountName"]
+        .as_str()
+        .unwrap();
     assert_eq!(
-        rules[0]["endpoints"][0]["targetPort"],
-        pool["spec"]["targetPorts"][0]["number"]
+        dep["spec"]["template"]["spec"]["automountServiceAccountToken"],
+        true
     );
+    let binding = find(&docs, "RoleBinding", "kvroute-epp");
+    assert_eq!(binding["subjects"][0]["name"], sa);
+    let role = find(&docs, "Role", binding["roleRef"]["name"].as_str().unwrap());
+    for (group, resource) in [
+        ("", "pods"),
+        ("inference.networking.k8s.io", "inferencepools"),
+    ] {
+        let r = role["rules"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|r| r["apiGroups"][0] == group && r["resources"][0] == resource)
+            .unwrap_or_else(|| panic!("the Role grants {resource}"));
+        assert_eq!(r["verbs"], serde_json::json!(["get", "list", "watch"]));
+    }
+    assert_eq!(pool["metadata"]["namespace"], role["metadata"]["namespace"]);
+    // The shipped rule and arguments start the service (the API server is out of reach here:
+    // the picker keeps trying while the service runs).
+    let dir = TempDir::new("gie-args").unwrap();
+    let cfg = dir.path().join("rules.yaml");
+    std::fs::write(&cfg, rules_text).unwrap();
+    let mut shipped: Vec<String> = args.iter().map(|a| (*a).to_owned()).collect();
+    for (f, v) in [
+        ("--listen", "127.0.0.1:0".to_owned()),
+        ("--epp-listen", "127.0.0.1:0".to_owned()),
+        ("--config", cfg.display().to_string()),
+        ("--tokenizer-dir", dir.path().display().to_string()),
+    ] {
+        let i = shipped.iter().position(|a| a == f).unwrap();
+        shipped[i + 1] = v;
+    }
+    shipped.extend(["--kube-api".into(), "http://127.0.0.1:1".into()]);
+    let mut child = Command::new(kvroute_tests::envoy::inventory_bin().unwrap())
+        .args(&shipped)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let started = kvroute_test_support::ready_line(
+        &mut child,
+        "kvroute-inventory listening on ",
+        std::time::Duration::from_secs(20),
+    );
+    let _ = child.kill();
+    let _ = child.wait();
+    started.unwrap_or_else(|e| panic!("the shipped arguments {shipped:?}: {e}"));
     for gw in ["istio", "kgateway"] {
         let path = harness::repo_root().join(format!("deploy/gie/{gw}/gateway.yaml"));
         let g = yaml_docs(&std::fs::read_to_string(path).unwrap());
