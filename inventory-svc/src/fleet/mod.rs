@@ -471,6 +471,61 @@ mod tests {
         assert_eq!(f.rules().len(), 1);
     }
 
+    /// A rule update keeps, by address, what each staying endpoint held: its blocks, its
+    /// placement-memory homes and its sessions follow it to its new position in the list; a
+    /// new endpoint starts empty; a removed one's are dropped.
+    #[test]
+    fn an_update_keeps_each_staying_endpoints_state_wherever_it_moves() {
+        use crate::score::Update;
+        let s = Settings::default();
+        let f = fleet(s.clone());
+        let with = |ips: &[&str]| {
+            let eps: Vec<_> = ips
+                .iter()
+                .map(|ip| json!({"endpointIP": ip, "targetPort": 8000}))
+                .collect();
+            let raw = json!({
+                "serviceArguments": {"externalIP": "10.0.0.1", "port": 80, "protocol": "tcp",
+                    "sel": 0, "mode": 4, "kvExactMode": 3, "kvBlockSize": 16,
+                    "kvEngineType": "vllm", "kvZmqPort": 5557},
+                "endpoints": eps,
+            });
+            crate::rules::parse_rule(&raw, &s).unwrap()
+        };
+        let now = Instant::now();
+        let a = f
+            .install(with(&["10.1.0.2", "10.1.0.3"]), Origin::Local)
+            .unwrap()
+            .rule;
+        f.apply_ops(&a, EndpointId(0), Rank(0), &[IndexOp::Store(keys(2))]);
+        f.apply_ops(&a, EndpointId(1), Rank(0), &[IndexOp::Store(keys(5))]);
+        let fam = keys(8);
+        a.memory.record(&fam, 1, Update::Place, now);
+        a.sessions.bind(77, 1, now);
+        // A pod sorting first joins: both shift down one place and keep what they held.
+        let b = f
+            .install(with(&["10.1.0.1", "10.1.0.2", "10.1.0.3"]), Origin::Local)
+            .unwrap()
+            .rule;
+        let counts = |r: &RuleRuntime, n: u16| -> Vec<u64> {
+            (0..n).map(|i| r.block_count(EndpointId(i))).collect()
+        };
+        assert_eq!(counts(&b, 3), vec![0, 2, 5]);
+        assert_eq!(b.memory.recall(&fam, now).map(|r| r.ep), Some(2));
+        assert_eq!(b.memory.homed_all(3), vec![0, 0, 8]);
+        assert_eq!(b.sessions.get(77, now), Some(2));
+        // The first two leave: the third moves to the front with its state.
+        let c = f.install(with(&["10.1.0.3"]), Origin::Local).unwrap().rule;
+        assert_eq!(counts(&c, 3), vec![5, 0, 0]);
+        assert_eq!(c.memory.recall(&fam, now).map(|r| r.ep), Some(0));
+        assert_eq!(c.sessions.get(77, now), Some(0));
+        // It leaves too: nothing of it is kept for the newcomer at its position.
+        let d = f.install(with(&["10.1.0.9"]), Origin::Local).unwrap().rule;
+        assert_eq!(counts(&d, 3), vec![0, 0, 0]);
+        assert_eq!(d.memory.recall(&fam, now), None);
+        assert_eq!(d.sessions.get(77, now), None);
+    }
+
     #[test]
     fn stores_past_the_key_cap_are_refused_and_counted() {
         let s = Settings {

@@ -77,9 +77,19 @@ impl RuleRuntime {
             .map(|_| EpRuntime::new(spec.dp_ranks as usize))
             .collect();
         let index = match old.filter(|o| same_keys(&o.spec, &spec)) {
-            Some(o) => keep_inventory(o, &spec, &eps),
+            Some(o) => {
+                let to = renumbering(&o.spec, &spec);
+                // Homes are block keys: kept only where the keys mean the same.
+                parts.memory.absorb(&o.memory, &to);
+                keep_inventory(o, &to, &eps)
+            }
             None => Arc::new(MemIndex::new()) as Arc<dyn BlockIndex>,
         };
+        if let Some(o) = old {
+            parts
+                .sessions
+                .absorb(&o.sessions, &renumbering(&o.spec, &spec));
+        }
         RuleRuntime {
             id: parts.id,
             eps,
@@ -271,24 +281,52 @@ fn same_keys(old: &RuleSpec, new: &RuleSpec) -> bool {
         && old.exact_mode == new.exact_mode
 }
 
-/// Carries the old rule's index over to its replacement: endpoints at the same position with the
-/// same address keep their blocks, sequence positions, health and capacity (their new subscribers
-/// resume like after a reconnect: a gap replays or clears, a restart clears); any other position
-/// is cleared.
-fn keep_inventory(old: &RuleRuntime, new: &RuleSpec, eps: &[EpRuntime]) -> Arc<dyn BlockIndex> {
+/// Where each of `old`'s endpoints is in `new`, by address: `to[i]` is old endpoint `i`'s new
+/// index, `None` when `new` does not list it.
+fn renumbering(old: &RuleSpec, new: &RuleSpec) -> Vec<Option<usize>> {
+    let at: std::collections::HashMap<String, usize> = new
+        .endpoints
+        .iter()
+        .enumerate()
+        .map(|(i, e)| (e.addr(), i))
+        .collect();
+    old.endpoints
+        .iter()
+        .map(|e| at.get(&e.addr()).copied())
+        .collect()
+}
+
+/// Carries the old rule's index over to its replacement: an endpoint the new rule still lists
+/// (by address, wherever it now is in the list) keeps its GPU blocks, sequence positions, health
+/// and capacity (its new subscribers resume like after a reconnect: a gap replays or clears, a
+/// restart clears); one that moved in the list loses its lower-tier blocks and speculative
+/// credit. Every other position is cleared.
+fn keep_inventory(
+    old: &RuleRuntime,
+    to: &[Option<usize>],
+    eps: &[EpRuntime],
+) -> Arc<dyn BlockIndex> {
     let index = old.index.clone();
-    let n = old.spec.endpoints.len().max(new.endpoints.len());
-    for i in 0..n {
-        let same = match (old.spec.endpoints.get(i), new.endpoints.get(i)) {
-            (Some(a), Some(b)) => a.addr() == b.addr(),
-            _ => false,
-        };
-        if let (true, Some(o), Some(e)) = (same, old.eps.get(i), eps.get(i)) {
+    let mut moved = Vec::new();
+    for (i, t) in to.iter().enumerate() {
+        let Some(j) = *t else { continue };
+        if let (Some(o), Some(e)) = (old.eps.get(i), eps.get(j)) {
             e.inherit(o);
-        } else {
+        }
+        if i != j {
+            moved.push((j, index.export(EndpointId(i as u16))));
+        }
+    }
+    for (i, t) in to.iter().enumerate() {
+        if *t != Some(i) {
             for r in old.ranks() {
                 index.apply(EndpointId(i as u16), r, &[IndexOp::Clear]);
             }
+        }
+    }
+    for (j, ranks) in moved {
+        for (r, keys) in ranks {
+            index.apply(EndpointId(j as u16), r, &[IndexOp::Store(keys)]);
         }
     }
     index

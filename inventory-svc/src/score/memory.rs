@@ -305,6 +305,40 @@ impl PlacementMemory {
             .collect()
     }
 
+    /// Takes `old`'s entries into this new memory, each renumbered by `to` (`to[i]`: endpoint
+    /// `i`'s index in the new rule, `None` when it is gone, its entries dropped): a rule update
+    /// keeps the homes of the endpoints that stay, wherever they now are in the list.
+    pub fn absorb(&self, old: &PlacementMemory, to: &[Option<usize>]) {
+        if self.max_entries == 0 {
+            return;
+        }
+        let src = lock(&old.inner);
+        let mut inner = lock(&self.inner);
+        let inner = &mut *inner;
+        for (k, e) in &src.map {
+            let Some(ep) = to.get(usize::from(e.ep)).copied().flatten() else {
+                continue;
+            };
+            let Ok(ep16) = u16::try_from(ep) else {
+                continue;
+            };
+            if inner.homed.len() <= ep {
+                inner.homed.resize(ep + 1, 0);
+            }
+            inner.homed[ep] += u64::from(e.blocks);
+            inner.map.insert(*k, Entry { ep: ep16, ..*e });
+        }
+        let map = &inner.map;
+        inner.lru = src
+            .lru
+            .iter()
+            .filter(|(k, st)| map.get(k).is_some_and(|e| e.stamp == *st))
+            .copied()
+            .collect();
+        inner.next_stamp = src.next_stamp;
+        inner.recalls = src.recalls;
+    }
+
     /// Live entries (for tests and gauges).
     pub fn len(&self) -> usize {
         lock(&self.inner).map.len()

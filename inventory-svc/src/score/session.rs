@@ -146,6 +146,36 @@ impl SessionTable {
         (bound, dropped)
     }
 
+    /// Takes `old`'s bindings into this new table, each renumbered by `to` (`to[i]`: endpoint
+    /// `i`'s index in the new rule, `None` when it is gone, its bindings dropped): a rule update
+    /// keeps the conversations of the endpoints that stay.
+    pub fn absorb(&self, old: &SessionTable, to: &[Option<usize>]) {
+        if self.off() {
+            return;
+        }
+        let src = lock(&old.inner);
+        let mut inner = lock(&self.inner);
+        let inner = &mut *inner;
+        for (k, b) in &src.map {
+            let Some(ep) = to.get(usize::from(b.ep)).copied().flatten() else {
+                continue;
+            };
+            let Ok(ep16) = u16::try_from(ep) else {
+                continue;
+            };
+            inner.map.insert(*k, Binding { ep: ep16, ..*b });
+        }
+        let map = &inner.map;
+        inner.lru = src
+            .lru
+            .iter()
+            .filter(|(k, st)| map.get(k).is_some_and(|b| b.stamp == *st))
+            .copied()
+            .collect();
+        inner.next_stamp = src.next_stamp;
+        self.held.store(inner.map.len(), Ordering::Relaxed);
+    }
+
     /// Live and expired bindings held, as of the last bind.
     pub fn len(&self) -> usize {
         self.held.load(Ordering::Relaxed)
