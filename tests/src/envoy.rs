@@ -960,8 +960,9 @@ pub const DESTINATION: &str = "x-gateway-destination-endpoint";
 pub struct EppBootstrap<'a> {
     pub engines: &'a [&'a Engine],
     pub epp: SocketAddr,
-    /// ext_proc `message_timeout`: how long Envoy waits for one answer before failing open
-    /// (Envoy arms it in `BUFFERED` mode, not in `FULL_DUPLEX_STREAMED`).
+    /// ext_proc `message_timeout`: how long Envoy waits for one answer. In `BUFFERED` mode it
+    /// covers every message and fails open; with a `FULL_DUPLEX_STREAMED` request body it covers
+    /// only the response's messages and fails closed (docs/epp.md, Failure modes).
     pub message_timeout: Duration,
     /// `request_body_mode`: `FULL_DUPLEX_STREAMED` (as GIE gateways) or `BUFFERED`.
     pub body_mode: &'static str,
@@ -971,9 +972,10 @@ pub struct EppBootstrap<'a> {
 
 /// The shape GIE gateways program (docs/epp.md shows it as YAML): the client's
 /// destination dropped first, the ext_proc filter (full-duplex streamed request body, response
-/// headers for the served-endpoint report, `envoy.lb` metadata both ways, failing open), and an
-/// `engines` cluster whose `override_host` policy sends each request to the picked endpoint (the
-/// header's list in order on retries) and round-robins requests the picker left unpinned.
+/// headers for the served-endpoint report, `envoy.lb` metadata both ways, `failure_mode_allow`,
+/// which Envoy honours in `BUFFERED` mode only), and an `engines` cluster whose `override_host`
+/// policy sends each request to the picked endpoint (the header's list in order on retries) and
+/// round-robins requests the picker left unpinned.
 pub fn epp_bootstrap(b: &EppBootstrap<'_>) -> Value {
     let strip = json!({"name": "envoy.filters.http.header_mutation", "typed_config": {
         "@type": "type.googleapis.com/envoy.extensions.filters.http.header_mutation.v3.HeaderMutation",
