@@ -786,6 +786,38 @@ async fn failures_fail_closed_with_their_status() {
         .await;
 }
 
+/// A buffered body comes in one gRPC message: one past the picker's message limit
+/// (`--epp-max-body-bytes` plus 1 MiB) is answered as a body over the cap, counted and under the
+/// failure mode, not dropped uncounted by the gRPC layer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_buffered_body_past_the_grpc_message_limit_is_body_too_large() {
+    // Past the default cap (4 MiB, gRPC's usual message limit): inside the picker's message limit
+    // (the cap plus 1 MiB) and past it.
+    let over = chat(&json!([{"role": "user", "content": "x".repeat(4_500_000)}]));
+    let huge = chat(&json!([{"role": "user", "content": "x".repeat(6_000_000)}]));
+    for (mode, rejected, outcome) in [
+        ("FailOpen", None, "fail_open"),
+        ("FailClose", Some(413), "fail_close"),
+    ] {
+        let p = Picker::start(
+            "epp-huge",
+            json!([qwen_rule(true)]),
+            false,
+            &["--epp-failure-mode", mode],
+        );
+        for b in [&over, &huge] {
+            let s = p.ask(BodySendMode::Buffered, &Req::new(b)).await;
+            assert_eq!((s.pinned(), s.rejected), (None, rejected), "{mode}: {s:?}");
+        }
+        p.svc
+            .assert_metrics(&format!(
+                "kvroute_epp_failures_total{{reason=\"body_too_large\"}} 2
+                 kvroute_epp_requests_total{{outcome=\"{outcome}\"}} 2"
+            ))
+            .await;
+    }
+}
+
 /// gRPC health: liveness from the start; readiness (and the ext_proc service name) once the
 /// rule's tokenizer is loaded, never without it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -277,6 +277,18 @@ impl Exchange {
         }
     }
 
+    /// The proxy's next message could not be read: it is over the gRPC message limit. While a
+    /// buffered body is awaited that is the body (it comes in one message), too large to pick
+    /// on; anything else cannot be answered.
+    pub fn message_too_large(&mut self) -> Option<Next> {
+        if self.phase != Phase::Body || self.mode == Mode::FullDuplex {
+            return None;
+        }
+        self.body_ended = true;
+        self.phase = Phase::Deciding(At::BufferedBody);
+        Some(Next::Decide(Input::TooLarge))
+    }
+
     /// The answer to a decision under `mode`, and the outcome to count. Call only after
     /// [`Next::Decide`].
     pub fn decided(
@@ -722,5 +734,45 @@ mod tests {
         assert_eq!(reply::subset(None), None);
         let empty = md(list(vec![]));
         assert_eq!(reply::subset(Some(&empty)), Some(vec![]));
+    }
+
+    /// An unreadable (oversize) message is a body over the cap while a buffered body is
+    /// awaited, and nothing to answer otherwise.
+    #[test]
+    fn an_oversize_message_is_a_body_over_the_cap_only_in_buffered_mode() {
+        let mut x = Exchange::new(100);
+        x.on_message(headers(false, Some(BodySendMode::Buffered), false))
+            .unwrap();
+        assert!(matches!(
+            x.message_too_large(),
+            Some(Next::Decide(Input::TooLarge))
+        ));
+        let (r, outcome) = x
+            .decided(
+                &Verdict::Fail(EppFailure::BodyTooLarge),
+                FailureMode::FailOpen,
+            )
+            .unwrap();
+        assert_eq!(outcome, EppOutcome::FailOpen);
+        assert!(matches!(
+            r[0].response,
+            Some(processing_response::Response::RequestBody(_))
+        ));
+        assert!(x.message_too_large().is_none(), "answered already");
+        let mut d = Exchange::new(100);
+        d.on_message(headers(
+            false,
+            Some(BodySendMode::FullDuplexStreamed),
+            false,
+        ))
+        .unwrap();
+        assert!(
+            d.message_too_large().is_none(),
+            "a duplex chunk cannot be sent back"
+        );
+        assert!(
+            Exchange::new(100).message_too_large().is_none(),
+            "before the headers"
+        );
     }
 }

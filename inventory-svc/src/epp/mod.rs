@@ -47,7 +47,7 @@ use kvroute_core::prompt::Endpoint;
 use kvroute_core::usage::{self, outcome_of, Account, Prediction, Tail};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
-use tonic::{Request, Response, Status, Streaming};
+use tonic::{Code, Request, Response, Status, Streaming};
 
 use crate::fleet::{Fleet, RouteError};
 use crate::metrics::{EppFailure, EppServed};
@@ -86,6 +86,10 @@ pub const DEFAULT_MAX_BODY: usize = 4 << 20;
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_millis(150);
 /// Streams answered at once per connection (each is one HTTP request in flight).
 const MAX_STREAMS_PER_CONNECTION: u32 = 1024;
+/// What a proxy's message may hold past `--epp-max-body-bytes` (headers, metadata): a buffered
+/// body comes in one message, so the gRPC limit is the cap plus this, and every body up to the
+/// cap reaches the picker (one over it is `body_too_large`, under the failure mode).
+const MESSAGE_HEADROOM: usize = 1 << 20;
 
 /// The `serve --epp-*` options.
 #[derive(Clone, Debug)]
@@ -316,6 +320,23 @@ impl Picker {
         loop {
             let msg = match inbound.next().await {
                 Some(Ok(msg)) => msg,
+                // A message over the gRPC limit: a buffered body far past the cap, answered as
+                // one over the cap (a full-duplex chunk that size cannot be sent back: the
+                // stream ends with the error).
+                Some(Err(s)) if matches!(s.code(), Code::OutOfRange | Code::ResourceExhausted) => {
+                    match x.message_too_large() {
+                        Some(Next::Decide(input)) => {
+                            if !self.decide_and_send(&mut x, &mut reading, input, &tx).await {
+                                return;
+                            }
+                            continue;
+                        }
+                        _ => {
+                            let _ = tx.send(Err(s)).await;
+                            return;
+                        }
+                    }
+                }
                 // The proxy ended the stream or it broke (a reset request): nothing to answer.
                 Some(Err(_)) | None => return,
             };
@@ -336,25 +357,10 @@ impl Picker {
             let replies = match x.on_message(msg) {
                 Ok(Next::Reply(r)) => r,
                 Ok(Next::Decide(input)) => {
-                    let start = Instant::now();
-                    let (verdict, judging) = self
-                        .pick_judged(input, x.subset.as_deref(), x.caller(), x.endpoint)
-                        .await;
-                    reading.judging = judging;
-                    if let Verdict::Fail(why) = &verdict {
-                        m.epp_failure(*why).inc();
+                    if !self.decide_and_send(&mut x, &mut reading, input, &tx).await {
+                        return;
                     }
-                    match x.decided(&verdict, self.opts.failure_mode) {
-                        Ok((r, outcome)) => {
-                            m.epp_outcome(outcome).inc();
-                            m.epp_latency.observe(start.elapsed().as_secs_f64());
-                            r
-                        }
-                        Err(e) => {
-                            let _ = tx.send(Err(Status::internal(e.to_string()))).await;
-                            return;
-                        }
-                    }
+                    continue;
                 }
                 Err(e) => {
                     let _ = tx.send(Err(Status::invalid_argument(e.to_string()))).await;
@@ -367,6 +373,42 @@ impl Picker {
                 }
             }
         }
+    }
+
+    /// Decides `input`, counts it and sends the answers; false when the stream is over.
+    async fn decide_and_send(
+        &self,
+        x: &mut Exchange,
+        reading: &mut Reading,
+        input: Input,
+        tx: &mpsc::Sender<Result<ProcessingResponse, Status>>,
+    ) -> bool {
+        let m = &self.fleet.metrics;
+        let start = Instant::now();
+        let (verdict, judging) = self
+            .pick_judged(input, x.subset.as_deref(), x.caller(), x.endpoint)
+            .await;
+        reading.judging = judging;
+        if let Verdict::Fail(why) = &verdict {
+            m.epp_failure(*why).inc();
+        }
+        let replies = match x.decided(&verdict, self.opts.failure_mode) {
+            Ok((r, outcome)) => {
+                m.epp_outcome(outcome).inc();
+                m.epp_latency.observe(start.elapsed().as_secs_f64());
+                r
+            }
+            Err(e) => {
+                let _ = tx.send(Err(Status::internal(e.to_string()))).await;
+                return false;
+            }
+        };
+        for r in replies {
+            if tx.send(Ok(r)).await.is_err() {
+                return false;
+            }
+        }
+        true
     }
 }
 
@@ -510,7 +552,10 @@ pub async fn serve(
     tonic::transport::Server::builder()
         .max_concurrent_streams(MAX_STREAMS_PER_CONNECTION)
         .add_service(health_svc)
-        .add_service(ExternalProcessorServer::new(Service(picker)))
+        .add_service(
+            ExternalProcessorServer::new(Service(picker.clone()))
+                .max_decoding_message_size(picker.opts.max_body.saturating_add(MESSAGE_HEADROOM)),
+        )
         .serve_with_incoming_shutdown(incoming, cancel.cancelled_owned())
         .await
 }
