@@ -964,7 +964,8 @@ pub struct EppBootstrap<'a> {
     /// covers every message and fails open; with a `FULL_DUPLEX_STREAMED` request body it covers
     /// only the response's messages and fails closed (docs/epp.md, Failure modes).
     pub message_timeout: Duration,
-    /// `request_body_mode`: `FULL_DUPLEX_STREAMED` (as GIE gateways) or `BUFFERED`.
+    /// `request_body_mode`: `FULL_DUPLEX_STREAMED` (as GIE gateways) or `BUFFERED` (held up to
+    /// the listener's buffer limit: [`listener_buffer_limit`]).
     pub body_mode: &'static str,
     /// `response_body_mode`: `NONE`, or `STREAMED` for the picker to read the engines' usage.
     pub response_body_mode: &'static str,
@@ -1031,6 +1032,20 @@ pub fn epp_bootstrap(b: &EppBootstrap<'_>) -> Value {
             ]
         }
     })
+}
+
+/// `config` (an [`epp_bootstrap`]) with the ingress listener's `per_connection_buffer_limit_bytes`
+/// set to `bytes`: how much of an HTTP/1.1 request body Envoy holds for a `BUFFERED` ext_proc
+/// filter. Without it Envoy's default applies (1 MiB), and a longer body is Envoy's own 413
+/// (docs/epp.md, Failure modes). A bootstrap edit rather than an [`EppBootstrap`] field, so the
+/// struct's literals elsewhere stay as they are.
+pub fn listener_buffer_limit(mut config: Value, bytes: u32) -> Value {
+    if let Some(listeners) = config["static_resources"]["listeners"].as_array_mut() {
+        for l in listeners {
+            l["per_connection_buffer_limit_bytes"] = json!(bytes);
+        }
+    }
+    config
 }
 
 /// Envoy with [`epp_bootstrap`], and its client.

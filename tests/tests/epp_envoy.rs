@@ -8,13 +8,16 @@
 //! `x-gateway-destination-endpoint` never reaches an engine; a killed engine falls back to the
 //! listed fallback (and the proxy's served-endpoint report says so); a hung or killed picker
 //! fails open within the ext_proc message timeout; with the response body streamed to it, the
-//! picker reads the engines' usage into outcomes and tenant accounts.
+//! picker reads the engines' usage into outcomes and tenant accounts; a buffered body past
+//! Envoy's buffer limit is Envoy's own 413 until the listener's limit is raised.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::process::Command;
 use std::time::Duration;
 
-use kvroute_tests::envoy::{self, epp_gateway, Engine, Gateway, Inventory, DESTINATION};
+use kvroute_tests::envoy::{
+    self, epp_bootstrap, epp_gateway, Engine, EppBootstrap, Gateway, Inventory, DESTINATION,
+};
 use kvroute_tests::harness::{self, header, BACKEND_HEADER};
 use serde_json::json;
 
@@ -28,6 +31,29 @@ fn chat(topic: &str, turns: usize) -> Vec<u8> {
     }
     m.push(json!({"role": "user", "content": format!("And why does routing the same prefix to the same engine matter for {topic}?")}));
     serde_json::to_vec(&json!({"model": envoy::MODEL, "messages": m, "max_tokens": 1})).unwrap()
+}
+
+/// [`chat`] with one turn, its last user message padded so the body is `size` bytes: it shares
+/// the prefix of `chat(topic, 1)` up to that message.
+fn long_chat(topic: &str, size: usize) -> Vec<u8> {
+    let mut v: serde_json::Value = serde_json::from_slice(&chat(topic, 1)).unwrap();
+    let pad = size - serde_json::to_vec(&v).unwrap().len();
+    // ASCII with nothing JSON escapes: each byte of padding is one byte of body.
+    let padding = "Pages of sixteen tokens are hashed in a chain. "
+        .chars()
+        .cycle()
+        .take(pad);
+    let last = v["messages"].as_array_mut().unwrap().last_mut().unwrap();
+    let content: String = last["content"]
+        .as_str()
+        .unwrap()
+        .chars()
+        .chain(padding)
+        .collect();
+    last["content"] = json!(content);
+    let body = serde_json::to_vec(&v).unwrap();
+    assert_eq!(body.len(), size);
+    body
 }
 
 /// Engines a and b, b holding `body`'s blocks, the inventory with the picker, Envoy in front
@@ -321,4 +347,76 @@ async fn streamed_responses_report_the_engines_reuse_to_the_picker() {
     assert_eq!(t["requests"], 2, "{t}");
     assert_eq!(t["prompt_tokens"], tokens.len() as u64 + 40, "{t}");
     assert_eq!(t["cached_tokens"], cached as u64 + 32, "{t}");
+}
+
+/// In `BUFFERED` mode Envoy holds the whole body for the picker, but only up to its buffer limit:
+/// for an HTTP/1.1 client, the listener's `per_connection_buffer_limit_bytes` (1 MiB by default).
+/// Past it Envoy answers 413 itself (whatever `failure_mode_allow` says); with the limit raised,
+/// the same body is picked for and arrives whole.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_buffered_body_past_envoys_buffer_limit_is_a_413_until_the_listener_allows_it() {
+    let long = long_chat("long prompts", 1536 * 1024);
+    let (inv, a, b, gw) = fleet(
+        &chat("long prompts", 1),
+        Duration::from_secs(10),
+        ("BUFFERED", "NONE"),
+    )
+    .await;
+
+    // Envoy's default limit: a 413 from Envoy; the picker answered the headers (and the 413's
+    // headers) but never got the body, so it decided and counted nothing; no engine was asked.
+    let r = gw
+        .post("/v1/chat/completions", long.clone(), &[])
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 413);
+    assert_eq!(r.text().await.unwrap(), "Payload Too Large");
+    gw.envoy
+        .wait_for_stat(
+            "http.ingress.downstream_rq_too_large",
+            Duration::from_secs(5),
+            |v| v == 1,
+        )
+        .await
+        .unwrap();
+    assert!(a.received().is_empty() && b.received().is_empty());
+    let m = metrics(&inv).await;
+    let answered: f64 = ["picked", "fail_open", "fail_close", "subset_unavailable"]
+        .iter()
+        .map(|o| {
+            metric(
+                &m,
+                &format!("kvroute_epp_requests_total{{outcome=\"{o}\"}}"),
+            )
+        })
+        .sum();
+    assert_eq!(answered, 0.0, "{m}");
+
+    // The listener's limit raised to 8 MiB: the body is held whole, the picker pins it to b
+    // (holding its prefix, a listed as the fallback), and b gets it byte for byte.
+    let config = envoy::listener_buffer_limit(
+        epp_bootstrap(&EppBootstrap {
+            engines: &[&a, &b],
+            epp: inv.epp.unwrap(),
+            message_timeout: Duration::from_secs(10),
+            body_mode: "BUFFERED",
+            response_body_mode: "NONE",
+        }),
+        8 << 20,
+    );
+    let raised = Gateway::on(harness::Envoy::start(&config).await.unwrap()).unwrap();
+    assert_eq!(send(&raised, &long, None).await, "engine-b");
+    let got = b.received().last().cloned().unwrap();
+    assert_eq!(
+        header(&got, DESTINATION),
+        Some(format!("{},{}", b.addr, a.addr).as_str())
+    );
+    assert_eq!(got.body.as_ref(), long.as_slice(), "byte for byte");
+    assert!(a.received().is_empty());
+    let m = metrics(&inv).await;
+    assert_eq!(
+        metric(&m, "kvroute_epp_requests_total{outcome=\"picked\"}"),
+        1.0,
+        "{m}"
+    );
 }
