@@ -148,3 +148,28 @@ write("filter_config", "all-fields", json.dumps({
     "key_cache_entries": 4096}))
 write("filter_config", "invalid", '{"timeout_ms":0,"max_body_bytes":1,"pin_header":"X Pin","rule":""}')
 write("filter_config", "empty", "")
+
+
+# --- kube_watch: Kubernetes API watch streams (pods, InferencePools) ----------------------------
+def pod_event(kind, name, ip, ready, labels):
+    status = {"conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}
+    if ip:
+        status["podIP"] = ip
+    return json.dumps({"type": kind, "object": {"kind": "Pod", "apiVersion": "v1",
+        "metadata": {"name": name, "namespace": "llm", "resourceVersion": "101", "labels": labels},
+        "status": status}})
+
+
+write("kube_watch", "pods", "\n".join([
+    pod_event("ADDED", "a", "10.1.0.1", True, {"app": "vllm", "llm-d.ai/role": "prefill"}),
+    pod_event("MODIFIED", "b", "fd00::2", True, {"app": "vllm", "llm-d.ai/role": "decode"}),
+    pod_event("DELETED", "c", "", False, {}),
+    json.dumps({"type": "BOOKMARK", "object": {"kind": "Pod", "metadata": {"resourceVersion": "120"}}}),
+]) + "\n")
+write("kube_watch", "pool", json.dumps({"type": "ADDED", "object": {
+    "apiVersion": "inference.networking.k8s.io/v1", "kind": "InferencePool",
+    "metadata": {"name": "vllm", "namespace": "llm", "resourceVersion": "7"},
+    "spec": {"selector": {"matchLabels": {"app": "vllm"}}, "targetPorts": [{"number": 8000}],
+             "endpointPickerRef": {"name": "kvroute-epp", "port": {"number": 9002}}}}}) + "\n")
+write("kube_watch", "expired", json.dumps({"type": "ERROR", "object": {"kind": "Status",
+    "code": 410, "reason": "Expired", "message": "too old resource version"}}) + "\n")
