@@ -36,7 +36,14 @@ fn template() -> Value {
     r
 }
 
-fn start(tag: &str, kube: &FakeKube, rules: Value, extra: &[&str]) -> Service {
+/// The service following the pool, with `env` and `extra` arguments; the API server is
+/// `--kube-api` unless `extra` gives a CA file (then it is found from `env`, as in a pod).
+fn start(
+    tag: &str,
+    kube: &FakeKube,
+    rules: Value,
+    (env, extra): (&[(&str, &str)], &[&str]),
+) -> Service {
     let url = kube.url();
     let mut args = vec![
         "--epp-listen",
@@ -52,7 +59,7 @@ fn start(tag: &str, kube: &FakeKube, rules: Value, extra: &[&str]) -> Service {
         args.extend(["--kube-api", url.as_str()]);
     }
     args.extend_from_slice(extra);
-    Service::start_with_args(tag, &rules, &[], &args)
+    Service::start_with_args(tag, &rules, env, &args)
 }
 
 /// The rule's endpoints as `ip:port`, sorted (empty when the rule is not installed).
@@ -74,6 +81,16 @@ async fn endpoints(svc: &Service) -> Vec<String> {
 async fn wait_watches(svc: &Service, kube: &FakeKube, n: usize) {
     svc.wait_for(&format!("pod watch {n} to open"), 20, async || {
         kube.watches("pods") >= n
+    })
+    .await;
+}
+
+/// Waits until the pod watch has restarted at least once for `reason`.
+async fn wait_restart(svc: &Service, reason: &str) {
+    let series =
+        format!("kvroute_epp_pool_watch_restarts_total{{collection=\"pods\",reason=\"{reason}\"}}");
+    svc.wait_for(&format!("a pod watch restart ({reason})"), 20, async || {
+        common::metric(&svc.metrics().await, &series).is_some_and(|v| v >= 1.0)
     })
     .await;
 }
@@ -159,7 +176,7 @@ async fn the_rule_follows_the_pools_ready_pods() {
     kube.pod(NS, "c", "10.1.0.3", &[("app", "other")], true);
     kube.pod("elsewhere", "d", "10.1.0.4", &[APP], true);
     kube.pod(NS, "e", "", &[APP], false);
-    let svc = start("pool-follow", &kube, json!([template()]), &[]);
+    let svc = start("pool-follow", &kube, json!([template()]), (&[], &[]));
     wait_endpoints(&svc, &["10.1.0.1:8000", "10.1.0.1:8001"]).await;
     svc.wait_for("readiness", 20, async || {
         readiness(&svc).await == ServingStatus::Serving as i32
@@ -231,20 +248,12 @@ async fn api_server_faults_keep_the_last_endpoints_and_converge() {
     kube.pool(NS, POOL, &[APP], &[8000]);
     kube.pod(NS, "a", "10.2.0.1", &[APP], true);
     kube.pod(NS, "b", "10.2.0.2", &[APP], true);
-    let svc = start("pool-faults", &kube, json!([template()]), &[]);
+    let svc = start("pool-faults", &kube, json!([template()]), (&[], &[]));
     wait_endpoints(&svc, &["10.2.0.1:8000", "10.2.0.2:8000"]).await;
 
     wait_watches(&svc, &kube, 1).await;
     kube.end_watches();
-    svc.wait_for("the pod watch to be resumed", 20, async || {
-        let m = svc.metrics().await;
-        common::metric(
-            &m,
-            "kvroute_epp_pool_watch_restarts_total{collection=\"pods\",reason=\"closed\"}",
-        )
-        .is_some_and(|v| v >= 1.0)
-    })
-    .await;
+    wait_restart(&svc, "closed").await;
     kube.pod(NS, "c", "10.2.0.3", &[APP], true);
     wait_endpoints(&svc, &["10.2.0.1:8000", "10.2.0.2:8000", "10.2.0.3:8000"]).await;
 
@@ -263,27 +272,11 @@ async fn api_server_faults_keep_the_last_endpoints_and_converge() {
         ],
     )
     .await;
-    svc.wait_for("a 410 to be counted", 20, async || {
-        let m = svc.metrics().await;
-        common::metric(
-            &m,
-            "kvroute_epp_pool_watch_restarts_total{collection=\"pods\",reason=\"expired\"}",
-        )
-        .is_some_and(|v| v >= 1.0)
-    })
-    .await;
+    wait_restart(&svc, "expired").await;
 
     // An outage: nothing answers; the endpoints stay while the server is away.
     kube.stop().await;
-    svc.wait_for("the outage to be noticed", 20, async || {
-        let m = svc.metrics().await;
-        common::metric(
-            &m,
-            "kvroute_epp_pool_watch_restarts_total{collection=\"pods\",reason=\"error\"}",
-        )
-        .is_some_and(|v| v >= 1.0)
-    })
-    .await;
+    wait_restart(&svc, "error").await;
     kube.delete_pod("a");
     kube.pod(NS, "b", "10.2.0.2", &[APP], false);
     assert_eq!(endpoints(&svc).await.len(), 4, "kept through the outage");
@@ -310,27 +303,17 @@ async fn https_with_a_ca_and_a_rotating_token() {
         token.to_string_lossy().into_owned(),
     );
     let port = kube.addr.port().to_string();
-    let svc = Service::start_with_args(
+    let svc = start(
         "pool-tls",
-        &json!([template()]),
-        &[
-            ("KUBERNETES_SERVICE_HOST", "127.0.0.1"),
-            ("KUBERNETES_SERVICE_PORT", port.as_str()),
-        ],
-        &[
-            "--epp-listen",
-            "127.0.0.1:0",
-            "--epp-rule",
-            RULE,
-            "--epp-pool",
-            POOL,
-            "--epp-pool-namespace",
-            NS,
-            "--kube-ca-file",
-            &ca,
-            "--kube-token-file",
-            &token_arg,
-        ],
+        &kube,
+        json!([template()]),
+        (
+            &[
+                ("KUBERNETES_SERVICE_HOST", "127.0.0.1"),
+                ("KUBERNETES_SERVICE_PORT", port.as_str()),
+            ],
+            &["--kube-ca-file", &ca, "--kube-token-file", &token_arg],
+        ),
     );
     wait_endpoints(&svc, &["10.3.0.1:8000"]).await;
 
@@ -338,15 +321,7 @@ async fn https_with_a_ca_and_a_rotating_token() {
     wait_watches(&svc, &kube, 1).await;
     kube.require_token("second-token");
     kube.end_watches();
-    svc.wait_for("the 401s to be counted", 20, async || {
-        let m = svc.metrics().await;
-        common::metric(
-            &m,
-            "kvroute_epp_pool_watch_restarts_total{collection=\"pods\",reason=\"error\"}",
-        )
-        .is_some_and(|v| v >= 1.0)
-    })
-    .await;
+    wait_restart(&svc, "error").await;
     assert!(svc.stderr().contains("HTTP 401"), "{}", svc.stderr());
     std::fs::write(&token, "second-token\n").unwrap();
     kube.pod(NS, "b", "10.3.0.2", &[APP], true);
@@ -361,7 +336,7 @@ async fn a_rule_from_the_management_api_gets_the_pools_endpoints() {
     let kube = FakeKube::start("127.0.0.1").await;
     kube.pool(NS, POOL, &[APP], &[8000]);
     kube.pod(NS, "a", "10.4.0.1", &[APP], true);
-    let svc = start("pool-api", &kube, json!([]), &[]);
+    let svc = start("pool-api", &kube, json!([]), (&[], &[]));
     svc.wait_metric("kvroute_epp_pool_syncs_total{outcome=\"waiting\"}", 1.0)
         .await;
     assert_ne!(readiness(&svc).await, ServingStatus::Serving as i32);

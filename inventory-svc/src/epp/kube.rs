@@ -466,6 +466,16 @@ pub enum Restart {
     Error,
 }
 
+/// Waits `backoff` (false when cancelled first) and doubles it up to the cap.
+async fn pause(cancel: &CancellationToken, backoff: &mut Duration) -> bool {
+    tokio::select! {
+        _ = cancel.cancelled() => return false,
+        _ = tokio::time::sleep(*backoff) => {}
+    }
+    *backoff = (*backoff * 2).min(BACKOFF.1);
+    true
+}
+
 /// Keeps `coll`'s objects by name, from a list and then a watch, until `cancel`: after the list
 /// and after every event, `on_change` gets the whole set; `on_restart` is told of every resumed
 /// watch and relist (with the error, for [`Restart::Error`]). A failed list hands nothing over.
@@ -494,11 +504,9 @@ pub async fn reflect<T: Object>(
             }
             Err(e) => {
                 on_restart(Restart::Error, Some(&e));
-                tokio::select! {
-                    _ = cancel.cancelled() => return,
-                    _ = tokio::time::sleep(backoff) => {}
+                if !pause(cancel, &mut backoff).await {
+                    return;
                 }
-                backoff = (backoff * 2).min(BACKOFF.1);
                 continue;
             }
         };
@@ -529,11 +537,9 @@ pub async fn reflect<T: Object>(
                 }
                 Err(e) => {
                     on_restart(Restart::Error, Some(&e));
-                    tokio::select! {
-                        _ = cancel.cancelled() => return,
-                        _ = tokio::time::sleep(backoff) => {}
+                    if !pause(cancel, &mut backoff).await {
+                        return;
                     }
-                    backoff = (backoff * 2).min(BACKOFF.1);
                     break;
                 }
             }

@@ -36,6 +36,7 @@ use std::time::{Duration, Instant};
 
 use kvroute_core::hash::BlockKey;
 
+use super::renumber::{renumbered, Stamped};
 use crate::sync::lock;
 
 /// Shallowest block index remembered (4 blocks).
@@ -89,6 +90,18 @@ struct Entry {
     stamp: u64,
     /// Recalls this entry answered (decayed).
     heat: Heat,
+}
+
+impl Stamped for Entry {
+    fn ep(&self) -> u16 {
+        self.ep
+    }
+    fn with_ep(self, ep: u16) -> Entry {
+        Entry { ep, ..self }
+    }
+    fn stamp(&self) -> u64 {
+        self.stamp
+    }
 }
 
 #[derive(Default)]
@@ -314,27 +327,16 @@ impl PlacementMemory {
         }
         let src = lock(&old.inner);
         let mut inner = lock(&self.inner);
-        let inner = &mut *inner;
-        for (k, e) in &src.map {
-            let Some(ep) = to.get(usize::from(e.ep)).copied().flatten() else {
-                continue;
-            };
-            let Ok(ep16) = u16::try_from(ep) else {
-                continue;
-            };
-            if inner.homed.len() <= ep {
-                inner.homed.resize(ep + 1, 0);
+        (inner.map, inner.lru) = renumbered(&src.map, &src.lru, to);
+        let mut homed = Vec::new();
+        for e in inner.map.values() {
+            let ep = usize::from(e.ep);
+            if homed.len() <= ep {
+                homed.resize(ep + 1, 0);
             }
-            inner.homed[ep] += u64::from(e.blocks);
-            inner.map.insert(*k, Entry { ep: ep16, ..*e });
+            homed[ep] += u64::from(e.blocks);
         }
-        let map = &inner.map;
-        inner.lru = src
-            .lru
-            .iter()
-            .filter(|(k, st)| map.get(k).is_some_and(|e| e.stamp == *st))
-            .copied()
-            .collect();
+        inner.homed = homed;
         inner.next_stamp = src.next_stamp;
         inner.recalls = src.recalls;
     }

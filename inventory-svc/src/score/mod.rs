@@ -49,6 +49,7 @@
 
 mod capacity;
 mod memory;
+mod renumber;
 mod ring;
 mod session;
 

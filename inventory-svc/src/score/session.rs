@@ -16,6 +16,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
+use super::renumber::{renumbered, Stamped};
 use crate::sync::lock;
 
 /// A session id as the table keys it.
@@ -29,6 +30,18 @@ struct Binding {
     last: Instant,
     /// Matches the LRU queue's stamp while this is the binding's latest position.
     stamp: u64,
+}
+
+impl Stamped for Binding {
+    fn ep(&self) -> u16 {
+        self.ep
+    }
+    fn with_ep(self, ep: u16) -> Binding {
+        Binding { ep, ..self }
+    }
+    fn stamp(&self) -> u64 {
+        self.stamp
+    }
 }
 
 #[derive(Default)]
@@ -155,23 +168,7 @@ impl SessionTable {
         }
         let src = lock(&old.inner);
         let mut inner = lock(&self.inner);
-        let inner = &mut *inner;
-        for (k, b) in &src.map {
-            let Some(ep) = to.get(usize::from(b.ep)).copied().flatten() else {
-                continue;
-            };
-            let Ok(ep16) = u16::try_from(ep) else {
-                continue;
-            };
-            inner.map.insert(*k, Binding { ep: ep16, ..*b });
-        }
-        let map = &inner.map;
-        inner.lru = src
-            .lru
-            .iter()
-            .filter(|(k, st)| map.get(k).is_some_and(|b| b.stamp == *st))
-            .copied()
-            .collect();
+        (inner.map, inner.lru) = renumbered(&src.map, &src.lru, to);
         inner.next_stamp = src.next_stamp;
         self.held.store(inner.map.len(), Ordering::Relaxed);
     }

@@ -117,11 +117,8 @@ impl FakeKube {
         let listener = tokio::net::TcpListener::bind(self.addr).await.unwrap();
         self.addr = listener.local_addr().unwrap();
         let app = Router::new()
-            .route("/api/v1/namespaces/{ns}/pods", get(pods))
-            .route(
-                "/apis/inference.networking.k8s.io/v1/namespaces/{ns}/inferencepools",
-                get(pools),
-            )
+            .route(&path_of(Kind::Pod, "{ns}"), get(collection(Kind::Pod)))
+            .route(&path_of(Kind::Pool, "{ns}"), get(collection(Kind::Pool)))
             .with_state(self.shared.clone());
         let stop = CancellationToken::new();
         let acceptor = self
@@ -308,36 +305,14 @@ impl Drop for FakeKube {
     }
 }
 
-async fn pods(
-    State(s): State<Arc<Shared>>,
-    Path(ns): Path<String>,
-    Query(q): Query<BTreeMap<String, String>>,
-    headers: HeaderMap,
-) -> Response {
-    serve_collection(
-        s,
-        Kind::Pod,
-        &format!("/api/v1/namespaces/{ns}/pods"),
-        ns,
-        q,
-        headers,
-    )
-}
-
-async fn pools(
-    State(s): State<Arc<Shared>>,
-    Path(ns): Path<String>,
-    Query(q): Query<BTreeMap<String, String>>,
-    headers: HeaderMap,
-) -> Response {
-    serve_collection(
-        s,
-        Kind::Pool,
-        &format!("/apis/inference.networking.k8s.io/v1/namespaces/{ns}/inferencepools"),
-        ns,
-        q,
-        headers,
-    )
+/// The collection's path for `kind` in namespace `ns`.
+fn path_of(kind: Kind, ns: &str) -> String {
+    match kind {
+        Kind::Pod => format!("/api/v1/namespaces/{ns}/pods"),
+        Kind::Pool => {
+            format!("/apis/inference.networking.k8s.io/v1/namespaces/{ns}/inferencepools")
+        }
+    }
 }
 
 fn status(code: StatusCode, reason: &str, message: &str) -> Response {
@@ -374,14 +349,30 @@ fn matches(o: &Value, ns: &str, labels: &[(String, String)], fields: &[(String, 
         })
 }
 
+/// The handler of `kind`'s collection.
+#[allow(clippy::type_complexity)]
+fn collection(
+    kind: Kind,
+) -> impl Fn(
+    State<Arc<Shared>>,
+    Path<String>,
+    Query<BTreeMap<String, String>>,
+    HeaderMap,
+) -> std::future::Ready<Response>
+       + Clone {
+    move |State(s), Path(ns), Query(q), headers| {
+        std::future::ready(serve_collection(s, kind, ns, q, headers))
+    }
+}
+
 fn serve_collection(
     s: Arc<Shared>,
     kind: Kind,
-    path: &str,
     ns: String,
     q: BTreeMap<String, String>,
     headers: HeaderMap,
 ) -> Response {
+    let path = &path_of(kind, &ns);
     let watch = q.get("watch").is_some_and(|w| w == "true" || w == "1");
     let labels = terms(q.get("labelSelector"));
     let fields = terms(q.get("fieldSelector"));
