@@ -23,6 +23,12 @@ macro_rules! labels {
             pub fn as_str(self) -> &'static str {
                 match self { $($name::$v => $s),+ }
             }
+
+            /// The value's position in [`Self::ALL`].
+            #[allow(dead_code)]
+            pub fn index(self) -> usize {
+                self as usize
+            }
         }
     };
 }
@@ -235,6 +241,8 @@ labels! {
         Detour => "detour",
         /// Bindings dropped, least recently used first, for `KVROUTE_SESSIONS_MAX`.
         Evicted => "evicted",
+        /// Bindings dropped unused for longer than `KVROUTE_SESSION_TTL_MS`.
+        Expired => "expired",
     }
 }
 
@@ -287,6 +295,10 @@ pub struct Metrics {
     pub tier15_detours: IntCounter,
     /// What committed decisions did to session bindings: `outcome` ([`SessionOutcome`]).
     session_bindings: IntCounterVec,
+    /// `session_bindings`' series per [`SessionOutcome`], looked up once (decisions count them).
+    session_counters: Vec<IntCounter>,
+    /// `route_lower_blocks`' series per [`LOWER_MEDIA`] entry, looked up once.
+    route_lower_counters: Vec<IntCounter>,
     /// `kvroute_sessions{rule}`: session bindings the rule holds.
     pub sessions: IntGaugeVec,
     /// Blocks of prefix overlap given away per decision: the best overlap of an eligible healthy
@@ -426,7 +438,7 @@ impl Metrics {
                 registry.register(Box::new(h.clone()))?;
                 Ok(h)
             };
-        let m = Metrics {
+        let mut m = Metrics {
             events: cv("kvroute_ingest_events_total", "KV events applied, by engine and event type.", &["engine", "type"])?,
             non_gpu_blocks: cv(
                 "kvroute_ingest_non_gpu_blocks_total",
@@ -484,14 +496,16 @@ impl Metrics {
                 "kvroute_tier15_home_detours_total",
                 "Decisions sent elsewhere because the prefix family's remembered home is unhealthy (the family keeps its home).",
             )?,
+            session_counters: Vec::new(),
+            route_lower_counters: Vec::new(),
             session_bindings: cv(
                 "kvroute_session_bindings_total",
-                "Session bindings by what a committed decision did: new, kept, moved (the session was bound to another endpoint meanwhile, by a concurrent decision or another replica), detour (the bound endpoint was unavailable; the binding stays), evicted (dropped for KVROUTE_SESSIONS_MAX).",
+                "Session bindings by what a committed decision did: new, kept, moved (the session was bound to another endpoint meanwhile, by a concurrent decision or another replica), detour (the bound endpoint was unavailable; the binding stays), evicted (dropped for KVROUTE_SESSIONS_MAX), expired (dropped unused past KVROUTE_SESSION_TTL_MS).",
                 &["outcome"],
             )?,
             sessions: gv(
                 "kvroute_sessions",
-                "Session bindings the rule holds (KVROUTE_SESSIONS_MAX bounds it; expired ones count until replaced).",
+                "Session bindings the rule holds (KVROUTE_SESSIONS_MAX bounds it; bindings past KVROUTE_SESSION_TTL_MS are dropped by the rule's next binding).",
                 &["rule"],
             )?,
             tier15_placements: c(
@@ -778,12 +792,14 @@ impl Metrics {
                     .with_label_values(&[t.as_str(), r.as_str()]);
             }
         }
-        for o in SessionOutcome::ALL {
-            m.session(*o);
-        }
-        for medium in LOWER_MEDIA {
-            m.route_lower_blocks.with_label_values(&[medium]);
-        }
+        m.session_counters = SessionOutcome::ALL
+            .iter()
+            .map(|o| m.session_bindings.with_label_values(&[o.as_str()]))
+            .collect();
+        m.route_lower_counters = LOWER_MEDIA
+            .iter()
+            .map(|medium| m.route_lower_blocks.with_label_values(&[medium]))
+            .collect();
         for o in EppOutcome::ALL {
             m.epp_requests.with_label_values(&[o.as_str()]);
         }
@@ -868,8 +884,13 @@ impl Metrics {
     }
 
     /// `kvroute_session_bindings_total{outcome}`.
-    pub fn session(&self, o: SessionOutcome) -> IntCounter {
-        self.session_bindings.with_label_values(&[o.as_str()])
+    pub fn session(&self, o: SessionOutcome) -> &IntCounter {
+        &self.session_counters[o.index()]
+    }
+
+    /// `kvroute_route_lower_tier_blocks_total{medium}` of `LOWER_MEDIA[i]`, if `i` names one.
+    pub fn route_lower(&self, i: usize) -> Option<&IntCounter> {
+        self.route_lower_counters.get(i)
     }
 
     /// `kvroute_ingest_clears_total{engine,cause}`.
@@ -961,5 +982,32 @@ impl Metrics {
             return String::new();
         }
         String::from_utf8(buf).unwrap_or_default()
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+mod tests {
+    use super::*;
+
+    /// The counters looked up once are the series their label names.
+    #[test]
+    fn counters_looked_up_once_are_their_labels_series() {
+        let m = Metrics::new().unwrap();
+        for (i, o) in SessionOutcome::ALL.iter().enumerate() {
+            m.session(*o).inc_by(i as u64 + 1);
+        }
+        for (i, o) in SessionOutcome::ALL.iter().enumerate() {
+            let got = m.session_bindings.with_label_values(&[o.as_str()]).get();
+            assert_eq!(got, i as u64 + 1, "{}", o.as_str());
+        }
+        for (i, medium) in LOWER_MEDIA.iter().enumerate() {
+            m.route_lower(i).unwrap().inc_by(10 + i as u64);
+            assert_eq!(
+                m.route_lower_blocks.with_label_values(&[medium]).get(),
+                10 + i as u64
+            );
+        }
+        assert!(m.route_lower(LOWER_MEDIA.len()).is_none());
     }
 }

@@ -19,7 +19,7 @@ use super::{EpRuntime, Fleet};
 use crate::index::{EndpointId, Lower};
 use crate::metrics::SessionOutcome;
 use crate::score::{
-    decide, given_away, session_hash, Bound, Decision, EpView, HashRing, Reason, Recall,
+    decide, given_away, session_hash, Bound, Decision, Dropped, EpView, HashRing, Reason, Recall,
     ScoreInput, Tier, Update,
 };
 use crate::settings::{DivergencePolicy, Settings};
@@ -228,9 +228,9 @@ impl Fleet {
         let kv = rule.spec.kv_enabled();
         if let Some(run) = views.get(ep).map(|v| v.lower).filter(|r| r.blocks() > 0) {
             for (l, n) in Lower::ALL.iter().zip([run.cpu, run.storage]) {
-                m.route_lower_blocks
-                    .with_label_values(&[l.as_str()])
-                    .inc_by(u64::from(n));
+                if let Some(c) = m.route_lower(l.index()) {
+                    c.inc_by(u64::from(n));
+                }
             }
         }
         // Speculation covers the blind spot before the engine reports the blocks it is about to
@@ -288,14 +288,14 @@ impl Fleet {
             m.session(SessionOutcome::Detour).inc();
             return None;
         }
-        let (what, evicted) = rule.sessions.bind(h, ep, now);
-        self.count_binding(rule, Some(what), evicted);
+        let (what, dropped) = rule.sessions.bind(h, ep, now);
+        self.count_binding(rule, Some(what), dropped);
         (what != Bound::Off).then_some(h)
     }
 
-    /// Counts a binding this replica decided (`what`) and the bindings evicted, and updates the
+    /// Counts a binding this replica decided (`what`) and the bindings dropped, and updates the
     /// rule's gauge.
-    fn count_binding(&self, rule: &RuleRuntime, what: Option<Bound>, evicted: usize) {
+    fn count_binding(&self, rule: &RuleRuntime, what: Option<Bound>, dropped: Dropped) {
         let m = &self.metrics;
         let outcome = match what {
             Some(Bound::Off) => return,
@@ -307,8 +307,13 @@ impl Fleet {
         if let Some(o) = outcome {
             m.session(o).inc();
         }
-        if evicted > 0 {
-            m.session(SessionOutcome::Evicted).inc_by(evicted as u64);
+        for (o, n) in [
+            (SessionOutcome::Evicted, dropped.evicted),
+            (SessionOutcome::Expired, dropped.expired),
+        ] {
+            if n > 0 {
+                m.session(o).inc_by(n as u64);
+            }
         }
         rule.sessions_gauge
             .get_or_init(|| m.sessions.with_label_values(&[rule.spec.name()]))
@@ -333,8 +338,8 @@ impl Fleet {
         let now = Instant::now();
         if let Some(h) = session {
             // Counted where it was decided; evictions are this replica's own.
-            let (_, evicted) = rule.sessions.bind(h, usize::from(ep.0), now);
-            self.count_binding(rule, None, evicted);
+            let (_, dropped) = rule.sessions.bind(h, usize::from(ep.0), now);
+            self.count_binding(rule, None, dropped);
         }
         if !ttl_left.is_zero() && !keys.is_empty() {
             // As the deciding replica does: only the keys past what the endpoint holds.

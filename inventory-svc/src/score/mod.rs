@@ -56,7 +56,7 @@ mod session;
 pub use capacity::parse_num_gpu_blocks;
 pub use memory::{PlacementMemory, Recall, Update};
 pub use ring::HashRing;
-pub use session::{session_hash, Bound, SessionTable};
+pub use session::{session_hash, Bound, Dropped, SessionTable};
 
 use crate::index::LowerRun;
 use crate::settings::{LoadBlend, Placement, Settings};

@@ -52,6 +52,15 @@ struct Inner {
     next_stamp: u64,
 }
 
+/// Bindings one [`SessionTable::bind`] dropped.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Dropped {
+    /// Least recently used ones, for `KVROUTE_SESSIONS_MAX`.
+    pub evicted: usize,
+    /// Ones unused for longer than `KVROUTE_SESSION_TTL_MS`.
+    pub expired: usize,
+}
+
 /// What binding a session did.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Bound {
@@ -99,13 +108,13 @@ impl SessionTable {
     }
 
     /// Binds `session` to `ep` at `now`.
-    /// Returns what changed, and how many bindings were dropped to make room.
-    pub fn bind(&self, session: u64, ep: usize, now: Instant) -> (Bound, usize) {
+    /// Returns what changed and the bindings dropped to make room or because they expired.
+    pub fn bind(&self, session: u64, ep: usize, now: Instant) -> (Bound, Dropped) {
         let Ok(ep16) = u16::try_from(ep) else {
-            return (Bound::Off, 0);
+            return (Bound::Off, Dropped::default());
         };
         if self.off() {
-            return (Bound::Off, 0);
+            return (Bound::Off, Dropped::default());
         }
         let mut inner = lock(&self.inner);
         let inner = &mut *inner;
@@ -138,15 +147,22 @@ impl SessionTable {
             }
         };
         inner.lru.push_back((session, stamp));
-        let mut dropped = 0;
-        while inner.map.len() > self.max_entries {
-            let Some((k, st)) = inner.lru.pop_front() else {
-                break;
+        let mut dropped = Dropped::default();
+        // The queue is in use order: expired bindings are at its front, then the cap's victims.
+        while let Some(&(k, st)) = inner.lru.front() {
+            let live = inner.map.get(&k).filter(|b| b.stamp == st);
+            let drop = match live {
+                None => {
+                    inner.lru.pop_front();
+                    continue;
+                }
+                Some(b) if now.saturating_duration_since(b.last) > ttl => &mut dropped.expired,
+                Some(_) if inner.map.len() > self.max_entries => &mut dropped.evicted,
+                Some(_) => break,
             };
-            if inner.map.get(&k).is_some_and(|b| b.stamp == st) {
-                inner.map.remove(&k);
-                dropped += 1;
-            }
+            *drop += 1;
+            inner.lru.pop_front();
+            inner.map.remove(&k);
         }
         // Refreshing a binding leaves its older queue pair stale: compact once they dominate.
         if inner.lru.len() > 2 * self.max_entries + 16 {
@@ -189,22 +205,61 @@ impl SessionTable {
 mod tests {
     use super::*;
 
+    const NONE: Dropped = Dropped {
+        evicted: 0,
+        expired: 0,
+    };
+
     #[test]
     fn a_binding_is_kept_moved_and_forgotten_after_its_ttl() {
         let t = SessionTable::new(8, Duration::from_secs(10));
         let now = Instant::now();
         assert_eq!(t.get(1, now), None);
-        assert_eq!(t.bind(1, 2, now), (Bound::New, 0));
+        assert_eq!(t.bind(1, 2, now), (Bound::New, NONE));
         assert_eq!(t.get(1, now + Duration::from_secs(10)), Some(2));
-        assert_eq!(t.bind(1, 2, now + Duration::from_secs(5)), (Bound::Kept, 0));
+        assert_eq!(
+            t.bind(1, 2, now + Duration::from_secs(5)),
+            (Bound::Kept, NONE)
+        );
         assert_eq!(
             t.bind(1, 3, now + Duration::from_secs(6)),
-            (Bound::Moved, 0)
+            (Bound::Moved, NONE)
         );
         assert_eq!(t.get(1, now + Duration::from_secs(16)), Some(3));
         assert_eq!(t.get(1, now + Duration::from_secs(17)), None);
         // An expired binding counts as new.
-        assert_eq!(t.bind(1, 0, now + Duration::from_secs(30)), (Bound::New, 0));
+        assert_eq!(
+            t.bind(1, 0, now + Duration::from_secs(30)),
+            (Bound::New, NONE)
+        );
+    }
+
+    /// Bindings unused past the TTL are dropped by the next bind (oldest first) and counted, so
+    /// the gauge holds live bindings only.
+    #[test]
+    fn expired_bindings_are_dropped_by_the_next_bind() {
+        let t = SessionTable::new(100, Duration::from_secs(10));
+        let now = Instant::now();
+        for s in 0..3 {
+            t.bind(s, 0, now + Duration::from_secs(s));
+        }
+        assert_eq!(t.len(), 3);
+        // At 12 s session 0 (bound at 0 s) and 1 (at 1 s) are past 10 s; 2 (at 2 s) is not.
+        let (_, d) = t.bind(7, 1, now + Duration::from_millis(12_000));
+        assert_eq!(
+            d,
+            Dropped {
+                evicted: 0,
+                expired: 2
+            }
+        );
+        assert_eq!(t.len(), 2);
+        assert_eq!(t.get(2, now + Duration::from_secs(12)), Some(0));
+        // A refreshed binding is not dropped for its stale queue position.
+        t.bind(2, 0, now + Duration::from_secs(11));
+        let (_, d) = t.bind(8, 1, now + Duration::from_millis(12_500));
+        assert_eq!(d, NONE);
+        assert_eq!(t.len(), 3);
     }
 
     #[test]
@@ -216,7 +271,16 @@ mod tests {
         }
         // Using 0 again makes 1 the oldest.
         t.bind(0, 0, now);
-        assert_eq!(t.bind(9, 1, now), (Bound::New, 1));
+        assert_eq!(
+            t.bind(9, 1, now),
+            (
+                Bound::New,
+                Dropped {
+                    evicted: 1,
+                    expired: 0
+                }
+            )
+        );
         assert_eq!(t.len(), 3);
         assert_eq!(t.get(1, now), None);
         assert_eq!(t.get(0, now), Some(0));
@@ -236,7 +300,7 @@ mod tests {
             SessionTable::new(0, Duration::from_secs(1)),
             SessionTable::new(4, Duration::ZERO),
         ] {
-            assert_eq!(t.bind(1, 0, now), (Bound::Off, 0));
+            assert_eq!(t.bind(1, 0, now), (Bound::Off, NONE));
             assert_eq!(t.get(1, now), None);
         }
     }
