@@ -237,18 +237,27 @@ fn load_config(
     Ok(template)
 }
 
-/// Validates an endpoint-less rule as the pool's template: every field but `endpoints`, with a
-/// stand-in endpoint (TEST-NET-1, never installed).
+/// Validates an endpoint-less rule as the pool's template: every field but `endpoints`, with
+/// stand-in endpoints (TEST-NET-1, never installed): a prefill and a decode one under
+/// `kvExactMode` 1, as the pool's role labels will give.
 fn pool_template(
     raw: &serde_json::Value,
     settings: &crate::settings::Settings,
 ) -> Result<crate::rules::RuleSpec, crate::rules::RuleRejected> {
+    let pd = raw
+        .pointer("/serviceArguments/kvExactMode")
+        .and_then(serde_json::Value::as_i64)
+        == Some(1);
+    let stand_ins = match pd {
+        true => serde_json::json!([
+            {"endpointIP": "192.0.2.1", "targetPort": 1, "ep_role": 1},
+            {"endpointIP": "192.0.2.2", "targetPort": 1, "ep_role": 2},
+        ]),
+        false => serde_json::json!([{"endpointIP": "192.0.2.1", "targetPort": 1}]),
+    };
     let mut probe = raw.clone();
     if let Some(o) = probe.as_object_mut() {
-        o.insert(
-            "endpoints".into(),
-            serde_json::json!([{"endpointIP": "192.0.2.1", "targetPort": 1}]),
-        );
+        o.insert("endpoints".into(), stand_ins);
     }
     parse_rule(&probe, settings)
 }

@@ -381,3 +381,46 @@ fn an_endpointless_rule_must_be_the_pickers() {
     let e = run(&[]);
     assert!(e.contains("endpoints"), "{e}");
 }
+
+/// A prefill/decode pool (`kvExactMode` 1): each pod's `llm-d.ai/role` label gives its endpoint's
+/// `ep_role`; a ready pod without one makes the rule invalid, which is refused and counted, and
+/// the rule stays as it was until the pod is labelled.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefill_decode_pool_takes_roles_from_the_llm_d_label() {
+    let kube = FakeKube::start("127.0.0.1").await;
+    kube.pool(NS, POOL, &[APP], &[8000]);
+    let role = |r| [APP, ("llm-d.ai/role", r)];
+    kube.pod(NS, "p", "10.5.0.1", &role("prefill"), true);
+    kube.pod(NS, "d", "10.5.0.2", &role("decode"), true);
+    let mut pd = rule(9000, "vllm", 5557, &[], json!({"kvExactMode": 1}));
+    pd.as_object_mut().unwrap().remove("endpoints");
+    let svc = start("pool-pd", &kube, json!([pd]), (&[], &[]));
+    let roles = async || -> Vec<(String, i64)> {
+        let all = svc.get_json("/netlox/v1/config/loadbalancer/all").await;
+        all["lbAttr"][0]["endpoints"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .map(|e| {
+                (
+                    e["endpointIP"].as_str().unwrap().to_owned(),
+                    e["ep_role"].as_i64().unwrap_or(0),
+                )
+            })
+            .collect()
+    };
+    wait_endpoints(&svc, &["10.5.0.1:8000", "10.5.0.2:8000"]).await;
+    assert_eq!(
+        roles().await,
+        [("10.5.0.1".to_owned(), 1), ("10.5.0.2".to_owned(), 2)]
+    );
+    // An unlabelled pod: no role, so no valid rule; the last one stays.
+    kube.pod(NS, "x", "10.5.0.3", &[APP], true);
+    svc.wait_metric("kvroute_epp_pool_syncs_total{outcome=\"rejected\"}", 1.0)
+        .await;
+    assert_eq!(endpoints(&svc).await, ["10.5.0.1:8000", "10.5.0.2:8000"]);
+    assert!(svc.stderr().contains("ep_role"), "{}", svc.stderr());
+    kube.pod(NS, "x", "10.5.0.3", &role("decode"), true);
+    wait_endpoints(&svc, &["10.5.0.1:8000", "10.5.0.2:8000", "10.5.0.3:8000"]).await;
+    assert_eq!(roles().await[2], ("10.5.0.3".to_owned(), 2));
+}
