@@ -427,6 +427,11 @@ impl Metrics {
                 registry.register(Box::new(g.clone()))?;
                 Ok(g)
             };
+        let g = |name: &str, help: &str| -> Result<IntGauge, prometheus::Error> {
+            let g = IntGauge::new(name, help)?;
+            registry.register(Box::new(g.clone()))?;
+            Ok(g)
+        };
         let c = |name: &str, help: &str| -> Result<IntCounter, prometheus::Error> {
             let c = IntCounter::new(name, help)?;
             registry.register(Box::new(c.clone()))?;
@@ -547,22 +552,10 @@ impl Metrics {
                 "Time the endpoint picker holds a request: from the end of its body to the answer (tokenization included).",
                 vec![0.000_05, 0.000_1, 0.000_25, 0.000_5, 0.001, 0.002_5, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25],
             )?,
-            epp_pool_present: {
-                let g = IntGauge::new(
-                    "kvroute_epp_pool_present",
-                    "1 while the InferencePool the endpoint picker follows (--epp-pool) exists, 0 otherwise.",
-                )?;
-                registry.register(Box::new(g.clone()))?;
-                g
-            },
-            epp_pool_endpoints: {
-                let g = IntGauge::new(
-                    "kvroute_epp_pool_endpoints",
-                    "Endpoints (ready pod x target port) the endpoint picker's rule holds from its InferencePool; 0 when no pod is ready.",
-                )?;
-                registry.register(Box::new(g.clone()))?;
-                g
-            },
+            epp_pool_present: g("kvroute_epp_pool_present",
+                    "1 while the InferencePool the endpoint picker follows (--epp-pool) exists, 0 otherwise.")?,
+            epp_pool_endpoints: g("kvroute_epp_pool_endpoints",
+                    "Endpoints (ready pod x target port) the endpoint picker's rule holds from its InferencePool; 0 when no pod is ready.")?,
             epp_pool_pods: gv(
                 "kvroute_epp_pool_pods",
                 "Pods the InferencePool's selector names, by state: ready (a pod IP, Ready True, not being deleted) or not_ready.",
@@ -639,14 +632,8 @@ impl Metrics {
                 "Age of a replication log entry when this replica applied it.",
                 vec![0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0],
             )?,
-            repl_lag_entries: {
-                let g = IntGauge::new(
-                    "kvroute_replication_lag_entries",
-                    "Entries the last replication log read returned (the read size when behind).",
-                )?;
-                registry.register(Box::new(g.clone()))?;
-                g
-            },
+            repl_lag_entries: g("kvroute_replication_lag_entries",
+                    "Entries the last replication log read returned (the read size when behind).")?,
             lease_owned: gv(
                 "kvroute_replication_lease_owned",
                 "1 while this replica holds the endpoint's ingestion lease.",
@@ -680,11 +667,7 @@ impl Metrics {
                 &["cause"],
             )?,
             redis_errors: cv("kvroute_redis_errors_total", "Failed Redis operations, by operation.", &["op"])?,
-            redis_connected: {
-                let g = IntGauge::new("kvroute_redis_connected", "1 while the replication writer reaches Redis.")?;
-                registry.register(Box::new(g.clone()))?;
-                g
-            },
+            redis_connected: g("kvroute_redis_connected", "1 while the replication writer reaches Redis.")?,
             repl_resyncs: cv(
                 "kvroute_replication_resyncs_total",
                 "Resynchronisations after Redis came back or lost acknowledged writes, by side.",
@@ -698,11 +681,7 @@ impl Metrics {
                 registry.register(Box::new(g.clone()))?;
                 g
             },
-            http_connections: {
-                let g = IntGauge::new("kvroute_http_connections", "Open HTTP connections on the service's listener.")?;
-                registry.register(Box::new(g.clone()))?;
-                g
-            },
+            http_connections: g("kvroute_http_connections", "Open HTTP connections on the service's listener.")?,
             http_closes: cv(
                 "kvroute_http_connections_closed_total",
                 "Connections the service closed, by reason (header_timeout, idle_timeout, tls_handshake).",
