@@ -3,8 +3,9 @@
 //!
 //! Two reflectors ([`super::kube::reflect`]) keep the InferencePool object
 //! (`inference.networking.k8s.io/v1`, its `spec.selector.matchLabels` and `spec.targetPorts`) and
-//! the pods its selector names. After every change, and every [`TICK`] in case the rule was
-//! changed from elsewhere, [`PoolWatch::reconcile`] derives the rule:
+//! the pods its selector names. After changes (a burst of watch events is one reconcile), and
+//! every [`TICK`] in case the rule was changed from elsewhere, [`PoolWatch::reconcile`] derives
+//! the rule:
 //!
 //! - **the template**: the rule the picker serves (`--epp-rule`) as last installed by someone
 //!   else (the management API, a peer replica), else the `--config` rule written without
@@ -183,10 +184,9 @@ struct Last {
     template: Option<Value>,
     /// The generation of the rule as this watcher last saw or installed it.
     generation: Option<u64>,
-    /// The (template, endpoints) of the last attempt and its outcome.
-    attempt: Option<(Value, PoolSync)>,
-    /// The last rejection's text, logged once.
-    rejected: Option<String>,
+    /// The (template, endpoints) of the last attempt: the same again is not retried (parsing
+    /// and installing give the same result), nor counted.
+    attempt: Option<Value>,
 }
 
 /// Keeps the rule `--epp-rule` in line with the pool's ready pods.
@@ -262,8 +262,10 @@ impl PoolWatch {
             )
             .await;
         });
-        // `None` until the selector's pods were listed.
+        // `None` until the selector's pods were listed; `changed` wakes the reconciler, once for
+        // however many events arrived since it last ran.
         let pods: Mutex<Option<BTreeMap<String, Pod>>> = Mutex::default();
+        let changed = tokio::sync::Notify::new();
         loop {
             let spec = rx.borrow_and_update().clone();
             let spec = match spec {
@@ -293,17 +295,19 @@ impl PoolWatch {
                 &coll,
                 &cancel,
                 |set| {
-                    let mut p = pods.lock().unwrap_or_else(|e| e.into_inner());
-                    *p = Some(set.clone());
-                    self.reconcile(&spec, set);
+                    *pods.lock().unwrap_or_else(|e| e.into_inner()) = Some(set.clone());
+                    changed.notify_one();
                 },
                 |r, e| self.restarted("pods", r, e),
             );
-            let ticker = async {
+            let reconciler = async {
                 let mut t = tokio::time::interval(TICK);
                 t.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
                 loop {
-                    t.tick().await;
+                    tokio::select! {
+                        _ = changed.notified() => {}
+                        _ = t.tick() => {}
+                    }
                     let p = pods.lock().unwrap_or_else(|e| e.into_inner());
                     if let Some(p) = p.as_ref() {
                         self.reconcile(&spec, p);
@@ -315,7 +319,7 @@ impl PoolWatch {
                 _ = cancel.cancelled() => return,
                 r = rx.changed() => if r.is_err() { return },
                 _ = reflector => return,
-                _ = ticker => {}
+                _ = reconciler => {}
             }
             // The pool changed: the next selector's pods are listed afresh.
             *pods.lock().unwrap_or_else(|e| e.into_inner()) = None;
@@ -366,23 +370,18 @@ impl PoolWatch {
             Some(t) => (PoolSync::Installed, endpoints_for(t, &ready, &ports)),
         };
         let attempt = json!([last.template, endpoints]);
-        let repeated = last.attempt.as_ref().is_some_and(|(a, _)| *a == attempt);
+        if last.attempt.as_ref() == Some(&attempt) {
+            return;
+        }
+        last.attempt = Some(attempt);
         if outcome != PoolSync::Installed {
             self.view.endpoints.store(0, Ordering::Release);
             self.view
                 .synced
                 .store(outcome == PoolSync::Empty, Ordering::Release);
             m.epp_pool_endpoints.set(0);
-            if !repeated {
-                m.epp_pool_sync(outcome).inc();
-                last.attempt = Some((attempt, outcome));
-            }
+            m.epp_pool_sync(outcome).inc();
             return;
-        }
-        if repeated {
-            if let Some((_, PoolSync::Installed)) = last.attempt {
-                return;
-            }
         }
         let mut raw = last.template.clone().unwrap_or(Value::Null);
         if let Some(o) = raw.as_object_mut() {
@@ -398,7 +397,6 @@ impl PoolWatch {
         let outcome = match result {
             Ok(installed) => {
                 last.generation = Some(installed.rule.generation);
-                last.rejected = None;
                 let n = installed.rule.eps().len();
                 self.view.endpoints.store(n, Ordering::Release);
                 self.view.synced.store(true, Ordering::Release);
@@ -409,17 +407,11 @@ impl PoolWatch {
                 PoolSync::Installed
             }
             Err(e) => {
-                if last.rejected.as_deref() != Some(e.as_str()) {
-                    tracing::warn!(pool = %self.opts.name, rule = %self.rule, "the pool's endpoints cannot be installed: {e}");
-                    last.rejected = Some(e);
-                }
+                tracing::warn!(pool = %self.opts.name, rule = %self.rule, "the pool's endpoints cannot be installed: {e}");
                 PoolSync::Rejected
             }
         };
-        if !repeated {
-            m.epp_pool_sync(outcome).inc();
-        }
-        last.attempt = Some((attempt, outcome));
+        m.epp_pool_sync(outcome).inc();
     }
 }
 
