@@ -34,7 +34,7 @@ fuzz_target!(|data: &[u8]| {
     let ready: Vec<&Pod> = pods.iter().filter(|p| p.ready_ip().is_some()).collect();
     for mode in [1, 3] {
         let template = json!({"serviceArguments": {"kvExactMode": mode}});
-        let eps = endpoints_for(&template, &ready, &[8000, 8001]);
+        let eps = endpoints_for(&template, &[], &ready, &[8000, 8001]);
         let n = eps.as_array().map_or(0, Vec::len);
         assert!(n <= ready.len() * 2, "at most one endpoint per ready pod and port");
     }

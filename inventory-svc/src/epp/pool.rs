@@ -367,7 +367,16 @@ impl PoolWatch {
         let (outcome, endpoints) = match &last.template {
             _ if count == 0 => (PoolSync::Empty, Value::Null),
             None => (PoolSync::Waiting, Value::Null),
-            Some(t) => (PoolSync::Installed, endpoints_for(t, &ready, &ports)),
+            Some(t) => {
+                let at: Vec<SocketAddr> = current.as_ref().map_or_else(Vec::new, |rt| {
+                    rt.spec
+                        .endpoints
+                        .iter()
+                        .map(|e| SocketAddr::new(e.ip, e.port))
+                        .collect()
+                });
+                (PoolSync::Installed, endpoints_for(t, &at, &ready, &ports))
+            }
         };
         let attempt = json!([last.template, endpoints]);
         if last.attempt.as_ref() == Some(&attempt) {
@@ -415,9 +424,18 @@ impl PoolWatch {
     }
 }
 
-/// The rule's `endpoints` for the ready pods and ports, sorted by address: a template entry for
-/// the same address is kept; under `kvExactMode` 1 the pod's [`ROLE_LABEL`] sets `ep_role`.
-pub fn endpoints_for(template: &Value, ready: &[&Pod], ports: &[u16]) -> Value {
+/// The rule's `endpoints` for the ready pods and ports: a template entry for the same address
+/// is kept; under `kvExactMode` 1 the pod's [`ROLE_LABEL`] sets `ep_role`. Addresses the rule
+/// lists now (`current`, in its order) keep their places, so their inventory stays where it is
+/// (a moved endpoint's blocks are copied over by a scan of the index): new addresses fill the
+/// places of gone ones first, then the list's tail moves into the places still empty, then new
+/// ones are appended, sorted by address.
+pub fn endpoints_for(
+    template: &Value,
+    current: &[SocketAddr],
+    ready: &[&Pod],
+    ports: &[u16],
+) -> Value {
     let pd = template
         .pointer("/serviceArguments/kvExactMode")
         .and_then(Value::as_i64)
@@ -453,7 +471,43 @@ pub fn endpoints_for(template: &Value, ready: &[&Pod], ports: &[u16]) -> Value {
             out.insert(addr, e);
         }
     }
-    Value::Array(out.into_values().collect())
+    Value::Array(
+        places(current, &out)
+            .into_iter()
+            .filter_map(|a| out.remove(&a))
+            .collect(),
+    )
+}
+
+/// The order of `wanted`'s addresses that moves the fewest of `current`'s (see
+/// [`endpoints_for`]).
+fn places(current: &[SocketAddr], wanted: &BTreeMap<SocketAddr, Value>) -> Vec<SocketAddr> {
+    let mut slots: Vec<Option<SocketAddr>> = current
+        .iter()
+        .map(|a| wanted.contains_key(a).then_some(*a))
+        .collect();
+    let mut new = wanted.keys().filter(|a| !current.contains(a)).copied();
+    for s in slots.iter_mut().filter(|s| s.is_none()) {
+        *s = new.next();
+    }
+    // Places still empty take the list's last endpoints.
+    let mut i = 0;
+    while i < slots.len() {
+        if slots[i].is_none() {
+            while slots.last().is_some_and(Option::is_none) {
+                slots.pop();
+            }
+            if let Some(last) = slots.pop().flatten() {
+                if i < slots.len() {
+                    slots[i] = Some(last);
+                } else {
+                    slots.push(Some(last));
+                }
+            }
+        }
+        i += 1;
+    }
+    slots.into_iter().flatten().chain(new).collect()
 }
 
 #[cfg(test)]
@@ -497,7 +551,7 @@ mod tests {
             pod("b", "10.0.0.1", "True", &[(ROLE_LABEL, "prefill")]),
             pod("c", "10.0.0.3", "False", &[]),
         );
-        let got = endpoints_for(&template, &[&a, &b, &c], &[8000, 8001]);
+        let got = endpoints_for(&template, &[], &[&a, &b, &c], &[8000, 8001]);
         assert_eq!(
             got,
             json!([
@@ -518,7 +572,7 @@ mod tests {
             pod("x", "10.0.0.3", "True", &[(ROLE_LABEL, "prefill-decode")]),
         );
         assert_eq!(
-            endpoints_for(&pd, &[&p, &d, &both], &[8000]),
+            endpoints_for(&pd, &[], &[&p, &d, &both], &[8000]),
             json!([
                 {"endpointIP": "10.0.0.1", "targetPort": 8000, "ep_role": 1},
                 {"endpointIP": "10.0.0.2", "targetPort": 8000, "ep_role": 2},
@@ -527,9 +581,32 @@ mod tests {
         );
         let plain = json!({"serviceArguments": {"kvExactMode": 3}});
         assert_eq!(
-            endpoints_for(&plain, &[&p], &[8000]),
+            endpoints_for(&plain, &[], &[&p], &[8000]),
             json!([{"endpointIP": "10.0.0.1", "targetPort": 8000}])
         );
+    }
+
+    /// Endpoints the rule lists keep their places: new ones fill gone ones' places, then the
+    /// tail moves into the holes left, then the rest is appended in address order.
+    #[test]
+    fn listed_endpoints_keep_their_places() {
+        let a = |n: u8| -> SocketAddr { SocketAddr::new([10, 0, 0, n].into(), 8000) };
+        let want = |ns: &[u8]| -> BTreeMap<SocketAddr, Value> {
+            ns.iter().map(|&n| (a(n), Value::Null)).collect()
+        };
+        let cur = [a(5), a(3), a(9), a(7)];
+        // Nothing changes: the current order, not the sorted one.
+        assert_eq!(places(&cur, &want(&[3, 5, 7, 9])), cur);
+        // 3 goes, 1 and 2 come: 1 takes 3's place, 2 is appended.
+        assert_eq!(
+            places(&cur, &want(&[1, 2, 5, 7, 9])),
+            [a(5), a(1), a(9), a(7), a(2)]
+        );
+        // 5 and 9 go, nothing comes: 7 (the tail) moves into 5's place; one endpoint moves.
+        assert_eq!(places(&cur, &want(&[3, 7])), [a(7), a(3)]);
+        // Everything goes: the new ones in address order.
+        assert_eq!(places(&cur, &want(&[2, 1])), [a(1), a(2)]);
+        assert_eq!(places(&[], &want(&[2, 1])), [a(1), a(2)]);
     }
 
     #[test]
