@@ -293,50 +293,37 @@ impl Fleet {
         if ops.is_empty() {
             return;
         }
-        let held = rule.index.block_count(ep);
+        // At the cap, a tier's stores are refused (counted) until evictions or a clear make room,
+        // so one endpoint's index is bounded by the cap plus one message whatever a publisher
+        // sends. The check and the counts come from the index under the lock of the apply.
         let cap = self.key_cap(rule, ep);
-        // The cap bounds each tier apart: the GPU table, and each lower tier's.
-        let full: [bool; 3] = [
-            held >= cap,
-            rule.index.lower_block_count(Lower::Cpu, ep) >= cap,
-            rule.index.lower_block_count(Lower::Storage, ep) >= cap,
-        ];
-        let refuses = |o: &IndexOp| match o {
-            IndexOp::Store(k) => full[0].then_some(k.len()),
-            IndexOp::StoreLower(l, k) => full[1 + l.index()].then_some(k.len()),
-            _ => None,
-        };
-        if ops.iter().any(|o| refuses(o).is_some()) {
-            // At the cap: stores are refused (counted) until evictions or a clear make room, so
-            // one endpoint's index is bounded by the cap plus one message whatever a publisher
-            // sends.
-            let mut refused = 0u64;
-            let kept: Vec<IndexOp> = ops
-                .iter()
-                .filter(|o| match refuses(o) {
-                    Some(n) => {
-                        refused += n as u64;
-                        false
-                    }
-                    None => true,
-                })
-                .cloned()
-                .collect();
+        let done = rule.index.apply_capped(ep, rank, ops, cap);
+        if done.refused > 0 {
             self.metrics
                 .key_cap_refusals
                 .with_label_values(&[rule.spec.engine.as_str()])
-                .inc_by(refused);
-            tracing::debug!(rule = %rule.spec.name(), ep = ep.0, held, cap, refused, "endpoint key cap reached");
-            rule.index.apply(ep, rank, &kept);
-        } else {
-            rule.index.apply(ep, rank, ops);
+                .inc_by(done.refused);
+            tracing::debug!(rule = %rule.spec.name(), ep = ep.0, held = done.gpu, cap, refused = done.refused, "endpoint key cap reached");
         }
-        self.publish_blocks(rule, ep);
+        self.set_block_gauges(rule, ep, done.gpu, done.lower);
     }
 
-    /// Sets endpoint `ep`'s block gauge (unless the rule is gone: its series were dropped). The
-    /// series is looked up once per endpoint runtime, not per message.
+    /// Sets endpoint `ep`'s block gauges (unless the rule is gone: its series were dropped) from
+    /// the index.
     fn publish_blocks(&self, rule: &RuleRuntime, ep: EndpointId) {
+        let lower = Lower::ALL.map(|l| Some(rule.index.lower_block_count(l, ep)));
+        self.set_block_gauges(rule, ep, rule.index.block_count(ep), lower);
+    }
+
+    /// Sets endpoint `ep`'s GPU block gauge to `gpu` and each lower tier's to `lower` where
+    /// known. The series are looked up once per endpoint runtime, not per message.
+    fn set_block_gauges(
+        &self,
+        rule: &RuleRuntime,
+        ep: EndpointId,
+        gpu: u64,
+        lower: [Option<u64>; 2],
+    ) {
         if rule.is_stopped() {
             return;
         }
@@ -346,8 +333,8 @@ impl Fleet {
                 .inventory_blocks
                 .with_label_values(&[&rule.spec.name(), &ep.0.to_string()])
         });
-        gauge.set(i64::try_from(rule.index.block_count(ep)).unwrap_or(i64::MAX));
-        let lower = e.lower_gauges.get_or_init(|| {
+        gauge.set(i64::try_from(gpu).unwrap_or(i64::MAX));
+        let gauges = e.lower_gauges.get_or_init(|| {
             Lower::ALL.map(|l| {
                 self.metrics.lower_blocks.with_label_values(&[
                     &rule.spec.name(),
@@ -356,8 +343,10 @@ impl Fleet {
                 ])
             })
         });
-        for (l, g) in Lower::ALL.iter().zip(lower) {
-            g.set(i64::try_from(rule.index.lower_block_count(*l, ep)).unwrap_or(i64::MAX));
+        for (g, n) in gauges.iter().zip(lower) {
+            if let Some(n) = n {
+                g.set(i64::try_from(n).unwrap_or(i64::MAX));
+            }
         }
     }
 

@@ -141,6 +141,18 @@ pub struct BlockPage {
     pub next: Option<usize>,
 }
 
+/// What [`BlockIndex::apply_capped`] did to one endpoint.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Applied {
+    /// Blocks the endpoint holds in GPU memory afterwards.
+    pub gpu: u64,
+    /// Blocks it holds afterwards in each lower tier the operations touched (by
+    /// [`Lower::index`]); `None` for a tier they left alone.
+    pub lower: [Option<u64>; 2],
+    /// Keys of stores refused because the tier already held the cap.
+    pub refused: u64,
+}
+
 /// Slots one page may scan per requested block: bounds the lock hold of a page of a sparse
 /// endpoint (one of many holding few keys).
 pub const PAGE_SCAN_FACTOR: usize = 16;
@@ -148,7 +160,16 @@ pub const PAGE_SCAN_FACTOR: usize = 16;
 /// The inventory of one rule, behind a trait a replicated store can implement.
 pub trait BlockIndex: Send + Sync {
     /// Applies one message's operations from `(ep, rank)` atomically with respect to queries.
-    fn apply(&self, ep: EndpointId, rank: Rank, ops: &[IndexOp]);
+    fn apply(&self, ep: EndpointId, rank: Rank, ops: &[IndexOp]) {
+        self.apply_capped(ep, rank, ops, u64::MAX);
+    }
+
+    /// [`apply`](Self::apply), refusing the message's stores into a tier where `ep` held `cap`
+    /// blocks or more when the message arrived (its own removals or clear make room for the next
+    /// message, not for its stores; one message can take a tier past the cap by its own size, no
+    /// further), and returns the counts afterwards: the check and the counts are taken under the
+    /// locks of the apply.
+    fn apply_capped(&self, ep: EndpointId, rank: Rank, ops: &[IndexOp], cap: u64) -> Applied;
 
     /// For each endpoint, the number of leading `keys` it holds (really or speculatively).
     /// `out` is resized to the endpoint count.
@@ -524,37 +545,67 @@ impl MemIndex {
 }
 
 impl BlockIndex for MemIndex {
-    fn apply(&self, ep: EndpointId, rank: Rank, ops: &[IndexOp]) {
+    fn apply_capped(&self, ep: EndpointId, rank: Rank, ops: &[IndexOp], cap: u64) -> Applied {
+        let mut done = Applied::default();
         if ep.index() >= MAX_ENDPOINTS {
-            return;
+            return done;
         }
+        let i = ep.index();
         let mut t = self.write();
         t.ensure_ep(ep);
+        // Whether each tier (GPU, then the lower ones) refuses the message's stores, on what the
+        // endpoint held when it arrived; a lower tier's lock is taken only when the message
+        // stores into it.
+        let mut full = [t.counts[i] >= cap, false, false];
+        for l in Lower::ALL {
+            if ops
+                .iter()
+                .any(|o| matches!(o, IndexOp::StoreLower(x, _) if *x == l))
+            {
+                let held = self.read_lower(l).counts.get(i).copied().unwrap_or(0);
+                full[1 + l.index()] = held >= cap;
+            }
+        }
         for op in ops {
             match op {
-                IndexOp::Store(keys) => t.store(ep, rank, keys),
+                IndexOp::Store(keys) => {
+                    if full[0] {
+                        done.refused += keys.len() as u64;
+                    } else {
+                        t.store(ep, rank, keys);
+                    }
+                }
                 IndexOp::Remove(keys) => t.remove(ep, rank, keys),
                 IndexOp::Clear => {
                     t.clear(ep, rank);
                     for l in Lower::ALL {
                         let mut lt = self.write_lower(l);
-                        if lt.counts.len() > ep.index() {
+                        if lt.counts.len() > i {
                             lt.clear(ep, rank);
                         }
+                        done.lower[l.index()] = Some(lt.counts.get(i).copied().unwrap_or(0));
                     }
                 }
                 IndexOp::StoreLower(l, keys) => {
                     let mut lt = self.write_lower(*l);
                     lt.ensure_ep(ep);
-                    lt.store(ep, rank, keys);
+                    if full[1 + l.index()] {
+                        done.refused += keys.len() as u64;
+                    } else {
+                        lt.store(ep, rank, keys);
+                    }
+                    done.lower[l.index()] = Some(lt.counts[i]);
                 }
                 IndexOp::RemoveLower(l, keys) => {
                     let mut lt = self.write_lower(*l);
                     lt.ensure_ep(ep);
                     lt.remove(ep, rank, keys);
+                    done.lower[l.index()] = Some(lt.counts[i]);
                 }
             }
         }
+        done.gpu = t.counts[i];
+        done
     }
 
     fn match_prefix(&self, keys: &[BlockKey], now: Instant, out: &mut Vec<u32>) {
@@ -899,6 +950,41 @@ mod tests {
         );
         assert_eq!(fx.m(&[1, 2], 1), vec![0]);
         assert_eq!(fx.count(0), 2);
+    }
+
+    #[rstest]
+    fn the_cap_refuses_a_tiers_stores_on_what_it_held_and_counts_come_back(
+        #[values(Width::Narrow, Width::Wide)] w: Width,
+    ) {
+        let fx = Fx::new(w);
+        let cap = |ops: &[IndexOp]| fx.ix.apply_capped(fx.ep(2), Rank(0), ops, 3);
+        let applied = |gpu, lower, refused| Applied {
+            gpu,
+            lower,
+            refused,
+        };
+        // Under the cap when the message arrives: the whole message lands, past it.
+        let done = cap(&[IndexOp::Store(k(&[1, 2])), IndexOp::Store(k(&[3, 4]))]);
+        assert_eq!(done, applied(4, [None, None], 0));
+        // At the cap: its stores refused even after its own removal (which applies), a lower
+        // tier judged on its own.
+        let done = cap(&[
+            IndexOp::Remove(k(&[1, 2])),
+            IndexOp::Store(k(&[5, 6])),
+            IndexOp::StoreLower(Lower::Cpu, k(&[1, 9])),
+        ]);
+        assert_eq!(done, applied(2, [Some(2), None], 2));
+        assert_eq!(fx.all_blocks(2), k(&[3, 4]));
+        // The removals made room for the next message.
+        let done = cap(&[IndexOp::Store(k(&[5]))]);
+        assert_eq!(done, applied(3, [None, None], 0));
+        // A clear reports every tier; the stores of its own message are judged on before it.
+        let done = cap(&[IndexOp::Clear, IndexOp::Store(k(&[7]))]);
+        assert_eq!(done, applied(0, [Some(0), Some(0)], 1));
+        assert_eq!(fx.ix.lower_block_count(Lower::Cpu, fx.ep(2)), 0);
+        // `apply` is uncapped.
+        fx.apply(2, 0, &[IndexOp::Store(k(&[10, 11, 12, 13]))]);
+        assert_eq!(fx.count(2), 4);
     }
 
     #[rstest]
