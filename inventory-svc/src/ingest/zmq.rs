@@ -155,19 +155,20 @@ async fn session(feed: Feed, mut p: Pub, cancel: CancellationToken) -> (Pub, End
     // token's waiter list (under its lock) for every message.
     let cancelled = cancel.cancelled();
     tokio::pin!(cancelled);
+    // One timer for the whole session, not one per message: a message only notes its time, and
+    // the timer, when it fires, re-arms itself for the silence left since the last message.
+    let mut last = Instant::now();
+    let silence = tokio::time::sleep(idle);
+    tokio::pin!(silence);
     loop {
-        let silence = async {
-            if idle.is_zero() {
-                std::future::pending::<()>().await;
-            } else {
-                tokio::time::sleep(idle).await;
-            }
-        };
         tokio::select! {
             biased;
             _ = &mut cancelled => return (p, End::Cancelled),
             msg = sock.recv() => match msg {
                 Ok(m) => {
+                    if !idle.is_zero() {
+                        last = Instant::now();
+                    }
                     if bind {
                         feed.set_connected(true);
                     }
@@ -180,16 +181,25 @@ async fn session(feed: Feed, mut p: Pub, cancel: CancellationToken) -> (Pub, End
                     Some(rx) => rx.next().await,
                     None => std::future::pending().await,
                 }
-            } => match ev {
-                Some(SocketEvent::Accepted(..)) => feed.set_connected(true),
-                Some(_) => {}
-                None => attached = None,
+            } => {
+                // The socket's news counts as activity, as a message does.
+                last = Instant::now();
+                match ev {
+                    Some(SocketEvent::Accepted(..)) => feed.set_connected(true),
+                    Some(_) => {}
+                    None => attached = None,
+                }
             },
-            _ = silence => {
+            _ = &mut silence, if !idle.is_zero() => {
+                if last.elapsed() < idle {
+                    silence.as_mut().reset(last + idle);
+                    continue;
+                }
                 feed.set_connected(false);
                 if !bind {
                     return (p, End::Idle);
                 }
+                silence.as_mut().reset(Instant::now() + idle);
             }
         }
     }
