@@ -21,15 +21,10 @@ table="$(mktemp)"
 trap 'rm -f "$table"' EXIT
 [[ -f .cache/env.sh ]] && source .cache/env.sh
 if [[ -n "$BASE" ]]; then
-    bin="$REPO/.cache/bench/kvroute-inventory-$BASE"
-    if [[ ! -x "$bin" ]]; then
-        wt="$(mktemp -d)/kvroute-$BASE"
-        git worktree add -q --detach "$wt" "$BASE"
-        (cd "$wt" && CARGO_TARGET_DIR="$REPO/target" cargo build --release -q -p kvroute-inventory --bin kvroute-inventory)
-        mkdir -p "$REPO/.cache/bench"
-        cp "$REPO/target/release/kvroute-inventory" "$bin"
-        git worktree remove --force "$wt"
-    fi
+    die() { echo "bench-route.sh: $*" >&2; exit 1; }
+    # shellcheck source=lib.sh
+    source "$REPO/scripts/lib.sh"
+    bin="$(baseline_inventory "$BASE")"
     export KVROUTE_BENCH_BASELINE_BIN="$bin" KVROUTE_BENCH_BASELINE_LABEL="$BASE"
 fi
 before="$(cut -d' ' -f1-3 /proc/loadavg)"

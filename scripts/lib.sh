@@ -1,6 +1,7 @@
 # Shell helpers shared by the scripts: waiting for processes (stack.sh, bench_gateways.sh), the
-# simulator fleet of the gateway benches (bench_gateways.sh, bench_epp_ratio.sh) and installing
-# Debian packages (setup.sh, build-images.sh). Source it after defining `die MESSAGE`
+# simulator fleet of the gateway benches (bench_gateways.sh, bench_epp_ratio.sh), installing
+# Debian packages (setup.sh, build-images.sh) and earlier builds of the service for benches to
+# measure beside this one (bench-route.sh, bench-ingest.sh). Source it after defining `die MESSAGE`
 # (prints and exits).
 
 # poll LOG CMD...: runs CMD every 0.2 s until it succeeds, at most 60 s; on timeout prints LOG's
@@ -108,4 +109,24 @@ sim_fleet() {
 "kvExactMode":3,"kvEngineType":"vllm","kvHashAlgo":"sha256_cbor","kvBlockSize":16,"kvZmqPort":$ZMQ_PORT,
 "kvReplayPort":$REPLAY_PORT,"kvModel":"$model"},"endpoints":[$endpoints]}]
 EOF
+}
+
+# baseline_inventory REV: prints the path of a release `kvroute-inventory` built from git revision
+# REV (cached in $REPO/.cache/bench; built once in a temporary worktree with its own target
+# directory, $REPO/target/baseline: cargo names a workspace member's artifacts without its path, so
+# a worktree building into this checkout's target directory would replace this build's binary).
+# Needs REPO set.
+baseline_inventory() {
+    local rev bin wt
+    rev="$(git -C "$REPO" rev-parse --short "$1")" || die "unknown revision $1"
+    bin="$REPO/.cache/bench/kvroute-inventory-$rev"
+    if [[ ! -x "$bin" ]]; then
+        wt="$(mktemp -d)/kvroute-$rev"
+        git -C "$REPO" worktree add -q --detach "$wt" "$rev" >&2
+        (cd "$wt" && CARGO_TARGET_DIR="$REPO/target/baseline" cargo build --release -q -p kvroute-inventory --bin kvroute-inventory) >&2
+        mkdir -p "$REPO/.cache/bench"
+        cp "$REPO/target/baseline/release/kvroute-inventory" "$bin"
+        git -C "$REPO" worktree remove --force "$wt" >&2
+    fi
+    echo "$bin"
 }

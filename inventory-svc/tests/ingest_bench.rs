@@ -4,15 +4,20 @@
 //! real path (decode, key, apply). Reports events/s, the service's CPU per event, and the lag
 //! from a window's last publish to its last event in the index, for every endpoint and with one
 //! hot publisher sending ten times the others' volume (does one backlog delay the rest?).
+//! With `KVROUTE_BENCH_BASELINE_BIN` (`scripts/bench-ingest.sh --baseline REV`) another build of
+//! the service runs beside this one, the two alternating run by run, and the paired ratios of
+//! their CPU per event are reported.
 //! Measurements, not assertions: only correctness (counts reached) is checked.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 mod common;
 
 use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use common::{batch, cpu_secs, metric, pid_cpu_secs, rule, stored, Publisher, Service};
+use common::{batch, cpu_secs, metric, pid_cpu_secs, removed, rule, stored, Publisher, Service};
 use kvroute_test_support::machine;
 use serde_json::json;
 
@@ -36,8 +41,16 @@ fn n(var: &str, default: u64) -> u64 {
         .unwrap_or(default)
 }
 
+/// `/metrics` reads made by the bench (each is work for the service, subtracted from its CPU at
+/// the cost a calibration measures).
+static SCRAPES: AtomicU64 = AtomicU64::new(0);
+
+/// Scrapes of the calibration that prices one `/metrics` read on an idle service.
+const CALIBRATION_SCRAPES: u64 = 300;
+
 /// Blocks per endpoint from one `/metrics` read.
 async fn blocks(svc: &Service, eps: usize) -> Vec<u64> {
+    SCRAPES.fetch_add(1, Ordering::Relaxed);
     let m = svc.metrics().await;
     (0..eps)
         .map(|ep| {
@@ -103,13 +116,14 @@ fn pct(sorted: &[f64], q: f64) -> f64 {
     sorted[i.min(sorted.len() - 1)]
 }
 
-/// One fleet size's figures.
+/// One run's figures.
 struct Row {
-    eps: usize,
-    windows: u64,
     events: u64,
     secs: f64,
     cpu: f64,
+    /// The service's CPU for the bench's `/metrics` reads during the windows (their count times
+    /// the calibrated cost of one).
+    scrape_cpu: f64,
     /// CPU of the bench process itself (publishers and polling).
     bench_cpu: f64,
     lag: Vec<f64>,
@@ -117,7 +131,73 @@ struct Row {
     cold_lag: Vec<f64>,
 }
 
-async fn run_fleet(eps: usize, windows: u64, per_window: u64) -> Row {
+impl Row {
+    /// Block events per CPU-second of the service, the bench's `/metrics` reads excluded.
+    fn per_cpu(&self) -> f64 {
+        self.events as f64 / (self.cpu - self.scrape_cpu).max(0.01)
+    }
+}
+
+/// What the publishers send.
+#[derive(Clone, Copy, PartialEq)]
+enum Workload {
+    /// Every message stores 16 new keys: the index grows all run long (the worst case per event:
+    /// every store a new table entry, the table growing past the caches).
+    Growth,
+    /// Engines at capacity: each endpoint is first filled with `held` blocks (untimed), then its
+    /// messages alternate storing 16 new keys and removing its 16 oldest, as an engine's KV cache
+    /// does once full.
+    Steady { held: u64 },
+}
+
+impl Workload {
+    fn name(self) -> String {
+        match self {
+            Workload::Growth => "growth".into(),
+            Workload::Steady { held } => format!("steady, {held} blocks per endpoint"),
+        }
+    }
+}
+
+/// Fills every endpoint with `held` blocks of fresh keys (256 per message, bursts the PUB's send
+/// buffer holds), remembering each endpoint's keys oldest first in runs of [`PER`].
+async fn preload(
+    svc: &Service,
+    pubs: &mut [Publisher],
+    expect: &mut [u64],
+    held: u64,
+    next_key: &mut u64,
+) -> Vec<std::collections::VecDeque<u64>> {
+    const WIDE: u64 = 256;
+    let mut fifo = vec![std::collections::VecDeque::new(); pubs.len()];
+    let mut left = held;
+    while left > 0 {
+        for _ in 0..32 {
+            if left == 0 {
+                break;
+            }
+            let n = left.min(WIDE).div_ceil(PER) * PER;
+            left = left.saturating_sub(n);
+            for (i, p) in pubs.iter_mut().enumerate() {
+                let keys: Vec<u64> = (*next_key..*next_key + n).collect();
+                fifo[i].extend(keys.iter().step_by(PER as usize).copied());
+                *next_key += n;
+                p.send(&batch(vec![stored(&keys, &[], false)])).await;
+                expect[i] += n;
+            }
+        }
+        wait_all(svc, pubs, expect, Instant::now(), 120).await;
+    }
+    fifo
+}
+
+async fn run_fleet(
+    program: Option<&Path>,
+    eps: usize,
+    workload: Workload,
+    windows: u64,
+    per_window: u64,
+) -> Row {
     let mut pubs = Vec::with_capacity(eps);
     for _ in 0..eps {
         pubs.push(Publisher::bind(0).await.unwrap());
@@ -129,11 +209,12 @@ async fn run_fleet(eps: usize, windows: u64, per_window: u64) -> Row {
     for (i, p) in pubs.iter().enumerate() {
         r["endpoints"][i]["kvZmqEndpoint"] = json!(format!("tcp://127.0.0.1:{}", p.port));
     }
-    let svc = Service::start(
-        &format!("ingest-bench-{eps}"),
-        &json!([r]),
-        &[("RUST_LOG", "warn")],
-    );
+    let tag = format!("ingest-bench-{eps}");
+    let env = [("RUST_LOG", "warn")];
+    let svc = match program {
+        Some(p) => Service::start_program(p, &tag, (&json!([r]), &env, &[])),
+        None => Service::start(&tag, &json!([r]), &env),
+    };
     // Subscribed: every publisher sends a probe block each round until every endpoint holds one.
     let end = Instant::now() + Duration::from_secs(120);
     let mut probe = 1u64 << 40;
@@ -156,26 +237,56 @@ async fn run_fleet(eps: usize, windows: u64, per_window: u64) -> Row {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     let mut expect = blocks(&svc, eps).await;
+    let mut next_key = 1u64;
+    let mut fifo = match workload {
+        Workload::Growth => Vec::new(),
+        Workload::Steady { held } => {
+            preload(&svc, &mut pubs, &mut expect, held, &mut next_key).await
+        }
+    };
     let (mut events, mut lag, mut hot_lag, mut cold_lag) = (0u64, vec![], vec![], vec![]);
-    let (c0, b0, t0) = (
+    let (c0, b0, t0, s0) = (
         cpu_secs(&svc),
         pid_cpu_secs(std::process::id()),
         Instant::now(),
+        SCRAPES.load(Ordering::Relaxed),
     );
-    let mut next_key = 1u64;
+    // Steady: an odd number of messages per endpoint and window (remove, store, ..., remove,
+    // store, store): only the last leaves the endpoint 16 blocks above where it began, so the count
+    // the bench waits for is reached once the window's last message is applied, not before.
+    let per_window = match workload {
+        Workload::Growth => per_window,
+        Workload::Steady { .. } => per_window | 1,
+    };
     for w in 0..windows {
         // Odd windows: endpoint 0 is hot (ten times the batches of every other endpoint).
         let hot = w % 2 == 1;
         let ws = Instant::now();
-        for b in 0..per_window * if hot { 10 } else { 1 } {
+        let n = if hot { per_window * 10 + 1 } else { per_window };
+        for b in 0..n {
             for (i, p) in pubs.iter_mut().enumerate() {
                 if b >= per_window && i != 0 {
                     continue;
                 }
-                let keys: Vec<u64> = (0..PER).map(|k| next_key + k).collect();
-                next_key += PER;
-                p.send(&batch(vec![stored(&keys, &[], false)])).await;
-                expect[i] += PER;
+                let last = if i == 0 { n - 1 } else { per_window - 1 };
+                let remove = matches!(workload, Workload::Steady { .. }) && b != last && b % 2 == 0;
+                let event = match (remove, fifo.get_mut(i).and_then(|f| f.pop_front())) {
+                    (true, Some(first)) => {
+                        let keys: Vec<u64> = (first..first + PER).collect();
+                        expect[i] -= PER;
+                        removed(&keys)
+                    }
+                    _ => {
+                        let keys: Vec<u64> = (next_key..next_key + PER).collect();
+                        if let Some(f) = fifo.get_mut(i) {
+                            f.push_back(next_key);
+                        }
+                        next_key += PER;
+                        expect[i] += PER;
+                        stored(&keys, &[], false)
+                    }
+                };
+                p.send(&batch(vec![event])).await;
                 events += PER;
             }
         }
@@ -196,19 +307,60 @@ async fn run_fleet(eps: usize, windows: u64, per_window: u64) -> Row {
     let secs = t0.elapsed().as_secs_f64();
     let cpu = cpu_secs(&svc) - c0;
     let bench_cpu = pid_cpu_secs(std::process::id()) - b0;
-    for v in [&mut lag, &mut hot_lag, &mut cold_lag] {
-        v.sort_by(|a, b| a.total_cmp(b));
+    let scrapes = SCRAPES.load(Ordering::Relaxed) - s0;
+    // The price of one scrape: back to back on the now idle service, the index as full.
+    let c1 = cpu_secs(&svc);
+    for _ in 0..CALIBRATION_SCRAPES {
+        blocks(&svc, eps).await;
     }
+    let per_scrape = (cpu_secs(&svc) - c1) / CALIBRATION_SCRAPES as f64;
     Row {
-        eps,
-        windows,
         events,
         secs,
         cpu,
+        scrape_cpu: scrapes as f64 * per_scrape,
         bench_cpu,
         lag,
         hot_lag,
         cold_lag,
+    }
+}
+
+/// Median of `v` (sorted in place).
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    pct(v, 0.5)
+}
+
+/// `median (min-max)` of `v`, formatted with `f`.
+fn spread(mut v: Vec<f64>, f: impl Fn(f64) -> String) -> String {
+    let m = median(&mut v);
+    format!("{} ({}-{})", f(m), f(v[0]), f(v[v.len() - 1]))
+}
+
+/// The runs of one build at one fleet size, over the rounds.
+struct Runs {
+    eps: usize,
+    workload: Workload,
+    label: String,
+    rows: Vec<Row>,
+}
+
+impl Runs {
+    /// Every run's value of `f`.
+    fn each(&self, f: impl Fn(&Row) -> f64) -> Vec<f64> {
+        self.rows.iter().map(f).collect()
+    }
+
+    /// Lags of every run pooled and sorted.
+    fn lags(&self, f: impl Fn(&Row) -> &Vec<f64>) -> Vec<f64> {
+        let mut v: Vec<f64> = self
+            .rows
+            .iter()
+            .flat_map(|r| f(r).iter().copied())
+            .collect();
+        v.sort_by(|a, b| a.total_cmp(b));
+        v
     }
 }
 
@@ -222,66 +374,137 @@ async fn bench_ingest_publishers() {
     // not a benchmark).
     let per_window = n("KVROUTE_BENCH_BATCHES", 50);
     // Small fleets run more windows, so that every size ingests at least this many events.
-    let min_events = n("KVROUTE_BENCH_MIN_EVENTS", 2_000_000);
-    let mut rows = Vec::new();
-    for eps in sizes {
+    let min_events = n("KVROUTE_BENCH_MIN_EVENTS", 8_000_000);
+    let rounds = n("KVROUTE_BENCH_ROUNDS", 5).max(1) as usize;
+    // This build, and optionally an earlier one measured beside it, run by run.
+    let mut builds: Vec<(String, Option<PathBuf>)> = vec![("this build".into(), None)];
+    if let Ok(bin) = std::env::var("KVROUTE_BENCH_BASELINE_BIN") {
+        let label = std::env::var("KVROUTE_BENCH_BASELINE_LABEL").unwrap_or_else(|_| bin.clone());
+        builds.insert(0, (label, Some(PathBuf::from(bin))));
+    }
+    // Keys the whole fleet holds in the steady workload (a GPU's worth per endpoint: 65,536
+    // blocks at 16 endpoints), and the growth workload at the first size.
+    let fleet_keys = n("KVROUTE_BENCH_FLEET_KEYS", 1 << 20);
+    let mut cases: Vec<(usize, Workload)> = sizes
+        .iter()
+        .map(|&eps| {
+            let held = (fleet_keys / eps.max(1) as u64).max(PER);
+            (eps, Workload::Steady { held })
+        })
+        .collect();
+    if let Some(&eps) = sizes.first() {
+        cases.push((eps, Workload::Growth));
+    }
+    let mut all: Vec<Runs> = Vec::new();
+    for (eps, workload) in cases {
         let per_cold_window = (eps as u64 * per_window * PER).max(1);
         let windows = min_windows.max(min_events.div_ceil(per_cold_window));
-        let r = run_fleet(eps, windows, per_window).await;
-        eprintln!(
-            "{eps:>5} publishers: {} events in {:.2} s = {:.0}/s, service CPU {:.2} s",
-            r.events,
-            r.secs,
-            r.events as f64 / r.secs,
-            r.cpu
-        );
-        rows.push(r);
+        let first = all.len();
+        for (label, _) in &builds {
+            all.push(Runs {
+                eps,
+                workload,
+                label: label.clone(),
+                rows: Vec::new(),
+            });
+        }
+        for round in 0..rounds {
+            // The order alternates round by round, so neither build always runs first.
+            for k in 0..builds.len() {
+                let b = (k + round) % builds.len();
+                let r = run_fleet(builds[b].1.as_deref(), eps, workload, windows, per_window).await;
+                eprintln!(
+                    "{eps:>5} publishers, {}, {}, round {round}: {} events in {:.2} s, service CPU {:.2} s ({:.2} s scrapes), {:.0} events per CPU-s",
+                    workload.name(),
+                    builds[b].0,
+                    r.events,
+                    r.secs,
+                    r.cpu,
+                    r.scrape_cpu,
+                    r.per_cpu()
+                );
+                all[first + b].rows.push(r);
+            }
+        }
     }
     let mut md = String::new();
     md.push_str("# Ingestion benchmark\n\n");
-    md.push_str(
-        "Generated by `scripts/bench-ingest.sh` (inventory-svc/tests/ingest_bench.rs, release build). One real\n\
+    let _ = write!(
+        md,
+        "Generated by `scripts/bench-ingest.sh{}` (inventory-svc/tests/ingest_bench.rs, release build). One real\n\
          ZMQ PUB per endpoint on 127.0.0.1, each at its own `kvZmqEndpoint`; the service subscribes to all of\n\
          them and every event goes through the real path (frame split, msgpack decode, keying, index apply).\n\
-         Each message is one vLLM `BlockStored` of 16 fresh keys (no token ids). The publishers run in the\n\
+         Each message is one vLLM event of 16 keys (no token ids). **steady**: engines at capacity, the fleet\n\
+         holding {fleet_keys} keys (each endpoint is filled first, untimed; then its messages alternate a\n\
+         `BlockStored` of 16 new keys and a `BlockRemoved` of its 16 oldest, as a full KV cache does).\n\
+         **growth**: every message a `BlockStored` of 16 new keys, the index growing all run long (each\n\
+         store a new table entry). The publishers run in the\n\
          benchmark process on the same cores as the service. Windows: every publisher sends its batches,\n\
          then the bench waits until the index holds them all (a ZMQ PUB drops what a slow subscriber has not\n\
          taken, and a dropped batch would be a gap); every other window endpoint 0 is hot and sends ten\n\
          times the batches. **lag** = last publish of a window to the last of its events visible in the\n\
          index (`kvroute_index_blocks`, polled every 2 ms plus 1 ms per 64 endpoints); hot/cold = endpoint 0 / the slowest other\n\
          endpoint in the hot windows. **bench CPU s** is the benchmark process (publishers and polling) on the\n\
-         same cores: where it nears the wall time, the publishers, not the service, set the rate and the lag;\n\
-         **events per service CPU-s** is the service's own cost.\n\n",
+         same cores: where it nears the wall time, the publishers, not the service, set the rate and the lag.\n\
+         **events per service CPU-s** is the service's own cost of ingestion: its CPU over the windows less\n\
+         what the bench's `/metrics` reads cost it (their number times the CPU of one read, measured after the\n\
+         windows by {CALIBRATION_SCRAPES} reads back to back; the **scrapes** column). Each build runs {rounds} times per fleet size,\n\
+         builds alternating run by run; figures are the median (min-max) over the runs, lags pooled.\n\n",
+        match builds.first() {
+            Some((label, Some(_))) => format!(" --baseline {label}"),
+            _ => String::new(),
+        }
     );
     let _ = writeln!(
         md,
-        "Date: {}. Machine: {}. Batches per endpoint per window {per_window}; at least {min_windows} windows and {min_events} events per fleet size.\n",
+        "Date: {}. Machine: {}. Batches per endpoint per window {per_window}; at least {min_windows} windows and {min_events} events per fleet size and run.\n",
         machine::today(),
         machine::machine()
     );
-    md.push_str("| publishers | windows | block events | wall s | events/s | service CPU s | bench CPU s | events per service CPU-s | lag p50 ms | lag p99 ms | hot lag p50 ms | cold lag p50 ms |\n|---|---|---|---|---|---|---|---|---|---|---|---|\n");
-    for r in &rows {
+    md.push_str("| publishers | workload | build | block events per run | events/s | service CPU s | scrapes, service CPU s | bench CPU s | events per service CPU-s | lag p50 ms | lag p99 ms | hot lag p50 ms | cold lag p50 ms |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+    let f2 = |x: f64| format!("{x:.2}");
+    let f0 = |x: f64| format!("{x:.0}");
+    for r in &all {
         let _ = writeln!(
             md,
-            "| {} | {} | {} | {:.2} | {:.0} | {:.2} | {:.2} | {:.0} | {:.1} | {:.1} | {:.1} | {:.1} |",
+            "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {:.1} | {:.1} | {:.1} | {:.1} |",
             r.eps,
-            r.windows,
-            r.events,
-            r.secs,
-            r.events as f64 / r.secs,
-            r.cpu,
-            r.bench_cpu,
-            r.events as f64 / r.cpu.max(0.01),
-            pct(&r.lag, 0.5),
-            pct(&r.lag, 0.99),
-            pct(&r.hot_lag, 0.5),
-            pct(&r.cold_lag, 0.5),
+            r.workload.name(),
+            r.label,
+            r.rows[0].events,
+            spread(r.each(|x| x.events as f64 / x.secs), f0),
+            spread(r.each(|x| x.cpu), f2),
+            spread(r.each(|x| x.scrape_cpu), f2),
+            spread(r.each(|x| x.bench_cpu), f2),
+            spread(r.each(Row::per_cpu), f0),
+            pct(&r.lags(|x| &x.lag), 0.5),
+            pct(&r.lags(|x| &x.lag), 0.99),
+            pct(&r.lags(|x| &x.hot_lag), 0.5),
+            pct(&r.lags(|x| &x.cold_lag), 0.5),
         );
     }
+    if builds.len() == 2 {
+        md.push_str("\nPaired ratios of events per service CPU-s, this build / baseline (median and range over the rounds; each ratio compares the two runs of one round):\n\n");
+        for pair in all.chunks(2) {
+            let ratios: Vec<f64> = pair[0]
+                .rows
+                .iter()
+                .zip(&pair[1].rows)
+                .map(|(base, this)| this.per_cpu() / base.per_cpu())
+                .collect();
+            let _ = writeln!(
+                md,
+                "- {} publishers, {}: x{}",
+                pair[0].eps,
+                pair[0].workload.name(),
+                spread(ratios, |x| format!("{x:.2}"))
+            );
+        }
+    }
     let out = std::env::var_os("KVROUTE_BENCH_OUT")
-        .map(std::path::PathBuf::from)
+        .map(PathBuf::from)
         .unwrap_or_else(|| {
-            std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../docs/bench-ingest.md")
+            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../docs/bench-ingest.md")
         });
     std::fs::write(&out, md).unwrap();
     eprintln!("wrote {}", out.display());
