@@ -542,6 +542,13 @@ fn event(rd: &mut Rd<'_>, bk: BytesKey) -> Result<Result<KvEvent, Skip>, DecodeE
 fn keys(rd: &mut Rd<'_>, n: u32, bk: BytesKey) -> Result<Option<Vec<u64>>, DecodeError> {
     let mut out = Some(Vec::with_capacity((n as usize).min(rd.remaining())));
     for _ in 0..n {
+        // Engines publish keys as unsigned integers: read those without the general head.
+        if let Some(k) = rd.uint() {
+            if let Some(v) = &mut out {
+                v.push(k);
+            }
+            continue;
+        }
         let h = rd.head(FIELD - 2)?;
         let k = key(rd, h, FIELD - 2, bk)?;
         match (&mut out, k) {

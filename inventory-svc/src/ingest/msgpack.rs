@@ -172,6 +172,28 @@ impl<'a> Rd<'a> {
         Ok(if map { Head::Map(n) } else { Head::Array(n) })
     }
 
+    /// The next value when it is a non-negative integer (a positive fixint or uint 8-64), read;
+    /// `None`, with nothing read, for anything else or too few bytes. [`Rd::head`] reads such a
+    /// value the same way (a scalar spends no depth that could run out): the key arrays' fast
+    /// path.
+    #[inline]
+    pub fn uint(&mut self) -> Option<u64> {
+        fn be<const N: usize>(b: &[u8]) -> Option<[u8; N]> {
+            b.get(1..=N).and_then(|s| s.try_into().ok())
+        }
+        let rest = self.buf.get(self.pos..)?;
+        let (len, v) = match *rest.first()? {
+            m @ 0x00..=0x7f => (1, u64::from(m)),
+            0xcc => (2, u64::from(u8::from_be_bytes(be(rest)?))),
+            0xcd => (3, u64::from(u16::from_be_bytes(be(rest)?))),
+            0xce => (5, u64::from(u32::from_be_bytes(be(rest)?))),
+            0xcf => (9, u64::from_be_bytes(be(rest)?)),
+            _ => return None,
+        };
+        self.pos += len;
+        Some(v)
+    }
+
     /// Reads the head of the next value with `depth` units of budget left.
     #[inline]
     pub fn head(&mut self, depth: u16) -> Result<Head<'a>, Error> {
@@ -283,6 +305,61 @@ impl<'a> Rd<'a> {
 mod tests {
     #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
     use super::*;
+
+    #[test]
+    fn uint_reads_what_head_reads_and_nothing_else() {
+        let mut cases: Vec<Vec<u8>> = Vec::new();
+        for v in [
+            0u64,
+            1,
+            0x7f,
+            0x80,
+            0xff,
+            0x100,
+            0xffff,
+            0x1_0000,
+            u64::from(u32::MAX),
+        ]
+        .into_iter()
+        .chain([1 << 32, u64::MAX])
+        {
+            let mut b = Vec::new();
+            rmpv::encode::write_value(&mut b, &rmpv::Value::from(v)).unwrap();
+            cases.push(b);
+        }
+        // Every width spelled out, even where a shorter one would do.
+        cases.extend([
+            vec![0xcc, 5],
+            vec![0xcd, 0, 5],
+            vec![0xce, 0, 0, 0, 5],
+            vec![0xcf, 0, 0, 0, 0, 0, 0, 0, 5],
+        ]);
+        for b in &cases {
+            let mut fast = Rd::new(b);
+            let mut slow = Rd::new(b);
+            let Head::Pos(want) = slow.head(1).unwrap() else {
+                panic!("{b:?} is not an unsigned integer")
+            };
+            assert_eq!((fast.uint(), fast.pos), (Some(want), slow.pos), "{b:?}");
+            // Cut short: nothing read, and head reports the error.
+            for cut in 0..b.len() {
+                let mut short = Rd::new(&b[..cut]);
+                assert_eq!((short.uint(), short.pos), (None, 0), "{b:?} cut at {cut}");
+                assert!(short.head(1).is_err());
+            }
+        }
+        // Anything else: nothing read.
+        for b in [
+            &[0xc0][..],
+            &[0xd0, 0xff],
+            &[0xa1, b'a'],
+            &[0x91, 1],
+            &[0xcb; 9],
+        ] {
+            let mut rd = Rd::new(b);
+            assert_eq!((rd.uint(), rd.pos), (None, 0), "{b:?}");
+        }
+    }
 
     /// rmpv's verdict and ours on one value, compared by message.
     fn same(bytes: &[u8]) {
