@@ -815,7 +815,7 @@ def soak_page(samples, out_path):
 
 
 FUZZ_TARGETS = ["zmq_events", "trtllm_drain", "replica_codec", "rule_json", "openai_body",
-                "filter_answer", "filter_config"]
+                "route_question", "filter_answer", "filter_config", "kube_watch"]
 
 
 def fuzz_page(doc, results):
@@ -845,7 +845,7 @@ def fuzz_page(doc, results):
                 old[m.group(1)] = l
     table = ["| target | seconds | execs | coverage (edges) | features | corpus | crashes | timeouts | ooms | date | machine |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"]
-    for name in FUZZ_TARGETS + sorted(set(rows) - set(FUZZ_TARGETS)):
+    for name in FUZZ_TARGETS + sorted((set(rows) | set(old)) - set(FUZZ_TARGETS)):
         if name in rows:
             execs, cov, ft, corp, crash, tmo, oom, t, rc = rows[name]
             table.append(f"| `{name}` | {t} | {execs} | {cov} | {ft} | {corp} | {crash} | {tmo} | {oom} | {date} | {machine} |")
