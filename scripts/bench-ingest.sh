@@ -25,6 +25,5 @@ if [[ "${1:-}" == --baseline ]]; then
     KVROUTE_BENCH_BASELINE_LABEL="$(git rev-parse --short "$2")"
     export KVROUTE_BENCH_BASELINE_BIN KVROUTE_BENCH_BASELINE_LABEL
 fi
-cargo build --release -q -p kvroute-inventory --bin kvroute-inventory
 cargo test --release -p kvroute-inventory --test ingest_bench -- --ignored --nocapture --test-threads 1
 echo "bench-ingest.sh: results in ${KVROUTE_BENCH_OUT:-docs/bench-ingest.md}"

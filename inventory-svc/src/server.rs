@@ -244,11 +244,7 @@ fn pool_template(
     raw: &serde_json::Value,
     settings: &crate::settings::Settings,
 ) -> Result<crate::rules::RuleSpec, crate::rules::RuleRejected> {
-    let pd = raw
-        .pointer("/serviceArguments/kvExactMode")
-        .and_then(serde_json::Value::as_i64)
-        == Some(1);
-    let stand_ins = match pd {
+    let stand_ins = match crate::epp::pool::prefill_decode(raw) {
         true => serde_json::json!([
             {"endpointIP": "192.0.2.1", "targetPort": 1, "ep_role": 1},
             {"endpointIP": "192.0.2.2", "targetPort": 1, "ep_role": 2},

@@ -139,7 +139,7 @@ impl Row {
 }
 
 /// What the publishers send.
-#[derive(Clone, Copy, PartialEq)]
+#[derive(Clone, Copy)]
 enum Workload {
     /// Every message stores 16 new keys: the index grows all run long (the worst case per event:
     /// every store a new table entry, the table growing past the caches).

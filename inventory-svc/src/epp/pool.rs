@@ -424,6 +424,15 @@ impl PoolWatch {
     }
 }
 
+/// Whether a rule template serves prefill/decode pools (`kvExactMode` 1): its endpoints then carry
+/// roles.
+pub fn prefill_decode(template: &Value) -> bool {
+    template
+        .pointer("/serviceArguments/kvExactMode")
+        .and_then(Value::as_i64)
+        == Some(1)
+}
+
 /// The rule's `endpoints` for the ready pods and ports: a template entry for the same address
 /// is kept; under `kvExactMode` 1 the pod's [`ROLE_LABEL`] sets `ep_role`. Addresses the rule
 /// lists now (`current`, in its order) keep their places, so their inventory stays where it is
@@ -436,10 +445,7 @@ pub fn endpoints_for(
     ready: &[&Pod],
     ports: &[u16],
 ) -> Value {
-    let pd = template
-        .pointer("/serviceArguments/kvExactMode")
-        .and_then(Value::as_i64)
-        == Some(1);
+    let pd = prefill_decode(template);
     let known: BTreeMap<SocketAddr, &Value> = template
         .get("endpoints")
         .and_then(Value::as_array)
