@@ -79,13 +79,20 @@ def request(method: str, url: str, body=None, timeout: float = 5.0):
 
 
 class Proc:
-    """A child process with its log; stopped (TERM, then KILL after 10 s) by stop()."""
+    """A child process with its log; stopped (TERM, then KILL after 10 s) by stop().
+
+    Each child leads a process group of its own (stop() signals the whole group: vLLM forks its
+    engine core) but stays in the bench's session. With the kernel's autogroup scheduling
+    (/proc/sys/kernel/sched_autogroup_enabled) every session is a scheduling group: a gateway in
+    a session of its own, asleep between requests, then competed as one group against each busy
+    engine's group and waited up to 0.5 s for a core (perf sched, kvroute's callout p99 40-115
+    ms), while sglang-router, started by the driver, shared the driver's group."""
 
     def __init__(self, name: str, cmd: list, log: str, env=None):
         self.name, self.log = name, log
         self.file = open(log, "ab")
         self.p = subprocess.Popen(cmd, stdout=self.file, stderr=subprocess.STDOUT, env=env,
-                                  start_new_session=True)
+                                  process_group=0)
 
     def alive(self) -> bool:
         return self.p.poll() is None
@@ -220,7 +227,8 @@ class Fleet:
                os.path.join(REPO, "envoy/envoy.yaml"), cfg, "--wasm", self.a.wasm,
                "--rule", f"127.0.0.1:{self.vip}", "--listen", str(listen), "--admin", str(admin),
                "--inventory", str(self.inv_port),
-               "--sims", ",".join(f"{ip}:{self.port}" for ip in ENGINE_IPS)]
+               "--sims", ",".join(f"{ip}:{self.port}" for ip in ENGINE_IPS),
+               "--access-log", self.access_log(name)]
         if not with_filter:
             cmd.append("--no-filter")
         subprocess.run(cmd, check=True)
@@ -238,6 +246,9 @@ class Fleet:
 
         wait_until(healthy, f"{p.name} to health-check every engine", 60, p)
         return f"http://127.0.0.1:{listen}", admin_url
+
+    def access_log(self, name: str) -> str:
+        return os.path.join(self.run, f"envoy-{name}.access.log")
 
     def warm_filter(self, gw: str, admin: str) -> None:
         """Until every worker VM has its tokenizer, requests pass unpinned: send requests until
@@ -301,6 +312,45 @@ HOLD = ("kvroute_filter_duration_us", "kvroute_filter_prepare_us", "kvroute_filt
         "kvroute_filter_keys_us", "kvroute_filter_callout_us")
 
 
+# The phases of a request in Envoy, from its access log (local_envoy.py --access-log): each is the
+# difference of two of Envoy's stream timestamps, in ms.
+PHASES = (
+    ("to upstream", None, "us_tx_beg"),
+    ("upstream", "us_tx_beg", "us_rx_end"),
+    ("to client", "us_rx_end", "ds_tx_end"),
+)
+
+
+def log_size(path: str) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0
+
+
+def envoy_phases(path: str, offset: int, requests: int) -> dict:
+    """The means of PHASES over the access-log lines a run wrote past offset. Envoy flushes its
+    access log every second: waits (at most 5 s) until the run's requests are all there."""
+    deadline = time.monotonic() + 5
+    while True:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            lines = [json.loads(l) for l in f.read().splitlines() if l.strip()]
+        if len(lines) >= requests or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    sums = {name: [] for name, _, _ in PHASES}
+    for l in lines:
+        if l.get("code") != 200:
+            continue
+        t = {k: v for k, v in l.items() if k not in ("id", "upstream", "code") and isinstance(v, int)}
+        for name, a, b in PHASES:
+            if b in t and (a is None or a in t):
+                sums[name].append((t[b] - (t[a] if a else 0)) / 1e3)
+    return {"lines": len(lines),
+            **{name: statistics.fmean(v) if v else None for name, v in sums.items()}}
+
+
 def filter_histograms(admin: str) -> dict:
     """p50/p90/p99 (µs) of the filter's own timing histograms, over every request it saw: Envoy
     prints `name: P0(interval,cumulative) ... P50(...)`; the cumulative value is kept."""
@@ -359,6 +409,8 @@ def run_once(a, fleet: Fleet, strategy: str, arrival: str, tag: str, gateways: d
         cmd += ["--gateway", gateways[strategy][0]]
     before_e2e = fleet.engine_metrics()
     before_pred = filter_stats(gateways["kvroute"][1])
+    log = fleet.access_log({"kvroute": "kvroute", "envoy": "plain"}.get(strategy, ""))
+    log_at = log_size(log)
     t = time.monotonic()
     done = subprocess.run(cmd, stdout=subprocess.DEVNULL)
     if done.returncode != 0:
@@ -383,6 +435,9 @@ def run_once(a, fleet: Fleet, strategy: str, arrival: str, tag: str, gateways: d
         p, c = turns.get(r["turn"], (0, 0))
         turns[r["turn"]] = (p + r["prompt_tokens"], c + r["cached_tokens"])
     lat = sorted(r["latency_ms"] for r in ok)
+    phases = envoy_phases(log, log_at, len(ok)) if strategy in gateways else None
+    if phases:
+        phases["engine"] = engine_ms
     return {
         "strategy": strategy, "arrival": arrival, "tag": tag, "wall_s": wall,
         "ratio": summary["cached_ratio"], "errors": summary["errors"],
@@ -393,6 +448,7 @@ def run_once(a, fleet: Fleet, strategy: str, arrival: str, tag: str, gateways: d
         "lat_p90": lat[min(len(lat) - 1, int(0.9 * len(lat)))] if lat else 0.0,
         "client_ms": client_ms, "engine_ms": engine_ms, "engine_requests": n_e2e,
         "added_ms": client_ms - engine_ms,
+        "phases": phases,
         "turns": {t: (c / p if p else 0.0) for t, (p, c) in sorted(turns.items())},
         "predictions": pred if strategy == "kvroute" else None,
         "outcomes": outcomes,
@@ -505,6 +561,11 @@ def report(a, runs: list, idle: dict, started: str, minutes: float, hold: dict) 
         "a freshly started inventory. Cached tokens are the engines' own "
         "`usage.prompt_tokens_details.cached_tokens`.",
         "",
+        "Every process runs in the bench's own session, so the kernel's autogroup scheduling "
+        "treats engines, gateways and the inventory as one group and shares the cores thread by "
+        "thread. Started each in a session of its own, the gateways waited for a core behind the "
+        "engines' groups: see [operations.md](operations.md#sharing-cores-with-engines).",
+        "",
     ]
     for arrival in ARRIVALS:
         out += [f"## {arrival} arrival", "",
@@ -588,6 +649,28 @@ def report(a, runs: list, idle: dict, started: str, minutes: float, hold: dict) 
                 out.append(f"| {name.removeprefix('kvroute_filter_')} | "
                            + " | ".join("-" if q[k] is None else f"{q[k]:.0f}"
                                         for k in ("P50", "P90", "P99")) + " |")
+        out.append("")
+    timed = [(arr, st, [r["phases"] for r in by.get((arr, st), []) if r.get("phases")])
+             for arr in ARRIVALS for st in ("envoy", "kvroute")]
+    if any(ps for _, _, ps in timed):
+        out += ["Envoy's own timestamps of each request (its access log; per-run means, median "
+                "over runs, ms): `to upstream` from the request's first byte to its first byte "
+                "sent to the engine (the filter's hold included), `upstream` from then to the "
+                "engine's last byte, `engine e2e` the engines' own mean end-to-end time over the "
+                "same run, `to client` from the engine's last byte to the client's.", "",
+                "| arrival | gateway | to upstream | upstream | engine e2e | upstream - engine "
+                "| to client |", "|---|---|---|---|---|---|---|"]
+        for arr, st, ps in timed:
+            if not ps:
+                continue
+
+            def m(k):
+                v = [p[k] for p in ps if p.get(k) is not None]
+                return f"{med(v):.1f}" if v else "-"
+
+            gap = [p["upstream"] - p["engine"] for p in ps if p.get("upstream") is not None]
+            out.append(f"| {arr} | {st} | {m('to upstream')} | {m('upstream')} | {m('engine')} "
+                       f"| {f'{med(gap):.1f}' if gap else '-'} | {m('to client')} |")
         out.append("")
     if idle:
         out += ["## One request at a time", "",

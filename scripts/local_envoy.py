@@ -10,11 +10,15 @@ does not have the expected shape.
 
 usage: local_envoy.py SRC DST --wasm PATH --rule RULE --listen PORT --admin PORT
                       --inventory PORT --sims IP[:PORT][,...] [--sim-port PORT] [--timeout-ms MS]
-                      [--no-filter]
+                      [--no-filter] [--access-log PATH]
 
 A simulator given without its port listens on --sim-port. --no-filter drops the Wasm filter and
-nothing else: Envoy alone, the baseline the real-vLLM bench measures kvroute's added latency against. The scripts (stack.sh, bench_gateways.sh)
-and the end-to-end test of the whole stack (tests/tests/stack_e2e.rs) write their configs with it.
+nothing else: Envoy alone, the baseline the real-vLLM bench measures kvroute's added latency against.
+--access-log writes one JSON line per request to PATH with Envoy's own timestamps of the stream
+(microseconds from the first downstream byte): the request read, the first and last byte sent
+upstream and received from it, the last byte sent downstream. The scripts (stack.sh,
+bench_gateways.sh) and the end-to-end test of the whole stack (tests/tests/stack_e2e.rs) write
+their configs with it.
 """
 
 import argparse
@@ -59,9 +63,45 @@ def render(src: str, a: argparse.Namespace) -> str:
         if not w:
             sys.exit("local_envoy.py: no envoy.filters.http.wasm entry to drop")
         y = y[: w.start() + 1] + y[w.end() :]
+    if a.access_log:
+        hcm = "                stat_prefix: kvroute_ingress\n"
+        if hcm not in y:
+            sys.exit("local_envoy.py: no kvroute_ingress connection manager to log for")
+        y = y.replace(hcm, hcm + access_log(a.access_log, " " * 16), 1)
     if "10.0.0." in y:
         sys.exit("local_envoy.py: an example address was not rewritten (the shipped file changed?)")
     return y
+
+
+# Envoy's stream timestamps (COMMON_DURATION from the first downstream byte, in microseconds).
+STAMPS = {
+    "rx_end": "DS_RX_END",
+    "us_tx_beg": "US_TX_BEG",
+    "us_tx_end": "US_TX_END",
+    "us_rx_beg": "US_RX_BEG",
+    "us_rx_end": "US_RX_END",
+    "ds_tx_beg": "DS_TX_BEG",
+    "ds_tx_end": "DS_TX_END",
+}
+
+
+def access_log(path: str, ind: str) -> str:
+    fields = "".join(
+        f'{ind}        {k}: "%COMMON_DURATION(DS_RX_BEG:{v}:us)%"\n' for k, v in STAMPS.items()
+    )
+    return (
+        f"{ind}access_log:\n"
+        f"{ind}  - name: envoy.access_loggers.file\n"
+        f"{ind}    typed_config:\n"
+        f'{ind}      "@type": type.googleapis.com/envoy.extensions.access_loggers.file.v3.FileAccessLog\n'
+        f"{ind}      path: {path}\n"
+        f"{ind}      log_format:\n"
+        f"{ind}        json_format:\n"
+        f'{ind}          id: "%REQ(X-REQUEST-ID)%"\n'
+        f'{ind}          upstream: "%UPSTREAM_HOST%"\n'
+        f'{ind}          code: "%RESPONSE_CODE%"\n'
+        + fields.replace(f"{ind}        ", f"{ind}          ")
+    )
 
 
 def main() -> None:
@@ -73,6 +113,7 @@ def main() -> None:
     p.add_argument("--sim-port")
     p.add_argument("--timeout-ms", default="25")
     p.add_argument("--no-filter", action="store_true")
+    p.add_argument("--access-log")
     a = p.parse_args()
     with open(a.src) as f:
         text = render(f.read(), a)
