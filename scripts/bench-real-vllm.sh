@@ -8,7 +8,7 @@
 # download once) and builds the filter and the release binaries. Run on an otherwise idle machine:
 # the engines take one core each.
 #
-#   scripts/bench-real-vllm.sh                     # 5 rounds (about 75 minutes on 2 AVX2 cores)
+#   scripts/bench-real-vllm.sh                     # 5 rounds (15 minutes on 2 cores with AVX-512 BF16, about 40 without)
 #   scripts/bench-real-vllm.sh --rounds 1 --out /tmp/b.md --strategies kvroute,sglang-router
 set -euo pipefail
 

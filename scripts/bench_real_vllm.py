@@ -47,6 +47,8 @@ SLUG = "Qwen__Qwen3-0.6B"
 ENGINE_IPS = ["127.0.0.40", "127.0.0.41"]
 STRATEGIES = ["round-robin", "partition", "envoy", "sglang-router", "kvroute"]
 ARRIVALS = ["staggered", "burst"]
+# The strategies that are an Envoy, and the name of each one's files in the run directory.
+ENVOYS = {"kvroute": "kvroute", "envoy": "plain"}
 
 
 def die(msg: str) -> None:
@@ -409,8 +411,8 @@ def run_once(a, fleet: Fleet, strategy: str, arrival: str, tag: str, gateways: d
         cmd += ["--gateway", gateways[strategy][0]]
     before_e2e = fleet.engine_metrics()
     before_pred = filter_stats(gateways["kvroute"][1])
-    log = fleet.access_log({"kvroute": "kvroute", "envoy": "plain"}.get(strategy, ""))
-    log_at = log_size(log)
+    log = fleet.access_log(ENVOYS[strategy]) if strategy in gateways else None
+    log_at = log_size(log) if log else 0
     t = time.monotonic()
     done = subprocess.run(cmd, stdout=subprocess.DEVNULL)
     if done.returncode != 0:
@@ -435,7 +437,7 @@ def run_once(a, fleet: Fleet, strategy: str, arrival: str, tag: str, gateways: d
         p, c = turns.get(r["turn"], (0, 0))
         turns[r["turn"]] = (p + r["prompt_tokens"], c + r["cached_tokens"])
     lat = sorted(r["latency_ms"] for r in ok)
-    phases = envoy_phases(log, log_at, len(ok)) if strategy in gateways else None
+    phases = envoy_phases(log, log_at, len(ok)) if log else None
     if phases:
         phases["engine"] = engine_ms
     return {
@@ -735,8 +737,7 @@ def main() -> None:
         say("starting 2 vLLM engines (30-60 s)")
         fleet.start_engines()
         fleet.start_inventory()
-        gateways = {"kvroute": fleet.start_envoy("kvroute", True),
-                    "envoy": fleet.start_envoy("plain", False)}
+        gateways = {s: fleet.start_envoy(name, s == "kvroute") for s, name in ENVOYS.items()}
         fleet.warm_filter(*gateways["kvroute"])
         runs = []
         order = list(strategies)
