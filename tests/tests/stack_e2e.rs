@@ -8,6 +8,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::net::SocketAddr;
+use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
@@ -67,13 +68,15 @@ async fn start_sim(ip: &str, zmq_port: u16, dir: &TempDir, extra: &[&str]) -> Re
 }
 
 /// The shipped envoy.yaml with this test's addresses, written by scripts/local_envoy.py as for
-/// `scripts/stack.sh`; health checks faster than production so the dead simulator is noticed
-/// within the test's deadline.
+/// `scripts/stack.sh`, with the access log of Envoy's stream timestamps the real-vLLM bench reads;
+/// health checks faster than production so the dead simulator is noticed within the test's
+/// deadline.
 fn envoy_config(
     inventory: SocketAddr,
     sims: &[Sim],
     rule: &str,
     fast_health_checks: bool,
+    access_log: &Path,
 ) -> Result<Value> {
     let dir = TempDir::new("envoy-config")?;
     let out = dir.path().join("envoy.yaml");
@@ -89,7 +92,9 @@ fn envoy_config(
         .arg(harness::wasm_module()?)
         .args(["--rule", rule, "--timeout-ms", "500"])
         .arg("--sims")
-        .arg(sims.join(","));
+        .arg(sims.join(","))
+        .arg("--access-log")
+        .arg(access_log);
     let ports = [
         ("--listen", 0),
         ("--admin", 0),
@@ -202,7 +207,7 @@ fn zmq_port(ips: &[&str]) -> u16 {
 
 /// The running stack: simulators, the inventory, Envoy with the filter (tokenizer loaded).
 struct Stack {
-    _dir: TempDir,
+    dir: TempDir,
     sims: Vec<Sim>,
     _inv_child: ChildGuard,
     inv: SocketAddr,
@@ -261,7 +266,8 @@ async fn start_stack_with(ips: &[&str], fast_health_checks: bool, sim_args: &[&s
         .expect("rule id")
         .to_string();
 
-    let cfg = envoy_config(inv, &sims, &rule, fast_health_checks).unwrap();
+    let log = dir.path().join("access.log");
+    let cfg = envoy_config(inv, &sims, &rule, fast_health_checks, &log).unwrap();
     let envoy = Envoy::start(&cfg).await.unwrap();
     let gw_port = envoy.listener("kvroute_ingress").unwrap().port();
     let admin_port = envoy.admin.port();
@@ -292,7 +298,7 @@ async fn start_stack_with(ips: &[&str], fast_health_checks: bool, sim_args: &[&s
     }
 
     Stack {
-        _dir: dir,
+        dir,
         sims,
         _inv_child: inv_child,
         inv,
@@ -304,6 +310,29 @@ async fn start_stack_with(ips: &[&str], fast_health_checks: bool, sim_args: &[&s
 }
 
 impl Stack {
+    /// Envoy's access-log line of the request whose `x-request-id` is `id`, once written (Envoy
+    /// flushes its access log every second; bounded).
+    async fn access_log_line(&self, id: &str) -> Value {
+        let path = self.dir.path().join("access.log");
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let text = std::fs::read_to_string(&path).unwrap_or_default();
+            // A line Envoy is still writing does not parse yet.
+            let line = text
+                .lines()
+                .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+                .find(|v| v["id"] == id);
+            if let Some(v) = line {
+                return v;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "no access-log line for {id} after 10 s:\n{text}"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
     /// The index of simulator `name`, once the inventory shows it holding at least `blocks`
     /// blocks (bounded): the engine's stores of a turn have reached the index.
     async fn wait_holding(&self, name: &str, blocks: u64) -> usize {
@@ -491,6 +520,27 @@ async fn a_named_conversation_stays_on_its_engine_through_the_gateway() {
         )
         .await;
     assert_eq!(decided.unwrap(), 1);
+
+    // Envoy's own timestamps of one request (what scripts/bench_real_vllm.py splits the gateway's
+    // time with): the engine it names answered, and the stamps are in the stream's order, the
+    // first byte upstream only after the filter has read the whole body.
+    let id = [("x-request-id", "stack-e2e-timed")];
+    let (sim, _, _) = chat_with(client, gw, &[system("rivers"), question.clone()], &id)
+        .await
+        .unwrap();
+    let line = stack.access_log_line("stack-e2e-timed").await;
+    let served = stack.sims.iter().find(|s| s.name == sim).unwrap().addr;
+    assert_eq!(line["code"], 200, "{line}");
+    assert_eq!(line["upstream"], served.to_string(), "{line}");
+    let at = |k: &str| {
+        line[k]
+            .as_u64()
+            .unwrap_or_else(|| panic!("no {k} in {line}"))
+    };
+    let order = ["rx_end", "us_tx_beg", "us_tx_end", "us_rx_end", "ds_tx_end"];
+    for w in order.windows(2) {
+        assert!(at(w[0]) <= at(w[1]), "{} after {}: {line}", w[0], w[1]);
+    }
 }
 
 /// Simulators serving Anthropic Messages (`POST /v1/messages`) as vLLM does.
