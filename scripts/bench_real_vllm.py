@@ -23,7 +23,11 @@ tokens, concurrency 4. Measured per run:
   - TTFT and latency percentiles at the client;
   - the gateway's added latency: the client's mean latency minus the engines' mean end-to-end
     time (vllm:e2e_request_latency_seconds, scraped before and after the run);
+  - for Envoy alone and kvroute, Envoy's own timestamps of each request (its access log: to the
+    engine, the engine, back to the client);
   - for kvroute, the filter's predictions against what the engines reported (exact/under/over).
+After the rounds, one request at a time through each door (the first engine directly, both
+Envoys, an sglang-router started for it): the added latency with the engines otherwise idle.
 """
 
 import argparse
