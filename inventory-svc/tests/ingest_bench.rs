@@ -17,7 +17,9 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use common::{batch, cpu_secs, metric, pid_cpu_secs, removed, rule, stored, Publisher, Service};
+use common::{
+    batch, cpu_secs, metric, pid_cpu_secs, removed, rule, spread, stored, Publisher, Service,
+};
 use kvroute_test_support::machine;
 use serde_json::json;
 
@@ -326,18 +328,6 @@ async fn run_fleet(
     }
 }
 
-/// Median of `v` (sorted in place).
-fn median(v: &mut [f64]) -> f64 {
-    v.sort_by(|a, b| a.total_cmp(b));
-    pct(v, 0.5)
-}
-
-/// `median (min-max)` of `v`, formatted with `f`.
-fn spread(mut v: Vec<f64>, f: impl Fn(f64) -> String) -> String {
-    let m = median(&mut v);
-    format!("{} ({}-{})", f(m), f(v[0]), f(v[v.len() - 1]))
-}
-
 /// The runs of one build at one fleet size, over the rounds.
 struct Runs {
     eps: usize,
@@ -462,9 +452,8 @@ async fn bench_ingest_publishers() {
         machine::machine()
     );
     md.push_str("| publishers | workload | build | block events per run | events/s | service CPU s | scrapes, service CPU s | bench CPU s | events per service CPU-s | lag p50 ms | lag p99 ms | hot lag p50 ms | cold lag p50 ms |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
-    let f2 = |x: f64| format!("{x:.2}");
-    let f0 = |x: f64| format!("{x:.0}");
     for r in &all {
+        let lag = r.lags(|x| &x.lag);
         let _ = writeln!(
             md,
             "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {:.1} | {:.1} | {:.1} | {:.1} |",
@@ -472,13 +461,13 @@ async fn bench_ingest_publishers() {
             r.workload.name(),
             r.label,
             r.rows[0].events,
-            spread(r.each(|x| x.events as f64 / x.secs), f0),
-            spread(r.each(|x| x.cpu), f2),
-            spread(r.each(|x| x.scrape_cpu), f2),
-            spread(r.each(|x| x.bench_cpu), f2),
-            spread(r.each(Row::per_cpu), f0),
-            pct(&r.lags(|x| &x.lag), 0.5),
-            pct(&r.lags(|x| &x.lag), 0.99),
+            spread(&r.each(|x| x.events as f64 / x.secs), 0),
+            spread(&r.each(|x| x.cpu), 2),
+            spread(&r.each(|x| x.scrape_cpu), 2),
+            spread(&r.each(|x| x.bench_cpu), 2),
+            spread(&r.each(Row::per_cpu), 0),
+            pct(&lag, 0.5),
+            pct(&lag, 0.99),
             pct(&r.lags(|x| &x.hot_lag), 0.5),
             pct(&r.lags(|x| &x.cold_lag), 0.5),
         );
@@ -497,7 +486,7 @@ async fn bench_ingest_publishers() {
                 "- {} publishers, {}: x{}",
                 pair[0].eps,
                 pair[0].workload.name(),
-                spread(ratios, |x| format!("{x:.2}"))
+                spread(&ratios, 2)
             );
         }
     }

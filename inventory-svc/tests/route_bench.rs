@@ -15,7 +15,7 @@ mod common;
 use std::fmt::Write as _;
 use std::process::Command;
 
-use common::{bind_same_port, pid_cpu_secs, rule, seed_ep0, Publisher, Service};
+use common::{bind_same_port, pid_cpu_secs, rule, seed_ep0, spread, Publisher, Service};
 use serde_json::json;
 
 const RULE: &str = "10.0.0.1:8080";
@@ -189,22 +189,6 @@ fn decisions(metrics: &str, reason: &str) -> f64 {
         .filter(|l| l.starts_with("kvroute_route_decisions_total{") && l.contains(&label))
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
         .sum()
-}
-
-fn median(v: &mut [f64]) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
-
-/// `median (min-max)`.
-fn spread(v: &[f64], digits: usize) -> String {
-    let mut s = v.to_vec();
-    let m = median(&mut s);
-    format!(
-        "{m:.digits$} ({:.digits$}-{:.digits$})",
-        s[0],
-        s[s.len() - 1]
-    )
 }
 
 /// Starts one service pinned to CPU 0 with endpoint 0 holding the hit keys (the publishers stay

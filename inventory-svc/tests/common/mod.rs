@@ -692,6 +692,23 @@ pub fn vllm_range64() -> (Vec<u64>, Vec<u32>) {
     (keys, (0..64).collect())
 }
 
+/// The median of `v` (sorted in place; the upper of the middle two for an even count).
+pub fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// `median (min-max)` of `v`, each with `digits` decimals: the benches' figure over rounds.
+pub fn spread(v: &[f64], digits: usize) -> String {
+    let mut s = v.to_vec();
+    let m = median(&mut s);
+    format!(
+        "{m:.digits$} ({:.digits$}-{:.digits$})",
+        s[0],
+        s[s.len() - 1]
+    )
+}
+
 /// CPU seconds (user + system) `svc` has used so far, from /proc.
 pub fn cpu_secs(svc: &Service) -> f64 {
     pid_cpu_secs(svc.child.id())
