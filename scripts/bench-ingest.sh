@@ -22,7 +22,8 @@ if [[ "${1:-}" == --baseline ]]; then
     # shellcheck source=lib.sh
     source "$REPO/scripts/lib.sh"
     KVROUTE_BENCH_BASELINE_BIN="$(baseline_inventory "${2:?--baseline needs a revision}")"
-    KVROUTE_BENCH_BASELINE_LABEL="$(git rev-parse --short "$2")"
+    # The binary is named after the revision it was built from.
+    KVROUTE_BENCH_BASELINE_LABEL="${KVROUTE_BENCH_BASELINE_BIN##*-}"
     export KVROUTE_BENCH_BASELINE_BIN KVROUTE_BENCH_BASELINE_LABEL
 fi
 cargo test --release -p kvroute-inventory --test ingest_bench -- --ignored --nocapture --test-threads 1

@@ -89,10 +89,9 @@ class Proc:
 
     Each child leads a process group of its own (stop() signals the whole group: vLLM forks its
     engine core) but stays in the bench's session. With the kernel's autogroup scheduling
-    (/proc/sys/kernel/sched_autogroup_enabled) every session is a scheduling group: a gateway in
-    a session of its own, asleep between requests, then competed as one group against each busy
-    engine's group and waited up to 0.5 s for a core (perf sched, kvroute's callout p99 40-115
-    ms), while sglang-router, started by the driver, shared the driver's group."""
+    (/proc/sys/kernel/sched_autogroup_enabled) every session is a scheduling group, and a gateway
+    in a session of its own waits behind the busy engines' groups for a core, while sglang-router,
+    started by the driver, shares the driver's (docs/operations.md, Sharing cores with engines)."""
 
     def __init__(self, name: str, cmd: list, log: str, env=None):
         self.name, self.log = name, log
@@ -359,29 +358,24 @@ PHASES = (
 )
 
 
-def log_size(path: str) -> int:
-    try:
-        return os.path.getsize(path)
-    except OSError:
-        return 0
-
-
 def envoy_phases(path: str, offset: int, requests: int) -> dict:
-    """The means of PHASES over the access-log lines a run wrote past offset. Envoy flushes its
-    access log every second: waits (at most 5 s) until the run's requests are all there."""
-    deadline = time.monotonic() + 5
-    while True:
+    """The means of PHASES over the access-log lines a run wrote past offset, once the run's
+    requests are all there (Envoy flushes its access log every second)."""
+    lines = []
+
+    def written() -> bool:
         with open(path, "rb") as f:
             f.seek(offset)
-            lines = [json.loads(l) for l in f.read().splitlines() if l.strip()]
-        if len(lines) >= requests or time.monotonic() > deadline:
-            break
-        time.sleep(0.2)
+            # The last piece has no newline yet: a line Envoy is still writing, or nothing.
+            lines[:] = [json.loads(l) for l in f.read().split(b"\n")[:-1] if l.strip()]
+        return len(lines) >= requests
+
+    wait_until(written, f"{requests} lines in {path}", 10)
     sums = {name: [] for name, _, _ in PHASES}
     for l in lines:
         if l.get("code") != 200:
             continue
-        t = {k: v for k, v in l.items() if k not in ("id", "upstream", "code") and isinstance(v, int)}
+        t = {k: v for k, v in l.items() if isinstance(v, int)}  # a stamp Envoy lacks is null
         for name, a, b in PHASES:
             if b in t and (a is None or a in t):
                 sums[name].append((t[b] - (t[a] if a else 0)) / 1e3)
@@ -448,7 +442,7 @@ def run_once(a, fleet: Fleet, strategy: str, arrival: str, tag: str, gateways: d
     before_e2e = fleet.engine_metrics()
     before_pred = filter_stats(gateways["kvroute"][1])
     log = fleet.access_log(ENVOYS[strategy]) if strategy in gateways else None
-    log_at = log_size(log) if log else 0
+    log_at = os.path.getsize(log) if log else 0
     t = time.monotonic()
     done = subprocess.run(cmd, stdout=subprocess.DEVNULL)
     if done.returncode != 0:
@@ -512,6 +506,12 @@ def idle_added(a, fleet: Fleet, gateways: dict, routers: dict) -> dict:
             if st == 200 and n == 1:
                 samples[name].append(client - (after[E2E[0]] - before[E2E[0]]) * 1e3)
     return {k: statistics.median(v) for k, v in samples.items() if v}
+
+
+def med_or_dash(xs) -> str:
+    """The median of the values that are there, to 0.1, or `-` when none is."""
+    v = [x for x in xs if x is not None]
+    return f"{med(v):.1f}" if v else "-"
 
 
 def med(xs):
@@ -716,16 +716,11 @@ def report(a, runs: list, idle: dict, started: str, minutes: float, hold: dict) 
                 "| arrival | gateway | to upstream | upstream | engine e2e | upstream - engine "
                 "| to client |", "|---|---|---|---|---|---|---|"]
         for arr, st, ps in timed:
-            if not ps:
-                continue
-
-            def m(k):
-                v = [p[k] for p in ps if p.get(k) is not None]
-                return f"{med(v):.1f}" if v else "-"
-
-            gap = [p["upstream"] - p["engine"] for p in ps if p.get("upstream") is not None]
-            out.append(f"| {arr} | {st} | {m('to upstream')} | {m('upstream')} | {m('engine')} "
-                       f"| {f'{med(gap):.1f}' if gap else '-'} | {m('to client')} |")
+            if ps:
+                gap = [None if p["upstream"] is None else p["upstream"] - p["engine"] for p in ps]
+                cols = [[p[k] for p in ps] for k in ("to upstream", "upstream", "engine")]
+                cols += [gap, [p["to client"] for p in ps]]
+                out.append(f"| {arr} | {st} | " + " | ".join(map(med_or_dash, cols)) + " |")
         out.append("")
     if idle:
         out += ["## One request at a time", "",
