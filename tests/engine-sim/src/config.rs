@@ -57,6 +57,11 @@ pub struct SimArgs {
     /// Simulated decode cost per output token, microseconds.
     #[arg(long, default_value_t = 500.0)]
     pub decode_us_per_token: f64,
+    /// Simulated cost of every prefill, cached or not, microseconds: the scheduler step the
+    /// prefill runs in and the server's own work before the first token (real vLLM on CPU: about
+    /// 50 ms; see docs/simulator.md).
+    #[arg(long, default_value_t = 0.0)]
+    pub prefill_base_us: f64,
     /// Requests running at once; the rest wait in a queue.
     #[arg(long, default_value_t = 8)]
     pub max_concurrency: usize,
@@ -96,6 +101,20 @@ pub struct SimArgs {
     /// Simulated cost of loading one prompt token's KV from the CPU tier, microseconds.
     #[arg(long, default_value_t = 5.0)]
     pub cpu_load_us_per_token: f64,
+    /// When a prompt's new full blocks are cached (and published): `prefill-end`, once its
+    /// prefill has run, or `schedule`, when the request is admitted, as vLLM's scheduler caches
+    /// the blocks it schedules a prefill for (requests admitted after it hit them at once).
+    #[arg(long, default_value = "prefill-end")]
+    pub cache_prompt_at: String,
+}
+
+/// When a prompt's new full blocks are cached (`--cache-prompt-at`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CacheAt {
+    /// Once the prefill's simulated time has passed.
+    PrefillEnd,
+    /// When the request is admitted (vLLM v1 `KVCacheManager.allocate_slots`).
+    Schedule,
 }
 
 /// Why flags are invalid; each message names the flag, the value and what is allowed.
@@ -123,6 +142,9 @@ pub enum ConfigError {
         /// The flag.
         flag: &'static str,
     },
+    /// Unknown `--cache-prompt-at`.
+    #[error("--cache-prompt-at {0:?} is not a moment; allowed: prefill-end, schedule")]
+    CacheAt(String),
     /// A cost that is not a finite non-negative number.
     #[error("--{flag} must be a finite number >= 0, got {value}")]
     Cost {
@@ -187,6 +209,8 @@ pub struct SimConfig {
     pub prefill_per_token: Duration,
     /// Decode cost per output token.
     pub decode_per_token: Duration,
+    /// Cost of every prefill on top of its uncached tokens.
+    pub prefill_base: Duration,
     /// Running requests at most.
     pub max_concurrency: usize,
     /// Default output length.
@@ -205,6 +229,8 @@ pub struct SimConfig {
     pub cpu_blocks: usize,
     /// Cost of loading one token's KV from the CPU tier.
     pub cpu_load_per_token: Duration,
+    /// When a prompt's new full blocks are cached.
+    pub cache_prompt_at: CacheAt,
 }
 
 impl TryFrom<SimArgs> for SimConfig {
@@ -298,6 +324,7 @@ impl TryFrom<SimArgs> for SimConfig {
             model: a.model,
             prefill_per_token: cost("prefill-us-per-token", a.prefill_us_per_token)?,
             decode_per_token: cost("decode-us-per-token", a.decode_us_per_token)?,
+            prefill_base: cost("prefill-base-us", a.prefill_base_us)?,
             max_concurrency: a.max_concurrency,
             default_max_tokens: a.default_max_tokens,
             event_buffer: a.event_buffer,
@@ -307,6 +334,11 @@ impl TryFrom<SimArgs> for SimConfig {
             ignore_cache_salt: a.ignore_cache_salt,
             cpu_blocks: a.cpu_blocks,
             cpu_load_per_token: cost("cpu-load-us-per-token", a.cpu_load_us_per_token)?,
+            cache_prompt_at: match a.cache_prompt_at.as_str() {
+                "prefill-end" => CacheAt::PrefillEnd,
+                "schedule" => CacheAt::Schedule,
+                _ => return Err(ConfigError::CacheAt(a.cache_prompt_at)),
+            },
         })
     }
 }
@@ -390,6 +422,30 @@ mod tests {
             );
             assert!(parse(&["--engine", engine, "--cpu-blocks", "0"]).is_ok());
         }
+        assert_eq!(parse(&[]).unwrap().cache_prompt_at, CacheAt::PrefillEnd);
+        assert_eq!(
+            parse(&["--cache-prompt-at", "schedule"])
+                .unwrap()
+                .cache_prompt_at,
+            CacheAt::Schedule
+        );
+        assert_eq!(
+            parse(&["--cache-prompt-at", "later"])
+                .unwrap_err()
+                .to_string(),
+            "--cache-prompt-at \"later\" is not a moment; allowed: prefill-end, schedule"
+        );
+        assert_eq!(
+            parse(&["--prefill-base-us", "50000"]).unwrap().prefill_base,
+            Duration::from_millis(50)
+        );
+        assert!(matches!(
+            parse(&["--prefill-base-us=-1"]),
+            Err(ConfigError::Cost {
+                flag: "prefill-base-us",
+                ..
+            })
+        ));
         assert!(matches!(
             parse(&["--cpu-load-us-per-token=-1"]),
             Err(ConfigError::Cost {

@@ -3,8 +3,8 @@
 //!
 //! A request's life: tokenize (off the reactor) -> wait for a running slot and for enough free
 //! KV blocks -> with a CPU tier, load its CPU hits (`cpu_load_per_token` x their tokens; they
-//! are cached on the GPU once loaded) -> prefill (sleep `prefill_per_token` x uncached prompt
-//! tokens, then the prompt's full blocks become cached and are published) -> decode
+//! are cached on the GPU once loaded) -> prefill (sleep `prefill_base` + `prefill_per_token` x uncached
+//! prompt tokens, then the prompt's full blocks become cached and are published) -> decode
 //! (`decode_per_token` per output token) -> the output's full blocks are cached too -> blocks
 //! released tail first. So TTFT responds to cache hits and to load as on a real engine.
 //! [`Admitted`] releases its blocks and counters on drop, so an abandoned request never leaks
@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 use kvroute_core::hash::{BlockHasher, BlockKey, Engine as EngineKind, ExtraKeys};
 use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
 
-use crate::config::SimConfig;
+use crate::config::{CacheAt, SimConfig};
 use crate::events::KvEvent;
 use crate::kv::{Allocation, Hit, KvCache, KvError};
 use crate::prompt::{fake_output, hash_view, Encoded, Encoder, MediaItem};
@@ -127,7 +127,7 @@ pub struct Admitted {
     seq: Vec<u32>,
     prompt_len: usize,
     /// Generated text, word by word.
-    pub words: Vec<String>,
+    words: Vec<String>,
     /// Output token ids.
     output_ids: Vec<u32>,
     /// Prompt tokens served from the cache.
@@ -152,25 +152,38 @@ impl Admitted {
 
     /// Runs prefill: the CPU-tier hits are loaded (simulated time for their tokens, then they
     /// are cached on the GPU), then simulated time for the uncached tokens, then the prompt's
-    /// full blocks are cached.
+    /// full blocks are cached. With `--cache-prompt-at schedule` and no CPU-tier load they are
+    /// cached before the prefill's time, as vLLM's scheduler caches them when it schedules the
+    /// prefill (a load delays caching there too).
     pub async fn prefill(&mut self) {
         let bs = self.engine.cfg.contract.block_size.get();
         if self.hit.cpu > 0 {
             let loaded = (self.hit.cpu * bs) as u32;
             tokio::time::sleep(self.engine.cfg.cpu_load_per_token * loaded).await;
             self.commit((self.hit.gpu + self.hit.cpu) * bs);
+        } else if self.engine.cfg.cache_prompt_at == CacheAt::Schedule {
+            self.commit(self.prompt_len);
         }
         let uncached = (self.prompt_len - self.cached_tokens) as u32;
-        tokio::time::sleep(self.engine.cfg.prefill_per_token * uncached).await;
+        let cfg = &self.engine.cfg;
+        tokio::time::sleep(cfg.prefill_base + cfg.prefill_per_token * uncached).await;
         self.commit(self.prompt_len);
     }
 
-    /// When word `i` (0-based) of the output is decoded, decode having started at `start`:
-    /// the words share the decode time of every output token.
-    pub fn word_deadline(&self, start: tokio::time::Instant, i: usize) -> tokio::time::Instant {
+    /// Takes the output's words with the time each one is decoded, decode starting at `start`:
+    /// the words share the decode time of every output token, the last one ending it.
+    pub fn take_words(
+        &mut self,
+        start: tokio::time::Instant,
+    ) -> Vec<(String, tokio::time::Instant)> {
         let total = self.engine.decode_time(self.output_ids.len());
-        let n = self.words.len().max(1) as u32;
-        start + total * (i as u32 + 1) / n
+        let words = std::mem::take(&mut self.words);
+        let n = words.len().max(1) as u32;
+        words
+            .into_iter()
+            .enumerate()
+            .map(|(i, w)| (w, start + total * (i as u32 + 1) / n))
+            .collect()
     }
 
     /// Caches the output's full blocks, releases everything and counts the request.

@@ -267,11 +267,10 @@ fn spawn_request(engine: Arc<Engine>, enc: Encoded) -> mpsc::Receiver<Piece> {
             return;
         }
         a.prefill().await;
-        let start = tokio::time::Instant::now();
-        let words = std::mem::take(&mut a.words);
-        for (i, w) in words.into_iter().enumerate() {
+        let words = a.take_words(tokio::time::Instant::now());
+        for (i, (w, deadline)) in words.into_iter().enumerate() {
             if i > 0 {
-                tokio::time::sleep_until(a.word_deadline(start, i)).await;
+                tokio::time::sleep_until(deadline).await;
             }
             let piece = if i == 0 { w } else { format!(" {w}") };
             if tx.send(Piece::Word(piece)).await.is_err() {

@@ -544,6 +544,89 @@ async fn queue_and_simulated_time_shape_ttft() {
 }
 
 #[tokio::test]
+async fn decode_and_prefill_base_take_their_simulated_time() {
+    // 20 ms per output token and 50 ms for every prefill: the first token comes after 50 ms, the
+    // 16th after ~370 ms (the words share the decode time of every token, not each word all of
+    // it).
+    let sim = Sim::start(&[
+        "--prefill-us-per-token",
+        "0",
+        "--prefill-base-us",
+        "50000",
+        "--decode-us-per-token",
+        "20000",
+    ]);
+    let timed = |n: u32| {
+        let url = sim.url("/v1/completions");
+        async move {
+            let body = json!({"prompt": (0..40).map(|t| 500 * n + t).collect::<Vec<u32>>(), "max_tokens": n});
+            let t = std::time::Instant::now();
+            let (_, resp) = post(&url, &body).await;
+            assert_eq!(resp["usage"]["completion_tokens"], n);
+            t.elapsed()
+        }
+    };
+    let one = timed(1).await;
+    let sixteen = timed(16).await;
+    assert!(
+        one >= Duration::from_millis(50),
+        "base, first token: {one:?}"
+    );
+    assert!(
+        sixteen >= Duration::from_millis(370),
+        "base + 16 tokens: {sixteen:?}"
+    );
+    // Far below 16 words x the whole decode time (5.2 s), with room for a loaded machine.
+    assert!(
+        sixteen < Duration::from_millis(1500),
+        "16 tokens take 16 x 20 ms, not more: {sixteen:?}"
+    );
+}
+
+#[tokio::test]
+async fn a_prompt_is_cached_at_admission_or_after_its_prefill() {
+    // A 100-token prompt prefills for 2 s. Cached at admission (vLLM's scheduler), a second
+    // request with the same prompt hits its 6 full blocks while the first still prefills; cached
+    // at the prefill's end, it hits nothing until then.
+    for (mode, hit) in [("schedule", 96), ("prefill-end", 0)] {
+        let sim = Sim::start(&[
+            "--prefill-us-per-token",
+            "20000",
+            "--decode-us-per-token",
+            "10",
+            "--cache-prompt-at",
+            mode,
+        ]);
+        let body = json!({"prompt": (0..100).collect::<Vec<u32>>(), "max_tokens": 1});
+        let url = sim.url("/v1/completions");
+        let first = tokio::spawn({
+            let (url, body) = (url.clone(), body.clone());
+            async move { post(&url, &body).await.1 }
+        });
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            let c: Value = serde_json::from_str(&get_text(&sim.url("/debug/cache")).await).unwrap();
+            let planned = post(&sim.url("/debug/cache/match"), &body).await.1;
+            if c["running"] == 1 && planned["cached_tokens"] == hit {
+                break;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{mode}: the first request never ran with {hit} tokens cached: {c} {planned}"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let second = post(&url, &body).await.1;
+        assert_eq!(
+            second["usage"]["prompt_tokens_details"]["cached_tokens"], hit,
+            "{mode}: the second request's hit while the first prefills"
+        );
+        let first = first.await.unwrap();
+        assert_eq!(first["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+    }
+}
+
+#[tokio::test]
 async fn cache_salt_enters_keys_and_events() {
     let (sim, mut sub, _) = Sim::start_subscribed(&[
         "--engine",

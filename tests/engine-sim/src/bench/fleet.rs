@@ -103,6 +103,10 @@ pub struct SimSpec {
     pub prefill_us: f64,
     /// `--decode-us-per-token`.
     pub decode_us: f64,
+    /// `--prefill-base-us`.
+    pub prefill_base_us: f64,
+    /// `--cache-prompt-at`.
+    pub cache_prompt_at: String,
     /// `--max-concurrency`.
     pub max_concurrency: usize,
     /// `--cpu-blocks` (vLLM: the CPU tier per simulator; 0: none).
@@ -186,6 +190,10 @@ impl Fleet {
                 &spec.prefill_us.to_string(),
                 "--decode-us-per-token",
                 &spec.decode_us.to_string(),
+                "--prefill-base-us",
+                &spec.prefill_base_us.to_string(),
+                "--cache-prompt-at",
+                &spec.cache_prompt_at,
             ])
             .args(["--max-concurrency", &spec.max_concurrency.to_string()]);
             if spec.cpu_blocks > 0 {

@@ -78,6 +78,14 @@ pub struct BenchArgs {
     /// Simulated decode cost per output token, us.
     #[arg(long, default_value_t = 400.0)]
     pub decode_us: f64,
+    /// Simulated cost of every prefill on top of its uncached tokens, us (the simulators'
+    /// `--prefill-base-us`).
+    #[arg(long, default_value_t = 0.0)]
+    pub prefill_base_us: f64,
+    /// When the simulators cache a prompt's blocks: prefill-end or schedule (their
+    /// `--cache-prompt-at`).
+    #[arg(long, default_value = "prefill-end")]
+    pub cache_prompt_at: String,
     /// Running requests per simulator.
     #[arg(long, default_value_t = 4)]
     pub sim_concurrency: usize,
@@ -434,6 +442,8 @@ pub async fn main(args: BenchArgs) -> anyhow::Result<Vec<Summary>> {
         tokenizer_dir: args.tokenizer_dir.clone(),
         prefill_us: args.prefill_us,
         decode_us: args.decode_us,
+        prefill_base_us: args.prefill_base_us,
+        cache_prompt_at: args.cache_prompt_at.clone(),
         max_concurrency: args.sim_concurrency,
         cpu_blocks: args.cpu_blocks,
     };
@@ -471,10 +481,15 @@ pub async fn main(args: BenchArgs) -> anyhow::Result<Vec<Summary>> {
     } else {
         String::new()
     };
+    let base = if args.prefill_base_us > 0.0 {
+        format!("prefill base {} us, ", args.prefill_base_us)
+    } else {
+        String::new()
+    };
     md.push_str(&format!(
-        "Command: `kvroute-bench {}`\n\npreset {}, engine {}, block {}, KV {} blocks/endpoint{}, prefill {} us/token, decode {} us/token, {} running/endpoint, arrival {}, {} users x {} turns over {} shared prefixes of {} words, tokenizer {}\n\n",
+        "Command: `kvroute-bench {}`\n\npreset {}, engine {}, block {}, KV {} blocks/endpoint{}, {}prefill {} us/token, decode {} us/token, {} running/endpoint, arrival {}, {} users x {} turns over {} shared prefixes of {} words, tokenizer {}\n\n",
         std::env::args().skip(1).collect::<Vec<_>>().join(" "),
-        args.preset, args.engine, args.block_size, kv_blocks, cpu_tier, args.prefill_us, args.decode_us, args.sim_concurrency, args.arrival,
+        args.preset, args.engine, args.block_size, kv_blocks, cpu_tier, base, args.prefill_us, args.decode_us, args.sim_concurrency, args.arrival,
         shape.users, shape.turns, shape.groups, shape.prefix_words,
         args.tokenizer_dir.as_ref().map_or("words".to_string(), |d| d.display().to_string())
     ));
