@@ -51,6 +51,10 @@ SLUG = "Qwen__Qwen3-0.6B"
 ENGINE_IPS = ["127.0.0.40", "127.0.0.41"]
 STRATEGIES = ["round-robin", "partition", "envoy", "sglang-router", "kvroute"]
 ARRIVALS = ["staggered", "burst"]
+# This page's strategies that kvroute-bench runs on its own simulators, and their names there.
+SIM_STRATEGIES = {"round-robin": "round-robin", "partition": "partition",
+                  "sglang-router": "sglang-router", "kvroute": "kvroute-engine"}
+SIM_OUTPUT_TOKENS = 16
 # The strategies that are an Envoy, and the name of each one's files in the run directory.
 ENVOYS = {"kvroute": "kvroute", "envoy": "plain"}
 
@@ -467,6 +471,7 @@ def run_once(a, fleet: Fleet, strategy: str, arrival: str, tag: str, gateways: d
         p, c = turns.get(r["turn"], (0, 0))
         turns[r["turn"]] = (p + r["prompt_tokens"], c + r["cached_tokens"])
     lat = sorted(r["latency_ms"] for r in ok)
+    timing = timing_sums(ok, summary)
     phases = envoy_phases(log, log_at, len(ok)) if log else None
     if phases:
         phases["engine"] = engine_ms
@@ -481,11 +486,124 @@ def run_once(a, fleet: Fleet, strategy: str, arrival: str, tag: str, gateways: d
         "client_ms": client_ms, "engine_ms": engine_ms, "engine_requests": n_e2e,
         "added_ms": client_ms - engine_ms,
         "phases": phases,
+        "timing": timing,
         "turns": {t: (c / p if p else 0.0) for t, (p, c) in sorted(turns.items())},
         "predictions": pred if strategy == "kvroute" else None,
         "outcomes": outcomes,
         "reasons": summary["reasons"],
     }
+
+
+def timing_sums(ok: list, summary: dict) -> dict:
+    """What a run tells of the engines' timing: the sums of a least-squares fit of TTFT (ms)
+    against uncached prompt tokens, and the decode time per output token (ms) of each request
+    (first token to last, over the output's tokens: the simulator spreads its output over that)."""
+    xs = [(r["prompt_tokens"] - r["cached_tokens"], r["ttft_ms"]) for r in ok]
+    out_tokens = SIM_OUTPUT_TOKENS
+    return {"n": len(xs), "sx": sum(x for x, _ in xs), "sy": sum(y for _, y in xs),
+            "sxx": sum(x * x for x, _ in xs), "sxy": sum(x * y for x, y in xs),
+            "decode_ms": med([(r["latency_ms"] - r["ttft_ms"]) / out_tokens for r in ok])}
+
+
+def fitted_timing(runs: list) -> dict:
+    """The simulator's timing flags from every real run: TTFT = base + per-token x uncached
+    tokens (least squares over every request), decode per output token (median of the runs')."""
+    t = [r["timing"] for r in runs if r.get("timing") and r["timing"]["n"]]
+    if not t:
+        return {}
+    n, sx, sy = sum(x["n"] for x in t), sum(x["sx"] for x in t), sum(x["sy"] for x in t)
+    sxx, sxy = sum(x["sxx"] for x in t), sum(x["sxy"] for x in t)
+    den = n * sxx - sx * sx
+    slope = (n * sxy - sx * sy) / den if den else 0.0
+    base = (sy - slope * sx) / n
+    return {"prefill_base_us": round(max(base, 0.0) * 1e3), "prefill_us": round(max(slope, 0.0) * 1e3, 1),
+            "decode_us": round(med([x["decode_ms"] for x in t]) * 1e3), "requests": n}
+
+
+def sim_runs(a, timing: dict, arrivals: list, strategies: list) -> list:
+    """The same workloads and strategies on kvroute-bench's own simulators, timed as the real
+    engines were: a.sim_rounds runs per arrival, each running every strategy on fresh simulators."""
+    out = []
+    for k in range(a.sim_rounds):
+        for arrival in arrivals:
+            tag = f"sim-r{k + 1}-{arrival}"
+            say(f"simulator run {k + 1} of {a.sim_rounds}: {arrival}")
+            out_json = os.path.join(a.run_dir, f"{tag}.json")
+            cmd = [a.bench_bin, "--preset", "constrained", "--workloads", "multi-turn",
+                   "--strategies", ",".join(SIM_STRATEGIES[s] for s in strategies),
+                   "--arrival", arrival,
+                   "--concurrency", str(a.concurrency), "--kv-blocks", str(a.kv_blocks),
+                   "--tokenizer-dir", a.tokenizer_dir, "--workload-seed", str(a.seed),
+                   "--inventory-bin", a.inventory_bin,
+                   "--prefill-base-us", str(timing["prefill_base_us"]),
+                   "--prefill-us", str(timing["prefill_us"]),
+                   "--decode-us", str(timing["decode_us"]), "--cache-prompt-at", "schedule",
+                   "--json", out_json, "--progress-label", tag]
+            if subprocess.run(cmd, stdout=subprocess.DEVNULL).returncode != 0:
+                die(f"kvroute-bench failed for {tag} ({' '.join(cmd)})")
+            with open(out_json) as f:
+                by_name = {s["strategy"]: s for s in json.load(f)["summaries"]}
+            for real in strategies:
+                s = by_name[SIM_STRATEGIES[real]]
+                out.append({"strategy": real, "arrival": arrival, "round": k,
+                            "ratio": s["cached_ratio"], "engines_per_prompt": s["engines_per_prefix"],
+                            "ttft_p50": s["ttft_p50_ms"], "ttft_p90": s["ttft_p90_ms"]})
+    return out
+
+
+def sim_report(runs: list, sim: list, timing: dict, sim_rounds: int, kv_blocks: int) -> list:
+    """The simulator's ratios beside the real engines', per strategy and arrival."""
+    real, simd = {}, {}
+    for r in runs:
+        real.setdefault((r["arrival"], r["strategy"]), []).append(r["ratio"])
+    for r in sim:
+        simd.setdefault((r["arrival"], r["strategy"]), []).append(r["ratio"])
+    out = ["## The simulator beside the real engines", "",
+           f"kvroute-bench's own simulators (2 `kvroute-engine-sim` imitating vLLM: {kv_blocks} KV "
+           "blocks of 16 tokens, sha256_cbor, the Qwen3 tokenizer) with the same "
+           "workload, concurrency and strategies, timed as this page's real requests were: a "
+           f"least-squares fit over its {timing['requests']} requests gives TTFT = "
+           f"{timing['prefill_base_us'] / 1e3:.1f} ms + {timing['prefill_us']:.1f} µs per uncached "
+           f"prompt token (`--prefill-base-us {timing['prefill_base_us']} --prefill-us "
+           f"{timing['prefill_us']}`) and {timing['decode_us'] / 1e3:.1f} ms per output token "
+           f"(`--decode-us {timing['decode_us']}`); prompt blocks are cached when a request is "
+           "scheduled, as vLLM's scheduler caches them (`--cache-prompt-at schedule`). kvroute there "
+           "is `kvroute-engine` (the driver asks the inventory, as the filter does, without Envoy). "
+           f"{sim_rounds} runs per arrival, each strategy on fresh simulators.", "",
+           "| arrival | strategy | real engines, median (min-max) | simulator, median (min-max) "
+           "| simulator - real |", "|---|---|---|---|---|"]
+    worst = 0.0
+    ranks = {}
+    for arrival in ARRIVALS:
+        for s in SIM_STRATEGIES:
+            rv, sv = real.get((arrival, s)), simd.get((arrival, s))
+            if not rv or not sv:
+                continue
+            d = med(sv) - med(rv)
+            worst = max(worst, abs(d))
+            out.append(f"| {arrival} | {s} | {spread(rv)} | {spread(sv)} | {d:+.3f} |")
+            ranks.setdefault(arrival, []).append((s, med(rv), med(sv)))
+    out.append("")
+    for arrival, rows in ranks.items():
+        by_real = " > ".join(s for s, _, _ in sorted(rows, key=lambda x: -x[1]))
+        by_sim = " > ".join(s for s, _, _ in sorted(rows, key=lambda x: -x[2]))
+        out.append(f"{arrival}, strategies by median ratio: real engines {by_real}; "
+                   f"simulator {by_sim}.")
+    out += ["", f"Largest difference between the medians: {worst:.3f}.", ""]
+    return out
+
+
+def sim_worst(runs: list, sim: list) -> float:
+    """The largest difference between a strategy's median ratio on the simulator and on the
+    real engines, over the strategies and arrivals both ran (nan when none did)."""
+    diffs = []
+    for arrival in ARRIVALS:
+        for s in SIM_STRATEGIES:
+            rv = [r["ratio"] for r in runs if (r["arrival"], r["strategy"]) == (arrival, s)]
+            sv = [r["ratio"] for r in sim if (r["arrival"], r["strategy"]) == (arrival, s)]
+            if rv and sv:
+                diffs.append(abs(med(sv) - med(rv)))
+    return max(diffs) if diffs else float("nan")
 
 
 def idle_added(a, fleet: Fleet, gateways: dict, routers: dict) -> dict:
@@ -522,7 +640,7 @@ def spread(xs, fmt="{:.3f}"):
     return f"{fmt.format(med(xs))} ({fmt.format(min(xs))}-{fmt.format(max(xs))})" if xs else "-"
 
 
-def targets(by: dict, rounds: int, idle: dict) -> list:
+def targets(by: dict, rounds: int, idle: dict, worst: float) -> list:
     """kvroute against the goals set for a real fleet, judged on this run's medians."""
     def m(arrival, s, key):
         return med([r[key] for r in by.get((arrival, s), [])])
@@ -575,14 +693,19 @@ def targets(by: dict, rounds: int, idle: dict) -> list:
         kv, sg = idle["kvroute"], idle["sglang-router"]
         rows.append(("one request at a time: added latency no worse than sglang-router's",
                      kv <= sg, f"{kv:.1f} vs {sg:.1f} ms"))
-    out = ["## Goals", "", f"Judged on the medians of this page ({rounds} rounds; the last row on "
-           "the one-request-at-a-time samples):", "",
+    if worst == worst:
+        rows.append(("the simulator's cached-token ratios within 0.03 of the real engines' "
+                     "(every strategy it runs, both arrivals)", worst <= 0.03,
+                     f"largest difference {worst:.3f}"))
+    out = ["## Goals", "", f"Judged on the medians of this page ({rounds} rounds; the "
+           "one-request-at-a-time row on those samples, the simulator's row on its runs):", "",
            "| goal | met | figure |", "|---|---|---|"]
     out += [f"| {g} | {'yes' if ok else '**no**'} | {fig} |" for g, ok, fig in rows]
     return out + [""]
 
 
-def report(a, runs: list, idle: dict, started: str, minutes: float, hold: dict) -> str:
+def report(a, runs: list, idle: dict, started: str, minutes: float, hold: dict, sim: list,
+           timing: dict) -> str:
     cpu = "unknown CPU"
     try:
         with open("/proc/cpuinfo") as f:
@@ -690,7 +813,9 @@ def report(a, runs: list, idle: dict, started: str, minutes: float, hold: dict) 
                     f"{sum(o['qualifying'] for o in seen):.0f} responses predicted to reuse 2 blocks "
                     f"or more reused none; an endpoint was judged divergent in {div} of "
                     f"{len(seen)} runs.", ""]
-    out += targets(by, a.rounds, idle)
+    out += targets(by, a.rounds, idle, sim_worst(runs, sim) if sim else float("nan"))
+    if sim:
+        out += sim_report(runs, sim, timing, 1 + max(r["round"] for r in sim), a.kv_blocks)
     if hold:
         out += ["## Where kvroute's gateway time goes", "",
                 "The filter's own histograms over every kvroute run (Envoy's cumulative "
@@ -744,6 +869,9 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=1, help="workload seed")
     p.add_argument("--envoy-concurrency", type=int, default=2)
     p.add_argument("--idle-samples", type=int, default=20)
+    p.add_argument("--sim-rounds", type=int, default=3,
+                   help="runs per arrival on kvroute-bench's simulators, timed as the real engines "
+                        "(0: none)")
     p.add_argument("--strategies", default=",".join(STRATEGIES))
     p.add_argument("--arrivals", default=",".join(ARRIVALS))
     p.add_argument("--out", default=os.path.join(REPO, "docs/bench-real-vllm.md"))
@@ -759,7 +887,8 @@ def main() -> None:
         a.rounds = 1 + max(r["round"] for r in saved["runs"])
         meta = saved.get("meta", {})
         text = report(a, saved["runs"], saved["idle"], meta.get("started", "?"),
-                      meta.get("minutes", 0), saved.get("filter_hold", {}))
+                      meta.get("minutes", 0), saved.get("filter_hold", {}), saved.get("sim", []),
+                      saved.get("sim_timing", {}))
         with open(a.out, "w") as f:
             f.write(text)
         print(text)
@@ -807,12 +936,19 @@ def main() -> None:
             routers = ({"sglang-router": fleet.start_sglang_router()}
                        if "sglang-router" in strategies else {})
             idle = idle_added(a, fleet, gateways, routers)
+        timing = fitted_timing(runs)
+        sim = []
+        on_sim = [s for s in strategies if s in SIM_STRATEGIES]
+        if a.sim_rounds > 0 and timing and on_sim:
+            fleet.stop()  # the simulators get the cores
+            sim = sim_runs(a, timing, arrivals, on_sim)
         minutes = (time.monotonic() - t0) / 60
         if a.json:
             with open(a.json, "w") as f:
-                json.dump({"runs": runs, "idle": idle, "filter_hold": hold,
+                json.dump({"runs": runs, "idle": idle, "filter_hold": hold, "sim": sim,
+                           "sim_timing": timing,
                            "meta": {"started": started, "minutes": minutes}}, f, indent=1)
-        text = report(a, runs, idle, started, minutes, hold)
+        text = report(a, runs, idle, started, minutes, hold, sim, timing)
         with open(a.out, "w") as f:
             f.write(text)
         print(text)
