@@ -58,7 +58,8 @@ ARRIVALS = ["staggered", "burst"]
 # This page's strategies that kvroute-bench runs on its own simulators, and their names there.
 SIM_STRATEGIES = {"round-robin": "round-robin", "partition": "partition",
                   "sglang-router": "sglang-router", "kvroute": "kvroute-engine"}
-SIM_OUTPUT_TOKENS = 16
+# Output tokens per request in the constrained preset.
+OUTPUT_TOKENS = 16
 # The strategies that are an Envoy, and the name of each one's files in the run directory.
 ENVOYS = {"kvroute": "kvroute", "envoy": "plain"}
 
@@ -475,7 +476,7 @@ def run_once(a, fleet: Fleet, strategy: str, arrival: str, tag: str, gateways: d
         p, c = turns.get(r["turn"], (0, 0))
         turns[r["turn"]] = (p + r["prompt_tokens"], c + r["cached_tokens"])
     lat = sorted(r["latency_ms"] for r in ok)
-    timing = timing_sums(ok, summary)
+    timing = timing_sums(ok)
     phases = envoy_phases(log, log_at, len(ok)) if log else None
     if phases:
         phases["engine"] = engine_ms
@@ -498,15 +499,14 @@ def run_once(a, fleet: Fleet, strategy: str, arrival: str, tag: str, gateways: d
     }
 
 
-def timing_sums(ok: list, summary: dict) -> dict:
+def timing_sums(ok: list) -> dict:
     """What a run tells of the engines' timing: the sums of a least-squares fit of TTFT (ms)
-    against uncached prompt tokens, and the decode time per output token (ms) of each request
-    (first token to last, over the output's tokens: the simulator spreads its output over that)."""
+    against uncached prompt tokens, and the median decode time per output token (ms): first token
+    to last over the output's tokens, the span the simulator spreads its output over."""
     xs = [(r["prompt_tokens"] - r["cached_tokens"], r["ttft_ms"]) for r in ok]
-    out_tokens = SIM_OUTPUT_TOKENS
     return {"n": len(xs), "sx": sum(x for x, _ in xs), "sy": sum(y for _, y in xs),
             "sxx": sum(x * x for x, _ in xs), "sxy": sum(x * y for x, y in xs),
-            "decode_ms": med([(r["latency_ms"] - r["ttft_ms"]) / out_tokens for r in ok])}
+            "decode_ms": med([(r["latency_ms"] - r["ttft_ms"]) / OUTPUT_TOKENS for r in ok])}
 
 
 def fitted_timing(runs: list) -> dict:
@@ -576,7 +576,6 @@ def sim_report(runs: list, sim: list, timing: dict, sim_rounds: int, kv_blocks: 
            f"{sim_rounds} runs per arrival, each strategy on fresh simulators.", "",
            "| arrival | strategy | real engines, median (min-max) | simulator, median (min-max) "
            "| simulator - real |", "|---|---|---|---|---|"]
-    worst = 0.0
     ranks = {}
     for arrival in ARRIVALS:
         for s in SIM_STRATEGIES:
@@ -584,7 +583,6 @@ def sim_report(runs: list, sim: list, timing: dict, sim_rounds: int, kv_blocks: 
             if not rv or not sv:
                 continue
             d = med(sv) - med(rv)
-            worst = max(worst, abs(d))
             out.append(f"| {arrival} | {s} | {spread(rv)} | {spread(sv)} | {d:+.3f} |")
             ranks.setdefault(arrival, []).append((s, med(rv), med(sv)))
     out.append("")
@@ -593,7 +591,7 @@ def sim_report(runs: list, sim: list, timing: dict, sim_rounds: int, kv_blocks: 
         by_sim = " > ".join(s for s, _, _ in sorted(rows, key=lambda x: -x[2]))
         out.append(f"{arrival}, strategies by median ratio: real engines {by_real}; "
                    f"simulator {by_sim}.")
-    out += ["", f"Largest difference between the medians: {worst:.3f}.", ""]
+    out += ["", f"Largest difference between the medians: {sim_worst(runs, sim):.3f}.", ""]
     return out
 
 
