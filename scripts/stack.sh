@@ -81,11 +81,14 @@ LLB_KV_NONE_HASH_SEED=0 KVROUTE_SCRAPE_INTERVAL_MS=200 \
     "$INVENTORY_BIN" serve --listen "127.0.0.1:$INV_PORT" --tokenizer-dir "$RUN" \
     --auth-token-file "$RUN/admin-token" >"$RUN/logs/inventory.log" 2>&1 &
 PIDS+=($!)
+# 6.4 ms per output token, a GPU's pace for a small model: a request lasts ~0.1 s, so the 16 in
+# flight overlap on the engines as a fleet's do (at the simulator's 0.4 ms default each lasts a
+# few ms and the demo's load swings faster than placement can follow).
 for ip in "${SIMS[@]}"; do
     say "starting a vLLM simulator on $ip:$SIM_PORT"
     "$BIN/kvroute-engine-sim" --listen "$ip:$SIM_PORT" --engine vllm --seed 0 --block-size 16 \
         --kv-blocks 96 --zmq-port "$ZMQ_PORT" --replay-port "$REPLAY_PORT" --topic kv-events \
-        --prefill-us-per-token 40 --decode-us-per-token 400 --max-concurrency 4 \
+        --prefill-us-per-token 40 --decode-us-per-token 6400 --max-concurrency 4 \
         --tokenizer-dir "$KVROUTE_TOKENIZER_DIR" --model "$MODEL" --name "sim-$ip" \
         >"$RUN/logs/sim-$ip.log" 2>&1 &
     PIDS+=($!)
