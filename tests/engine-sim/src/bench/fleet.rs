@@ -153,6 +153,10 @@ impl Fleet {
     /// Starts `n` simulators. vLLM/SGLang publish ZMQ, and a router reaches `endpoint IP +
     /// kvZmqPort`, so each simulator then gets its own loopback address 127.0.0.(10+i) and all
     /// share one port; TensorRT-LLM and llama.cpp simulators all use 127.0.0.1.
+    ///
+    /// The ZMQ port is free when chosen, but a process starting meanwhile (another fleet's
+    /// simulator binding its HTTP port to 0, say) can take it first: a simulator that exits
+    /// before it is ready then has the fleet started again on a new port, at most 4 times.
     pub fn start(spec: &SimSpec, n: usize) -> anyhow::Result<Fleet> {
         let zmq = matches!(spec.engine.as_str(), "vllm" | "sglang");
         let ips: Vec<String> = (0..n)
@@ -161,11 +165,25 @@ impl Fleet {
                 false => "127.0.0.1".to_string(),
             })
             .collect();
-        let zmq_port = if zmq {
-            Some(free_port_on_all(&ips)?)
-        } else {
-            None
-        };
+        let mut attempt = 1;
+        loop {
+            let zmq_port = if zmq {
+                Some(free_port_on_all(&ips)?)
+            } else {
+                None
+            };
+            match Self::start_on(spec, &ips, zmq_port) {
+                Err(e) if zmq && attempt < 4 => {
+                    eprintln!("kvroute-bench: {e:#}; starting the fleet again on a new ZMQ port");
+                    attempt += 1;
+                }
+                done => return done,
+            }
+        }
+    }
+
+    fn start_on(spec: &SimSpec, ips: &[String], zmq_port: Option<u16>) -> anyhow::Result<Fleet> {
+        let n = ips.len();
         let mut sims = Vec::with_capacity(n);
         let mut names = Vec::with_capacity(n);
         for (i, ip) in ips.iter().enumerate() {
