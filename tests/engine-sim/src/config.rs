@@ -117,6 +117,25 @@ pub enum CacheAt {
     Schedule,
 }
 
+impl CacheAt {
+    /// The flag's value: `prefill-end` or `schedule`.
+    pub fn parse(s: &str) -> Result<CacheAt, ConfigError> {
+        match s {
+            "prefill-end" => Ok(CacheAt::PrefillEnd),
+            "schedule" => Ok(CacheAt::Schedule),
+            _ => Err(ConfigError::CacheAt(s.to_string())),
+        }
+    }
+
+    /// The flag's value for this moment.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            CacheAt::PrefillEnd => "prefill-end",
+            CacheAt::Schedule => "schedule",
+        }
+    }
+}
+
 /// Why flags are invalid; each message names the flag, the value and what is allowed.
 #[derive(Debug, thiserror::Error, PartialEq)]
 pub enum ConfigError {
@@ -334,11 +353,7 @@ impl TryFrom<SimArgs> for SimConfig {
             ignore_cache_salt: a.ignore_cache_salt,
             cpu_blocks: a.cpu_blocks,
             cpu_load_per_token: cost("cpu-load-us-per-token", a.cpu_load_us_per_token)?,
-            cache_prompt_at: match a.cache_prompt_at.as_str() {
-                "prefill-end" => CacheAt::PrefillEnd,
-                "schedule" => CacheAt::Schedule,
-                _ => return Err(ConfigError::CacheAt(a.cache_prompt_at)),
-            },
+            cache_prompt_at: CacheAt::parse(&a.cache_prompt_at)?,
         })
     }
 }

@@ -3,8 +3,9 @@
 //!
 //! A request's life: tokenize (off the reactor) -> wait for a running slot and for enough free
 //! KV blocks -> with a CPU tier, load its CPU hits (`cpu_load_per_token` x their tokens; they
-//! are cached on the GPU once loaded) -> prefill (sleep `prefill_base` + `prefill_per_token` x uncached
-//! prompt tokens, then the prompt's full blocks become cached and are published) -> decode
+//! are cached on the GPU once loaded) -> prefill (sleep `prefill_base` + `prefill_per_token` x
+//! uncached prompt tokens; the prompt's full blocks become cached and are published after it, or
+//! before it with `--cache-prompt-at schedule`) -> decode
 //! (`decode_per_token` per output token) -> the output's full blocks are cached too -> blocks
 //! released tail first. So TTFT responds to cache hits and to load as on a real engine.
 //! [`Admitted`] releases its blocks and counters on drop, so an abandoned request never leaks
@@ -157,17 +158,20 @@ impl Admitted {
     /// prefill (a load delays caching there too).
     pub async fn prefill(&mut self) {
         let bs = self.engine.cfg.contract.block_size.get();
+        let at_schedule = self.hit.cpu == 0 && self.engine.cfg.cache_prompt_at == CacheAt::Schedule;
         if self.hit.cpu > 0 {
             let loaded = (self.hit.cpu * bs) as u32;
             tokio::time::sleep(self.engine.cfg.cpu_load_per_token * loaded).await;
             self.commit((self.hit.gpu + self.hit.cpu) * bs);
-        } else if self.engine.cfg.cache_prompt_at == CacheAt::Schedule {
+        } else if at_schedule {
             self.commit(self.prompt_len);
         }
         let uncached = (self.prompt_len - self.cached_tokens) as u32;
         let cfg = &self.engine.cfg;
         tokio::time::sleep(cfg.prefill_base + cfg.prefill_per_token * uncached).await;
-        self.commit(self.prompt_len);
+        if !at_schedule {
+            self.commit(self.prompt_len);
+        }
     }
 
     /// Takes the output's words with the time each one is decoded, decode starting at `start`:

@@ -9,6 +9,7 @@ use std::time::Duration;
 use common::*;
 use kvroute_core::hash::{BlockSize, ExtraKeys, HashAlgo, HashContract};
 use kvroute_engine_sim::prompt::{fake_output, word_id};
+use kvroute_test_support::poll::{Poll, Probe};
 use serde_json::{json, Value};
 use zeromq::{DealerSocket, Socket, SocketRecv, SocketSend, ZmqMessage};
 
@@ -603,19 +604,21 @@ async fn a_prompt_is_cached_at_admission_or_after_its_prefill() {
             let (url, body) = (url.clone(), body.clone());
             async move { post(&url, &body).await.1 }
         });
-        let deadline = std::time::Instant::now() + Duration::from_secs(10);
-        loop {
-            let c: Value = serde_json::from_str(&get_text(&sim.url("/debug/cache")).await).unwrap();
+        Poll::new(
+            format!("{mode}: the first request running with {hit} tokens cached"),
+            Duration::from_secs(10),
+        )
+        .every(Duration::from_millis(10))
+        .until(async || {
+            let c: Value = serde_json::from_str(&get_text(&sim.url("/debug/cache")).await)?;
             let planned = post(&sim.url("/debug/cache/match"), &body).await.1;
-            if c["running"] == 1 && planned["cached_tokens"] == hit {
-                break;
-            }
-            assert!(
-                std::time::Instant::now() < deadline,
-                "{mode}: the first request never ran with {hit} tokens cached: {c} {planned}"
-            );
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
+            Ok(match c["running"] == 1 && planned["cached_tokens"] == hit {
+                true => Probe::Ready(()),
+                false => Probe::Pending(format!("{c} {planned}")),
+            })
+        })
+        .await
+        .unwrap();
         let second = post(&url, &body).await.1;
         assert_eq!(
             second["usage"]["prompt_tokens_details"]["cached_tokens"], hit,

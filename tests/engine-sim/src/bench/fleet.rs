@@ -106,7 +106,7 @@ pub struct SimSpec {
     /// `--prefill-base-us`.
     pub prefill_base_us: f64,
     /// `--cache-prompt-at`.
-    pub cache_prompt_at: String,
+    pub cache_prompt_at: crate::config::CacheAt,
     /// `--max-concurrency`.
     pub max_concurrency: usize,
     /// `--cpu-blocks` (vLLM: the CPU tier per simulator; 0: none).
@@ -211,7 +211,7 @@ impl Fleet {
                 "--prefill-base-us",
                 &spec.prefill_base_us.to_string(),
                 "--cache-prompt-at",
-                &spec.cache_prompt_at,
+                spec.cache_prompt_at.as_str(),
             ])
             .args(["--max-concurrency", &spec.max_concurrency.to_string()]);
             if spec.cpu_blocks > 0 {

@@ -443,7 +443,7 @@ pub async fn main(args: BenchArgs) -> anyhow::Result<Vec<Summary>> {
         prefill_us: args.prefill_us,
         decode_us: args.decode_us,
         prefill_base_us: args.prefill_base_us,
-        cache_prompt_at: args.cache_prompt_at.clone(),
+        cache_prompt_at: crate::config::CacheAt::parse(&args.cache_prompt_at)?,
         max_concurrency: args.sim_concurrency,
         cpu_blocks: args.cpu_blocks,
     };
