@@ -555,13 +555,28 @@ def sim_runs(a, timing: dict, arrivals: list, strategies: list) -> list:
     return out
 
 
-def sim_report(runs: list, sim: list, timing: dict, sim_rounds: int, kv_blocks: int) -> list:
-    """The simulator's ratios beside the real engines', per strategy and arrival."""
+def sim_pairs(runs: list, sim: list) -> list:
+    """(arrival, strategy, real ratios, simulator ratios) of every strategy and arrival that ran
+    on both."""
     real, simd = {}, {}
     for r in runs:
         real.setdefault((r["arrival"], r["strategy"]), []).append(r["ratio"])
     for r in sim:
         simd.setdefault((r["arrival"], r["strategy"]), []).append(r["ratio"])
+    return [(arrival, s, real[(arrival, s)], simd[(arrival, s)])
+            for arrival in ARRIVALS for s in SIM_STRATEGIES
+            if (arrival, s) in real and (arrival, s) in simd]
+
+
+def sim_worst(runs: list, sim: list) -> float:
+    """The largest difference between a strategy's median ratio on the simulator and on the
+    real engines, over the strategies and arrivals both ran (nan when none did)."""
+    diffs = [abs(med(sv) - med(rv)) for _, _, rv, sv in sim_pairs(runs, sim)]
+    return max(diffs) if diffs else float("nan")
+
+
+def sim_report(runs: list, sim: list, timing: dict, sim_rounds: int, kv_blocks: int) -> list:
+    """The simulator's ratios beside the real engines', per strategy and arrival."""
     out = ["## The simulator beside the real engines", "",
            f"kvroute-bench's own simulators (2 `kvroute-engine-sim` imitating vLLM: {kv_blocks} KV "
            "blocks of 16 tokens, sha256_cbor, the Qwen3 tokenizer) with the same "
@@ -577,14 +592,9 @@ def sim_report(runs: list, sim: list, timing: dict, sim_rounds: int, kv_blocks: 
            "| arrival | strategy | real engines, median (min-max) | simulator, median (min-max) "
            "| simulator - real |", "|---|---|---|---|---|"]
     ranks = {}
-    for arrival in ARRIVALS:
-        for s in SIM_STRATEGIES:
-            rv, sv = real.get((arrival, s)), simd.get((arrival, s))
-            if not rv or not sv:
-                continue
-            d = med(sv) - med(rv)
-            out.append(f"| {arrival} | {s} | {spread(rv)} | {spread(sv)} | {d:+.3f} |")
-            ranks.setdefault(arrival, []).append((s, med(rv), med(sv)))
+    for arrival, s, rv, sv in sim_pairs(runs, sim):
+        out.append(f"| {arrival} | {s} | {spread(rv)} | {spread(sv)} | {med(sv) - med(rv):+.3f} |")
+        ranks.setdefault(arrival, []).append((s, med(rv), med(sv)))
     out.append("")
     for arrival, rows in ranks.items():
         by_real = " > ".join(s for s, _, _ in sorted(rows, key=lambda x: -x[1]))
@@ -593,19 +603,6 @@ def sim_report(runs: list, sim: list, timing: dict, sim_rounds: int, kv_blocks: 
                    f"simulator {by_sim}.")
     out += ["", f"Largest difference between the medians: {sim_worst(runs, sim):.3f}.", ""]
     return out
-
-
-def sim_worst(runs: list, sim: list) -> float:
-    """The largest difference between a strategy's median ratio on the simulator and on the
-    real engines, over the strategies and arrivals both ran (nan when none did)."""
-    diffs = []
-    for arrival in ARRIVALS:
-        for s in SIM_STRATEGIES:
-            rv = [r["ratio"] for r in runs if (r["arrival"], r["strategy"]) == (arrival, s)]
-            sv = [r["ratio"] for r in sim if (r["arrival"], r["strategy"]) == (arrival, s)]
-            if rv and sv:
-                diffs.append(abs(med(sv) - med(rv)))
-    return max(diffs) if diffs else float("nan")
 
 
 def idle_added(a, fleet: Fleet, gateways: dict, routers: dict) -> dict:
@@ -719,12 +716,13 @@ def report(a, runs: list, idle: dict, started: str, minutes: float, hold: dict, 
     by = {}
     for r in runs:
         by.setdefault((r["arrival"], r["strategy"]), []).append(r)
+    sim_rounds = 1 + max(r["round"] for r in sim) if sim else 0
     out = [
         "# Routers on real vLLM engines",
         "",
         f"Measured {started} on {os.cpu_count()} cores ({cpu}, {platform.system()} "
         f"{platform.release()}), {a.rounds} rounds"
-        + (f" and {1 + max(r['round'] for r in sim)} simulator runs per arrival" if sim else "")
+        + (f" and {sim_rounds} simulator runs per arrival" if sim else "")
         + f" in {minutes:.0f} minutes. Regenerate with `./scripts/bench-real-vllm.sh` "
         "(`--rounds N`, `--sim-rounds N`; setup included, about 3 GB to download once).",
         "",
@@ -819,7 +817,7 @@ def report(a, runs: list, idle: dict, started: str, minutes: float, hold: dict, 
                     f"{len(seen)} runs.", ""]
     out += targets(by, a.rounds, idle, sim_worst(runs, sim) if sim else float("nan"))
     if sim:
-        out += sim_report(runs, sim, timing, 1 + max(r["round"] for r in sim), a.kv_blocks)
+        out += sim_report(runs, sim, timing, sim_rounds, a.kv_blocks)
     if hold:
         out += ["## Where kvroute's gateway time goes", "",
                 "The filter's own histograms over every kvroute run (Envoy's cumulative "
