@@ -105,35 +105,64 @@ async fn warm_filter(gw: &Gateway, inv: &Inventory, rule: &str, tokenize_in_filt
 }
 
 /// The fail-open count, then the filter's own timings and cache counters over the whole setup
-/// (all cases). Histograms show up after Envoy's next stats flush: polled, bounded.
-async fn filter_stats(gw: &Gateway) -> String {
+/// (all cases). Envoy's histograms show what its last stats flush merged, so they are read once
+/// `duration_us` holds a sample for each of the `requests` the filter saw, less the ones that
+/// failed open: polled, bounded.
+async fn filter_stats(gw: &Gateway, requests: u64) -> String {
     let stats = gw.envoy.stats("kvroute_filter_fail_open").await.unwrap();
     let total: u64 = stats.values().sum();
-    let mut fail = format!("{total}");
-    let deadline = Instant::now() + Duration::from_secs(20);
-    let text = loop {
-        let text = harness::body_text(
+    let want = requests.saturating_sub(total);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut seen = 0;
+    while seen < want && Instant::now() < deadline {
+        let counts = harness::body_text(
             gw.client
                 .get(format!("http://{}/stats", gw.envoy.admin))
-                .query(&[(
-                    "filter",
-                    "kvroute_filter_(tokenize_us|keys_us|prepare_us|callout_us|duration_us|.*cache_(hits|misses)_total)",
-                )]),
+                .query(&[
+                    ("filter", "kvroute_filter_duration_us"),
+                    ("histogram_buckets", "cumulative"),
+                ]),
         )
         .await
         .unwrap();
-        if text.contains("duration_us: P0") || Instant::now() > deadline {
-            break text;
+        seen = histogram_count(&counts);
+        if seen < want {
+            tokio::time::sleep(Duration::from_millis(250)).await;
         }
-        tokio::time::sleep(Duration::from_millis(250)).await;
-    };
-    fail.push_str(".\n\n```\n");
-    for line in text.lines() {
-        fail.push_str(line.trim());
-        fail.push('\n');
     }
-    fail.push_str("```");
-    fail
+    assert!(
+        seen >= want,
+        "Envoy's duration histogram holds {seen} of {want} routed requests after 30 s"
+    );
+    let text = harness::body_text(
+        gw.client
+            .get(format!("http://{}/stats", gw.envoy.admin))
+            .query(&[(
+                "filter",
+                "kvroute_filter_(tokenize_us|keys_us|prepare_us|callout_us|duration_us|.*cache_(hits|misses)_total)",
+            )]),
+    )
+    .await
+    .unwrap();
+    let mut out = format!("{total}.\n\n```\n");
+    for line in text.lines() {
+        out.push_str(line.trim());
+        out.push('\n');
+    }
+    out.push_str("```");
+    out
+}
+
+/// The samples a histogram's cumulative bucket line counts (`B<bound>(interval,cumulative)`, the
+/// last bucket the largest count); 0 before the first flush.
+fn histogram_count(text: &str) -> u64 {
+    text.lines()
+        .filter_map(|l| l.rsplit(" B").next())
+        .filter_map(|b| b.split_once('(')?.1.strip_suffix(')')?.split_once(','))
+        .filter_map(|(_, cumulative)| cumulative.trim().parse::<f64>().ok())
+        .map(|c| c as u64)
+        .max()
+        .unwrap_or(0)
 }
 
 /// One setup's measurements: (case, p50 ms, p99 ms) rows.
@@ -242,7 +271,7 @@ async fn bench_filter_latency() {
         if let Some(rule) = &rule {
             warm_filter(&gw, &inv, rule, label.contains("tokenize: filter")).await;
         }
-        // Warm-up: first calls in a VM are slower (V8 tiers up).
+        // Warm-up: first calls in a VM are slower (V8 tiers up). `sent` below counts these 10.
         let warm: Vec<Vec<u8>> = (0..10u64).map(|i| body(&conversation(5 + i, 2))).collect();
         for w in &warm {
             let _ = one(&gw, w).await;
@@ -277,10 +306,12 @@ async fn bench_filter_latency() {
             table[j].push(st);
         }
     }
+    // Chat requests each filter routed: the 10 warm-up ones and every sample.
+    let sent = 10 + cases.iter().map(|c| c.cold.len() as u64).sum::<u64>();
     let mut results: Vec<(String, Vec<Stats>, String)> = Vec::new();
     for ((label, gw, filtered), rows) in setups.iter().zip(table) {
         let fail = if *filtered {
-            filter_stats(gw).await
+            filter_stats(gw, sent).await
         } else {
             String::new()
         };
