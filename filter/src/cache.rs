@@ -158,7 +158,7 @@ impl KeyCache {
         for (i, block) in blocks.iter().enumerate() {
             self.set_probe(parent, block);
             let probe = std::mem::take(&mut self.probe);
-            let node = self.nodes.get(probe.as_slice()).cloned();
+            let node = self.nodes.get_with(probe.as_slice(), Node::clone);
             self.probe = probe;
             let Some(node) = node else { break };
             keys.push(node.key);

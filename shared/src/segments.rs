@@ -89,18 +89,21 @@ impl<K: Hash + Eq, V> Generational<K, V> {
         }
     }
 
-    /// The value of `key`, promoting it to the young generation.
-    pub fn get<Q>(&mut self, key: &Q) -> Option<&V>
+    /// `f` of the value of `key`, promoting it to the young generation. A young entry costs one
+    /// lookup (the key hashed and compared once), an old one a removal and an insertion.
+    pub fn get_with<Q, R>(&mut self, key: &Q, f: impl FnOnce(&V) -> R) -> Option<R>
     where
         K: Borrow<Q>,
         Q: Hash + Eq + ?Sized,
     {
-        if !self.young.contains_key(key) {
-            let (k, (v, size)) = self.old.remove_entry(key)?;
-            self.old_bytes -= size;
-            self.insert(k, v, size);
+        if let Some((v, _)) = self.young.get(key) {
+            return Some(f(v));
         }
-        self.young.get(key).map(|(v, _)| v)
+        let (k, (v, size)) = self.old.remove_entry(key)?;
+        self.old_bytes -= size;
+        let r = f(&v);
+        self.insert(k, v, size);
+        Some(r)
     }
 
     /// Adds an entry of `size` bytes; false when it is not kept (cache off or entry too large).
@@ -240,8 +243,10 @@ fn segment(
     out: &mut Vec<u32>,
     stats: &mut SegmentStats,
 ) -> Option<Truncation> {
-    if let Some(ids) = cache.get(seg) {
-        out.extend_from_slice(ids);
+    if cache
+        .get_with(seg, |ids| out.extend_from_slice(ids))
+        .is_some()
+    {
         stats.hits += 1;
         return None;
     }
@@ -270,11 +275,11 @@ mod tests {
         for i in 0..100u32 {
             assert!(c.insert(i, i, 10));
             // Entry 0 is used all along: it survives every rotation.
-            assert_eq!(c.get(&0), Some(&0));
+            assert_eq!(c.get_with(&0, |v| *v), Some(0));
             let (n, b) = c.usage();
             assert!(n <= 8 && b <= 1000, "{n} {b}");
         }
-        assert_eq!(c.get(&1), None);
+        assert_eq!(c.get_with(&1, |v| *v), None);
         assert!(!c.insert(1000, 0, 501), "larger than a generation");
         let (_, b) = c.usage();
         assert!(b <= 1000);
@@ -283,6 +288,6 @@ mod tests {
             bytes: 0,
         });
         assert!(!off.insert(1, 1, 1));
-        assert_eq!(off.get(&1), None);
+        assert_eq!(off.get_with(&1, |v| *v), None);
     }
 }
