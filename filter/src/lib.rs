@@ -19,6 +19,7 @@
 pub mod cache;
 pub mod config;
 pub mod host;
+pub mod mem;
 pub mod outcomes;
 pub mod plugin;
 pub mod question;
