@@ -145,6 +145,154 @@ impl Truncation {
 /// The tail of every byte-level BPE pattern: the pattern's only lookaround.
 const LOOKAHEAD_TAIL: &str = r"|\s+(?!\S)|\s+";
 
+/// The heads (the pattern less [`LOOKAHEAD_TAIL`]) the ASCII path knows, with the longest digit
+/// run each takes as one piece: Qwen2 and Qwen3 (`\p{N}`), Llama 3 and cl100k (`\p{N}{1,3}`).
+const ASCII_HEADS: [(&str, usize); 2] = [
+    (
+        r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+",
+        1,
+    ),
+    (
+        r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+",
+        3,
+    ),
+];
+
+/// What the pattern's classes say of one byte.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Class {
+    /// `\p{L}`: A-Z, a-z.
+    Letter,
+    /// `\p{N}`: 0-9.
+    Digit,
+    /// `[\r\n]`.
+    Newline,
+    /// The rest of `\s` in ASCII: space, tab, VT, FF.
+    Space,
+    /// Every other ASCII byte (punctuation and controls): outside `\s`, `\p{L}` and `\p{N}`.
+    Other,
+    /// A byte of a non-ASCII character, which may be a letter, a digit, whitespace or none.
+    Wide,
+}
+
+fn class(b: u8) -> Class {
+    match b {
+        b'a'..=b'z' | b'A'..=b'Z' => Class::Letter,
+        b'0'..=b'9' => Class::Digit,
+        b'\r' | b'\n' => Class::Newline,
+        b' ' | b'\t' | 0x0b | 0x0c => Class::Space,
+        0x80..=0xff => Class::Wide,
+        _ => Class::Other,
+    }
+}
+
+/// The ASCII path of the byte-level patterns of [`ASCII_HEADS`]: where the piece the whole pattern
+/// (its lookahead tail included) matches at a position ends, decided from ASCII bytes alone.
+/// A position whose piece depends on a non-ASCII character gets `None` and goes to the regex.
+/// The branches are tried in the pattern's order, as its leftmost-first alternation does.
+#[derive(Clone, Copy, Debug)]
+struct AsciiSplit {
+    /// Digits in one piece at most (`\p{N}` is 1, `\p{N}{1,3}` is 3).
+    max_digits: usize,
+}
+
+impl AsciiSplit {
+    fn for_head(head: &str) -> Option<AsciiSplit> {
+        ASCII_HEADS
+            .iter()
+            .find(|(h, _)| *h == head)
+            .map(|&(_, max_digits)| AsciiSplit { max_digits })
+    }
+
+    /// The end of the piece starting at `at` (`at < bytes.len()`), or `None`.
+    fn piece_end(self, bytes: &[u8], at: usize) -> Option<usize> {
+        let cls = |i: usize| bytes.get(i).map(|&b| class(b));
+        let first = cls(at)?;
+        let next = cls(at + 1);
+        if first == Class::Wide {
+            return None;
+        }
+        // Below, every run that meets a non-ASCII character gives up (it may be a letter, a
+        // digit, whitespace or punctuation that continues the run, or after an apostrophe the
+        // long s a case-insensitive `'s` matches).
+        // (?i:'s|'t|'re|'ve|'m|'ll|'d)
+        if bytes[at] == b'\'' {
+            let lower = |i: usize| bytes.get(at + i).map(u8::to_ascii_lowercase);
+            match (lower(1), lower(2)) {
+                (Some(b's' | b't' | b'm' | b'd'), _) => return Some(at + 2),
+                (Some(b'r' | b'v'), Some(b'e')) | (Some(b'l'), Some(b'l')) => return Some(at + 3),
+                _ => {}
+            }
+        }
+        // [^\r\n\p{L}\p{N}]?\p{L}+
+        match (first, next) {
+            (Class::Other | Class::Space, Some(Class::Letter)) => {
+                return self.run_end(bytes, at + 1, Class::Letter)
+            }
+            (Class::Letter, _) => return self.run_end(bytes, at, Class::Letter),
+            _ => {}
+        }
+        // \p{N} or \p{N}{1,3}
+        if first == Class::Digit {
+            let mut end = at + 1;
+            while end < at + self.max_digits {
+                match cls(end) {
+                    Some(Class::Digit) => end += 1,
+                    Some(Class::Wide) => return None,
+                    _ => break,
+                }
+            }
+            return Some(end);
+        }
+        // ' ?[^\s\p{L}\p{N}]+[\r\n]*'
+        let punct = match (bytes[at], first, next) {
+            (b' ', _, Some(Class::Other)) => Some(at + 1),
+            (_, Class::Other, _) => Some(at),
+            _ => None,
+        };
+        if let Some(start) = punct {
+            let mut end = self.run_end(bytes, start, Class::Other)?;
+            while cls(end) == Some(Class::Newline) {
+                end += 1;
+            }
+            return Some(end);
+        }
+        // \s*[\r\n]+ | \s+(?!\S) | \s+ : `first` is whitespace here.
+        let mut end = at;
+        let mut last_newline = None;
+        loop {
+            match cls(end) {
+                Some(Class::Newline) => last_newline = Some(end),
+                Some(Class::Space) => {}
+                Some(Class::Wide) => return None,
+                _ => break,
+            }
+            end += 1;
+        }
+        if let Some(nl) = last_newline {
+            return Some(nl + 1);
+        }
+        if end == bytes.len() || end - at == 1 {
+            return Some(end);
+        }
+        // Followed by a non-space: the run's last whitespace starts the next piece.
+        Some(end - 1)
+    }
+
+    /// The end of the run of `want` bytes from `from`; `None` when a non-ASCII character
+    /// follows it (it may continue the run).
+    fn run_end(self, bytes: &[u8], from: usize, want: Class) -> Option<usize> {
+        let mut end = from;
+        loop {
+            match bytes.get(end).map(|&b| class(b)) {
+                Some(c) if c == want => end += 1,
+                Some(Class::Wide) => return None,
+                _ => return Some(end),
+            }
+        }
+    }
+}
+
 /// The pre-tokenizer's `Split` regex, as run.
 ///
 /// `Dfa` runs a pattern `head|\s+(?!\S)|\s+` (no lookaround in `head`) as `all = (?:head)|\s+`.
@@ -155,8 +303,17 @@ const LOOKAHEAD_TAIL: &str = r"|\s+(?!\S)|\s+";
 /// `\s+(?!\S)`: it backtracks off the run's last character when a non-space follows and that
 /// leaves at least one character, else it fails and `\s+` takes the whole run. `head`, anchored
 /// at the match, tells the two cases apart (only for matches starting with whitespace).
+///
+/// For Qwen's and Llama 3's patterns, `Dfa` first asks [`AsciiSplit`] for the piece at each
+/// position (plain byte tests where ASCII decides it, no regex call) and runs the regex only
+/// where a non-ASCII character may change the piece.
 enum Splitter {
-    Dfa { all: meta::Regex, head: meta::Regex },
+    Dfa {
+        all: meta::Regex,
+        head: meta::Regex,
+        /// The ASCII path, for the patterns it knows.
+        ascii: Option<AsciiSplit>,
+    },
     Fancy(fancy_regex::Regex),
 }
 
@@ -164,9 +321,13 @@ impl Splitter {
     fn new(pattern: &str) -> Result<Splitter, BpeError> {
         if let Some(head) = pattern.strip_suffix(LOOKAHEAD_TAIL) {
             let all = meta::Regex::new(&format!(r"(?:{head})|\s+"));
-            let head = meta::Regex::new(&format!("(?:{head})"));
-            if let (Ok(all), Ok(head)) = (all, head) {
-                return Ok(Splitter::Dfa { all, head });
+            let head_re = meta::Regex::new(&format!("(?:{head})"));
+            if let (Ok(all), Ok(head_re)) = (all, head_re) {
+                return Ok(Splitter::Dfa {
+                    all,
+                    head: head_re,
+                    ascii: AsciiSplit::for_head(head),
+                });
             }
         }
         fancy_regex::Regex::new(pattern)
@@ -194,9 +355,18 @@ impl Splitter {
                     at = m.end();
                 }
             }
-            Splitter::Dfa { all, head } => {
+            Splitter::Dfa { all, head, ascii } => {
                 let mut pos = 0;
                 while pos < bytes.len() {
+                    if let Some(end) = ascii.and_then(|a| a.piece_end(bytes, pos)) {
+                        if pos > at {
+                            piece(&bytes[at..pos])?;
+                        }
+                        piece(&bytes[pos..end])?;
+                        at = end;
+                        pos = end;
+                        continue;
+                    }
                     // The byte-level patterns match every character, so the next match nearly
                     // always starts where the last ended: an anchored search there finds it
                     // without the reverse scan an unanchored one needs for the start. A match
@@ -851,6 +1021,8 @@ mod tests {
         out
     }
 
+    /// The DFA split (with the ASCII path for Qwen's and Llama 3's patterns) yields the pieces
+    /// the backtracking engine yields for the original pattern.
     #[test]
     fn dfa_split_equals_the_lookahead_regex() {
         const QWEN: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
@@ -862,7 +1034,9 @@ mod tests {
         const ALPHABET: &[&str] = &[
             " ", "  ", "\t", "\n", "\r", "\u{0B}", "\u{0C}", "\u{85}", "\u{a0}", "\u{3000}",
             "\u{2028}", "a", "Z", "é", "中", "ж", "1", "٣", "²", "!", "?.", "'s", "'LL", "-",
-            "\u{301}", "🚀", "_", "\u{1c}",
+            "\u{301}", "🚀", "_", "\u{1c}", "'", "'re", "'Ve", "'r", "'x", ",", " ,", "\r\n",
+            "\u{7f}", "\u{0}", "ſ", "'ſ", "\u{212a}", "123", "4567", " '", "a'", "1a", " 9", "'d",
+            "'M", "'T", "'ll", "'S",
         ];
         let mut seed = 0x9e37_79b9_7f4a_7c15u64;
         let mut texts: Vec<String> = vec![
@@ -890,9 +1064,29 @@ mod tests {
             seed = seed.wrapping_add(0x632b_e59b_d9b4_e019);
             texts.push(t);
         }
-        for pattern in [QWEN, LLAMA3, GPT2] {
+        // Longer texts, mostly ASCII (the ASCII path's ground), with the odd wide character.
+        for _ in 0..3000 {
+            let mut t = String::new();
+            for _ in 0..(seed % 40) {
+                seed ^= seed << 13;
+                seed ^= seed >> 7;
+                seed ^= seed << 17;
+                let i = (seed >> 8) as usize % ALPHABET.len();
+                t.push_str(if seed % 8 == 0 || ALPHABET[i].is_ascii() {
+                    ALPHABET[i]
+                } else {
+                    " "
+                });
+            }
+            seed = seed.wrapping_add(0x632b_e59b_d9b4_e019);
+            texts.push(t);
+        }
+        for (pattern, ascii_digits) in [(QWEN, Some(1)), (LLAMA3, Some(3)), (GPT2, None)] {
             let dfa = Splitter::new(pattern).unwrap();
-            assert!(matches!(dfa, Splitter::Dfa { .. }), "{pattern}");
+            let Splitter::Dfa { ascii, .. } = &dfa else {
+                panic!("{pattern} runs on the backtracking engine");
+            };
+            assert_eq!(ascii.map(|a| a.max_digits), ascii_digits, "{pattern}");
             let fancy = Splitter::Fancy(fancy_regex::Regex::new(pattern).unwrap());
             for t in &texts {
                 assert_eq!(pieces(&dfa, t), pieces(&fancy, t), "{pattern} on {t:?}");
