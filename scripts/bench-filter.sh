@@ -30,13 +30,21 @@ if [[ "${1:-}" == --baseline ]]; then
         wt="$(mktemp -d)/kvroute-$base"
         git worktree add -q --detach "$wt" "$base"
         mkdir -p "$REPO/.cache/bench"
-        KVROUTE_WASM_TARGET_DIR="$REPO/target-wasm" KVROUTE_WASM_OUT="$wasm" "$wt/scripts/build-wasm.sh"
+        # Its own target dir: Cargo names a workspace member's artifacts without its source path,
+        # so a baseline built into target-wasm would leave this tree's build below a no-op that
+        # ships the baseline's module.
+        KVROUTE_WASM_TARGET_DIR="$REPO/target-wasm-baseline" KVROUTE_WASM_OUT="$wasm" "$wt/scripts/build-wasm.sh"
         git worktree remove --force "$wt"
     fi
     export KVROUTE_BENCH_BASELINE_WASM="$wasm" KVROUTE_BENCH_BASELINE_LABEL="$base"
 fi
 
 ./scripts/build-wasm.sh
+if [[ -n "${KVROUTE_BENCH_BASELINE_WASM:-}" ]] && cmp -s "$KVROUTE_BENCH_BASELINE_WASM" .cache/wasm/kvroute_filter.wasm &&
+    ! git diff --quiet "$base" -- filter shared Cargo.lock; then
+    echo "bench-filter.sh: this build's module is byte for byte the one built from $base, although filter/ or shared/ differ: refusing to compare a build with itself" >&2
+    exit 1
+fi
 # A release service: a debug build's route handler (and its offload tokenizer) would dominate.
 cargo build --release -p kvroute-inventory
 export KVROUTE_INVENTORY_BIN="$REPO/target/release/kvroute-inventory"
