@@ -60,8 +60,83 @@ pub enum BpeError {
 /// A fast (non-SipHash) map: keys are token ids and pre-token bytes, hashed per piece.
 type FastMap<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
 
-/// Pre-token bytes -> their token ids.
-type PieceCache = FastMap<Box<[u8]>, Box<[u32]>>;
+/// Pre-token bytes -> their token ids. A piece of at most [`SHORT_PIECE`] bytes (most words
+/// of prose, with their leading space) is keyed by its bytes packed into one integer and keeps
+/// its ids inline: a hit hashes and compares one integer and follows no pointer. Longer pieces
+/// are keyed by their bytes. Exact either way: the packed key holds every byte and the length.
+#[derive(Default)]
+struct PieceCache {
+    short: FastMap<u64, ShortIds>,
+    long: FastMap<Box<[u8]>, Box<[u32]>>,
+}
+
+/// The longest piece kept in [`PieceCache`]'s packed map.
+const SHORT_PIECE: usize = 7;
+
+/// The ids of a piece of at most [`SHORT_PIECE`] bytes (BPE gives at most one id per byte).
+#[derive(Clone, Copy)]
+struct ShortIds {
+    len: u8,
+    ids: [u32; SHORT_PIECE],
+}
+
+impl PieceCache {
+    /// The bytes of a short piece and its length in one integer (distinct pieces, distinct keys).
+    fn packed(bytes: &[u8]) -> Option<u64> {
+        let n = bytes.len();
+        let mut word = [0u8; 8];
+        word.get_mut(..n)?.copy_from_slice(bytes);
+        (n <= SHORT_PIECE).then(|| {
+            word[7] = n as u8;
+            u64::from_le_bytes(word)
+        })
+    }
+
+    /// Appends the cached ids of `bytes` to `out`; false when it is not cached.
+    fn extend(&self, bytes: &[u8], out: &mut Vec<u32>) -> bool {
+        let ids = match Self::packed(bytes) {
+            Some(key) => self
+                .short
+                .get(&key)
+                .map(|s| s.ids.get(..usize::from(s.len))),
+            None => self.long.get(bytes).map(|ids| Some(&ids[..])),
+        };
+        match ids {
+            Some(Some(ids)) => {
+                out.extend_from_slice(ids);
+                true
+            }
+            _ => false,
+        }
+    }
+
+    fn insert(&mut self, bytes: &[u8], ids: &[u32]) {
+        match Self::packed(bytes) {
+            Some(key) if ids.len() <= SHORT_PIECE => {
+                let mut short = ShortIds {
+                    len: ids.len() as u8,
+                    ids: [0; SHORT_PIECE],
+                };
+                for (d, s) in short.ids.iter_mut().zip(ids) {
+                    *d = *s;
+                }
+                self.short.insert(key, short);
+            }
+            _ => {
+                self.long.insert(bytes.into(), ids.into());
+            }
+        }
+    }
+
+    fn len(&self) -> usize {
+        self.short.len() + self.long.len()
+    }
+
+    fn clear(&mut self) {
+        self.short.clear();
+        self.long.clear();
+    }
+}
 
 /// Default bound on distinct pieces kept in the per-encoder cache (it is emptied when full).
 pub const PIECE_CACHE_ENTRIES: usize = 200_000;
@@ -825,8 +900,7 @@ impl FastBpe {
         if bytes.is_empty() {
             return;
         }
-        if let Some(ids) = self.cache.borrow().get(bytes) {
-            out.extend_from_slice(ids);
+        if self.cache.borrow().extend(bytes, out) {
             self.hits.set(self.hits.get() + 1);
             return;
         }
@@ -845,7 +919,7 @@ impl FastBpe {
             self.cache_bytes.set(0);
         }
         self.cache_bytes.set(self.cache_bytes.get() + size);
-        cache.insert(bytes.into(), ids.into());
+        cache.insert(bytes, ids);
     }
 
     /// Appends the ids of one piece: HF `Word::merge_all`, the adjacent pair of lowest rank
@@ -1109,7 +1183,28 @@ mod tests {
         assert_eq!(bpe.cache.borrow().len(), 1);
         bpe.set_piece_cache_limits(0, 0);
         assert_eq!(bpe.encode("abc ab"), vec![257, 258]);
-        assert!(bpe.cache.borrow().is_empty());
+        assert_eq!(bpe.cache.borrow().len(), 0);
+    }
+
+    /// Pieces of up to 7 bytes (the packed map) and longer ones (keyed by their bytes) are
+    /// served from the cache with the ids an uncached encode gives, and pieces that differ only
+    /// past a short one's length, or by length, are told apart.
+    #[test]
+    fn short_and_long_pieces_are_cached_exactly() {
+        let bpe = tiny();
+        let text = "ab abcab abcabc abcabca abcabcab a\0 a\0\0 abc abcabc abcabca";
+        bpe.set_piece_cache_limits(0, 0);
+        let uncached = bpe.encode(text);
+        bpe.set_piece_cache_limits(1000, 1 << 20);
+        assert_eq!(bpe.encode(text), uncached);
+        let (hits, misses) = bpe.piece_cache_stats();
+        assert_eq!(bpe.encode(text), uncached);
+        let (hits2, misses2) = bpe.piece_cache_stats();
+        assert_eq!(misses2, misses, "every piece cached after one encode");
+        assert_eq!(hits2 - hits, 12, "each of the 12 pieces a hit");
+        let cache = bpe.cache.borrow();
+        assert!(!cache.short.is_empty() && !cache.long.is_empty());
+        assert_eq!(cache.len(), 9, "distinct pieces");
     }
 
     /// xorshift64: deterministic pseudo-random numbers for the property tests.
