@@ -61,11 +61,23 @@ pub fn from_usage(u: &Value) -> Option<Usage> {
     })
 }
 
+/// A JSON response as [`parse`] reads it: only `usage` is built; the rest of the body (the
+/// choices, a long completion) is checked and skipped without building values.
+#[derive(serde::Deserialize)]
+struct UsageOnly {
+    #[serde(default)]
+    usage: Option<Value>,
+}
+
 /// Usage of a complete response body: JSON, or SSE (`data: {...}` lines, last usage wins).
 pub fn parse(body: &[u8], sse: bool) -> Option<Usage> {
     if !sse {
-        if let Ok(v) = serde_json::from_slice::<Value>(body) {
-            return v.get("usage").and_then(from_usage);
+        // A struct also deserializes from an array (its fields in order): only an object counts.
+        let object = body.iter().find(|b| !b.is_ascii_whitespace()) == Some(&b'{');
+        match serde_json::from_slice::<UsageOnly>(body) {
+            Ok(v) if object => return v.usage.as_ref().and_then(from_usage),
+            Ok(_) => return None,
+            Err(_) => {}
         }
     }
     // SSE (or JSON that did not parse as a whole, e.g. a kept tail): scan data lines backwards.
@@ -324,6 +336,20 @@ mod tests {
         );
         assert_eq!(parse(br#"{"choices":[]}"#, false), None);
         assert_eq!(parse(b"\xff\xfe", false), None);
+        // Usage after a long completion, and a `usage` key inside the choices that is not it.
+        let long = format!(
+            r#"{{"choices":[{{"message":{{"content":"{}","usage":{{"prompt_tokens":1}}}}}}],"usage":{{"prompt_tokens":50,"prompt_tokens_details":{{"cached_tokens":32}}}}}}"#,
+            "word ".repeat(20_000)
+        );
+        assert_eq!(
+            parse(long.as_bytes(), false),
+            Some(Usage {
+                hit_tokens: 32,
+                miss_tokens: 18
+            })
+        );
+        assert_eq!(parse(br#"{"usage":null}"#, false), None);
+        assert_eq!(parse(br#"[{"usage":{"prompt_tokens":3}}]"#, false), None);
     }
 
     /// vLLM's `/v1/messages` usage: `input_tokens` excludes the cache reads and creations.
