@@ -15,6 +15,7 @@
 use std::process::Command;
 use std::time::Duration;
 
+use kvroute_test_support::{Poll, Probe};
 use kvroute_tests::envoy::{
     self, epp_bootstrap, epp_gateway, Engine, EppBootstrap, Gateway, Inventory, DESTINATION,
 };
@@ -218,6 +219,30 @@ async fn the_picker_pins_sticks_falls_back_and_drops_client_destinations() {
     );
 }
 
+/// Waits until every thread of `pid` is stopped (state `T` in /proc): `kill -STOP` returns once
+/// the signal is sent, and on a loaded machine the process may still answer a request after it.
+fn wait_stopped(pid: u32) {
+    Poll::new(
+        format!("every thread of process {pid} stopped"),
+        Duration::from_secs(5),
+    )
+    .until_blocking(|| {
+        let states: Vec<char> = std::fs::read_dir(format!("/proc/{pid}/task"))?
+            .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("stat")).ok())
+            .filter_map(|s| {
+                s.rsplit_once(") ")
+                    .and_then(|(_, rest)| rest.chars().next())
+            })
+            .collect();
+        Ok(if !states.is_empty() && states.iter().all(|&c| c == 'T') {
+            Probe::Ready(())
+        } else {
+            Probe::Pending(format!("thread states {states:?}"))
+        })
+    })
+    .unwrap();
+}
+
 fn signal(pid: u32, sig: &str) {
     let ok = Command::new("kill")
         .args([sig, &pid.to_string()])
@@ -239,6 +264,7 @@ async fn a_hung_or_killed_picker_fails_open_within_the_message_timeout() {
     // Hung: the picker's process is stopped; Envoy gives up after its 1 s message timeout and
     // lets the request through unpinned (the client's destination was dropped before).
     signal(inv.pid(), "-STOP");
+    wait_stopped(inv.pid());
     let spoof = a.addr.to_string();
     let hung = send(&gw, &body, Some(&spoof)).await;
     signal(inv.pid(), "-CONT");
