@@ -84,12 +84,13 @@ impl PieceCache {
     /// The bytes of a short piece and its length in one integer (distinct pieces, distinct keys).
     fn packed(bytes: &[u8]) -> Option<u64> {
         let n = bytes.len();
+        if n > SHORT_PIECE {
+            return None;
+        }
         let mut word = [0u8; 8];
         word.get_mut(..n)?.copy_from_slice(bytes);
-        (n <= SHORT_PIECE).then(|| {
-            word[7] = n as u8;
-            u64::from_le_bytes(word)
-        })
+        word[7] = n as u8;
+        Some(u64::from_le_bytes(word))
     }
 
     /// Appends the cached ids of `bytes` to `out`; false when it is not cached.
@@ -98,33 +99,25 @@ impl PieceCache {
             Some(key) => self
                 .short
                 .get(&key)
-                .map(|s| s.ids.get(..usize::from(s.len))),
-            None => self.long.get(bytes).map(|ids| Some(&ids[..])),
+                .and_then(|s| s.ids.get(..usize::from(s.len))),
+            None => self.long.get(bytes).map(|ids| &ids[..]),
         };
-        match ids {
-            Some(Some(ids)) => {
-                out.extend_from_slice(ids);
-                true
-            }
-            _ => false,
-        }
+        ids.map(|ids| out.extend_from_slice(ids)).is_some()
     }
 
     fn insert(&mut self, bytes: &[u8], ids: &[u32]) {
-        match Self::packed(bytes) {
-            Some(key) if ids.len() <= SHORT_PIECE => {
-                let mut short = ShortIds {
-                    len: ids.len() as u8,
-                    ids: [0; SHORT_PIECE],
-                };
-                for (d, s) in short.ids.iter_mut().zip(ids) {
-                    *d = *s;
-                }
-                self.short.insert(key, short);
-            }
-            _ => {
-                self.long.insert(bytes.into(), ids.into());
-            }
+        let Some(key) = Self::packed(bytes) else {
+            self.long.insert(bytes.into(), ids.into());
+            return;
+        };
+        let mut short = ShortIds {
+            len: ids.len() as u8,
+            ids: [0; SHORT_PIECE],
+        };
+        // At most one id per byte, so a short piece's ids always fit.
+        if let Some(slot) = short.ids.get_mut(..ids.len()) {
+            slot.copy_from_slice(ids);
+            self.short.insert(key, short);
         }
     }
 
@@ -1112,7 +1105,6 @@ mod tests {
             "\u{7f}", "\u{0}", "ſ", "'ſ", "\u{212a}", "123", "4567", " '", "a'", "1a", " 9", "'d",
             "'M", "'T", "'ll", "'S",
         ];
-        let mut seed = 0x9e37_79b9_7f4a_7c15u64;
         let mut texts: Vec<String> = vec![
             String::new(),
             " ".into(),
@@ -1127,34 +1119,23 @@ mod tests {
             "123  456".into(),
             "foo!!  \n\n bar  ".into(),
         ];
-        for _ in 0..3000 {
-            let mut t = String::new();
-            for _ in 0..(seed % 12) {
-                seed ^= seed << 13;
-                seed ^= seed >> 7;
-                seed ^= seed << 17;
-                t.push_str(ALPHABET[(seed % ALPHABET.len() as u64) as usize]);
+        let mut next = rng(0x9e37_79b9_7f4a_7c15);
+        // Up to `parts` alphabet entries per text; with `mostly_ascii` (the ASCII path's ground)
+        // a non-ASCII entry is kept one time in eight, else replaced by a space.
+        let mut generate = |count: usize, parts: u64, mostly_ascii: bool| {
+            for _ in 0..count {
+                let mut t = String::new();
+                for _ in 0..next() % parts {
+                    let r = next();
+                    let part = ALPHABET[(r >> 8) as usize % ALPHABET.len()];
+                    let keep = !mostly_ascii || part.is_ascii() || r % 8 == 0;
+                    t.push_str(if keep { part } else { " " });
+                }
+                texts.push(t);
             }
-            seed = seed.wrapping_add(0x632b_e59b_d9b4_e019);
-            texts.push(t);
-        }
-        // Longer texts, mostly ASCII (the ASCII path's ground), with the odd wide character.
-        for _ in 0..3000 {
-            let mut t = String::new();
-            for _ in 0..(seed % 40) {
-                seed ^= seed << 13;
-                seed ^= seed >> 7;
-                seed ^= seed << 17;
-                let i = (seed >> 8) as usize % ALPHABET.len();
-                t.push_str(if seed % 8 == 0 || ALPHABET[i].is_ascii() {
-                    ALPHABET[i]
-                } else {
-                    " "
-                });
-            }
-            seed = seed.wrapping_add(0x632b_e59b_d9b4_e019);
-            texts.push(t);
-        }
+        };
+        generate(3000, 12, false);
+        generate(3000, 40, true);
         for (pattern, ascii_digits) in [(QWEN, Some(1)), (LLAMA3, Some(3)), (GPT2, None)] {
             let dfa = Splitter::new(pattern).unwrap();
             let Splitter::Dfa { ascii, .. } = &dfa else {
