@@ -171,9 +171,7 @@ impl KeyCache {
         let fresh = contract.hasher(extra)?;
         let bs = fresh.block_size().get();
         let blocks: Vec<&[u32]> = tokens.chunks_exact(bs).collect();
-        let mut keys = Vec::with_capacity(blocks.len());
         let root = self.root(extra);
-        let mut parent = root;
         // This request's chain, started from the last one's: the blocks they share are taken
         // from it (the vectors are reused, not copied).
         let mut chain = std::mem::take(&mut self.last);
@@ -190,34 +188,29 @@ impl KeyCache {
         chain.root = root;
         chain.tokens.truncate(shared * bs);
         chain.nodes.truncate(shared);
-        // The deepest snapshot on the matched path: (blocks it covers, state).
-        let mut snapshot: Option<(usize, Rc<BlockHasher>)> = None;
-        for (i, node) in chain.nodes.iter().enumerate() {
-            keys.push(node.key);
-            parent = node.id;
-            if let Some(state) = &node.state {
-                snapshot = Some((i + 1, Rc::clone(state)));
-            }
-        }
-        for (i, block) in blocks.iter().enumerate().skip(shared) {
+        // Then the trie, from the last shared block on.
+        let mut parent = chain.nodes.last().map_or(root, |n| n.id);
+        for block in blocks.iter().skip(shared) {
             self.set_probe(parent, block);
             let probe = std::mem::take(&mut self.probe);
             let node = self.nodes.get_with(probe.as_slice(), Node::clone);
             self.probe = probe;
             let Some(node) = node else { break };
-            keys.push(node.key);
             parent = node.id;
-            if let Some(state) = &node.state {
-                snapshot = Some((i + 1, Rc::clone(state)));
-            }
             chain.tokens.extend_from_slice(block);
             chain.nodes.push(node);
         }
-        let matched = keys.len();
-        let (mut hasher, from) = match snapshot {
-            Some((depth, state)) => (BlockHasher::clone(&state), depth),
-            None => (fresh, 0),
-        };
+        let matched = chain.nodes.len();
+        let mut keys = Vec::with_capacity(blocks.len());
+        keys.extend(chain.nodes.iter().map(|n| n.key));
+        // Hashing resumes from the deepest snapshot on the matched path (and the blocks it covers).
+        let (mut hasher, from) = chain
+            .nodes
+            .iter()
+            .enumerate()
+            .rev()
+            .find_map(|(i, n)| Some((BlockHasher::clone(n.state.as_deref()?), i + 1)))
+            .unwrap_or((fresh, 0));
         // Bring the state to the end of the matched prefix (keys already known).
         for block in blocks.get(from..matched).unwrap_or(&[]) {
             let _ = hasher.push_block(block);
