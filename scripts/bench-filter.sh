@@ -40,7 +40,7 @@ if [[ "${1:-}" == --baseline ]]; then
 fi
 
 ./scripts/build-wasm.sh
-if [[ -n "${KVROUTE_BENCH_BASELINE_WASM:-}" ]] && cmp -s "$KVROUTE_BENCH_BASELINE_WASM" .cache/wasm/kvroute_filter.wasm &&
+if [[ -n "${base:-}" ]] && cmp -s "$KVROUTE_BENCH_BASELINE_WASM" .cache/wasm/kvroute_filter.wasm &&
     ! git diff --quiet "$base" -- filter shared Cargo.lock; then
     echo "bench-filter.sh: this build's module is byte for byte the one built from $base, although filter/ or shared/ differ: refusing to compare a build with itself" >&2
     exit 1

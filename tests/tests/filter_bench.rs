@@ -19,10 +19,14 @@ use std::time::{Duration, Instant};
 
 use kvroute_core::chat::ChatTemplate;
 use kvroute_core::tokenize::Tokenizer;
+use kvroute_test_support::{Poll, Probe};
 use kvroute_tests::envoy::{Bootstrap, Contract, Engine, Gateway, Inventory, Variant};
 use kvroute_tests::harness;
 use kvroute_tests::workload::{conversation, percentile, turns_for, Counter, Prose};
 use serde_json::{json, Value};
+
+/// Chat requests through each setup before the measured ones.
+const WARM_UP: u64 = 10;
 
 /// Another build of the filter: its module and its label.
 type Baseline = (std::path::PathBuf, String);
@@ -112,9 +116,12 @@ async fn filter_stats(gw: &Gateway, requests: u64) -> String {
     let stats = gw.envoy.stats("kvroute_filter_fail_open").await.unwrap();
     let total: u64 = stats.values().sum();
     let want = requests.saturating_sub(total);
-    let deadline = Instant::now() + Duration::from_secs(30);
-    let mut seen = 0;
-    while seen < want && Instant::now() < deadline {
+    Poll::new(
+        format!("Envoy's duration histogram holding {want} requests"),
+        Duration::from_secs(30),
+    )
+    .every(Duration::from_millis(250))
+    .until(async || {
         let counts = harness::body_text(
             gw.client
                 .get(format!("http://{}/stats", gw.envoy.admin))
@@ -123,17 +130,16 @@ async fn filter_stats(gw: &Gateway, requests: u64) -> String {
                     ("histogram_buckets", "cumulative"),
                 ]),
         )
-        .await
-        .unwrap();
-        seen = histogram_count(&counts);
-        if seen < want {
-            tokio::time::sleep(Duration::from_millis(250)).await;
-        }
-    }
-    assert!(
-        seen >= want,
-        "Envoy's duration histogram holds {seen} of {want} routed requests after 30 s"
-    );
+        .await?;
+        let seen = histogram_count(&counts);
+        Ok(if seen >= want {
+            Probe::Ready(())
+        } else {
+            Probe::Pending(format!("{seen} samples"))
+        })
+    })
+    .await
+    .unwrap();
     let text = harness::body_text(
         gw.client
             .get(format!("http://{}/stats", gw.envoy.admin))
@@ -271,8 +277,10 @@ async fn bench_filter_latency() {
         if let Some(rule) = &rule {
             warm_filter(&gw, &inv, rule, label.contains("tokenize: filter")).await;
         }
-        // Warm-up: first calls in a VM are slower (V8 tiers up). `sent` below counts these 10.
-        let warm: Vec<Vec<u8>> = (0..10u64).map(|i| body(&conversation(5 + i, 2))).collect();
+        // Warm-up: first calls in a VM are slower (V8 tiers up).
+        let warm: Vec<Vec<u8>> = (0..WARM_UP)
+            .map(|i| body(&conversation(5 + i, 2)))
+            .collect();
         for w in &warm {
             let _ = one(&gw, w).await;
         }
@@ -306,8 +314,8 @@ async fn bench_filter_latency() {
             table[j].push(st);
         }
     }
-    // Chat requests each filter routed: the 10 warm-up ones and every sample.
-    let sent = 10 + cases.iter().map(|c| c.cold.len() as u64).sum::<u64>();
+    // Chat requests each filter routed: the warm-up ones and every sample.
+    let sent = WARM_UP + cases.iter().map(|c| c.cold.len() as u64).sum::<u64>();
     let mut results: Vec<(String, Vec<Stats>, String)> = Vec::new();
     for ((label, gw, filtered), rows) in setups.iter().zip(table) {
         let fail = if *filtered {
