@@ -108,7 +108,12 @@ impl RuleSpec {
 
     /// `VIP:port`, the short form the filter may use.
     pub fn vip_port(&self) -> String {
-        std::net::SocketAddr::new(self.rule.external_ip(), self.rule.port()).to_string()
+        self.vip_addr().to_string()
+    }
+
+    /// The VIP and port as an address.
+    pub fn vip_addr(&self) -> std::net::SocketAddr {
+        std::net::SocketAddr::new(self.rule.external_ip(), self.rule.port())
     }
 
     /// The hash contract of the keys the index holds and the filter computes, when KV is on.

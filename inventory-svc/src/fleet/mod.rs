@@ -148,9 +148,11 @@ impl Fleet {
                 return Some(r.clone());
             }
         }
+        // Every route asks by name or `VIP:port`: compared without building either string.
+        let vip = id_or_name.parse::<std::net::SocketAddr>().ok();
         rules
             .values()
-            .find(|r| r.spec.name() == id_or_name || r.spec.vip_port() == id_or_name)
+            .find(|r| r.spec.rule.id().as_str() == id_or_name || vip == Some(r.spec.vip_addr()))
             .cloned()
     }
 
@@ -452,7 +454,14 @@ mod tests {
         // Another rule gets the next id; both are found by id and by VIP:port.
         let c = f.install(spec(81, 1, &s), Origin::Local).unwrap();
         assert_eq!(c.rule.id, 2);
-        assert!(f.find("2").is_some() && f.find("10.0.0.1:80").is_some());
+        let id = |q: &str| f.find(q).map(|r| r.id);
+        assert_eq!(id("2"), Some(2));
+        assert_eq!(id("10.0.0.1:80"), Some(1));
+        assert_eq!(id("10.0.0.1:81"), Some(2));
+        assert_eq!(id("10.0.0.1:81/tcp"), Some(2));
+        assert_eq!(id("10.0.0.1:82"), None);
+        assert_eq!(id("10.0.0.2:81"), None);
+        assert_eq!(id("10.0.0.1:81/udp"), None);
         // Removal stops the rule and forgets it.
         let gone = f.uninstall("10.0.0.1:80/tcp", Origin::Local).unwrap();
         assert!(gone.is_stopped());
