@@ -48,6 +48,14 @@ pub const MEAN_LOAD_FACTOR: Setting = Setting::int(
     175,
     "load cap in percent of the fair share: cap = ceil(factor/100 × total load × wᵢ / Σw)",
 );
+pub const SPILL_MIN_INFLIGHT: Setting = Setting::int(
+    "KVROUTE_SPILL_MIN_INFLIGHT",
+    (1, 100_000),
+    4,
+    "an endpoint with fewer requests in flight is never over its load cap (the mean load cap, or a \
+     hot family's fair share): the requests an engine runs at once without queueing; 1 = the load \
+     cap alone",
+);
 pub const LB_MODE: Setting = Setting::word(
     "LOXILB_KV_LB_MODE",
     &["off", "hard", "soft"],
@@ -67,7 +75,7 @@ pub const SHADOW: Setting = Setting::text(
     "KVROUTE_SHADOW",
     "comma-separated NAME=VALUE, NAME one of LLB_KV_MIN_MATCH_TOKENS, LOXILB_KV_SPILL_RELIEF, \
      LOXILB_KV_COLDSTART_SEED_N, LOXILB_KV_COLDSTART_MIN_BLOCKS, LOXILB_KV_MEAN_LOAD_FACTOR, \
-     LOXILB_KV_LB_MODE, LOXILB_KV_LOAD_PENALTY, KVROUTE_PLACEMENT",
+     KVROUTE_SPILL_MIN_INFLIGHT, LOXILB_KV_LB_MODE, LOXILB_KV_LOAD_PENALTY, KVROUTE_PLACEMENT",
     "unset (off)",
     "the shadow policy: these scoring variables overridden on top of the live ones, each value read \
      as the variable itself reads it; every routed request is decided a second time with them, \
@@ -360,8 +368,9 @@ pub struct HealthThresholds {
 }
 
 /// The service's own tuning variables, in the order errors are reported (after the shared ones).
-pub const SERVICE_VARS: [Setting; 35] = [
+pub const SERVICE_VARS: [Setting; 36] = [
     MEAN_LOAD_FACTOR,
+    SPILL_MIN_INFLIGHT,
     LB_MODE,
     LOAD_PENALTY,
     SHADOW,
@@ -403,12 +412,13 @@ pub const SERVICE_VARS: [Setting; 35] = [
 /// capacities and divergence, the affinity key, the placement memory) or what a decision does
 /// afterwards, so the shadow, which sees the live decision's inputs and changes nothing, has no
 /// use for them.
-pub const SHADOW_VARS: [Setting; 8] = [
+pub const SHADOW_VARS: [Setting; 9] = [
     kvroute_core::settings::MIN_MATCH_TOKENS,
     kvroute_core::settings::SPILL_RELIEF,
     kvroute_core::settings::COLDSTART_SEED_N,
     kvroute_core::settings::COLDSTART_MIN_BLOCKS,
     MEAN_LOAD_FACTOR,
+    SPILL_MIN_INFLIGHT,
     LB_MODE,
     LOAD_PENALTY,
     PLACEMENT,
@@ -482,6 +492,8 @@ pub struct Settings {
     pub trtllm_drain_ms: u32,
     /// [`MEAN_LOAD_FACTOR`], in percent (175 = cap at 1.75 x fair share).
     pub mean_load_factor: u32,
+    /// [`SPILL_MIN_INFLIGHT`]: no endpoint with fewer requests in flight is over its cap.
+    pub spill_min_inflight: u64,
     /// [`LB_MODE`].
     pub load_blend: LoadBlend,
     /// [`LOAD_PENALTY`].
@@ -729,6 +741,7 @@ impl<'a> Env<'a> {
             }
         };
         let mean_load_factor = self.int(&MEAN_LOAD_FACTOR);
+        let spill_min_inflight = self.int(&SPILL_MIN_INFLIGHT);
         // Spellings the seed accepted besides the documented words.
         let blend = self
             .get(&LB_MODE)
@@ -798,6 +811,7 @@ impl<'a> Env<'a> {
             core,
             trtllm_drain_ms,
             mean_load_factor: u32::try_from(mean_load_factor).unwrap_or(u32::MAX),
+            spill_min_inflight,
             load_blend,
             load_penalty,
             spec_ttl,

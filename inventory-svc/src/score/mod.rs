@@ -22,7 +22,8 @@
 //! * prompts shorter than `LLB_KV_MIN_MATCH_TOKENS`, rules in warm-up and rules without KV events
 //!   skip KV scoring and fall back to the rule's `sel`;
 //! * positive overlap: each endpoint's cap is `max(1, ceil(mlf/100 x total load x w_i / sum w))`,
-//!   the total including the request being routed;
+//!   the total including the request being routed, and never below `KVROUTE_SPILL_MIN_INFLIGHT`
+//!   (default 4; 1 is the seed's cap alone);
 //!   the highest overlap under its cap wins, ties by lower load then lower index;
 //! * spill relief (tri-state): a winner at or over its cap spills to the under-cap endpoint with
 //!   the most overlap, ties least loaded;
@@ -31,7 +32,7 @@
 //!   is replicated:
 //!   equal copies are chosen by load instead of by home, and the endpoint it would go to spills
 //!   (tri-state relief permitting) as soon as it carries its fair share of the load (mean load
-//!   factor 100%, at least [`HOT_MIN_INFLIGHT`]) rather than at the mean load cap, so it queues
+//!   factor 100%, at least `KVROUTE_SPILL_MIN_INFLIGHT`) rather than at the mean load cap, so it queues
 //!   on no engine while another has room;
 //! * cold-start seeding: every Nth hit goes to the lowest-index endpoint holding fewer than the
 //!   cold threshold of blocks, so a new replica gets warm;
@@ -61,13 +62,6 @@ pub use session::{session_hash, Bound, Dropped, SessionTable};
 use crate::index::LowerRun;
 use crate::settings::{LoadBlend, Placement, Settings};
 use kvroute_core::rule::{EndpointRole, KvMode, Sel};
-
-/// A hot family spills at its fair share only once its endpoint has at least this many requests
-/// in flight: fewer run in one engine batch without queueing, and spilling them would copy the
-/// family to every endpoint of a lightly loaded fleet (the small preset's doc-qa workload lost 15
-/// points of cached tokens that way). A stand-in for the engine's batch size, which the scrape
-/// does not read yet (the simulator runs 4 at a time; vLLM's `max_num_seqs` is larger).
-pub const HOT_MIN_INFLIGHT: u64 = 4;
 
 /// A family with more than this share of the rule's recent requests is hot whatever the fleet size.
 pub const HOT_MAX_SHARE_PERMILLE: u64 = 600;
@@ -357,9 +351,13 @@ impl<'a> Scored<'a> {
         // fleet idle) would spill every follow-up turn away from the cache that holds it.
         let total = pool.total_load + 1;
         let mlf = inp.settings.mean_load_factor;
+        // Below `KVROUTE_SPILL_MIN_INFLIGHT` an endpoint runs its requests in one engine batch
+        // without queueing: on a lightly loaded fleet the cap alone is 1 request, so every second
+        // concurrent request of a family would spill and copy it onto another endpoint.
+        let floor = inp.settings.spill_min_inflight;
         let over: Vec<bool> = eps
             .iter()
-            .map(|e| e.load >= cap_for(total, e.weight, pool.sum_w, mlf))
+            .map(|e| e.load >= cap_for(total, e.weight, pool.sum_w, mlf).max(floor))
             .collect();
         // A hot family spills once its endpoint carries its fair share (mean load factor 100%)
         // and at least an engine batch: past that the engine queues while another has room.
@@ -367,8 +365,7 @@ impl<'a> Scored<'a> {
             .iter()
             .zip(&over)
             .map(|(e, &over)| {
-                over || (hot
-                    && e.load >= cap_for(total, e.weight, pool.sum_w, 100).max(HOT_MIN_INFLIGHT))
+                over || (hot && e.load >= cap_for(total, e.weight, pool.sum_w, 100).max(floor))
             })
             .collect();
         Scored {
@@ -1206,9 +1203,11 @@ mod tests {
     #[test]
     fn step_load_blend() {
         let r = ring(3);
+        // The load cap alone (no in-flight floor): this step is about the cap.
         let with = |load_blend, load_penalty| Settings {
             load_blend,
             load_penalty,
+            spill_min_inflight: 1,
             ..Settings::default()
         };
         // ep0: most overlap but over its cap (1.75 x (9+1)/3 = 6); ep1 under it; ep2 no overlap.
@@ -1266,6 +1265,51 @@ mod tests {
             let pool = Pool::of(&inp);
             let sc = Scored::of(&inp, &pool, true);
             assert_eq!(spill(&pool, &sc, chosen), want, "{eps:?}");
+        }
+    }
+
+    #[test]
+    fn no_endpoint_below_the_in_flight_floor_is_over_its_cap() {
+        // 16 endpoints, 3 requests in flight: the cap alone is ceil(1.75 x 4 / 16) = 1, so the
+        // family's home (ep0) would spill every concurrent request of the family.
+        let r = ring(16);
+        let eps_with = |home: u64| {
+            let mut eps = vec![ep(0, 0); 16];
+            eps[0] = ep(10, home);
+            eps[1] = ep(0, 3u64.saturating_sub(home));
+            eps
+        };
+        // (floor, home's load) -> home over its cap (and so full)
+        let table = [
+            (4, 0, false),
+            (4, 1, false),
+            (4, 3, false),
+            (4, 4, true),
+            (1, 0, false),
+            (1, 1, true),
+            (2, 1, false),
+            (2, 2, true),
+        ];
+        for (floor, home, over) in table {
+            let s = Settings {
+                spill_min_inflight: floor,
+                ..Settings::default()
+            };
+            let eps = eps_with(home);
+            let inp = input(&eps, &r, &s);
+            let pool = Pool::of(&inp);
+            let sc = Scored::of(&inp, &pool, true);
+            assert_eq!(
+                (sc.over[0], sc.full[0]),
+                (over, over),
+                "floor {floor}, load {home}"
+            );
+        }
+        // Through `decide` with the defaults: below the floor the home keeps the family (a hit),
+        // at it the request spills.
+        for (home, want) in [(1, Reason::Hit), (3, Reason::Hit), (4, Reason::Spill)] {
+            let d = run(&eps_with(home), &Settings::default(), KvMode::SinglePool, 0);
+            assert_eq!(d.reason, want, "home load {home}");
         }
     }
 
