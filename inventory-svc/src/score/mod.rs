@@ -32,8 +32,8 @@
 //!   is replicated:
 //!   equal copies are chosen by load instead of by home, and the endpoint it would go to spills
 //!   (tri-state relief permitting) as soon as it carries its fair share of the load (mean load
-//!   factor 100%, at least `KVROUTE_SPILL_MIN_INFLIGHT`) rather than at the mean load cap, so it queues
-//!   on no engine while another has room;
+//!   factor 100%, at least `KVROUTE_SPILL_MIN_INFLIGHT`) rather than at the mean load cap, so it
+//!   queues on no engine while another has room;
 //! * cold-start seeding: every Nth hit goes to the lowest-index endpoint holding fewer than the
 //!   cold threshold of blocks, so a new replica gets warm;
 //! * miss: the rule's `sel` — round robin, consistent hash on the affinity key (150 virtual nodes
