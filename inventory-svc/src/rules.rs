@@ -108,12 +108,16 @@ impl RuleSpec {
 
     /// `VIP:port`, the short form the filter may use.
     pub fn vip_port(&self) -> String {
-        self.vip_addr().to_string()
+        std::net::SocketAddr::new(self.rule.external_ip(), self.rule.port()).to_string()
     }
 
-    /// The VIP and port as an address.
-    pub fn vip_addr(&self) -> std::net::SocketAddr {
-        std::net::SocketAddr::new(self.rule.external_ip(), self.rule.port())
+    /// True when `name` names this rule: its name (`VIP:port/protocol`) or its `VIP:port`, the
+    /// address compared as an address (no string built: the route path asks this of every rule).
+    pub fn answers_to(&self, name: &str) -> bool {
+        self.rule.id().as_str() == name
+            || name
+                .parse::<std::net::SocketAddr>()
+                .is_ok_and(|a| a.ip() == self.rule.external_ip() && a.port() == self.rule.port())
     }
 
     /// The hash contract of the keys the index holds and the filter computes, when KV is on.
@@ -202,6 +206,17 @@ mod tests {
         let r = parse_rule(&good(), &settings()).unwrap();
         assert_eq!(r.name(), "10.0.0.1:8080/tcp");
         assert_eq!(r.vip_port(), "10.0.0.1:8080");
+        for (name, yes) in [
+            ("10.0.0.1:8080/tcp", true),
+            ("10.0.0.1:8080", true),
+            ("10.0.0.1:8081", false),
+            ("10.0.0.2:8080", false),
+            ("10.0.0.1:8080/udp", false),
+            ("10.0.0.1", false),
+            ("", false),
+        ] {
+            assert_eq!(r.answers_to(name), yes, "{name:?}");
+        }
         assert_eq!(r.algo, Some(HashAlgo::Sha256Cbor));
         assert_eq!(r.endpoints[0].addr(), "127.0.0.1:8000");
         assert_eq!(r.contract().unwrap().seed.as_deref(), Some("0"));

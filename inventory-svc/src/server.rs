@@ -200,7 +200,7 @@ fn load_config(
             .is_none_or(|e| e.as_array().is_some_and(Vec::is_empty));
         if let (Some(e), true) = (following, endpointless) {
             match pool_template(raw, &fleet.settings) {
-                Ok(s) if s.name() == e.rule || s.vip_port() == e.rule => {
+                Ok(s) if s.answers_to(&e.rule) => {
                     template = Some(raw.clone());
                     continue;
                 }
@@ -226,8 +226,7 @@ fn load_config(
     );
     for s in specs {
         let name = s.name();
-        if template.is_some() && following.is_some_and(|e| name == e.rule || s.vip_port() == e.rule)
-        {
+        if template.is_some() && following.is_some_and(|e| s.answers_to(&e.rule)) {
             anyhow::bail!("--config {}: rule {name} is given twice", path.display());
         }
         fleet

@@ -148,11 +148,9 @@ impl Fleet {
                 return Some(r.clone());
             }
         }
-        // Every route asks by name or `VIP:port`: compared without building either string.
-        let vip = id_or_name.parse::<std::net::SocketAddr>().ok();
         rules
             .values()
-            .find(|r| r.spec.rule.id().as_str() == id_or_name || vip == Some(r.spec.vip_addr()))
+            .find(|r| r.spec.answers_to(id_or_name))
             .cloned()
     }
 

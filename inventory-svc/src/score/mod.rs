@@ -1270,8 +1270,9 @@ mod tests {
 
     #[test]
     fn no_endpoint_below_the_in_flight_floor_is_over_its_cap() {
-        // 16 endpoints, 3 requests in flight: the cap alone is ceil(1.75 x 4 / 16) = 1, so the
-        // family's home (ep0) would spill every concurrent request of the family.
+        // 16 endpoints, 3 requests in flight (4 when the home holds 4): the cap alone is
+        // ceil(1.75 x 4 / 16) = 1 (1 again with 5), so the family's home (ep0) would spill every
+        // concurrent request of the family.
         let r = ring(16);
         let eps_with = |home: u64| {
             let mut eps = vec![ep(0, 0); 16];
