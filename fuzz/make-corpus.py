@@ -42,6 +42,38 @@ for b in sglang["event_batches"]:
 write("zmq_events", "sglang-wire-capture", bytes.fromhex(sglang["zmq_wire_capture"]["frames"][2]))
 
 
+# --- zmtp_stream: a publisher's ZMTP 3.0 stream (greeting, READY, messages) ------------------------
+
+
+def zframe(flags, body):
+    if len(body) > 255:
+        return bytes([flags | 2]) + struct.pack(">Q", len(body)) + body
+    return bytes([flags, len(body)]) + body
+
+
+def zmessage(frames):
+    return b"".join(zframe(1 if i + 1 < len(frames) else 0, f) for i, f in enumerate(frames))
+
+
+def zgreeting(major=3, minor=1, mech=b"NULL"):
+    return b"\xff" + b"\x00" * 7 + b"\x01\x7f" + bytes([major, minor]) + mech.ljust(20, b"\x00") + b"\x00" * 32
+
+
+def zready(socket_type):
+    props = bytes([11]) + b"Socket-Type" + struct.pack(">I", len(socket_type)) + socket_type
+    return zframe(4, bytes([5]) + b"READY" + props)
+
+
+payload = bytes.fromhex(ev["int_keys_default"]["batch_payload_hex"])
+stream = zgreeting() + zready(b"PUB") + zmessage([b"", struct.pack(">Q", 7), payload])
+write("zmtp_stream", "vllm-pub", stream)
+write("zmtp_stream", "xpub-ping-long", zgreeting() + zready(b"XPUB")
+      + zframe(4, bytes([4]) + b"PING" + b"\x00\x0a" + b"ctx")
+      + zmessage([b"kv", struct.pack(">Q", 8), payload * 4]))
+write("zmtp_stream", "zmtp-2", zgreeting(2, 0))
+write("zmtp_stream", "curve", zgreeting(mech=b"CURVE") + zready(b"PUB"))
+write("zmtp_stream", "error", zgreeting() + zframe(4, bytes([5]) + b"ERROR" + bytes([6]) + b"denied"))
+
 # --- trtllm_drain: /kv_cache_events bodies ------------------------------------------------------
 def toks(a, b):
     return [{"token_id": t, "token_extra_id": 0} for t in range(a, b)]

@@ -20,9 +20,9 @@ export KVROUTE_CACHE="${KVROUTE_CACHE:-$REPO/.cache}"
 
 # Every target, and the smoke's exec count for each (a few seconds each on one core; the body
 # target tokenizes with the real Qwen3 vocabulary, so it runs fewer).
-TARGETS=(zmq_events trtllm_drain replica_codec rule_json openai_body route_question filter_answer filter_config kube_watch)
+TARGETS=(zmq_events zmtp_stream trtllm_drain replica_codec rule_json openai_body route_question filter_answer filter_config kube_watch)
 declare -A SMOKE_RUNS=(
-    [zmq_events]=100000 [trtllm_drain]=100000 [replica_codec]=200000 [rule_json]=100000
+    [zmq_events]=100000 [zmtp_stream]=200000 [trtllm_drain]=100000 [replica_codec]=200000 [rule_json]=100000
     [openai_body]=5000 [route_question]=200000 [filter_answer]=200000 [filter_config]=200000
     [kube_watch]=100000
 )

@@ -244,8 +244,8 @@ pub const ZMQ_IDLE_RECONNECT_MS: Setting = Setting::int(
     (0, 3_600_000),
     30_000,
     "a connecting subscriber silent this long reconnects (a bound one stays bound and only shows \
-     not connected), 0 disables; the `zeromq` crate neither reports nor repairs a dropped \
-     publisher, so silence is how an engine restart is noticed",
+     not connected), 0 disables; a publisher that closes its connection is noticed at once, \
+     silence covers one whose host went away without closing it",
 );
 
 pub const REDIS_URL: Setting = Setting::text(
@@ -513,8 +513,8 @@ pub struct Settings {
     /// [`REPLAY_TIMEOUT_MS`].
     pub replay_timeout: Duration,
     /// [`ZMQ_IDLE_RECONNECT_MS`]; zero disables.
-    /// The `zeromq` crate does not report or repair a dropped publisher, so silence is the only
-    /// signal that an engine went away; an idle engine just gets a cheap reconnect.
+    /// A closed connection ends a session at once; silence is the only sign of a publisher whose
+    /// host went away without closing it, and an idle engine just gets a cheap reconnect.
     pub zmq_idle_reconnect: Duration,
     /// [`AFFINITY_SCOPE`] is `tenant_model` (the model joins the sticky key).
     pub affinity_scope_model: bool,

@@ -248,8 +248,7 @@ async fn bound_subscribers_take_engines_that_connect() {
 }
 
 /// A bound subscriber outlives an idle engine: silence marks it not connected, and the next
-/// batch from the same publisher is applied (the crate keeps a bound port after its socket is
-/// dropped, so a session that ended on silence could never bind it again).
+/// batch from the same publisher is applied on the same bound address.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bound_subscribers_keep_taking_events_after_an_idle_period() {
     let port = free_port().unwrap();
@@ -677,11 +676,11 @@ async fn publisher_restart_reconnects_and_clears() {
     let mut p = Publisher::bind(0).await.unwrap();
     let port = p.port;
     let r = vllm_rule(port, json!({}));
-    // Silence is the only disconnect signal the zeromq crate gives: reconnect after 300 ms of it.
+    // The reconnect on silence is off: the closed connection itself must end the session.
     let svc = Service::start(
         "restart",
         &json!([r]),
-        &[("KVROUTE_ZMQ_IDLE_RECONNECT_MS", "300")],
+        &[("KVROUTE_ZMQ_IDLE_RECONNECT_MS", "0")],
     );
     subscribed(&svc, &mut p).await;
     // Advance the old sequence well past what the restarted engine will reach before the
@@ -810,5 +809,79 @@ async fn a_sliding_window_group_neither_fakes_nor_erases_a_prefix() {
         kvroute_ingest_partial_attention_blocks_total{engine="vllm",event="block_stored",kind="sliding_window"} 4
         kvroute_ingest_partial_attention_blocks_total{engine="vllm",event="block_stored",kind="mamba"} 1
         "#,
+    );
+}
+
+/// A raw ZMTP 3.0 publisher on `listener`: accepts the service's connection, exchanges greetings
+/// and `READY` (as a PUB) and reads its subscription.
+async fn raw_pub_accept(listener: &tokio::net::TcpListener) -> tokio::net::TcpStream {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let (mut s, _) = tokio::time::timeout(Duration::from_secs(20), listener.accept())
+        .await
+        .expect("the service connects")
+        .unwrap();
+    let mut greeting = [0u8; 64];
+    greeting[0] = 0xff;
+    greeting[9] = 0x7f;
+    greeting[10] = 3;
+    greeting[11] = 1;
+    greeting[12..16].copy_from_slice(b"NULL");
+    s.write_all(&greeting).await.unwrap();
+    let mut theirs = [0u8; 64];
+    s.read_exact(&mut theirs).await.unwrap();
+    assert_eq!((theirs[0], theirs[9], theirs[10]), (0xff, 0x7f, 3), "{theirs:?}");
+    let mut ready = vec![0x04, 25, 5];
+    ready.extend_from_slice(b"READY");
+    ready.push(11);
+    ready.extend_from_slice(b"Socket-Type");
+    ready.extend_from_slice(&3u32.to_be_bytes());
+    ready.extend_from_slice(b"PUB");
+    s.write_all(&ready).await.unwrap();
+    // Their READY (a SUB) and the subscription to every topic (a message of 0x01).
+    let mut theirs = [0u8; 27 + 3];
+    s.read_exact(&mut theirs).await.unwrap();
+    assert_eq!(&theirs[..2], &[0x04, 25]);
+    assert_eq!(&theirs[3..8], b"READY");
+    assert_eq!(&theirs[24..27], b"SUB");
+    assert_eq!(&theirs[27..], &[0x00, 0x01, 0x01], "subscribed to everything");
+    s
+}
+
+/// A publisher that announces a frame past the message limit (1 TiB) is cut off on the frame's
+/// header, with the fault in the log; the service keeps running and the next connection's events
+/// are applied. Exercises the handshake against a hand-written ZMTP peer, not the crate.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_oversized_frame_drops_the_connection_and_the_next_one_is_applied() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let svc = Service::start("zmtp-oversize", &json!([vllm_rule(port, json!({}))]), &[]);
+    let mut s = raw_pub_accept(&listener).await;
+    let mut huge = vec![0x02];
+    huge.extend_from_slice(&(1u64 << 40).to_be_bytes());
+    s.write_all(&huge).await.unwrap();
+    let mut rest = [0u8; 16];
+    let n = tokio::time::timeout(Duration::from_secs(10), s.read(&mut rest))
+        .await
+        .expect("the service closes the connection")
+        .unwrap_or(0);
+    assert_eq!(n, 0, "closed without reading on");
+    // The next connection: one message of three frames, sequence 0, one stored block.
+    let mut s = raw_pub_accept(&listener).await;
+    let payload = batch(vec![stored(&[0xF00D], &[], false)]);
+    let mut msg = vec![0x01, 0];
+    msg.extend_from_slice(&[0x01, 8]);
+    msg.extend_from_slice(&0u64.to_be_bytes());
+    msg.extend_from_slice(&[0x00, payload.len() as u8]);
+    msg.extend_from_slice(&payload);
+    s.write_all(&msg).await.unwrap();
+    svc.wait_for("the block of the second connection", 20, || async {
+        svc.inventory(RULE, 0).await.contains(&0xF00D)
+    })
+    .await;
+    let log = svc.stderr();
+    assert!(
+        log.contains("a message of 1099511627776 bytes is over the 67108864-byte limit"),
+        "{log}"
     );
 }

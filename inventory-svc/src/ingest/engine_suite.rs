@@ -7,12 +7,10 @@
 
 use std::sync::Arc;
 
-use bytes::Bytes;
 use kvroute_core::hash::ExtraKeys;
 use rmpv::Value as Mp;
 use serde_json::{json, Value};
 use tokio_util::sync::CancellationToken;
-use zeromq::ZmqMessage;
 
 use super::keyer::Keyer;
 use super::{trtllm, zmq, Feed, SeqTracker};
@@ -139,17 +137,8 @@ impl Source {
         let mut payload = Vec::new();
         let batch = Mp::Array(vec![Mp::F64(1.0), Mp::Array(vec![event]), Mp::Nil]);
         rmpv::encode::write_value(&mut payload, &batch).unwrap();
-        let frames = vec![
-            Bytes::new(),
-            Bytes::copy_from_slice(&seq.to_be_bytes()),
-            Bytes::from(payload),
-        ];
-        zmq::handle(
-            &self.feed,
-            &mut self.zmq,
-            ZmqMessage::try_from(frames).unwrap(),
-        )
-        .await;
+        let seq = seq.to_be_bytes();
+        zmq::handle(&self.feed, &mut self.zmq, &[b"", &seq, &payload]).await;
     }
 
     fn blocks(&self) -> u64 {

@@ -20,6 +20,7 @@ pub mod reference;
 pub mod tap;
 pub mod trtllm;
 pub mod zmq;
+pub mod zmtp;
 
 use std::sync::Arc;
 use std::time::Duration;

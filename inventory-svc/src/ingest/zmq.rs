@@ -12,26 +12,30 @@
 //! [`super::REWIND_RUN`] in-order sequences below the last one (the last was an out-of-range jump)
 //! is a rewind: clear, then follow the new run.
 //!
-//! The `zeromq` crate neither reconnects nor reports a dropped publisher (its SUB silently forgets
-//! the peer) and may panic on unexpected frames, so a session runs in its own task and, when it
-//! connects, ends after `KVROUTE_ZMQ_IDLE_RECONNECT_MS` of silence; the next session reconnects
-//! (waiting for the engine to come back), and a restarted engine is then recognised by its
-//! sequence. A bound session never ends on silence: the engine's publisher reconnects to the
-//! address by itself, and the crate does not release a bound port when its socket is dropped,
-//! so binding again would fail and lose every later event. Silence only marks it not connected
-//! until the next message or attach.
+//! The subscription speaks ZMTP itself ([`super::zmtp`]: frames borrowed from the read buffer,
+//! every limit checked before a body is buffered). A session runs in its own task; connecting,
+//! it ends when the publisher closes the connection or after `KVROUTE_ZMQ_IDLE_RECONNECT_MS` of
+//! silence (a publisher host gone without closing), and the next session reconnects (waiting
+//! for the engine to come back); a restarted engine is then recognised by its sequence. A bound
+//! session keeps its address for its whole life: an engine's publisher reconnects to it by
+//! itself, and a publisher that leaves only shows as not connected until one connects again.
+//! The replay DEALER uses the `zeromq` crate.
 
+use std::net::SocketAddr;
 use std::time::Duration;
 
 use bytes::Bytes;
+use futures::stream::FuturesUnordered;
 use futures::StreamExt;
 use kvroute_core::hash::Engine;
+use tokio::net::TcpStream;
 use tokio::time::{timeout, Instant};
 use tokio_util::sync::CancellationToken;
-use zeromq::{DealerSocket, Socket, SocketEvent, SocketRecv, SocketSend, SubSocket, ZmqMessage};
+use zeromq::{DealerSocket, Socket, SocketRecv, SocketSend, ZmqMessage};
 
-use super::decode::{decode_batch, parse_seq, split_frames, BytesKey, DecodeError};
+use super::decode::{decode_batch, parse_seq, split_frames, BytesKey};
 use super::keyer::Keyer;
+use super::zmtp::{Message, SubConn, SubListener, ZmtpError, MAX_FRAMES};
 use super::{clear_for, next_backoff, Feed, SeqTracker, SeqVerdict};
 use crate::index::IndexOp;
 use crate::metrics::ClearCause;
@@ -42,6 +46,8 @@ enum End {
     Cancelled,
     /// Silent for the idle period: reconnect at once.
     Idle,
+    /// The publisher closed (or broke) a working connection: reconnect soon, backing off anew.
+    Lost(String),
     Failed(String),
 }
 
@@ -82,13 +88,19 @@ pub async fn run(feed: Feed, cancel: CancellationToken) {
                 backoff = Duration::from_millis(100);
                 continue;
             }
+            Ok((mut pubs, End::Lost(e))) => {
+                tracing::info!(rule = %name, ep, rank, "publisher connection ended: {e}");
+                pubs.seq.reconnected();
+                p = Some(pubs);
+                backoff = Duration::from_millis(100);
+            }
             Ok((mut pubs, End::Failed(e))) => {
                 tracing::warn!(rule = %name, ep, rank, "subscriber session ended: {e}");
                 pubs.seq.reconnected();
                 p = Some(pubs);
             }
             Err(join) => {
-                // A panic inside the ZMQ library: sync state is lost, so start from empty.
+                // A panic in the session: sync state is lost, so start from empty.
                 tracing::error!(rule = %name, ep, rank, "subscriber task failed: {join}");
                 feed.clear(ClearCause::Reconnect);
             }
@@ -118,38 +130,66 @@ fn bytes_key(engine: Engine) -> BytesKey {
     }
 }
 
+/// How long a publisher has to answer the ZMTP greeting, from connecting or being accepted.
+const HANDSHAKE: Duration = Duration::from_secs(5);
+
+/// Connections accepted on a bound address and not yet through their handshake; more are
+/// refused (closed at once) until one finishes.
+const MAX_GREETING: usize = 8;
+
+/// The next message of `conn`, or never when there is no connection.
+async fn recv(conn: Option<&mut SubConn>) -> Result<Message<'_>, ZmtpError> {
+    match conn {
+        Some(c) => c.recv().await,
+        None => std::future::pending().await,
+    }
+}
+
+/// The next publisher connecting to `listener`, or never when the session connects.
+async fn accept(listener: Option<&SubListener>) -> std::io::Result<(TcpStream, SocketAddr)> {
+    match listener {
+        Some(l) => l.accept().await,
+        None => std::future::pending().await,
+    }
+}
+
 /// One connection; returns the publisher state and how the session ended. Connects to the
-/// engine's publisher, or with `kvZmqBind` binds the address the engine's publisher connects to;
-/// bound, "connected" means an engine attached or sent within the idle period (the crate reports
-/// attaching but not leaving, so a departed engine shows as silence; the bound socket stays and
-/// the engine's publisher reconnects to it on its own).
+/// engine's publisher (a closed or failed connection ends the session), or with `kvZmqBind` binds
+/// the address the engine's publisher connects to and keeps it for the whole session: a
+/// publisher that leaves shows as not connected until one connects again, and a new connection
+/// replaces the current one (an engine restarted before its old connection was seen to close).
 async fn session(feed: Feed, mut p: Pub, cancel: CancellationToken) -> (Pub, End) {
-    let Some(addr) = feed.event_addr().map(|a| a.to_string()) else {
+    let Some(addr) = feed.event_addr() else {
         return (p, End::Failed("no event address for this rank".into()));
     };
+    let sa = addr.socket_addr();
     let bind = feed.rule.spec.zmq_bind;
-    let mut sock = SubSocket::new();
-    let mut attached = bind.then(|| sock.monitor());
+    let (ep, rank) = (feed.ep.0, feed.rank.0);
+    let mut conn: Option<SubConn> = None;
+    let mut listener: Option<SubListener> = None;
+    let setup = async {
+        if bind {
+            SubListener::bind(sa)
+                .await
+                .map(|l| listener = Some(l))
+                .map_err(|e| format!("bind {addr}: {e}"))
+        } else {
+            SubConn::connect(sa, HANDSHAKE)
+                .await
+                .map(|c| conn = Some(c))
+                .map_err(|e| format!("connect {addr}: {e}"))
+        }
+    };
     tokio::select! {
         _ = cancel.cancelled() => return (p, End::Cancelled),
-        r = async {
-            if bind {
-                sock.bind(&addr).await.map(|_| ())
-            } else {
-                sock.connect(&addr).await
-            }
-        } => if let Err(e) = r {
-            let verb = if bind { "bind" } else { "connect" };
-            return (p, End::Failed(format!("{verb} {addr}: {e}")));
+        r = setup => if let Err(e) = r {
+            return (p, End::Failed(e));
         },
-    }
-    if let Err(e) = sock.subscribe("").await {
-        return (p, End::Failed(format!("subscribe {addr}: {e}")));
     }
     if !bind {
         feed.set_connected(true);
     }
-    tracing::debug!(rule = %feed.rule.spec.name(), ep = feed.ep.0, rank = feed.rank.0, %addr, bind, "subscribed");
+    tracing::debug!(rule = %feed.rule.spec.name(), ep, rank, %addr, bind, "subscribed");
     let idle = feed.fleet.settings.zmq_idle_reconnect;
     // Waited on across messages: a fresh `cancelled()` per message would join and leave the
     // token's waiter list (under its lock) for every message.
@@ -160,35 +200,59 @@ async fn session(feed: Feed, mut p: Pub, cancel: CancellationToken) -> (Pub, End
     let mut last = Instant::now();
     let silence = tokio::time::sleep(idle);
     tokio::pin!(silence);
+    let mut greeting = FuturesUnordered::new();
     loop {
         tokio::select! {
             biased;
             _ = &mut cancelled => return (p, End::Cancelled),
-            msg = sock.recv() => match msg {
+            msg = recv(conn.as_mut()) => match msg {
                 Ok(m) => {
                     if !idle.is_zero() {
                         last = Instant::now();
                     }
                     if bind {
+                        // Silence marked it not connected; the publisher is back.
                         feed.set_connected(true);
                     }
-                    handle(&feed, &mut p, m).await
+                    let mut frames: [&[u8]; MAX_FRAMES] = [&[]; MAX_FRAMES];
+                    let n = m.len().min(MAX_FRAMES);
+                    for (i, f) in frames.iter_mut().enumerate().take(n) {
+                        *f = m.frame(i);
+                    }
+                    handle(&feed, &mut p, &frames[..n]).await
                 }
+                Err(e) if bind => {
+                    if matches!(e, ZmtpError::Closed) {
+                        tracing::info!(rule = %feed.rule.spec.name(), ep, rank, %addr, "publisher connection ended: {e}");
+                    } else {
+                        tracing::warn!(rule = %feed.rule.spec.name(), ep, rank, %addr, "publisher connection dropped: {e}");
+                    }
+                    conn = None;
+                    feed.set_connected(false);
+                }
+                Err(ZmtpError::Closed) => return (p, End::Lost(format!("{addr}: {}", ZmtpError::Closed))),
+                // A protocol fault or a socket error: reconnect, backing off.
                 Err(e) => return (p, End::Failed(format!("recv {addr}: {e}"))),
             },
-            ev = async {
-                match attached.as_mut() {
-                    Some(rx) => rx.next().await,
-                    None => std::future::pending().await,
+            acc = accept(listener.as_ref()) => match acc {
+                Ok((stream, peer)) if greeting.len() < MAX_GREETING => {
+                    greeting.push(SubConn::handshake(stream, peer, HANDSHAKE));
                 }
-            } => {
-                // The socket's news counts as activity, as a message does.
-                last = Instant::now();
-                match ev {
-                    Some(SocketEvent::Accepted(..)) => feed.set_connected(true),
-                    Some(_) => {}
-                    None => attached = None,
+                Ok((_, peer)) => {
+                    tracing::warn!(rule = %feed.rule.spec.name(), ep, rank, %addr, %peer, "{MAX_GREETING} connections already in their handshake: closing this one");
                 }
+                Err(e) => tracing::warn!(rule = %feed.rule.spec.name(), ep, rank, %addr, "accept: {e}"),
+            },
+            done = greeting.next(), if !greeting.is_empty() => match done {
+                Some(Ok(c)) => {
+                    tracing::info!(rule = %feed.rule.spec.name(), ep, rank, %addr, peer = %c.peer(), replaced = conn.is_some(), "publisher connected");
+                    conn = Some(c);
+                    // The new connection's news counts as activity, as a message does.
+                    last = Instant::now();
+                    feed.set_connected(true);
+                }
+                Some(Err(e)) => tracing::warn!(rule = %feed.rule.spec.name(), ep, rank, %addr, "publisher handshake failed: {e}"),
+                None => {}
             },
             _ = &mut silence, if !idle.is_zero() => {
                 if last.elapsed() < idle {
@@ -207,18 +271,11 @@ async fn session(feed: Feed, mut p: Pub, cancel: CancellationToken) -> (Pub, End
 
 /// Applies one message of the publisher: sequence check (replay or clear on a gap, clear on a
 /// restart or rewind), then its events.
-pub(super) async fn handle(feed: &Feed, p: &mut Pub, msg: ZmqMessage) {
+pub(super) async fn handle(feed: &Feed, p: &mut Pub, frames: &[&[u8]]) {
     let engine = feed.engine();
     let m = &feed.fleet.metrics;
     let (ep, rank) = (feed.ep.0, feed.rank.0);
-    // The frames are borrowed where the message holds them (no per-message vectors).
-    let frame = |i: usize| msg.get(i).map_or(&[][..], |b| b.as_ref());
-    let split = match msg.len() {
-        3 => split_frames(&[frame(0), frame(1), frame(2)]),
-        2 => split_frames(&[frame(0), frame(1)]),
-        n => Err(DecodeError::FrameCount(n)),
-    };
-    let Ok((_topic, seq, payload)) = split else {
+    let Ok((_topic, seq, payload)) = split_frames(frames) else {
         m.decode_errors.with_label_values(&[engine.as_str()]).inc();
         return;
     };
