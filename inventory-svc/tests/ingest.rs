@@ -829,7 +829,11 @@ async fn raw_pub_accept(listener: &tokio::net::TcpListener) -> tokio::net::TcpSt
     s.write_all(&greeting).await.unwrap();
     let mut theirs = [0u8; 64];
     s.read_exact(&mut theirs).await.unwrap();
-    assert_eq!((theirs[0], theirs[9], theirs[10]), (0xff, 0x7f, 3), "{theirs:?}");
+    assert_eq!(
+        (theirs[0], theirs[9], theirs[10]),
+        (0xff, 0x7f, 3),
+        "{theirs:?}"
+    );
     let mut ready = vec![0x04, 25, 5];
     ready.extend_from_slice(b"READY");
     ready.push(11);
@@ -843,7 +847,11 @@ async fn raw_pub_accept(listener: &tokio::net::TcpListener) -> tokio::net::TcpSt
     assert_eq!(&theirs[..2], &[0x04, 25]);
     assert_eq!(&theirs[3..8], b"READY");
     assert_eq!(&theirs[24..27], b"SUB");
-    assert_eq!(&theirs[27..], &[0x00, 0x01, 0x01], "subscribed to everything");
+    assert_eq!(
+        &theirs[27..],
+        &[0x00, 0x01, 0x01],
+        "subscribed to everything"
+    );
     s
 }
 

@@ -18,10 +18,10 @@ use std::time::Duration;
 
 use kvroute_core::hash::{BlockKey, Engine, HashContract};
 use serde_json::{json, Value};
-use zeromq::{Socket, SocketRecv, SubSocket};
 
 use crate::ingest::decode::{decode_batch, split_frames, BytesKey, KvEvent, Stored};
 use crate::ingest::parity::{place, Placed};
+use crate::ingest::zmtp::{SubConn, SubListener, ZmtpError};
 
 /// Events read at most before giving up on finding the prompt's.
 pub const MAX_EVENTS: usize = 100_000;
@@ -64,21 +64,22 @@ async fn watch(
     tokens: &[u32],
     keys: &[BlockKey],
 ) -> Result<Verdict, String> {
-    let mut sock = SubSocket::new();
     let verb = if w.bind { "--events-bind" } else { "--events" };
-    let setup = async {
-        if w.bind {
-            sock.bind(&w.addr).await.map(|_| ())?;
-        } else {
-            sock.connect(&w.addr).await?;
-        }
-        sock.subscribe("").await
-    };
-    match tokio::time::timeout(w.wait, setup).await {
-        Ok(Ok(())) => {}
+    let deadline = tokio::time::Instant::now() + w.wait;
+    let sa = kvroute_core::rule::ZmqAddr::parse(&w.addr)
+        .ok_or_else(|| {
+            format!(
+                "{verb} {:?}: allowed: {}",
+                w.addr,
+                kvroute_core::rule::ZmqAddr::ALLOWED
+            )
+        })?
+        .socket_addr();
+    let mut conn = match tokio::time::timeout_at(deadline, subscribe(sa, w.bind, deadline)).await {
+        Ok(Ok(c)) => c,
         Ok(Err(e)) => return Err(format!("{verb} {}: {e}", w.addr)),
         Err(_) => return Err(format!("{verb} {}: no publisher within --wait-ms", w.addr)),
-    }
+    };
     eprintln!(
         "kvroute-inventory hash: subscribed to {}; send the same prompt to the engine now",
         w.addr
@@ -88,6 +89,7 @@ async fn watch(
     } else {
         BytesKey::Last8
     };
+    // The events get the whole wait again, from the subscription on.
     let deadline = tokio::time::Instant::now() + w.wait;
     let mut seen = 0usize;
     let mut skipped = 0usize;
@@ -95,13 +97,12 @@ async fn watch(
     // tokenizer mismatch at the very first block looks like someone else's prompt).
     let mut closest: Option<(usize, u32, u32)> = None;
     while seen < MAX_EVENTS {
-        let msg = match tokio::time::timeout_at(deadline, sock.recv()).await {
+        let msg = match tokio::time::timeout_at(deadline, conn.recv()).await {
             Ok(Ok(m)) => m,
             Ok(Err(e)) => return Err(format!("{verb} {}: {e}", w.addr)),
             Err(_) => break,
         };
-        let frames = msg.into_vec();
-        let refs: Vec<&[u8]> = frames.iter().map(|b| b.as_ref()).collect();
+        let refs: Vec<&[u8]> = (0..msg.len()).map(|i| msg.frame(i)).collect();
         let Ok((_, _, payload)) = split_frames(&refs) else {
             continue;
         };
@@ -143,6 +144,34 @@ async fn watch(
         }),
         ok: false,
     })
+}
+
+/// A subscription to the engine's publisher: connecting to it (again every 100 ms while nothing
+/// listens there), or binding `addr` and taking the first publisher that connects and greets.
+async fn subscribe(
+    addr: std::net::SocketAddr,
+    bind: bool,
+    deadline: tokio::time::Instant,
+) -> Result<SubConn, ZmtpError> {
+    let left = || deadline.saturating_duration_since(tokio::time::Instant::now());
+    if bind {
+        let l = SubListener::bind(addr).await?;
+        loop {
+            let (stream, peer) = l.accept().await?;
+            match SubConn::handshake(stream, peer, left()).await {
+                Ok(c) => return Ok(c),
+                Err(e) => eprintln!("kvroute-inventory hash: {peer} failed its handshake: {e}"),
+            }
+        }
+    }
+    loop {
+        match SubConn::connect(addr, left()).await {
+            Err(ZmtpError::Io(e)) if e.kind() == std::io::ErrorKind::ConnectionRefused => {
+                tokio::time::sleep(std::time::Duration::from_millis(100)).await
+            }
+            r => return r,
+        }
+    }
 }
 
 /// The verdict for one stored event, or `None` when it is not this prompt's.
