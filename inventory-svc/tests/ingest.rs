@@ -893,3 +893,47 @@ async fn an_oversized_frame_drops_the_connection_and_the_next_one_is_applied() {
         "{log}"
     );
 }
+
+/// Bound, a new publisher connection replaces the current one, as a restarted engine's does
+/// before its old connection is seen to close: the new connection's events are applied and its
+/// sequence, back at 0, clears the old engine's blocks.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bound_subscriber_takes_the_newest_publisher_connection() {
+    let port = free_port().unwrap();
+    let eps = [("127.0.0.1".into(), 9)];
+    let mut r = rule(8080, "vllm", 5557, &eps, json!({"kvZmqBind": true}));
+    r["endpoints"][0]["kvZmqEndpoint"] = json!(format!("tcp://127.0.0.1:{port}"));
+    let svc = Service::start("zmq-bind-replace", &json!([r]), &[]);
+    let addr = format!("tcp://127.0.0.1:{port}");
+    let mut old = Publisher::connect(&addr).await;
+    // Past sequence 0, so the new engine's first message reads as a restart.
+    for _ in 0..3 {
+        old.send(&batch(vec![stored(&[0xD1], &[], false)])).await;
+    }
+    publish_until_seen(
+        &svc,
+        &mut old,
+        RULE,
+        0,
+        0xD1,
+        &batch(vec![stored(&[0xD1], &[], false)]),
+    )
+    .await;
+    let mut new = Publisher::connect(&addr).await;
+    publish_until_seen(
+        &svc,
+        &mut new,
+        RULE,
+        0,
+        0xD2,
+        &batch(vec![stored(&[0xD2], &[], false)]),
+    )
+    .await;
+    assert!(
+        !svc.inventory(RULE, 0).await.contains(&0xD1),
+        "the old engine's block is cleared by the restart"
+    );
+    let log = svc.stderr();
+    assert_eq!(log.matches("publisher connected").count(), 2, "{log}");
+    drop(old);
+}

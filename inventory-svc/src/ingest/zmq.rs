@@ -21,7 +21,10 @@
 //! itself, and a publisher that leaves only shows as not connected until one connects again.
 //! The replay DEALER uses the `zeromq` crate.
 
+use std::collections::HashMap;
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -37,6 +40,7 @@ use super::decode::{decode_batch, parse_seq, split_frames, BytesKey};
 use super::keyer::Keyer;
 use super::zmtp::{Message, SubConn, SubListener, ZmtpError, MAX_FRAMES};
 use super::{clear_for, next_backoff, Feed, SeqTracker, SeqVerdict};
+use crate::fleet::Fleet;
 use crate::index::IndexOp;
 use crate::metrics::ClearCause;
 use crate::metrics::Replay;
@@ -130,6 +134,121 @@ fn bytes_key(engine: Engine) -> BytesKey {
     }
 }
 
+/// How long a cancelled session's subscription waits for a successor on the same address.
+const HANDOVER: Duration = Duration::from_secs(2);
+
+/// How long a new session waits for a live predecessor on its address to hand its subscription
+/// over (a replaced rule's session is cancelled as the new one starts).
+const HANDOVER_WAIT: Duration = Duration::from_millis(500);
+
+type Key = (SocketAddr, bool);
+
+/// Subscriptions handed from a cancelled session to the next one on the same address (a rule
+/// replaced, its endpoint's event address unchanged): the connection stays subscribed (and a bound
+/// address stays bound), so what the engine publishes meanwhile waits in the socket instead of
+/// being dropped by the publisher, and the successor's sequence check finds no gap. A
+/// subscription nobody takes within [`HANDOVER`] is closed.
+#[derive(Debug, Default)]
+pub struct Handover {
+    state: std::sync::Mutex<HandoverState>,
+    changed: tokio::sync::Notify,
+    next: AtomicU64,
+}
+
+#[derive(Debug, Default)]
+struct HandoverState {
+    parked: HashMap<Key, Parked>,
+    /// Sessions holding a subscription, per address.
+    active: HashMap<Key, usize>,
+}
+
+#[derive(Debug)]
+struct Parked {
+    id: u64,
+    conn: Option<SubConn>,
+    listener: Option<SubListener>,
+}
+
+/// A session's hold on its address; dropping it (however the session ends) lets a waiting
+/// successor stop waiting.
+struct Active {
+    fleet: Arc<Fleet>,
+    key: Key,
+}
+
+impl Drop for Active {
+    fn drop(&mut self) {
+        let h = &self.fleet.zmq_handover;
+        {
+            let mut st = h.lock();
+            if let Some(n) = st.active.get_mut(&self.key) {
+                *n -= 1;
+                if *n == 0 {
+                    st.active.remove(&self.key);
+                }
+            }
+        }
+        h.changed.notify_waiters();
+    }
+}
+
+impl Handover {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HandoverState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Marks a session holding a subscription on `key` until the guard drops.
+    fn hold(fleet: &Arc<Fleet>, key: Key) -> Active {
+        *fleet.zmq_handover.lock().active.entry(key).or_default() += 1;
+        Active {
+            fleet: fleet.clone(),
+            key,
+        }
+    }
+
+    /// Parks a cancelled session's subscription for [`HANDOVER`].
+    fn park(fleet: &Arc<Fleet>, key: Key, conn: Option<SubConn>, listener: Option<SubListener>) {
+        if conn.is_none() && listener.is_none() {
+            return;
+        }
+        let h = &fleet.zmq_handover;
+        let id = h.next.fetch_add(1, Ordering::Relaxed);
+        h.lock().parked.insert(key, Parked { id, conn, listener });
+        h.changed.notify_waiters();
+        let fleet = fleet.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(HANDOVER).await;
+            let mut st = fleet.zmq_handover.lock();
+            if st.parked.get(&key).is_some_and(|p| p.id == id) {
+                st.parked.remove(&key);
+            }
+        });
+    }
+
+    /// The subscription a predecessor parked on `key`: at once, or once a predecessor still
+    /// holding one parks it (within [`HANDOVER_WAIT`]); `None` when there is none.
+    async fn take(&self, key: Key) -> Option<Parked> {
+        let deadline = Instant::now() + HANDOVER_WAIT;
+        loop {
+            let changed = self.changed.notified();
+            tokio::pin!(changed);
+            changed.as_mut().enable();
+            {
+                let mut st = self.lock();
+                if let Some(p) = st.parked.remove(&key) {
+                    return Some(p);
+                }
+                if !st.active.contains_key(&key) {
+                    return None;
+                }
+            }
+            if tokio::time::timeout_at(deadline, changed).await.is_err() {
+                return None;
+            }
+        }
+    }
+}
+
 /// How long a publisher has to answer the ZMTP greeting, from connecting or being accepted.
 const HANDSHAKE: Duration = Duration::from_secs(5);
 
@@ -167,7 +286,20 @@ async fn session(feed: Feed, mut p: Pub, cancel: CancellationToken) -> (Pub, End
     let (ep, rank) = (feed.ep.0, feed.rank.0);
     let mut conn: Option<SubConn> = None;
     let mut listener: Option<SubListener> = None;
+    let key = (sa, bind);
+    let parked = tokio::select! {
+        _ = cancel.cancelled() => return (p, End::Cancelled),
+        pk = feed.fleet.zmq_handover.take(key) => pk,
+    };
+    let handed = parked.is_some();
+    if let Some(pk) = parked {
+        conn = pk.conn;
+        listener = pk.listener;
+    }
     let setup = async {
+        if handed {
+            return Ok(());
+        }
         if bind {
             SubListener::bind(sa)
                 .await
@@ -186,10 +318,11 @@ async fn session(feed: Feed, mut p: Pub, cancel: CancellationToken) -> (Pub, End
             return (p, End::Failed(e));
         },
     }
-    if !bind {
+    let _active = Handover::hold(&feed.fleet, key);
+    if conn.is_some() {
         feed.set_connected(true);
     }
-    tracing::debug!(rule = %feed.rule.spec.name(), ep, rank, %addr, bind, "subscribed");
+    tracing::debug!(rule = %feed.rule.spec.name(), ep, rank, %addr, bind, handed, "subscribed");
     let idle = feed.fleet.settings.zmq_idle_reconnect;
     // Waited on across messages: a fresh `cancelled()` per message would join and leave the
     // token's waiter list (under its lock) for every message.
@@ -204,7 +337,10 @@ async fn session(feed: Feed, mut p: Pub, cancel: CancellationToken) -> (Pub, End
     loop {
         tokio::select! {
             biased;
-            _ = &mut cancelled => return (p, End::Cancelled),
+            _ = &mut cancelled => {
+                Handover::park(&feed.fleet, key, conn.take(), listener.take());
+                return (p, End::Cancelled);
+            }
             msg = recv(conn.as_mut()) => match msg {
                 Ok(m) => {
                     if !idle.is_zero() {
