@@ -80,8 +80,6 @@ pub struct Fleet {
     start_tasks: StartTasks,
     /// Set once at start when `KVROUTE_REDIS_URL` is given; [`Standalone`] otherwise.
     replication: OnceLock<Arc<dyn Replication>>,
-    /// Event subscriptions passed from a cancelled feed to its successor on the same address.
-    pub zmq_handover: crate::ingest::zmq::Handover,
 }
 
 impl Fleet {
@@ -107,7 +105,6 @@ impl Fleet {
                 .unwrap_or_default(),
             start_tasks,
             replication: OnceLock::new(),
-            zmq_handover: Default::default(),
         }
     }
 

@@ -24,7 +24,6 @@
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -40,7 +39,6 @@ use super::decode::{decode_batch, parse_seq, split_frames, BytesKey};
 use super::keyer::Keyer;
 use super::zmtp::{Message, SubConn, SubListener, ZmtpError, MAX_FRAMES};
 use super::{clear_for, next_backoff, Feed, SeqTracker, SeqVerdict};
-use crate::fleet::Fleet;
 use crate::index::IndexOp;
 use crate::metrics::ClearCause;
 use crate::metrics::Replay;
@@ -147,7 +145,8 @@ type Key = (SocketAddr, bool);
 /// replaced, its endpoint's event address unchanged): the connection stays subscribed (and a bound
 /// address stays bound), so what the engine publishes meanwhile waits in the socket instead of
 /// being dropped by the publisher, and the successor's sequence check finds no gap. A
-/// subscription nobody takes within [`HANDOVER`] is closed.
+/// subscription nobody takes within [`HANDOVER`] is closed. One per process ([`HANDOVERS`]):
+/// an address is the process's, whichever rule subscribes to it.
 #[derive(Debug, Default)]
 pub struct Handover {
     state: std::sync::Mutex<HandoverState>,
@@ -169,16 +168,18 @@ struct Parked {
     listener: Option<SubListener>,
 }
 
+/// The process's subscriptions in hand-over.
+static HANDOVERS: std::sync::LazyLock<Handover> = std::sync::LazyLock::new(Handover::default);
+
 /// A session's hold on its address; dropping it (however the session ends) lets a waiting
 /// successor stop waiting.
 struct Active {
-    fleet: Arc<Fleet>,
     key: Key,
 }
 
 impl Drop for Active {
     fn drop(&mut self) {
-        let h = &self.fleet.zmq_handover;
+        let h = &*HANDOVERS;
         {
             let mut st = h.lock();
             if let Some(n) = st.active.get_mut(&self.key) {
@@ -198,27 +199,24 @@ impl Handover {
     }
 
     /// Marks a session holding a subscription on `key` until the guard drops.
-    fn hold(fleet: &Arc<Fleet>, key: Key) -> Active {
-        *fleet.zmq_handover.lock().active.entry(key).or_default() += 1;
-        Active {
-            fleet: fleet.clone(),
-            key,
-        }
+    fn hold(&self, key: Key) -> Active {
+        *self.lock().active.entry(key).or_default() += 1;
+        Active { key }
     }
 
     /// Parks a cancelled session's subscription for [`HANDOVER`].
-    fn park(fleet: &Arc<Fleet>, key: Key, conn: Option<SubConn>, listener: Option<SubListener>) {
+    fn park(&'static self, key: Key, conn: Option<SubConn>, listener: Option<SubListener>) {
         if conn.is_none() && listener.is_none() {
             return;
         }
-        let h = &fleet.zmq_handover;
-        let id = h.next.fetch_add(1, Ordering::Relaxed);
-        h.lock().parked.insert(key, Parked { id, conn, listener });
-        h.changed.notify_waiters();
-        let fleet = fleet.clone();
+        let id = self.next.fetch_add(1, Ordering::Relaxed);
+        self.lock()
+            .parked
+            .insert(key, Parked { id, conn, listener });
+        self.changed.notify_waiters();
         tokio::spawn(async move {
             tokio::time::sleep(HANDOVER).await;
-            let mut st = fleet.zmq_handover.lock();
+            let mut st = self.lock();
             if st.parked.get(&key).is_some_and(|p| p.id == id) {
                 st.parked.remove(&key);
             }
@@ -289,7 +287,7 @@ async fn session(feed: Feed, mut p: Pub, cancel: CancellationToken) -> (Pub, End
     let key = (sa, bind);
     let parked = tokio::select! {
         _ = cancel.cancelled() => return (p, End::Cancelled),
-        pk = feed.fleet.zmq_handover.take(key) => pk,
+        pk = HANDOVERS.take(key) => pk,
     };
     let handed = parked.is_some();
     if let Some(pk) = parked {
@@ -318,7 +316,7 @@ async fn session(feed: Feed, mut p: Pub, cancel: CancellationToken) -> (Pub, End
             return (p, End::Failed(e));
         },
     }
-    let _active = Handover::hold(&feed.fleet, key);
+    let _active = HANDOVERS.hold(key);
     if conn.is_some() {
         feed.set_connected(true);
     }
@@ -338,7 +336,7 @@ async fn session(feed: Feed, mut p: Pub, cancel: CancellationToken) -> (Pub, End
         tokio::select! {
             biased;
             _ = &mut cancelled => {
-                Handover::park(&feed.fleet, key, conn.take(), listener.take());
+                HANDOVERS.park(key, conn.take(), listener.take());
                 return (p, End::Cancelled);
             }
             msg = recv(conn.as_mut()) => match msg {
