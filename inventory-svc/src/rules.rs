@@ -65,6 +65,23 @@ pub struct RuleSpec {
     pub endpoints: Vec<EndpointSpec>,
 }
 
+/// A rule's name or `VIP:port` as a request gives it, its address form parsed once (a lookup asks
+/// every rule).
+pub struct RuleName<'a> {
+    text: &'a str,
+    addr: Option<std::net::SocketAddr>,
+}
+
+impl<'a> RuleName<'a> {
+    /// `text` as a name, and as an address when it parses as one.
+    pub fn new(text: &'a str) -> RuleName<'a> {
+        RuleName {
+            text,
+            addr: text.parse().ok(),
+        }
+    }
+}
+
 impl RuleSpec {
     /// Derives the service view of a validated rule.
     pub fn from_rule(rule: Rule, settings: &Settings) -> RuleSpec {
@@ -113,11 +130,11 @@ impl RuleSpec {
 
     /// True when `name` names this rule: its name (`VIP:port/protocol`) or its `VIP:port`, the
     /// address compared as an address (no string built: the route path asks this of every rule).
-    pub fn answers_to(&self, name: &str) -> bool {
-        self.rule.id().as_str() == name
+    pub fn answers_to(&self, name: &RuleName<'_>) -> bool {
+        self.rule.id().as_str() == name.text
             || name
-                .parse::<std::net::SocketAddr>()
-                .is_ok_and(|a| a.ip() == self.rule.external_ip() && a.port() == self.rule.port())
+                .addr
+                .is_some_and(|a| a.ip() == self.rule.external_ip() && a.port() == self.rule.port())
     }
 
     /// The hash contract of the keys the index holds and the filter computes, when KV is on.
@@ -215,7 +232,7 @@ mod tests {
             ("10.0.0.1", false),
             ("", false),
         ] {
-            assert_eq!(r.answers_to(name), yes, "{name:?}");
+            assert_eq!(r.answers_to(&RuleName::new(name)), yes, "{name:?}");
         }
         assert_eq!(r.algo, Some(HashAlgo::Sha256Cbor));
         assert_eq!(r.endpoints[0].addr(), "127.0.0.1:8000");

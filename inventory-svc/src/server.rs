@@ -200,7 +200,7 @@ fn load_config(
             .is_none_or(|e| e.as_array().is_some_and(Vec::is_empty));
         if let (Some(e), true) = (following, endpointless) {
             match pool_template(raw, &fleet.settings) {
-                Ok(s) if s.answers_to(&e.rule) => {
+                Ok(s) if s.answers_to(&crate::rules::RuleName::new(&e.rule)) => {
                     template = Some(raw.clone());
                     continue;
                 }
@@ -226,7 +226,9 @@ fn load_config(
     );
     for s in specs {
         let name = s.name();
-        if template.is_some() && following.is_some_and(|e| s.answers_to(&e.rule)) {
+        if template.is_some()
+            && following.is_some_and(|e| s.answers_to(&crate::rules::RuleName::new(&e.rule)))
+        {
             anyhow::bail!("--config {}: rule {name} is given twice", path.display());
         }
         fleet

@@ -218,16 +218,26 @@ async fn per_endpoint_event_addresses_on_one_host() {
     two_engines_feed_their_own_endpoints(&svc, &mut a, &mut b).await;
 }
 
+/// A vLLM rule in the engine-connects topology (`kvZmqBind`): one endpoint per port, each
+/// binding `tcp://127.0.0.1:PORT` for its engine's publisher.
+fn bound_rule(ports: &[u16]) -> Value {
+    let eps: Vec<(String, u16)> = (0..ports.len())
+        .map(|i| ("127.0.0.1".into(), 9 + i as u16))
+        .collect();
+    let mut r = rule(8080, "vllm", 5557, &eps, json!({"kvZmqBind": true}));
+    for (i, port) in ports.iter().enumerate() {
+        r["endpoints"][i]["kvZmqEndpoint"] = json!(format!("tcp://127.0.0.1:{port}"));
+    }
+    r
+}
+
 /// The engine-connects topology (`kvZmqBind`): the inventory binds one SUB per endpoint and each
 /// engine's publisher connects to its own, as vLLM does when its endpoint names a host (llm-d's
 /// deployments). `connected` turns true once an engine attached.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bound_subscribers_take_engines_that_connect() {
     let (pa, pb) = (free_port().unwrap(), free_port().unwrap());
-    let eps = [("127.0.0.1".into(), 9), ("127.0.0.1".into(), 10)];
-    let mut r = rule(8080, "vllm", 5557, &eps, json!({"kvZmqBind": true}));
-    r["endpoints"][0]["kvZmqEndpoint"] = json!(format!("tcp://127.0.0.1:{pa}"));
-    r["endpoints"][1]["kvZmqEndpoint"] = json!(format!("tcp://127.0.0.1:{pb}"));
+    let r = bound_rule(&[pa, pb]);
     let svc = Service::start("zmq-bind", &json!([r]), &[]);
     let connected = |hz: &Value, ep: usize| hz["rules"][0]["endpoints"][ep]["connected"].clone();
     let hz = svc.get_json("/healthz").await;
@@ -252,9 +262,7 @@ async fn bound_subscribers_take_engines_that_connect() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bound_subscribers_keep_taking_events_after_an_idle_period() {
     let port = free_port().unwrap();
-    let eps = [("127.0.0.1".into(), 9)];
-    let mut r = rule(8080, "vllm", 5557, &eps, json!({"kvZmqBind": true}));
-    r["endpoints"][0]["kvZmqEndpoint"] = json!(format!("tcp://127.0.0.1:{port}"));
+    let r = bound_rule(&[port]);
     let svc = Service::start(
         "zmq-bind-idle",
         &json!([r]),
@@ -900,9 +908,7 @@ async fn an_oversized_frame_drops_the_connection_and_the_next_one_is_applied() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_bound_subscriber_takes_the_newest_publisher_connection() {
     let port = free_port().unwrap();
-    let eps = [("127.0.0.1".into(), 9)];
-    let mut r = rule(8080, "vllm", 5557, &eps, json!({"kvZmqBind": true}));
-    r["endpoints"][0]["kvZmqEndpoint"] = json!(format!("tcp://127.0.0.1:{port}"));
+    let r = bound_rule(&[port]);
     let svc = Service::start("zmq-bind-replace", &json!([r]), &[]);
     let addr = format!("tcp://127.0.0.1:{port}");
     let mut old = Publisher::connect(&addr).await;

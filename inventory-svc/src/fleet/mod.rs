@@ -148,10 +148,8 @@ impl Fleet {
                 return Some(r.clone());
             }
         }
-        rules
-            .values()
-            .find(|r| r.spec.answers_to(id_or_name))
-            .cloned()
+        let name = crate::rules::RuleName::new(id_or_name);
+        rules.values().find(|r| r.spec.answers_to(&name)).cloned()
     }
 
     /// Installs a validated rule and starts its tasks. A rule with the same name is replaced

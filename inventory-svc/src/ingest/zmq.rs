@@ -37,7 +37,7 @@ use zeromq::{DealerSocket, Socket, SocketRecv, SocketSend, ZmqMessage};
 
 use super::decode::{decode_batch, parse_seq, split_frames, BytesKey};
 use super::keyer::Keyer;
-use super::zmtp::{Message, SubConn, SubListener, ZmtpError, MAX_FRAMES};
+use super::zmtp::{Message, SubConn, SubListener, ZmtpError};
 use super::{clear_for, next_backoff, Feed, SeqTracker, SeqVerdict};
 use crate::index::IndexOp;
 use crate::metrics::ClearCause;
@@ -148,7 +148,7 @@ type Key = (SocketAddr, bool);
 /// subscription nobody takes within [`HANDOVER`] is closed. One per process ([`HANDOVERS`]):
 /// an address is the process's, whichever rule subscribes to it.
 #[derive(Debug, Default)]
-pub struct Handover {
+struct Handover {
     state: std::sync::Mutex<HandoverState>,
     changed: tokio::sync::Notify,
     next: AtomicU64,
@@ -348,12 +348,7 @@ async fn session(feed: Feed, mut p: Pub, cancel: CancellationToken) -> (Pub, End
                         // Silence marked it not connected; the publisher is back.
                         feed.set_connected(true);
                     }
-                    let mut frames: [&[u8]; MAX_FRAMES] = [&[]; MAX_FRAMES];
-                    let n = m.len().min(MAX_FRAMES);
-                    for (i, f) in frames.iter_mut().enumerate().take(n) {
-                        *f = m.frame(i);
-                    }
-                    handle(&feed, &mut p, &frames[..n]).await
+                    handle(&feed, &mut p, &m.frames()).await
                 }
                 Err(e) if bind => {
                     if matches!(e, ZmtpError::Closed) {

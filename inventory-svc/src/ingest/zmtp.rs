@@ -306,22 +306,31 @@ pub struct Message<'a> {
 }
 
 impl<'a> Message<'a> {
-    /// How many frames.
-    pub fn len(&self) -> usize {
-        self.frames.len()
+    /// Its frames, as slices of the buffer.
+    pub fn frames(&self) -> Frames<'a> {
+        let mut all: [&'a [u8]; MAX_FRAMES] = [&[]; MAX_FRAMES];
+        // The decoder never yields more than MAX_FRAMES frames, each inside the buffer.
+        for (slot, r) in all.iter_mut().zip(self.frames) {
+            *slot = self.buf.get(r.clone()).unwrap_or_default();
+        }
+        Frames {
+            all,
+            n: self.frames.len().min(MAX_FRAMES),
+        }
     }
+}
 
-    /// Whether it has no frame (never, for a parsed message).
-    pub fn is_empty(&self) -> bool {
-        self.frames.is_empty()
-    }
+/// A message's frames, held without allocating; derefs to the slice of them.
+pub struct Frames<'a> {
+    all: [&'a [u8]; MAX_FRAMES],
+    n: usize,
+}
 
-    /// Frame `i`, empty past the last.
-    pub fn frame(&self, i: usize) -> &'a [u8] {
-        self.frames
-            .get(i)
-            .and_then(|r| self.buf.get(r.clone()))
-            .unwrap_or_default()
+impl<'a> std::ops::Deref for Frames<'a> {
+    type Target = [&'a [u8]];
+
+    fn deref(&self) -> &Self::Target {
+        &self.all[..self.n]
     }
 }
 

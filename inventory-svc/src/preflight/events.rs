@@ -102,8 +102,7 @@ async fn watch(
             Ok(Err(e)) => return Err(format!("{verb} {}: {e}", w.addr)),
             Err(_) => break,
         };
-        let refs: Vec<&[u8]> = (0..msg.len()).map(|i| msg.frame(i)).collect();
-        let Ok((_, _, payload)) = split_frames(&refs) else {
+        let Ok((_, _, payload)) = split_frames(&msg.frames()) else {
             continue;
         };
         let Ok(batch) = decode_batch(payload, key_rule) else {
