@@ -9,7 +9,7 @@
 # download once) and builds the filter and the release binaries. Run on an otherwise idle machine:
 # the engines take one core each.
 #
-#   scripts/bench-real-vllm.sh                     # 5 rounds + 3 simulator rounds (25 minutes on 2 cores with AVX-512 BF16, about 50 without)
+#   scripts/bench-real-vllm.sh                     # 5 rounds + 5 simulator rounds (about 30 minutes on 2 cores with AVX-512 BF16, about 55 without)
 #   scripts/bench-real-vllm.sh --rounds 1 --out /tmp/b.md --strategies kvroute,sglang-router
 set -euo pipefail
 

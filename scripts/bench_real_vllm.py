@@ -704,7 +704,7 @@ def targets(by: dict, rounds: int, idle: dict, worst: float) -> list:
 
 
 def report(a, runs: list, idle: dict, started: str, minutes: float, hold: dict, sim: list,
-           timing: dict) -> str:
+           timing: dict, resim: str = "") -> str:
     cpu = "unknown CPU"
     try:
         with open("/proc/cpuinfo") as f:
@@ -818,6 +818,9 @@ def report(a, runs: list, idle: dict, started: str, minutes: float, hold: dict, 
     out += targets(by, a.rounds, idle, sim_worst(runs, sim) if sim else float("nan"))
     if sim:
         out += sim_report(runs, sim, timing, sim_rounds, a.kv_blocks)
+        if resim:
+            out += [f"The simulator runs were made again on {resim} against this page's saved "
+                    "real runs (`scripts/bench_real_vllm.py --from-json FILE --resim`).", ""]
     if hold:
         out += ["## Where kvroute's gateway time goes", "",
                 "The filter's own histograms over every kvroute run (Envoy's cumulative "
@@ -871,7 +874,7 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=1, help="workload seed")
     p.add_argument("--envoy-concurrency", type=int, default=2)
     p.add_argument("--idle-samples", type=int, default=20)
-    p.add_argument("--sim-rounds", type=int, default=3,
+    p.add_argument("--sim-rounds", type=int, default=5,
                    help="runs per arrival on kvroute-bench's simulators, timed as the real engines "
                         "(0: none)")
     p.add_argument("--strategies", default=",".join(STRATEGIES))
@@ -879,6 +882,10 @@ def main() -> None:
     p.add_argument("--out", default=os.path.join(REPO, "docs/bench-real-vllm.md"))
     p.add_argument("--json", help="every run's figures, as JSON")
     p.add_argument("--from-json", help="write the page from a previous run's --json, measuring nothing")
+    p.add_argument("--resim", action="store_true",
+                   help="with --from-json: run the simulator part again (--sim-rounds runs per arrival, "
+                        "the saved timing fit) against the saved real runs; needs --run-dir, "
+                        "--bench-bin, --inventory-bin and --tokenizer-dir, and saves to --json")
     for flag in ("--run-dir", "--inventory-bin", "--bench-bin", "--envoy", "--wasm",
                  "--tokenizer-dir"):
         p.add_argument(flag)
@@ -888,9 +895,25 @@ def main() -> None:
             saved = json.load(f)
         a.rounds = 1 + max(r["round"] for r in saved["runs"])
         meta = saved.get("meta", {})
+        if a.resim:
+            for flag in ("run_dir", "inventory_bin", "bench_bin", "tokenizer_dir"):
+                if not getattr(a, flag):
+                    die(f"--resim needs --{flag.replace('_', '-')}")
+            if not saved.get("sim_timing"):
+                die("--resim: the saved run has no timing fit (sim_timing)")
+            os.makedirs(a.run_dir, exist_ok=True)
+            meta["resim"] = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+            ran = sorted({(r["arrival"], r["strategy"]) for r in saved["runs"]})
+            arrivals = [x for x in ARRIVALS if any(r == x for r, _ in ran)]
+            on_sim = [x for x in STRATEGIES if x in SIM_STRATEGIES and any(s == x for _, s in ran)]
+            saved["sim"] = sim_runs(a, saved["sim_timing"], arrivals, on_sim)
+            saved["meta"] = meta
+            if a.json:
+                with open(a.json, "w") as f:
+                    json.dump(saved, f, indent=1)
         text = report(a, saved["runs"], saved["idle"], meta.get("started", "?"),
                       meta.get("minutes", 0), saved.get("filter_hold", {}), saved.get("sim", []),
-                      saved.get("sim_timing", {}))
+                      saved.get("sim_timing", {}), meta.get("resim", ""))
         with open(a.out, "w") as f:
             f.write(text)
         print(text)
