@@ -8,7 +8,7 @@
 #![no_main]
 
 use kvroute_inventory::ingest::zmtp::{
-    check_greeting, check_ready, property, Decoder, Item, ZmtpError, GREETING_LEN,
+    check_greeting, check_ready, property, Decoder, Item, Role, ZmtpError, GREETING_LEN,
     MAX_MESSAGE_BYTES,
 };
 use libfuzzer_sys::fuzz_target;
@@ -37,7 +37,9 @@ fn items(stream: &[u8], cut: usize) -> (Vec<Vec<Vec<u8>>>, Option<String>) {
                     }
                     Item::Command { name, data } => {
                         assert!(name.end <= data.start && data.end <= n);
-                        let _ = check_ready(&b[name.clone()], &b[data.clone()]);
+                        for role in [Role::Sub, Role::Dealer] {
+                            let _ = check_ready(&b[name.clone()], &b[data.clone()], role);
+                        }
                         let _ = property(&b[data.clone()], "Socket-Type");
                         out.push(vec![b[name].to_vec(), b[data].to_vec()]);
                     }

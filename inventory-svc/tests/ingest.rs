@@ -820,9 +820,13 @@ async fn a_sliding_window_group_neither_fakes_nor_erases_a_prefix() {
     );
 }
 
-/// A raw ZMTP 3.0 publisher on `listener`: accepts the service's connection, exchanges greetings
-/// and `READY` (as a PUB) and reads its subscription.
-async fn raw_pub_accept(listener: &tokio::net::TcpListener) -> tokio::net::TcpStream {
+/// A raw ZMTP 3.0 peer of socket type `ty` on `listener`: accepts the service's connection,
+/// exchanges greetings and `READY`, and returns the connection with the socket type the service's
+/// `READY` announced.
+async fn raw_zmtp_accept(
+    listener: &tokio::net::TcpListener,
+    ty: &str,
+) -> (tokio::net::TcpStream, String) {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let (mut s, _) = tokio::time::timeout(Duration::from_secs(20), listener.accept())
         .await
@@ -842,25 +846,106 @@ async fn raw_pub_accept(listener: &tokio::net::TcpListener) -> tokio::net::TcpSt
         (0xff, 0x7f, 3),
         "{theirs:?}"
     );
-    let mut ready = vec![0x04, 25, 5];
+    let mut ready = vec![0x04, 22 + ty.len() as u8, 5];
     ready.extend_from_slice(b"READY");
     ready.push(11);
     ready.extend_from_slice(b"Socket-Type");
-    ready.extend_from_slice(&3u32.to_be_bytes());
-    ready.extend_from_slice(b"PUB");
+    ready.extend_from_slice(&(ty.len() as u32).to_be_bytes());
+    ready.extend_from_slice(ty.as_bytes());
     s.write_all(&ready).await.unwrap();
-    // Their READY (a SUB) and the subscription to every topic (a message of 0x01).
-    let mut theirs = [0u8; 27 + 3];
-    s.read_exact(&mut theirs).await.unwrap();
-    assert_eq!(&theirs[..2], &[0x04, 25]);
-    assert_eq!(&theirs[3..8], b"READY");
-    assert_eq!(&theirs[24..27], b"SUB");
-    assert_eq!(
-        &theirs[27..],
-        &[0x00, 0x01, 0x01],
-        "subscribed to everything"
-    );
+    // Their READY: a short command whose only property is the socket type.
+    let mut head = [0u8; 2];
+    s.read_exact(&mut head).await.unwrap();
+    assert_eq!(head[0], 0x04, "a command");
+    let mut body = vec![0u8; usize::from(head[1])];
+    s.read_exact(&mut body).await.unwrap();
+    assert_eq!(&body[..18], b"\x05READY\x0bSocket-Type");
+    (s, String::from_utf8_lossy(&body[22..]).into_owned())
+}
+
+/// A raw ZMTP 3.0 publisher on `listener`: accepts the service's connection, exchanges greetings
+/// and `READY` (as a PUB) and reads its subscription.
+async fn raw_pub_accept(listener: &tokio::net::TcpListener) -> tokio::net::TcpStream {
+    use tokio::io::AsyncReadExt;
+    let (mut s, theirs) = raw_zmtp_accept(listener, "PUB").await;
+    assert_eq!(theirs, "SUB");
+    let mut sub = [0u8; 3];
+    s.read_exact(&mut sub).await.unwrap();
+    assert_eq!(sub, [0x00, 0x01, 0x01], "subscribed to everything");
     s
+}
+
+/// A replay socket that breaks the protocol costs the replay, never the service: a ROUTER whose
+/// reply announces a 1 TiB frame, then a peer that is not a ROUTER, each fail the replay (logged
+/// with the fault), the gap is cleared, and the batch after it is applied.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hostile_replay_socket_fails_the_replay_and_the_gap_is_cleared() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut p = Publisher::bind(0).await.unwrap();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let rport = listener.local_addr().unwrap().port();
+    let r = vllm_rule(p.port, json!({"kvReplayPort": rport}));
+    let svc = Service::start("replay-hostile", &json!([r]), &[]);
+    subscribed(&svc, &mut p).await;
+
+    let missing = p.seq;
+    let router = tokio::spawn(async move {
+        let (mut s, theirs) = raw_zmtp_accept(&listener, "ROUTER").await;
+        assert_eq!(theirs, "DEALER");
+        // The request: [b"", start_seq].
+        let mut req = [0u8; 12];
+        s.read_exact(&mut req).await.unwrap();
+        assert_eq!(&req[..4], &[0x01, 0, 0x00, 8], "{req:?}");
+        let mut huge = vec![0x02];
+        huge.extend_from_slice(&(1u64 << 40).to_be_bytes());
+        s.write_all(&huge).await.unwrap();
+        let n = tokio::time::timeout(Duration::from_secs(10), s.read(&mut [0u8; 16]))
+            .await
+            .expect("the service closes the connection")
+            .unwrap_or(0);
+        assert_eq!(n, 0, "closed without reading on");
+        let start = u64::from_be_bytes(req[4..].try_into().unwrap());
+        (listener, start)
+    });
+    p.seq += 1;
+    p.send(&batch(vec![stored(&[0xE1], &[], false)])).await;
+    svc.wait_inventory(
+        "the gap cleared, the next batch applied",
+        (RULE, 0),
+        &[0xE1],
+    )
+    .await;
+    let (listener, start) = router.await.unwrap();
+    assert_eq!(
+        start, missing,
+        "the replay asks from the first missing batch"
+    );
+
+    let impostor = tokio::spawn(async move {
+        let (s, theirs) = raw_zmtp_accept(&listener, "PUB").await;
+        assert_eq!(theirs, "DEALER");
+        s
+    });
+    p.seq += 1;
+    p.send(&batch(vec![stored(&[0xE2], &[], false)])).await;
+    svc.wait_inventory("the second gap cleared", (RULE, 0), &[0xE2])
+        .await;
+    drop(impostor.await.unwrap());
+    svc.assert_metrics(
+        r#"
+        kvroute_ingest_seq_gaps_total{engine="vllm"} 2
+        kvroute_ingest_replays_total{engine="vllm",outcome="failed"} 2
+        kvroute_ingest_clears_total{cause="gap",engine="vllm"} 2
+        "#,
+    )
+    .await;
+    let log = svc.stderr();
+    for fault in [
+        "a message of 1099511627776 bytes is over the 67108864-byte limit",
+        "the peer is a PUB socket; a ROUTER is expected",
+    ] {
+        assert!(log.contains(fault), "{fault}\n{log}");
+    }
 }
 
 /// A publisher that announces a frame past the message limit (1 TiB) is cut off on the frame's

@@ -19,25 +19,24 @@
 //! for the engine to come back); a restarted engine is then recognised by its sequence. A bound
 //! session keeps its address for its whole life: an engine's publisher reconnects to it by
 //! itself, and a publisher that leaves only shows as not connected until one connects again.
-//! The replay DEALER uses the `zeromq` crate.
+//! The replay DEALER speaks the same ZMTP, with the same limits, and bounds a replay's payload in
+//! total ([`REPLAY_MAX_BYTES`]).
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use bytes::Bytes;
 use futures::stream::FuturesUnordered;
 use futures::StreamExt;
 use kvroute_core::hash::Engine;
 use tokio::net::TcpStream;
 use tokio::time::{timeout, Instant};
 use tokio_util::sync::CancellationToken;
-use zeromq::{DealerSocket, Socket, SocketRecv, SocketSend, ZmqMessage};
 
 use super::decode::{decode_batch, parse_seq, split_frames, BytesKey};
 use super::keyer::Keyer;
-use super::zmtp::{Message, SubConn, SubListener, ZmtpError};
+use super::zmtp::{Conn, Message, Role, SubListener, ZmtpError};
 use super::{clear_for, next_backoff, Feed, SeqTracker, SeqVerdict};
 use crate::index::IndexOp;
 use crate::metrics::ClearCause;
@@ -164,7 +163,7 @@ struct HandoverState {
 #[derive(Debug)]
 struct Parked {
     id: u64,
-    conn: Option<SubConn>,
+    conn: Option<Conn>,
     listener: Option<SubListener>,
 }
 
@@ -205,7 +204,7 @@ impl Handover {
     }
 
     /// Parks a cancelled session's subscription for [`HANDOVER`].
-    fn park(&'static self, key: Key, conn: Option<SubConn>, listener: Option<SubListener>) {
+    fn park(&'static self, key: Key, conn: Option<Conn>, listener: Option<SubListener>) {
         if conn.is_none() && listener.is_none() {
             return;
         }
@@ -255,7 +254,7 @@ const HANDSHAKE: Duration = Duration::from_secs(5);
 const MAX_GREETING: usize = 8;
 
 /// The next message of `conn`, or never when there is no connection.
-async fn recv(conn: Option<&mut SubConn>) -> Result<Message<'_>, ZmtpError> {
+async fn recv(conn: Option<&mut Conn>) -> Result<Message<'_>, ZmtpError> {
     match conn {
         Some(c) => c.recv().await,
         None => std::future::pending().await,
@@ -282,7 +281,7 @@ async fn session(feed: Feed, mut p: Pub, cancel: CancellationToken) -> (Pub, End
     let sa = addr.socket_addr();
     let bind = feed.rule.spec.zmq_bind;
     let (ep, rank) = (feed.ep.0, feed.rank.0);
-    let mut conn: Option<SubConn> = None;
+    let mut conn: Option<Conn> = None;
     let mut listener: Option<SubListener> = None;
     let key = (sa, bind);
     let parked = tokio::select! {
@@ -304,7 +303,7 @@ async fn session(feed: Feed, mut p: Pub, cancel: CancellationToken) -> (Pub, End
                 .map(|l| listener = Some(l))
                 .map_err(|e| format!("bind {addr}: {e}"))
         } else {
-            SubConn::connect(sa, HANDSHAKE)
+            Conn::connect(Role::Sub, sa, HANDSHAKE)
                 .await
                 .map(|c| conn = Some(c))
                 .map_err(|e| format!("connect {addr}: {e}"))
@@ -365,7 +364,7 @@ async fn session(feed: Feed, mut p: Pub, cancel: CancellationToken) -> (Pub, End
             },
             acc = accept(listener.as_ref()) => match acc {
                 Ok((stream, peer)) if greeting.len() < MAX_GREETING => {
-                    greeting.push(SubConn::handshake(stream, peer, HANDSHAKE));
+                    greeting.push(Conn::handshake(Role::Sub, stream, peer, HANDSHAKE));
                 }
                 Ok((_, peer)) => {
                     tracing::warn!(rule = %feed.rule.spec.name(), ep, rank, %addr, %peer, "{MAX_GREETING} connections already in their handshake: closing this one");
@@ -421,8 +420,8 @@ pub(super) async fn handle(feed: &Feed, p: &mut Pub, frames: &[&[u8]]) {
             m.seq_gaps.with_label_values(&[engine.as_str()]).inc();
             let replayed = match feed.replay_addr() {
                 Some(ra) => {
-                    let raddr = ra.to_string();
-                    match replay(&raddr, from, seq, feed.fleet.settings.replay_timeout).await {
+                    let raddr = ra.socket_addr();
+                    match replay(raddr, from, seq, feed.fleet.settings.replay_timeout).await {
                         Ok(batches) => {
                             m.replay(engine.as_str(), Replay::Ok).inc();
                             tracing::info!(rule = %feed.rule.spec.name(), ep, rank, from, to = seq, n = batches.len(), "gap replayed");
@@ -477,44 +476,39 @@ fn apply_payload(feed: &Feed, p: &mut Pub, payload: &[u8]) {
     }
 }
 
-/// Fetches `(seq, payload)` for `from..to` from a replay ROUTER, in order.
+/// Most bytes of payload one replay may bring (a vLLM replay buffer of 10,000 steps of CPU-sized
+/// batches is a few tens of MiB); a gap needing more is cleared instead.
+const REPLAY_MAX_BYTES: usize = 256 << 20;
+
+/// Fetches `(seq, payload)` for `from..to` from a replay ROUTER at `addr`, in order, within
+/// `deadline`: a DEALER on this process's own ZMTP (every frame bounded before it is read),
+/// asking `[b"", from]` and reading `[b"", seq, payload]` replies until the `ff*8` end marker.
 async fn replay(
-    addr: &str,
+    addr: SocketAddr,
     from: u64,
     to: u64,
     deadline: Duration,
 ) -> Result<Vec<(u64, Vec<u8>)>, String> {
     let end = Instant::now() + deadline;
-    let mut sock = DealerSocket::new();
-    timeout(deadline, sock.connect(addr))
+    let mut conn = Conn::connect(Role::Dealer, addr, deadline)
         .await
-        .map_err(|_| format!("connect {addr}: timed out"))?
         .map_err(|e| format!("connect {addr}: {e}"))?;
-    let req = ZmqMessage::try_from(vec![
-        Bytes::new(),
-        Bytes::copy_from_slice(&from.to_be_bytes()),
-    ])
-    .map_err(|e| e.to_string())?;
-    timeout(deadline, sock.send(req))
+    let left = || end.saturating_duration_since(Instant::now());
+    timeout(left(), conn.send(&[b"", &from.to_be_bytes()]))
         .await
         .map_err(|_| "send: timed out".to_owned())?
         .map_err(|e| format!("send: {e}"))?;
-    let mut out = Vec::new();
+    let (mut out, mut bytes) = (Vec::new(), 0usize);
     loop {
-        let left = end.saturating_duration_since(Instant::now());
-        let msg = timeout(left, sock.recv())
+        let msg = timeout(left(), conn.recv())
             .await
             .map_err(|_| format!("no end marker within {deadline:?}"))?
             .map_err(|e| format!("recv: {e}"))?;
-        let mut frames = msg.into_vec();
-        // Replies are [b"", topic, seq, payload]; strip the delimiter if the library kept it.
-        if frames.len() == 4 && frames[0].is_empty() {
-            frames.remove(0);
-        }
-        let refs: Vec<&[u8]> = frames.iter().map(|b| b.as_ref()).collect();
-        let (seq_frame, payload) = match refs.as_slice() {
-            [_topic, s, pl] => (*s, *pl),
-            [s, pl] => (*s, *pl),
+        let frames = msg.frames();
+        // Replies are [b"", seq, payload] (vLLM); a delimiter more in front is tolerated.
+        let (seq_frame, payload) = match &*frames {
+            [[], _, s, pl] => (*s, *pl),
+            [_, s, pl] | [s, pl] => (*s, *pl),
             other => {
                 return Err(format!(
                     "unexpected replay reply with {} frames",
@@ -526,11 +520,21 @@ async fn replay(
         if seq == u64::MAX {
             break;
         }
-        if (from..to).contains(&seq) {
-            out.push((seq, payload.to_vec()));
+        let next = from.saturating_add(out.len() as u64);
+        if seq < next || seq >= to {
+            continue; // before the gap (or repeated), or past it: not needed
         }
+        if seq > next {
+            return Err(format!("the replay skips from {next} to {seq}"));
+        }
+        bytes += payload.len();
+        if bytes > REPLAY_MAX_BYTES {
+            return Err(format!(
+                "the replay brings over {REPLAY_MAX_BYTES} bytes before its end marker"
+            ));
+        }
+        out.push((seq, payload.to_vec()));
     }
-    let _ = sock.close().await;
     // A replay that does not cover the whole gap (buffer too short) cannot restore sync.
     if out.len() as u64 != to - from {
         return Err(format!(

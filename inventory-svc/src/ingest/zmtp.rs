@@ -1,19 +1,20 @@
-//! The subscriber side of ZMTP 3.0 (ZeroMQ's wire protocol, rfc.zeromq.org/spec/23) over one
-//! TCP connection: what the inventory needs to read a vLLM or SGLang event publisher (a libzmq
-//! PUB) and nothing more.
+//! ZMTP 3.0 (ZeroMQ's wire protocol, rfc.zeromq.org/spec/23) over one TCP connection: what the
+//! inventory needs to read a vLLM or SGLang event publisher (a libzmq PUB) and to ask vLLM's
+//! replay socket (a ROUTER) for missed batches, and nothing more.
 //!
-//! A [`SubConn`] greets the peer as ZMTP 3.0 with the NULL mechanism, sends `READY` with
-//! `Socket-Type: SUB`, requires the peer's `READY` to name a `PUB` or `XPUB`, subscribes to every
-//! topic (the 3.0 form: a one-frame message `0x01`) and then yields whole messages, each as its
-//! frames borrowed from the connection's read buffer: no allocation per message, and every
-//! message found in one read is returned before the next read.
+//! A [`Conn`] greets the peer as ZMTP 3.0 with the NULL mechanism and sends `READY` with its
+//! [`Role`]'s socket type: as a `SUB` it requires the peer's `READY` to name a `PUB` or `XPUB` and
+//! subscribes to every topic (the 3.0 form: a one-frame message `0x01`); as a `DEALER` it requires
+//! a `ROUTER` and can [`Conn::send`]. It then yields whole messages, each as its frames borrowed
+//! from the connection's read buffer: no allocation per message, and every message found in one
+//! read is returned before the next read.
 //!
 //! Invariants: the decoder ([`Decoder`]) is synchronous and never panics on any byte sequence
 //! (fuzzed by `fuzz/fuzz_targets/zmtp_stream.rs`); a message is bounded by [`MAX_MESSAGE_BYTES`]
 //! and [`MAX_FRAMES`] and a command by [`MAX_COMMAND_BYTES`], checked on the frame headers before
 //! any body is buffered, so a hostile peer costs at most that much memory; reserved flag bits, a
 //! command inside a multi-frame message, or a second greeting end the connection with an error
-//! naming what was wrong. [`SubConn::recv`] is cancel safe (its only await is a read into the
+//! naming what was wrong. [`Conn::recv`] is cancel safe (its only await is a read into the
 //! buffer), so it can sit in a `select!`. A peer closing the connection is reported at once
 //! ([`ZmtpError::Closed`]).
 //!
@@ -49,8 +50,8 @@ pub enum ZmtpError {
     /// The socket failed.
     #[error("{0}")]
     Io(#[from] io::Error),
-    /// The publisher closed the connection.
-    #[error("the publisher closed the connection")]
+    /// The peer closed the connection.
+    #[error("the peer closed the connection")]
     Closed,
     /// The first bytes are not a ZMTP greeting.
     #[error("not a ZeroMQ peer: the greeting's signature is wrong")]
@@ -61,9 +62,14 @@ pub enum ZmtpError {
     /// A security mechanism other than NULL (CURVE, PLAIN).
     #[error("the peer asks for the {0} security mechanism; only NULL is supported")]
     Mechanism(String),
-    /// The peer is not a publisher.
-    #[error("the peer is a {0} socket; a PUB or XPUB is expected")]
-    SocketType(String),
+    /// The peer's socket type does not talk to this side's.
+    #[error("the peer is a {got} socket; {expected} is expected")]
+    SocketType {
+        /// What the peer's `READY` names.
+        got: String,
+        /// What this side's role talks to.
+        expected: &'static str,
+    },
     /// The peer refused the handshake with an `ERROR` command.
     #[error("the peer refused the handshake: {0}")]
     Refused(String),
@@ -194,6 +200,42 @@ impl Decoder {
     }
 }
 
+/// Which ZeroMQ socket this side is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Role {
+    /// A subscriber to a `PUB` or `XPUB` (an engine's event publisher): subscribes to every topic
+    /// once the handshake is done.
+    Sub,
+    /// A `DEALER` asking a `ROUTER` (vLLM's replay socket).
+    Dealer,
+}
+
+impl Role {
+    /// The socket type this side announces.
+    fn socket_type(self) -> &'static [u8] {
+        match self {
+            Role::Sub => b"SUB",
+            Role::Dealer => b"DEALER",
+        }
+    }
+
+    /// Whether a peer announcing `ty` talks to this side.
+    fn accepts(self, ty: &[u8]) -> bool {
+        match self {
+            Role::Sub => ty == b"PUB" || ty == b"XPUB",
+            Role::Dealer => ty == b"ROUTER",
+        }
+    }
+
+    /// The peers this side talks to, for errors.
+    fn expected(self) -> &'static str {
+        match self {
+            Role::Sub => "a PUB or XPUB",
+            Role::Dealer => "a ROUTER",
+        }
+    }
+}
+
 /// This side's greeting: signature, version 3.0, NULL, not a server (ZMTP 3.0 ignores it).
 fn greeting() -> [u8; GREETING_LEN] {
     let mut g = [0u8; GREETING_LEN];
@@ -223,15 +265,16 @@ pub fn check_greeting(g: &[u8; GREETING_LEN]) -> Result<(), ZmtpError> {
     Ok(())
 }
 
-/// The `READY` command announcing a SUB socket.
-fn ready() -> Vec<u8> {
+/// The `READY` command announcing `role`'s socket type.
+fn ready(role: Role) -> Vec<u8> {
+    let ty = role.socket_type();
     let mut body = Vec::with_capacity(32);
     body.push(5);
     body.extend_from_slice(b"READY");
     body.push(11);
     body.extend_from_slice(b"Socket-Type");
-    body.extend_from_slice(&3u32.to_be_bytes());
-    body.extend_from_slice(b"SUB");
+    body.extend_from_slice(&(ty.len() as u32).to_be_bytes());
+    body.extend_from_slice(ty);
     let mut out = vec![COMMAND, body.len() as u8];
     out.extend_from_slice(&body);
     out
@@ -262,18 +305,19 @@ pub fn property<'a>(mut data: &'a [u8], name: &str) -> Result<Option<&'a [u8]>, 
     Ok(found)
 }
 
-/// Judges the peer's first command: a `READY` from a publisher.
-pub fn check_ready(name: &[u8], data: &[u8]) -> Result<(), ZmtpError> {
+/// Judges the peer's first command: a `READY` from a socket `role` talks to.
+pub fn check_ready(name: &[u8], data: &[u8], role: Role) -> Result<(), ZmtpError> {
     match name {
         b"READY" => {
             let ty = property(data, "Socket-Type")?
                 .ok_or(ZmtpError::Malformed("READY without a Socket-Type"))?;
-            if ty == b"PUB" || ty == b"XPUB" {
+            if role.accepts(ty) {
                 Ok(())
             } else {
-                Err(ZmtpError::SocketType(
-                    String::from_utf8_lossy(ty).into_owned(),
-                ))
+                Err(ZmtpError::SocketType {
+                    got: String::from_utf8_lossy(ty).into_owned(),
+                    expected: role.expected(),
+                })
             }
         }
         b"ERROR" => {
@@ -287,9 +331,9 @@ pub fn check_ready(name: &[u8], data: &[u8]) -> Result<(), ZmtpError> {
     }
 }
 
-/// One subscribed connection to a publisher.
+/// One connection: subscribed to a publisher, or a DEALER to a ROUTER.
 #[derive(Debug)]
-pub struct SubConn {
+pub struct Conn {
     stream: TcpStream,
     buf: Vec<u8>,
     /// Unparsed bytes are `buf[start..end]`.
@@ -334,23 +378,29 @@ impl<'a> std::ops::Deref for Frames<'a> {
     }
 }
 
-impl SubConn {
-    /// Connects to the publisher bound at `addr` and subscribes, within `within`.
-    pub async fn connect(addr: SocketAddr, within: Duration) -> Result<SubConn, ZmtpError> {
+impl Conn {
+    /// Connects to the peer bound at `addr` and greets it as `role` (a SUB subscribes), within
+    /// `within`.
+    pub async fn connect(
+        role: Role,
+        addr: SocketAddr,
+        within: Duration,
+    ) -> Result<Conn, ZmtpError> {
         let stream = tokio::time::timeout(within, TcpStream::connect(addr))
             .await
             .map_err(|_| io::Error::new(io::ErrorKind::TimedOut, "connect timed out"))??;
-        Self::handshake(stream, addr, within).await
+        Self::handshake(role, stream, addr, within).await
     }
 
-    /// Greets, exchanges `READY` and subscribes to every topic on an open connection (one
-    /// accepted from a connecting publisher, or one this side opened), within `within`.
+    /// Greets, exchanges `READY` and, as a SUB, subscribes to every topic on an open connection
+    /// (one accepted from a connecting publisher, or one this side opened), within `within`.
     pub async fn handshake(
+        role: Role,
         stream: TcpStream,
         peer: SocketAddr,
         within: Duration,
-    ) -> Result<SubConn, ZmtpError> {
-        let mut conn = SubConn {
+    ) -> Result<Conn, ZmtpError> {
+        let mut conn = Conn {
             stream,
             buf: vec![0; READ_CHUNK],
             start: 0,
@@ -358,13 +408,13 @@ impl SubConn {
             dec: Decoder::default(),
             peer,
         };
-        tokio::time::timeout(within, conn.greet())
+        tokio::time::timeout(within, conn.greet(role))
             .await
             .map_err(|_| io::Error::new(io::ErrorKind::TimedOut, "ZMTP handshake timed out"))??;
         Ok(conn)
     }
 
-    async fn greet(&mut self) -> Result<(), ZmtpError> {
+    async fn greet(&mut self, role: Role) -> Result<(), ZmtpError> {
         self.stream.write_all(&greeting()).await?;
         let mut g = [0u8; GREETING_LEN];
         self.stream.read_exact(&mut g).await.map_err(|e| {
@@ -375,12 +425,12 @@ impl SubConn {
             }
         })?;
         check_greeting(&g)?;
-        self.stream.write_all(&ready()).await?;
+        self.stream.write_all(&ready(role)).await?;
         loop {
             match self.dec.parse(&self.buf[self.start..self.end])? {
                 Some((Item::Command { name, data }, n)) => {
                     let b = &self.buf[self.start..];
-                    check_ready(&b[name], &b[data])?;
+                    check_ready(&b[name], &b[data], role)?;
                     self.start += n;
                     break;
                 }
@@ -390,12 +440,20 @@ impl SubConn {
                 None => self.fill().await?,
             }
         }
-        // Subscribe to every topic: ZMTP 3.0's form, a message of 0x01 and the (empty) prefix.
-        self.stream.write_all(&[0x00, 0x01, 0x01]).await?;
+        if role == Role::Sub {
+            // Subscribe to every topic: ZMTP 3.0's form, a message of 0x01 and the (empty) prefix.
+            self.stream.write_all(&[0x00, 0x01, 0x01]).await?;
+        }
         Ok(())
     }
 
-    /// The publisher's address.
+    /// Sends one message of `frames` (not cancel safe: a message cut short breaks the stream).
+    pub async fn send(&mut self, frames: &[&[u8]]) -> Result<(), ZmtpError> {
+        self.stream.write_all(&encode(frames)).await?;
+        Ok(())
+    }
+
+    /// The peer's address.
     pub fn peer(&self) -> SocketAddr {
         self.peer
     }
@@ -456,6 +514,24 @@ impl SubConn {
     }
 }
 
+/// One message of `frames` on the wire: every frame but the last flagged MORE, a body over 255
+/// bytes with the 8-byte size.
+fn encode(frames: &[&[u8]]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(frames.iter().map(|f| f.len() + 9).sum());
+    for (i, f) in frames.iter().enumerate() {
+        let more = if i + 1 < frames.len() { MORE } else { 0 };
+        match u8::try_from(f.len()) {
+            Ok(n) => out.extend_from_slice(&[more, n]),
+            Err(_) => {
+                out.push(more | LONG);
+                out.extend_from_slice(&(f.len() as u64).to_be_bytes());
+            }
+        }
+        out.extend_from_slice(f);
+    }
+    out
+}
+
 /// A `PONG` carrying the `PING`'s context (at most 16 bytes).
 fn pong(context: &[u8]) -> Vec<u8> {
     let context = &context[..context.len().min(16)];
@@ -484,7 +560,7 @@ impl SubListener {
         self.listener.local_addr()
     }
 
-    /// The next connecting peer, not yet greeted (see [`SubConn::handshake`]). Cancel safe.
+    /// The next connecting peer, not yet greeted (see [`Conn::handshake`]). Cancel safe.
     pub async fn accept(&self) -> io::Result<(TcpStream, SocketAddr)> {
         self.listener.accept().await
     }
@@ -514,6 +590,23 @@ mod tests {
             out.extend(frame(more, f));
         }
         out
+    }
+
+    #[test]
+    fn a_sent_message_parses_back_to_its_frames() {
+        let long = vec![3u8; 256];
+        let frames: [&[u8]; 4] = [b"", &7u64.to_be_bytes(), &long, &[9u8; 255]];
+        let wire = encode(&frames);
+        assert_eq!(
+            wire,
+            message(&frames),
+            "short and long frames as the spec writes them"
+        );
+        let mut dec = Decoder::default();
+        let (item, n) = dec.parse(&wire).unwrap().unwrap();
+        assert_eq!((item, n), (Item::Message, wire.len()));
+        let back: Vec<&[u8]> = dec.frames().iter().map(|r| &wire[r.clone()]).collect();
+        assert_eq!(back, frames);
     }
 
     /// Every item of `stream`, parsed as a reader would meet it: the bytes arriving `step` at a
@@ -631,35 +724,63 @@ mod tests {
         curve[12..17].copy_from_slice(b"CURVE");
         assert!(matches!(check_greeting(&curve), Err(ZmtpError::Mechanism(m)) if m == "CURVE"));
 
-        let ours = ready();
-        let (item, n) = Decoder::default().parse(&ours).unwrap().unwrap();
-        assert_eq!(n, ours.len());
-        let Item::Command { name, data } = item else {
-            panic!("READY is a command")
+        for (role, ty) in [(Role::Sub, &b"SUB"[..]), (Role::Dealer, b"DEALER")] {
+            let ours = ready(role);
+            let (item, n) = Decoder::default().parse(&ours).unwrap().unwrap();
+            assert_eq!(n, ours.len());
+            let Item::Command { name, data } = item else {
+                panic!("READY is a command")
+            };
+            assert_eq!(&ours[name.clone()], b"READY");
+            assert_eq!(
+                property(&ours[data.clone()], "socket-type").unwrap(),
+                Some(ty)
+            );
+            assert_eq!(
+                check_ready(&ours[name], &ours[data], role)
+                    .unwrap_err()
+                    .to_string(),
+                format!(
+                    "the peer is a {} socket; {} is expected",
+                    String::from_utf8_lossy(ty),
+                    role.expected()
+                ),
+                "{role:?} does not talk to its own kind"
+            );
+        }
+        let socket = |ty: &[u8]| {
+            let mut p = vec![11u8];
+            p.extend_from_slice(b"Socket-Type");
+            p.extend_from_slice(&(ty.len() as u32).to_be_bytes());
+            p.extend_from_slice(ty);
+            p
         };
-        assert_eq!(&ours[name.clone()], b"READY");
-        assert_eq!(
-            property(&ours[data.clone()], "socket-type").unwrap(),
-            Some(&b"SUB"[..])
-        );
-        assert!(
-            matches!(check_ready(&ours[name], &ours[data]), Err(ZmtpError::SocketType(t)) if t == "SUB"),
-            "a SUB peer is not a publisher"
-        );
-        let mut publ = vec![11u8];
-        publ.extend_from_slice(b"Socket-Type");
-        publ.extend_from_slice(&4u32.to_be_bytes());
-        publ.extend_from_slice(b"XPUB");
-        check_ready(b"READY", &publ).unwrap();
+        let xpub = socket(b"XPUB");
+        check_ready(b"READY", &xpub, Role::Sub).unwrap();
+        check_ready(b"READY", &socket(b"PUB"), Role::Sub).unwrap();
+        check_ready(b"READY", &socket(b"ROUTER"), Role::Dealer).unwrap();
+        for (ty, role) in [
+            (&b"ROUTER"[..], Role::Sub),
+            (b"PUB", Role::Dealer),
+            (b"router", Role::Dealer),
+        ] {
+            assert!(
+                matches!(
+                    check_ready(b"READY", &socket(ty), role),
+                    Err(ZmtpError::SocketType { .. })
+                ),
+                "{ty:?} to {role:?}"
+            );
+        }
         assert!(matches!(
-            check_ready(b"READY", &publ[..publ.len() - 1]),
+            check_ready(b"READY", &xpub[..xpub.len() - 1], Role::Sub),
             Err(ZmtpError::Malformed(_))
         ));
         assert!(
-            matches!(check_ready(b"ERROR", b"\x06denied"), Err(ZmtpError::Refused(r)) if r == "denied")
+            matches!(check_ready(b"ERROR", b"\x06denied", Role::Dealer), Err(ZmtpError::Refused(r)) if r == "denied")
         );
         assert!(matches!(
-            check_ready(b"READY", b""),
+            check_ready(b"READY", b"", Role::Sub),
             Err(ZmtpError::Malformed(_))
         ));
     }

@@ -21,7 +21,7 @@ use serde_json::{json, Value};
 
 use crate::ingest::decode::{decode_batch, split_frames, BytesKey, KvEvent, Stored};
 use crate::ingest::parity::{place, Placed};
-use crate::ingest::zmtp::{SubConn, SubListener, ZmtpError};
+use crate::ingest::zmtp::{Conn, Role, SubListener, ZmtpError};
 
 /// Events read at most before giving up on finding the prompt's.
 pub const MAX_EVENTS: usize = 100_000;
@@ -151,20 +151,20 @@ async fn subscribe(
     addr: std::net::SocketAddr,
     bind: bool,
     deadline: tokio::time::Instant,
-) -> Result<SubConn, ZmtpError> {
+) -> Result<Conn, ZmtpError> {
     let left = || deadline.saturating_duration_since(tokio::time::Instant::now());
     if bind {
         let l = SubListener::bind(addr).await?;
         loop {
             let (stream, peer) = l.accept().await?;
-            match SubConn::handshake(stream, peer, left()).await {
+            match Conn::handshake(Role::Sub, stream, peer, left()).await {
                 Ok(c) => return Ok(c),
                 Err(e) => eprintln!("kvroute-inventory hash: {peer} failed its handshake: {e}"),
             }
         }
     }
     loop {
-        match SubConn::connect(addr, left()).await {
+        match Conn::connect(Role::Sub, addr, left()).await {
             Err(ZmtpError::Io(e)) if e.kind() == std::io::ErrorKind::ConnectionRefused => {
                 tokio::time::sleep(std::time::Duration::from_millis(100)).await
             }
