@@ -9,6 +9,10 @@
 //! killed engine's conversation answered by the other one; the parity canary reports both engines
 //! healthy, with the reuse it predicted.
 //!
+//! A second test drives vLLM's own event publisher (`ZmqEventPublisher`, libzmq) through
+//! `tests/tests/vllm_replay.py` until it drops batches, and checks that the inventory replays
+//! every gap from vLLM's replay socket.
+//!
 //! Runs only with `KVROUTE_REAL_VLLM=1` (then `./scripts/test.sh` installs vLLM first, about
 //! 3 GB once); otherwise it says so and passes.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
@@ -408,4 +412,84 @@ async fn real_engines_keep_parity_fill_the_inventory_stick_and_fall_back() {
         .await
         .unwrap();
     assert_eq!(a.engine, 1 - home, "answered by the engine still alive");
+}
+
+/// A loopback address no other test or bench uses: the replay socket of the publisher below.
+const REPLAY_IP: &str = "127.0.0.46";
+
+/// The value of the first metric line starting with `prefix`, 0 when there is none.
+fn metric(text: &str, prefix: &str) -> f64 {
+    text.lines()
+        .find(|l| l.starts_with(prefix))
+        .and_then(|l| l.rsplit(' ').next()?.parse().ok())
+        .unwrap_or(0.0)
+}
+
+/// vLLM's own event publisher (`ZmqEventPublisher`: a libzmq PUB and its replay ROUTER, driven by
+/// `tests/tests/vllm_replay.py`) drops batches while the inventory is stopped; every gap is
+/// replayed through the inventory's DEALER from vLLM's replay socket, and the inventory ends with
+/// every block, none cleared.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_vllm_publishers_dropped_batches_are_replayed() {
+    if std::env::var("KVROUTE_REAL_VLLM").as_deref() != Ok("1") {
+        eprintln!(
+            "real_vllm: skipped (set KVROUTE_REAL_VLLM=1 to run it against vLLM's publisher)"
+        );
+        return;
+    }
+    const BATCHES: u64 = 400;
+    let dir = TempDir::new("vllm-replay").unwrap();
+    let events = harness::free_port().unwrap();
+    let replay = format!("tcp://{REPLAY_IP}:{}", port_on(REPLAY_IP).unwrap());
+    let (inv_child, inv) = harness::start_inventory(dir.path(), "replay-token", &[])
+        .await
+        .unwrap();
+    let rule = json!({"serviceArguments": {"externalIP": "127.0.0.1", "port": RULE_PORT,
+        "protocol": "tcp", "sel": 0, "mode": 4, "kvExactMode": 3, "kvEngineType": "vllm",
+        "kvBlockSize": 16},
+        "endpoints": [{"endpointIP": REPLAY_IP, "targetPort": 9, "weight": 1,
+            "kvZmqEndpoint": format!("tcp://127.0.0.1:{events}"), "kvReplayEndpoint": replay}]});
+    harness::add_rule(inv, "replay-token", &rule).await.unwrap();
+    let mut cmd = Command::new(harness::cache_dir().join("vllm-venv/bin/python"));
+    cmd.arg(harness::repo_root().join("tests/tests/vllm_replay.py"))
+        .arg(events.to_string())
+        .arg(&replay)
+        .arg(format!("http://{inv}/metrics"))
+        .arg(inv_child.id().to_string())
+        .arg(BATCHES.to_string());
+    let out = tokio::task::spawn_blocking(move || cmd.output())
+        .await
+        .unwrap()
+        .unwrap();
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    let log = || format!("{stdout}\n{stderr}\n{}", inv_child.log_tail(30));
+    assert!(out.status.success(), "{}", log());
+    let m = reqwest::get(format!("http://{inv}/metrics"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let gaps = metric(&m, r#"kvroute_ingest_seq_gaps_total{engine="vllm"}"#);
+    let replayed = metric(
+        &m,
+        r#"kvroute_ingest_replays_total{engine="vllm",outcome="ok"}"#,
+    );
+    assert!(
+        gaps >= 1.0,
+        "libzmq dropped nothing: no gap to replay\n{}",
+        log()
+    );
+    assert_eq!(replayed, gaps, "every gap replayed\n{m}\n{}", log());
+    assert_eq!(metric(&m, "kvroute_ingest_clears_total"), 0.0, "{m}");
+    assert_eq!(
+        metric(&m, r#"kvroute_index_blocks{ep="0""#),
+        (1 + BATCHES * 64) as f64,
+        "every block of every batch\n{}",
+        log()
+    );
+    eprintln!("real_vllm: {gaps} gaps in vLLM's stream, each replayed");
 }
