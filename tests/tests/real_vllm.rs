@@ -63,6 +63,15 @@ impl Drop for Engine {
     }
 }
 
+/// Whether `KVROUTE_REAL_VLLM=1` asks for the tests against `what`; says it skips otherwise.
+fn switched_on(what: &str) -> bool {
+    let on = std::env::var("KVROUTE_REAL_VLLM").as_deref() == Ok("1");
+    if !on {
+        eprintln!("real_vllm: skipped (set KVROUTE_REAL_VLLM=1 to run it against {what})");
+    }
+    on
+}
+
 fn port_on(ip: &str) -> Result<u16> {
     Ok(TcpListener::bind((ip, 0))?.local_addr()?.port())
 }
@@ -152,10 +161,7 @@ async fn get_json(client: &reqwest::Client, url: &str) -> Result<Value> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn real_engines_keep_parity_fill_the_inventory_stick_and_fall_back() {
-    if std::env::var("KVROUTE_REAL_VLLM").as_deref() != Ok("1") {
-        eprintln!(
-            "real_vllm: skipped (set KVROUTE_REAL_VLLM=1 to run it against real vLLM engines)"
-        );
+    if !switched_on("real vLLM engines") {
         return;
     }
     let dir = TempDir::new("real-vllm").unwrap();
@@ -431,10 +437,7 @@ fn metric(text: &str, prefix: &str) -> f64 {
 /// every block, none cleared.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_vllm_publishers_dropped_batches_are_replayed() {
-    if std::env::var("KVROUTE_REAL_VLLM").as_deref() != Ok("1") {
-        eprintln!(
-            "real_vllm: skipped (set KVROUTE_REAL_VLLM=1 to run it against vLLM's publisher)"
-        );
+    if !switched_on("vLLM's publisher") {
         return;
     }
     const BATCHES: u64 = 400;
