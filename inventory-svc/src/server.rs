@@ -194,13 +194,15 @@ fn load_config(
     let mut specs = Vec::new();
     let mut template = None;
     let following = epp.filter(|e| e.pool.is_some());
+    // The rule the endpoint picker follows, as a name to compare rules with.
+    let followed = following.map(|e| crate::rules::RuleName::new(&e.rule));
     for (i, raw) in raws.iter().enumerate() {
         let endpointless = raw
             .get("endpoints")
             .is_none_or(|e| e.as_array().is_some_and(Vec::is_empty));
-        if let (Some(e), true) = (following, endpointless) {
+        if let (Some(e), Some(name), true) = (following, &followed, endpointless) {
             match pool_template(raw, &fleet.settings) {
-                Ok(s) if s.answers_to(&crate::rules::RuleName::new(&e.rule)) => {
+                Ok(s) if s.answers_to(name) => {
                     template = Some(raw.clone());
                     continue;
                 }
@@ -226,9 +228,7 @@ fn load_config(
     );
     for s in specs {
         let name = s.name();
-        if template.is_some()
-            && following.is_some_and(|e| s.answers_to(&crate::rules::RuleName::new(&e.rule)))
-        {
+        if template.is_some() && followed.as_ref().is_some_and(|n| s.answers_to(n)) {
             anyhow::bail!("--config {}: rule {name} is given twice", path.display());
         }
         fleet

@@ -21,18 +21,23 @@ fn vllm_rule(zmq_port: u16, extra: Value) -> Value {
     rule(8080, "vllm", zmq_port, &[("127.0.0.1".into(), 9)], extra)
 }
 
-/// Returns once the service is subscribed to `p`: a probe block (0xABCD) shows in endpoint 0's
-/// inventory.
-async fn subscribed(svc: &Service, p: &mut Publisher) {
+/// Publishes a store of the one block `key` through `p` until endpoint `ep` of `RULE` holds it.
+async fn store_until_seen(svc: &Service, p: &mut Publisher, ep: usize, key: u64) {
     publish_until_seen(
         svc,
         p,
         RULE,
-        0,
-        0xABCD,
-        &batch(vec![stored(&[0xABCD], &[], false)]),
+        ep,
+        key,
+        &batch(vec![stored(&[key], &[], false)]),
     )
     .await;
+}
+
+/// Returns once the service is subscribed to `p`: a probe block (0xABCD) shows in endpoint 0's
+/// inventory.
+async fn subscribed(svc: &Service, p: &mut Publisher) {
+    store_until_seen(svc, p, 0, 0xABCD).await;
 }
 
 /// A publisher and the service `tag` with one vLLM rule over it (`extra` merged into the rule,
@@ -269,8 +274,7 @@ async fn bound_subscribers_keep_taking_events_after_an_idle_period() {
         &[("KVROUTE_ZMQ_IDLE_RECONNECT_MS", "300")],
     );
     let mut p = Publisher::connect(&format!("tcp://127.0.0.1:{port}")).await;
-    let stored_one = batch(vec![stored(&[0xC1], &[], false)]);
-    publish_until_seen(&svc, &mut p, RULE, 0, 0xC1, &stored_one).await;
+    store_until_seen(&svc, &mut p, 0, 0xC1).await;
     let connected =
         async || svc.get_json("/healthz").await["rules"][0]["endpoints"][0]["connected"].clone();
     Poll::new(
@@ -281,8 +285,7 @@ async fn bound_subscribers_keep_taking_events_after_an_idle_period() {
     .until(async || Ok(Probe::from(connected().await == json!([false]))))
     .await
     .unwrap();
-    let stored_two = batch(vec![stored(&[0xC2], &[], false)]);
-    publish_until_seen(&svc, &mut p, RULE, 0, 0xC2, &stored_two).await;
+    store_until_seen(&svc, &mut p, 0, 0xC2).await;
     assert_eq!(connected().await, json!([true]));
     assert!(
         !svc.stderr().contains("Address already in use"),
@@ -292,24 +295,8 @@ async fn bound_subscribers_keep_taking_events_after_an_idle_period() {
 }
 
 async fn two_engines_feed_their_own_endpoints(svc: &Service, a: &mut Publisher, b: &mut Publisher) {
-    publish_until_seen(
-        svc,
-        a,
-        RULE,
-        0,
-        0xA1,
-        &batch(vec![stored(&[0xA1], &[], false)]),
-    )
-    .await;
-    publish_until_seen(
-        svc,
-        b,
-        RULE,
-        1,
-        0xB1,
-        &batch(vec![stored(&[0xB1], &[], false)]),
-    )
-    .await;
+    store_until_seen(svc, a, 0, 0xA1).await;
+    store_until_seen(svc, b, 1, 0xB1).await;
     assert!(!svc.inventory(RULE, 0).await.contains(&0xB1));
     assert!(!svc.inventory(RULE, 1).await.contains(&0xA1));
 }
@@ -721,15 +708,7 @@ async fn publisher_restart_reconnects_and_clears() {
         tokio::time::sleep(std::time::Duration::from_millis(50)).await;
     }
     let mut p2 = p2.expect("rebind the publisher port");
-    publish_until_seen(
-        &svc,
-        &mut p2,
-        RULE,
-        0,
-        0xBEEF,
-        &batch(vec![stored(&[0xBEEF], &[], false)]),
-    )
-    .await;
+    store_until_seen(&svc, &mut p2, 0, 0xBEEF).await;
     assert!(
         !svc.inventory(RULE, 0).await.contains(&0xABCD),
         "the restarted engine's old blocks are gone"
@@ -1001,25 +980,9 @@ async fn a_bound_subscriber_takes_the_newest_publisher_connection() {
     for _ in 0..3 {
         old.send(&batch(vec![stored(&[0xD1], &[], false)])).await;
     }
-    publish_until_seen(
-        &svc,
-        &mut old,
-        RULE,
-        0,
-        0xD1,
-        &batch(vec![stored(&[0xD1], &[], false)]),
-    )
-    .await;
+    store_until_seen(&svc, &mut old, 0, 0xD1).await;
     let mut new = Publisher::connect(&addr).await;
-    publish_until_seen(
-        &svc,
-        &mut new,
-        RULE,
-        0,
-        0xD2,
-        &batch(vec![stored(&[0xD2], &[], false)]),
-    )
-    .await;
+    store_until_seen(&svc, &mut new, 0, 0xD2).await;
     assert!(
         !svc.inventory(RULE, 0).await.contains(&0xD1),
         "the old engine's block is cleared by the restart"

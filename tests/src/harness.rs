@@ -282,6 +282,14 @@ pub async fn wait_for_http(
     }
 }
 
+/// The value of `series` (a metric name with its whole label set, as Prometheus text writes it)
+/// in a `/metrics` page, 0 when the page has no such line.
+pub fn sample(text: &str, series: &str) -> f64 {
+    text.lines()
+        .find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
+        .unwrap_or(0.0)
+}
+
 /// Sends `req` and returns its body as text, whatever the status.
 pub async fn body_text(req: reqwest::RequestBuilder) -> Result<String> {
     Ok(req.send().await?.text().await?)

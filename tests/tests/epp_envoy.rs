@@ -19,7 +19,7 @@ use kvroute_test_support::{Poll, Probe};
 use kvroute_tests::envoy::{
     self, epp_bootstrap, epp_gateway, Engine, EppBootstrap, Gateway, Inventory, DESTINATION,
 };
-use kvroute_tests::harness::{self, header, BACKEND_HEADER};
+use kvroute_tests::harness::{self, header, sample as metric, BACKEND_HEADER};
 use serde_json::json;
 
 fn chat(topic: &str, turns: usize) -> Vec<u8> {
@@ -90,12 +90,6 @@ async fn metrics(inv: &Inventory) -> String {
         .text()
         .await
         .unwrap()
-}
-
-fn metric(text: &str, series: &str) -> f64 {
-    text.lines()
-        .find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
-        .unwrap_or(0.0)
 }
 
 /// Posts `body` through Envoy (with a client-sent destination when `spoof`): 200 and the engine

@@ -95,11 +95,7 @@ async fn a_prefix_evicted_from_gpu_but_kept_in_cpu_draws_its_request() {
         let m = harness::body_text(client.get(format!("http://{addr}/metrics")))
             .await
             .unwrap();
-        m.lines()
-            .find(|l| l.starts_with(series))
-            .and_then(|l| l.rsplit(' ').next())
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(0.0)
+        harness::sample(&m, series)
     };
     let rule_id = "127.0.0.1:21201/tcp";
     let lower = |ep: usize| {

@@ -51,8 +51,11 @@ def main() -> None:
         try:
             for i in range(n):
                 pub.publish(batch(1000 + i * PER, PER))
-            # The publisher thread sends what fits and libzmq drops the rest.
-            time.sleep(1.0)
+            # Until the publisher thread has sent every batch (it marks each done once libzmq
+            # took it or dropped it at the high-water mark).
+            end = time.time() + 60
+            while pub._event_queue.unfinished_tasks and time.time() < end:
+                time.sleep(0.01)
         finally:
             os.kill(pid, signal.SIGCONT)
         want, end = 1 + n * PER, time.time() + 60

@@ -482,7 +482,7 @@ const REPLAY_MAX_BYTES: usize = 256 << 20;
 
 /// Fetches `(seq, payload)` for `from..to` from a replay ROUTER at `addr`, in order, within
 /// `deadline`: a DEALER on this process's own ZMTP (every frame bounded before it is read),
-/// asking `[b"", from]` and reading `[b"", seq, payload]` replies until the `ff*8` end marker.
+/// asking `[b"", from]` and reading replies until the `ff*8` end marker.
 async fn replay(
     addr: SocketAddr,
     from: u64,
@@ -505,7 +505,7 @@ async fn replay(
             .map_err(|_| format!("no end marker within {deadline:?}"))?
             .map_err(|e| format!("recv: {e}"))?;
         let frames = msg.frames();
-        // Replies are [b"", seq, payload] (vLLM); a delimiter more in front is tolerated.
+        // vLLM replies [b"", topic, seq, payload]; [b"", seq, payload] and [seq, payload] too.
         let (seq_frame, payload) = match &*frames {
             [[], _, s, pl] => (*s, *pl),
             [_, s, pl] | [s, pl] => (*s, *pl),
