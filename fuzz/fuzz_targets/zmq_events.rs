@@ -10,7 +10,7 @@
 
 use kvroute_core::hash::{BlockSize, Engine, HashAlgo, HashContract};
 use kvroute_fuzz::metrics;
-use kvroute_inventory::ingest::decode::{decode_batch, BytesKey};
+use kvroute_inventory::ingest::decode::{decode_batch, decode_batch_into, BytesKey, EventBatch, Spare};
 use kvroute_inventory::ingest::keyer::Keyer;
 use kvroute_inventory::ingest::reference;
 use kvroute_inventory::rules::KeyMode;
@@ -31,8 +31,16 @@ fuzz_target!(|data: &[u8]| {
         ),
     ];
     let mut ok = Vec::new();
+    // The subscriber's path: a batch and key vectors left over from the message before.
+    let (mut reused, mut spare) = (EventBatch::default(), Spare::default());
     for (bytes_key, engine, contract) in layouts {
         let batch = decode_batch(data, bytes_key);
+        let again = decode_batch_into(data, bytes_key, &mut reused, &mut spare).map(|()| reused.clone());
+        assert_eq!(
+            format!("{again:?}"),
+            format!("{batch:?}"),
+            "decoding into a reused batch differs ({bytes_key:?})"
+        );
         // Compared by `Debug`: a NaN `ts` equals itself there, and -0.0 differs from 0.0.
         assert_eq!(
             format!("{batch:?}"),
@@ -42,7 +50,8 @@ fuzz_target!(|data: &[u8]| {
         ok.push(batch.is_ok());
         let Ok(batch) = batch else { continue };
         let mut engine_keyer = Keyer::new(engine, KeyMode::Engine, 16, Some(contract), metrics());
-        let _ = engine_keyer.batch_ops(&batch);
+        let mut ops = engine_keyer.batch_ops(&batch);
+        spare.recycle(&mut ops);
         let mut tokens_keyer = Keyer::new(engine, KeyMode::Tokens, 16, None, metrics());
         let _ = tokens_keyer.batch_ops(&batch);
         // A second pass reuses the engine-key map (parents and removals found this time).

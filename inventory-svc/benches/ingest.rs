@@ -14,7 +14,9 @@ use kvroute_core::hash::BlockKey;
 use kvroute_core::hash::Engine;
 use kvroute_inventory::fleet::{Fleet, Origin};
 use kvroute_inventory::index::{BlockIndex, EndpointId, IndexOp, MemIndex, Rank};
-use kvroute_inventory::ingest::decode::{decode_batch, BytesKey};
+use kvroute_inventory::ingest::decode::{
+    decode_batch, decode_batch_into, BytesKey, EventBatch, Spare,
+};
 use kvroute_inventory::ingest::keyer::Keyer;
 use kvroute_inventory::ingest::reference;
 use kvroute_inventory::metrics::Metrics;
@@ -90,14 +92,15 @@ fn path(c: &mut Criterion) {
     let mut g = c.benchmark_group("ingest_path");
     g.throughput(Throughput::Elements(PER));
     let (mut i, mut ops) = (0usize, Vec::new());
+    let (mut batch, mut spare) = (EventBatch::default(), Spare::default());
     g.bench_function("decode_key_apply", |b| {
         b.iter(|| {
             let p = &payloads[i % payloads.len()];
             i += 1;
-            let batch = decode_batch(black_box(p), BytesKey::Last8).unwrap();
-            keyer.take_ops(batch, &mut ops);
+            decode_batch_into(black_box(p), BytesKey::Last8, &mut batch, &mut spare).unwrap();
+            keyer.take_ops(&mut batch, &mut ops);
             fleet.apply_ops(&rule, EndpointId(0), Rank(0), &ops);
-            ops.clear();
+            spare.recycle(&mut ops);
         })
     });
     g.finish();

@@ -228,9 +228,9 @@ pub const MAX_KEYS_PER_ENDPOINT: Setting = Setting::int(
     0,
     "blocks one endpoint may hold in the index (34 B each); 0 = 4 × the endpoint's capacity when \
      known (`kvCapacityBlocks` or the scraped `num_gpu_blocks`, at least 65536), else 16777216; \
-     each tier (GPU, CPU, storage) apart. An engine message storing into a tier that already \
+     each tier (GPU, CPU, storage) apart. An engine event storing into a tier that already \
      holds it is refused and counted (`kvroute_index_key_cap_refusals_total`), so a tier exceeds \
-     it by one message at most",
+     it by one event at most",
 );
 pub const MAX_PREFIX_TOKENS: Setting = Setting::int(
     "KVROUTE_MAX_PREFIX_TOKENS",

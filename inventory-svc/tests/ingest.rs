@@ -966,6 +966,52 @@ async fn an_oversized_frame_drops_the_connection_and_the_next_one_is_applied() {
     );
 }
 
+/// Messages read together are applied together, in order: a burst written in one piece (more
+/// messages than one apply gathers) whose middle restarts the sequence keeps every message after
+/// the restart and nothing from before it, and a removal gathered with its store undoes it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_burst_read_at_once_is_applied_in_order_across_a_restart() {
+    use tokio::io::AsyncWriteExt;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let svc = Service::start("zmtp-burst", &json!([vllm_rule(port, json!({}))]), &[]);
+    let mut s = raw_pub_accept(&listener).await;
+    let message = |seq: u64, event: rmpv::Value| {
+        let payload = batch(vec![event]);
+        assert!(payload.len() < 256, "a short frame");
+        let mut m = vec![0x01, 0, 0x01, 8];
+        m.extend_from_slice(&seq.to_be_bytes());
+        m.extend_from_slice(&[0x00, payload.len() as u8]);
+        m.extend_from_slice(&payload);
+        m
+    };
+    let mut burst = message(10, stored(&[0xA1, 0xA2], &[], false));
+    burst.extend(message(11, removed(&[0xA1])));
+    // Sequence 0 after 11: the engine restarted, so what it held before is gone.
+    burst.extend(message(0, stored(&[0xB1], &[], false)));
+    let later: Vec<u64> = (1..=200).map(|i| 0x1000 + i).collect();
+    for (i, k) in later.iter().enumerate() {
+        burst.extend(message(i as u64 + 1, stored(&[*k], &[], false)));
+    }
+    s.write_all(&burst).await.unwrap();
+    let mut want = vec![0xB1];
+    want.extend(&later);
+    svc.wait_inventory("every block after the restart", (RULE, 0), &want)
+        .await;
+    let held = svc.inventory(RULE, 0).await;
+    assert!(
+        !held.contains(&0xA2),
+        "the restart cleared what came before it: {held:x?}"
+    );
+    assert!(!held.contains(&0xA1), "{held:x?}");
+    svc.assert_metrics(
+        r#"
+        kvroute_ingest_clears_total{cause="restart",engine="vllm"} 1
+        "#,
+    )
+    .await;
+}
+
 /// Bound, a new publisher connection replaces the current one, as a restarted engine's does
 /// before its old connection is seen to close: the new connection's events are applied and its
 /// sequence, back at 0, clears the old engine's blocks.
@@ -982,6 +1028,12 @@ async fn a_bound_subscriber_takes_the_newest_publisher_connection() {
     }
     store_until_seen(&svc, &mut old, 0, 0xD1).await;
     let mut new = Publisher::connect(&addr).await;
+    // Taken before it publishes, so its first batch delivered is one of its first few, below the
+    // old engine's last sequence.
+    svc.wait_for("the new connection taken", 20, || async {
+        svc.stderr().matches("publisher connected").count() == 2
+    })
+    .await;
     store_until_seen(&svc, &mut new, 0, 0xD2).await;
     assert!(
         !svc.inventory(RULE, 0).await.contains(&0xD1),

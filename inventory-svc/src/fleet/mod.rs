@@ -292,8 +292,8 @@ impl Fleet {
             return;
         }
         // At the cap, a tier's stores are refused (counted) until evictions or a clear make room,
-        // so one endpoint's index is bounded by the cap plus one message whatever a publisher
-        // sends. The check and the counts come from the index under the lock of the apply.
+        // so one endpoint's index is bounded by the cap plus one event whatever a publisher
+        // sends. The checks and the counts come from the index under the lock of the apply.
         let cap = self.key_cap(rule, ep);
         let done = rule.index.apply_capped(ep, rank, ops, cap);
         if done.refused > 0 {
@@ -530,28 +530,40 @@ mod tests {
         let r = f.install(spec(80, 1, &s), Origin::Local).unwrap().rule;
         f.apply_ops(&r, EndpointId(0), Rank(0), &[IndexOp::Store(keys(4))]);
         assert_eq!(r.block_count(EndpointId(0)), 4);
-        // At the cap: the store is refused, a removal in the same message still applies.
+        // At the cap: a store is refused and counted.
+        f.apply_ops(
+            &r,
+            EndpointId(0),
+            Rank(0),
+            &[IndexOp::Store(vec![BlockKey(20)])],
+        );
+        assert_eq!(r.block_count(EndpointId(0)), 4);
+        // A removal before a store makes room for it; the one after it is refused.
         let more: Vec<BlockKey> = (10..13).map(BlockKey).collect();
         f.apply_ops(
             &r,
             EndpointId(0),
             Rank(0),
-            &[IndexOp::Remove(vec![BlockKey(1)]), IndexOp::Store(more)],
+            &[
+                IndexOp::Remove(vec![BlockKey(1)]),
+                IndexOp::Store(more),
+                IndexOp::Store(vec![BlockKey(21)]),
+            ],
         );
-        assert_eq!(r.block_count(EndpointId(0)), 3);
+        assert_eq!(r.block_count(EndpointId(0)), 6);
         assert_eq!(
             f.metrics
                 .key_cap_refusals
                 .with_label_values(&["vllm"])
                 .get(),
-            3
+            2
         );
         assert_eq!(
             f.metrics
                 .inventory_blocks
                 .with_label_values(&["10.0.0.1:80/tcp", "0"])
                 .get(),
-            3
+            6
         );
     }
 

@@ -132,6 +132,19 @@ pub enum IndexOp {
     RemoveLower(Lower, Vec<BlockKey>),
 }
 
+impl IndexOp {
+    /// How many keys the operation names (none for a clear).
+    pub fn key_count(&self) -> usize {
+        match self {
+            IndexOp::Store(k)
+            | IndexOp::Remove(k)
+            | IndexOp::StoreLower(_, k)
+            | IndexOp::RemoveLower(_, k) => k.len(),
+            IndexOp::Clear => 0,
+        }
+    }
+}
+
 /// One page of an endpoint's blocks ([`BlockIndex::blocks`]).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct BlockPage {
@@ -159,16 +172,16 @@ pub const PAGE_SCAN_FACTOR: usize = 16;
 
 /// The inventory of one rule, behind a trait a replicated store can implement.
 pub trait BlockIndex: Send + Sync {
-    /// Applies one message's operations from `(ep, rank)` atomically with respect to queries.
+    /// Applies operations from `(ep, rank)` (one or several engine messages') atomically with
+    /// respect to queries.
     fn apply(&self, ep: EndpointId, rank: Rank, ops: &[IndexOp]) {
         self.apply_capped(ep, rank, ops, u64::MAX);
     }
 
-    /// [`apply`](Self::apply), refusing the message's stores into a tier where `ep` held `cap`
-    /// blocks or more when the message arrived (its own removals or clear make room for the next
-    /// message, not for its stores; one message can take a tier past the cap by its own size, no
-    /// further), and returns the counts afterwards: the check and the counts are taken under the
-    /// locks of the apply.
+    /// [`apply`](Self::apply), refusing each store into a tier where `ep` holds `cap` blocks or
+    /// more when that store comes up (removals and clears before it make room; one store can take
+    /// a tier past the cap by its own size, no further), and returns the counts afterwards: the
+    /// checks and the counts are taken under the locks of the apply.
     fn apply_capped(&self, ep: EndpointId, rank: Rank, ops: &[IndexOp], cap: u64) -> Applied;
 
     /// For each endpoint, the number of leading `keys` it holds (really or speculatively).
@@ -553,23 +566,17 @@ impl BlockIndex for MemIndex {
         let i = ep.index();
         let mut t = self.write();
         t.ensure_ep(ep);
-        // Whether each tier (GPU, then the lower ones) refuses the message's stores, on what the
-        // endpoint held when it arrived; a lower tier's lock is taken only when the message
-        // stores into it.
-        let mut full = [t.counts[i] >= cap, false, false];
-        for l in Lower::ALL {
-            if ops
-                .iter()
-                .any(|o| matches!(o, IndexOp::StoreLower(x, _) if *x == l))
-            {
-                let held = self.read_lower(l).counts.get(i).copied().unwrap_or(0);
-                full[1 + l.index()] = held >= cap;
+        // A store into a tier that holds `cap` keys when its event comes up is refused (its
+        // removals make room for the next), so a tier passes the cap by one event at most.
+        for (j, op) in ops.iter().enumerate() {
+            // The next operation's slots load while this one is applied (a gathered apply holds
+            // many small ones, each otherwise waiting on its first miss).
+            if let Some(IndexOp::Store(next) | IndexOp::Remove(next)) = ops.get(j + 1) {
+                t.prefetch(next.iter().take(Tables::AHEAD));
             }
-        }
-        for op in ops {
             match op {
                 IndexOp::Store(keys) => {
-                    if full[0] {
+                    if t.counts[i] >= cap {
                         done.refused += keys.len() as u64;
                     } else {
                         t.store(ep, rank, keys);
@@ -589,7 +596,7 @@ impl BlockIndex for MemIndex {
                 IndexOp::StoreLower(l, keys) => {
                     let mut lt = self.write_lower(*l);
                     lt.ensure_ep(ep);
-                    if full[1 + l.index()] {
+                    if lt.counts[i] >= cap {
                         done.refused += keys.len() as u64;
                     } else {
                         lt.store(ep, rank, keys);
@@ -953,7 +960,7 @@ mod tests {
     }
 
     #[rstest]
-    fn the_cap_refuses_a_tiers_stores_on_what_it_held_and_counts_come_back(
+    fn the_cap_refuses_a_tiers_stores_on_what_it_holds_and_counts_come_back(
         #[values(Width::Narrow, Width::Wide)] w: Width,
     ) {
         let fx = Fx::new(w);
@@ -963,28 +970,26 @@ mod tests {
             lower,
             refused,
         };
-        // Under the cap when the message arrives: the whole message lands, past it.
+        // Under the cap when each store comes up: both land, the second past it.
         let done = cap(&[IndexOp::Store(k(&[1, 2])), IndexOp::Store(k(&[3, 4]))]);
         assert_eq!(done, applied(4, [None, None], 0));
-        // At the cap: its stores refused even after its own removal (which applies), a lower
-        // tier judged on its own.
+        // At the cap: a store is refused, a lower tier judged on its own.
         let done = cap(&[
-            IndexOp::Remove(k(&[1, 2])),
             IndexOp::Store(k(&[5, 6])),
             IndexOp::StoreLower(Lower::Cpu, k(&[1, 9])),
         ]);
-        assert_eq!(done, applied(2, [Some(2), None], 2));
-        assert_eq!(fx.all_blocks(2), k(&[3, 4]));
-        // The removals made room for the next message.
-        let done = cap(&[IndexOp::Store(k(&[5]))]);
+        assert_eq!(done, applied(4, [Some(2), None], 2));
+        assert_eq!(fx.all_blocks(2), k(&[1, 2, 3, 4]));
+        // A removal before a store makes room for it.
+        let done = cap(&[IndexOp::Remove(k(&[1, 2])), IndexOp::Store(k(&[5]))]);
         assert_eq!(done, applied(3, [None, None], 0));
-        // A clear reports every tier; the stores of its own message are judged on before it.
+        // A clear reports every tier and makes room for the stores after it.
         let done = cap(&[IndexOp::Clear, IndexOp::Store(k(&[7]))]);
-        assert_eq!(done, applied(0, [Some(0), Some(0)], 1));
+        assert_eq!(done, applied(1, [Some(0), Some(0)], 0));
         assert_eq!(fx.ix.lower_block_count(Lower::Cpu, fx.ep(2)), 0);
         // `apply` is uncapped.
         fx.apply(2, 0, &[IndexOp::Store(k(&[10, 11, 12, 13]))]);
-        assert_eq!(fx.count(2), 4);
+        assert_eq!(fx.count(2), 5);
     }
 
     #[rstest]

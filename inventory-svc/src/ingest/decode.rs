@@ -14,6 +14,7 @@
 //! ([`DecodeError::Shape`]) are only given to well-formed msgpack.
 
 use super::msgpack::{Head, Rd, MAX_DEPTH};
+use crate::index::IndexOp;
 
 /// Where a block lives: GPU blocks are the index's main table, host memory and storage its
 /// lower tiers ([`Medium::lower`]); another medium is counted only.
@@ -138,7 +139,7 @@ pub struct Stored {
 }
 
 /// One decoded payload.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, Default, PartialEq)]
 pub struct EventBatch {
     pub ts: f64,
     pub events: Vec<KvEvent>,
@@ -217,8 +218,74 @@ const ELEM: u16 = MAX_DEPTH - 2;
 const EVENT: u16 = ELEM - 2;
 const FIELD: u16 = EVENT - 2;
 
+/// Key vectors to decode into, handed back once their operations are applied, so a subscriber
+/// that has run a while decodes without allocating them.
+#[derive(Debug, Default)]
+pub struct Spare {
+    keys: Vec<Vec<u64>>,
+}
+
+impl Spare {
+    /// Vectors kept at most.
+    const MAX: usize = 256;
+    /// Largest capacity kept (one huge message's vector is not held for good).
+    const MAX_CAPACITY: usize = 4096;
+
+    /// An empty vector with room for `n` keys.
+    fn take(&mut self, n: usize) -> Vec<u64> {
+        match self.keys.pop() {
+            Some(mut v) => {
+                v.clear();
+                v.reserve(n);
+                v
+            }
+            None => Vec::with_capacity(n),
+        }
+    }
+
+    /// Keeps `v` for a later message.
+    pub fn give(&mut self, v: Vec<u64>) {
+        if self.keys.len() < Self::MAX && (1..=Self::MAX_CAPACITY).contains(&v.capacity()) {
+            self.keys.push(v);
+        }
+    }
+
+    /// Empties `ops` (applied), keeping their key vectors.
+    pub fn recycle(&mut self, ops: &mut Vec<IndexOp>) {
+        for op in ops.drain(..) {
+            match op {
+                IndexOp::Store(k)
+                | IndexOp::Remove(k)
+                | IndexOp::StoreLower(_, k)
+                | IndexOp::RemoveLower(_, k) => {
+                    // Collected in place: the same allocation back as keys.
+                    self.give(k.into_iter().map(|b| b.0).collect());
+                }
+                IndexOp::Clear => {}
+            }
+        }
+    }
+}
+
 /// Decodes one msgpack payload.
 pub fn decode_batch(payload: &[u8], bytes_key: BytesKey) -> Result<EventBatch, DecodeError> {
+    let mut out = EventBatch::default();
+    decode_batch_into(payload, bytes_key, &mut out, &mut Spare::default())?;
+    Ok(out)
+}
+
+/// [`decode_batch`] into `out` (its vectors reused; on an error it holds a partial batch to
+/// ignore), taking key vectors from `spare`.
+pub fn decode_batch_into(
+    payload: &[u8],
+    bytes_key: BytesKey,
+    out: &mut EventBatch,
+    spare: &mut Spare,
+) -> Result<(), DecodeError> {
+    out.events.clear();
+    out.skips.clear();
+    out.skipped = 0;
+    out.dp_rank = None;
     let mut rd = Rd::new(payload);
     let n = match rd.head(MAX_DEPTH)? {
         Head::Array(n) => n,
@@ -246,15 +313,11 @@ pub fn decode_batch(payload: &[u8], bytes_key: BytesKey) -> Result<EventBatch, D
         }
         None => None,
     };
-    let mut out = EventBatch {
-        ts,
-        events: Vec::with_capacity(events.map_or(0, |m| (m as usize).min(rd.remaining()))),
-        dp_rank: None,
-        skipped: 0,
-        skips: Vec::new(),
-    };
+    out.ts = ts;
+    out.events
+        .reserve(events.map_or(0, |m| (m as usize).min(rd.remaining())));
     for _ in 0..events.unwrap_or(0) {
-        match event(&mut rd, bytes_key)? {
+        match event(&mut rd, bytes_key, spare)? {
             Ok(e) => out.events.push(e),
             Err(why) => {
                 out.skipped += 1;
@@ -277,7 +340,7 @@ pub fn decode_batch(payload: &[u8], bytes_key: BytesKey) -> Result<EventBatch, D
         Some(Head::Pos(r)) => Some(r as u32),
         _ => None,
     };
-    Ok(out)
+    Ok(())
 }
 
 /// The next of the top array's `left` elements, if any.
@@ -413,7 +476,13 @@ impl Fields {
     }
 
     /// Reads the value of field `name` (its first occurrence; a later one is only checked).
-    fn read(&mut self, rd: &mut Rd<'_>, name: Field, bk: BytesKey) -> Result<(), DecodeError> {
+    fn read(
+        &mut self,
+        rd: &mut Rd<'_>,
+        name: Field,
+        bk: BytesKey,
+        spare: &mut Spare,
+    ) -> Result<(), DecodeError> {
         if self.seen & name.bit() != 0 {
             rd.skip(FIELD)?;
             return Ok(());
@@ -422,7 +491,7 @@ impl Fields {
         let h = rd.head(FIELD)?;
         match (name, h) {
             (Field::Type, Head::Str(s)) => self.tag = Tag::of(s),
-            (Field::BlockHashes, Head::Array(n)) => self.block_hashes = keys(rd, n, bk)?,
+            (Field::BlockHashes, Head::Array(n)) => self.block_hashes = keys(rd, n, bk, spare)?,
             (Field::Parent, Head::Nil) => {}
             (Field::Parent, h) => {
                 self.parent = match key(rd, h, FIELD, bk)? {
@@ -491,7 +560,11 @@ impl Fields {
 }
 
 /// One event: `Err` for malformed msgpack (the whole batch fails), `Ok(Err)` for a skipped event.
-fn event(rd: &mut Rd<'_>, bk: BytesKey) -> Result<Result<KvEvent, Skip>, DecodeError> {
+fn event(
+    rd: &mut Rd<'_>,
+    bk: BytesKey,
+    spare: &mut Spare,
+) -> Result<Result<KvEvent, Skip>, DecodeError> {
     let mut f = Fields::new();
     match rd.head(EVENT)? {
         Head::Map(n) => {
@@ -504,7 +577,7 @@ fn event(rd: &mut Rd<'_>, bk: BytesKey) -> Result<Result<KvEvent, Skip>, DecodeE
                     }
                 };
                 match name {
-                    Some(name) => f.read(rd, name, bk)?,
+                    Some(name) => f.read(rd, name, bk, spare)?,
                     None => rd.skip(FIELD)?,
                 }
             }
@@ -525,7 +598,7 @@ fn event(rd: &mut Rd<'_>, bk: BytesKey) -> Result<Result<KvEvent, Skip>, DecodeE
                     continue;
                 }
                 match names.get(i as usize - 1) {
-                    Some(name) => f.read(rd, *name, bk)?,
+                    Some(name) => f.read(rd, *name, bk, spare)?,
                     None => rd.skip(FIELD)?,
                 }
             }
@@ -539,8 +612,13 @@ fn event(rd: &mut Rd<'_>, bk: BytesKey) -> Result<Result<KvEvent, Skip>, DecodeE
 }
 
 /// The elements of a `block_hashes` array of `n`: `None` if one is not a key.
-fn keys(rd: &mut Rd<'_>, n: u32, bk: BytesKey) -> Result<Option<Vec<u64>>, DecodeError> {
-    let mut out = Some(Vec::with_capacity((n as usize).min(rd.remaining())));
+fn keys(
+    rd: &mut Rd<'_>,
+    n: u32,
+    bk: BytesKey,
+    spare: &mut Spare,
+) -> Result<Option<Vec<u64>>, DecodeError> {
+    let mut out = Some(spare.take((n as usize).min(rd.remaining())));
     for _ in 0..n {
         // Engines publish keys as unsigned integers: read those without the general head.
         if let Some(k) = rd.uint() {
@@ -619,6 +697,7 @@ fn any_non_nil(rd: &mut Rd<'_>, n: u32) -> Result<bool, DecodeError> {
 mod tests {
     #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
     use super::*;
+    use kvroute_core::hash::BlockKey;
     use rmpv::Value;
     use serde_json::Value as J;
 
@@ -820,6 +899,53 @@ mod tests {
                 decoded[i]["events"].as_array().unwrap().len()
             );
         }
+    }
+
+    /// Applied operations hand their key vectors back, and the next batch decodes into them
+    /// (the same allocation: `recycle` converts in place), its events into the batch's vector.
+    #[test]
+    fn a_reused_batch_decodes_into_the_applied_operations_vectors() {
+        let v = vectors("vllm-0.33.0.json");
+        let payload = hx(&v["events"]["int_keys_default"]["batch_payload_hex"]);
+        let (mut batch, mut spare) = (EventBatch::default(), Spare::default());
+        decode_batch_into(&payload, BytesKey::Last8, &mut batch, &mut spare).unwrap();
+        let first = batch.clone();
+        let s = batch
+            .events
+            .drain(..)
+            .find_map(|e| match e {
+                KvEvent::Stored(s) => Some(s),
+                _ => None,
+            })
+            .expect("a store");
+        let at = s.block_hashes.as_ptr() as usize;
+        let events_at = batch.events.as_ptr() as usize;
+        let keys: Vec<BlockKey> = s.block_hashes.into_iter().map(BlockKey).collect();
+        let mut ops = vec![IndexOp::Store(keys), IndexOp::Clear];
+        spare.recycle(&mut ops);
+        assert!(ops.is_empty());
+        decode_batch_into(&payload, BytesKey::Last8, &mut batch, &mut spare).unwrap();
+        assert_eq!(batch, first, "the same batch decoded again");
+        assert_eq!(batch.events.as_ptr() as usize, events_at);
+        let s = batch
+            .events
+            .iter()
+            .find_map(|e| match e {
+                KvEvent::Stored(s) => Some(s),
+                _ => None,
+            })
+            .expect("a store");
+        assert_eq!(s.block_hashes.as_ptr() as usize, at, "the recycled vector");
+        // A decode error leaves a partial batch that the next decode replaces.
+        assert!(decode_batch_into(
+            &payload[..payload.len() - 1],
+            BytesKey::Last8,
+            &mut batch,
+            &mut spare
+        )
+        .is_err());
+        decode_batch_into(&payload, BytesKey::Last8, &mut batch, &mut spare).unwrap();
+        assert_eq!(batch, first);
     }
 
     #[test]

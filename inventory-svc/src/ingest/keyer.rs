@@ -126,15 +126,16 @@ impl Keyer {
     /// Operations for one vLLM / SGLang batch ([`Keyer::take_ops`] of a copy).
     pub fn batch_ops(&mut self, batch: &EventBatch) -> Vec<IndexOp> {
         let mut ops = Vec::with_capacity(batch.events.len());
-        self.take_ops(batch.clone(), &mut ops);
+        self.take_ops(&mut batch.clone(), &mut ops);
         ops
     }
 
-    /// Appends the operations for one vLLM / SGLang batch to `ops`, taking the batch: in
-    /// `engine` mode its key vectors become the operations' (no copy, no allocation).
-    pub fn take_ops(&mut self, batch: EventBatch, ops: &mut Vec<IndexOp>) {
+    /// Appends the operations for one vLLM / SGLang batch to `ops`, taking its events (the
+    /// batch's vector is left empty for the next): in `engine` mode their key vectors become
+    /// the operations' (no copy, no allocation).
+    pub fn take_ops(&mut self, batch: &mut EventBatch, ops: &mut Vec<IndexOp>) {
         ops.reserve(batch.events.len());
-        for ev in batch.events {
+        for ev in batch.events.drain(..) {
             match ev {
                 KvEvent::Stored(s) => {
                     self.count("block_stored");

@@ -34,7 +34,7 @@ use tokio::net::TcpStream;
 use tokio::time::{timeout, Instant};
 use tokio_util::sync::CancellationToken;
 
-use super::decode::{decode_batch, parse_seq, split_frames, BytesKey};
+use super::decode::{decode_batch_into, parse_seq, split_frames, BytesKey, EventBatch, Spare};
 use super::keyer::Keyer;
 use super::zmtp::{Conn, Message, Role, SubListener, ZmtpError};
 use super::{clear_for, next_backoff, Feed, SeqTracker, SeqVerdict};
@@ -56,10 +56,23 @@ enum End {
 pub(super) struct Pub {
     keyer: Keyer,
     seq: SeqTracker,
-    /// The operations of the message being applied (empty between messages; kept for its
-    /// capacity).
+    /// The operations of the messages read but not yet applied (empty between reads; kept for
+    /// its capacity).
     ops: Vec<IndexOp>,
+    /// Keys those operations carry.
+    op_keys: usize,
+    /// The batch being decoded and the key vectors of applied operations, reused.
+    batch: EventBatch,
+    spare: Spare,
 }
+
+/// Most keys one apply gathers from messages already read ([`Conn::ready`]): several small
+/// messages are applied under one lock of the index, which queries wait on for no longer than
+/// about this many keys (plus one message) take.
+const GATHER_KEYS: usize = 1024;
+
+/// Most messages one apply gathers (the session checks for cancellation between applies).
+const GATHER_MESSAGES: usize = 64;
 
 /// Runs the subscriber of one `(endpoint, rank)` until `cancel` (the rule's token, or the
 /// endpoint's lease), resuming after the last sequence already applied (replicated takeover).
@@ -120,6 +133,9 @@ pub(super) fn new_pub(feed: &Feed) -> Pub {
         keyer: feed.keyer(),
         seq: SeqTracker::default(),
         ops: Vec::new(),
+        op_keys: 0,
+        batch: EventBatch::default(),
+        spare: Spare::default(),
     }
 }
 
@@ -347,7 +363,21 @@ async fn session(feed: Feed, mut p: Pub, cancel: CancellationToken) -> (Pub, End
                         // Silence marked it not connected; the publisher is back.
                         feed.set_connected(true);
                     }
-                    handle(&feed, &mut p, &m.frames()).await
+                    take(&feed, &mut p, &m.frames()).await;
+                    // Messages already read join this apply (one index lock for all of them).
+                    let mut gathered = 1;
+                    while let Some(c) = conn.as_mut().filter(|_| {
+                        gathered < GATHER_MESSAGES && p.op_keys < GATHER_KEYS
+                    }) {
+                        if !c.ready() {
+                            break;
+                        }
+                        // A buffered message: never waits.
+                        let Ok(m) = c.recv().await else { break };
+                        take(&feed, &mut p, &m.frames()).await;
+                        gathered += 1;
+                    }
+                    flush(&feed, &mut p);
                 }
                 Err(e) if bind => {
                     if matches!(e, ZmtpError::Closed) {
@@ -375,6 +405,9 @@ async fn session(feed: Feed, mut p: Pub, cancel: CancellationToken) -> (Pub, End
                 Some(Ok(c)) => {
                     tracing::info!(rule = %feed.rule.spec.name(), ep, rank, %addr, peer = %c.peer(), replaced = conn.is_some(), "publisher connected");
                     conn = Some(c);
+                    // Most often a restarted engine's: its first sequence at or below the last
+                    // applied one is a restart (cleared), not old news to skip.
+                    p.seq.reconnected();
                     // The new connection's news counts as activity, as a message does.
                     last = Instant::now();
                     feed.set_connected(true);
@@ -399,7 +432,23 @@ async fn session(feed: Feed, mut p: Pub, cancel: CancellationToken) -> (Pub, End
 
 /// Applies one message of the publisher: sequence check (replay or clear on a gap, clear on a
 /// restart or rewind), then its events.
+#[cfg(test)]
 pub(super) async fn handle(feed: &Feed, p: &mut Pub, frames: &[&[u8]]) {
+    take(feed, p, frames).await;
+    flush(feed, p);
+}
+
+/// Applies the operations gathered so far.
+fn flush(feed: &Feed, p: &mut Pub) {
+    feed.apply(&p.ops);
+    p.spare.recycle(&mut p.ops);
+    p.op_keys = 0;
+}
+
+/// One message of the publisher: sequence check (replay or clear on a gap, clear on a restart
+/// or rewind), then its events' operations join `p.ops` for the next [`flush`] (a clear or a
+/// replay first applies what was gathered before it).
+async fn take(feed: &Feed, p: &mut Pub, frames: &[&[u8]]) {
     let engine = feed.engine();
     let m = &feed.fleet.metrics;
     let (ep, rank) = (feed.ep.0, feed.rank.0);
@@ -411,12 +460,14 @@ pub(super) async fn handle(feed: &Feed, p: &mut Pub, frames: &[&[u8]]) {
         SeqVerdict::First | SeqVerdict::InOrder => {}
         SeqVerdict::Duplicate => return,
         v @ (SeqVerdict::Restart | SeqVerdict::Rewind) => {
+            flush(feed, p);
             let cause = clear_for(v).unwrap_or(ClearCause::Restart);
             tracing::info!(rule = %feed.rule.spec.name(), ep, rank, seq, cause = cause.as_str(), "publisher restarted or rewound: clearing the endpoint inventory");
             p.keyer.reset();
             feed.clear(cause);
         }
         SeqVerdict::Gap { from } => {
+            flush(feed, p);
             m.seq_gaps.with_label_values(&[engine.as_str()]).inc();
             let replayed = match feed.replay_addr() {
                 Some(ra) => {
@@ -428,6 +479,7 @@ pub(super) async fn handle(feed: &Feed, p: &mut Pub, frames: &[&[u8]]) {
                             for (bseq, b) in batches {
                                 feed.note_seq(bseq);
                                 apply_payload(feed, p, &b);
+                                flush(feed, p);
                             }
                             true
                         }
@@ -454,16 +506,16 @@ pub(super) async fn handle(feed: &Feed, p: &mut Pub, frames: &[&[u8]]) {
 fn apply_payload(feed: &Feed, p: &mut Pub, payload: &[u8]) {
     let engine = feed.engine();
     let m = &feed.fleet.metrics;
-    match decode_batch(payload, bytes_key(engine)) {
-        Ok(batch) => {
-            for why in &batch.skips {
+    match decode_batch_into(payload, bytes_key(engine), &mut p.batch, &mut p.spare) {
+        Ok(()) => {
+            for why in &p.batch.skips {
                 m.malformed_events
                     .with_label_values(&[engine.as_str(), why.as_str()])
                     .inc();
             }
-            p.keyer.take_ops(batch, &mut p.ops);
-            feed.apply(&p.ops);
-            p.ops.clear();
+            let at = p.ops.len();
+            p.keyer.take_ops(&mut p.batch, &mut p.ops);
+            p.op_keys += p.ops[at..].iter().map(IndexOp::key_count).sum::<usize>();
             let (matched, mismatched) = p.keyer.take_parity();
             if let (Some(e), true) = (feed.endpoint(), matched + mismatched > 0) {
                 e.record_parity(matched, mismatched, p.keyer.parity.clone());

@@ -458,6 +458,15 @@ impl Conn {
         self.peer
     }
 
+    /// Whether a whole message is already buffered at the front (a [`Conn::recv`] now returns it
+    /// without waiting). A command first, or a fault, says no: `recv` then handles it.
+    pub fn ready(&mut self) -> bool {
+        matches!(
+            self.dec.parse(&self.buf[self.start..self.end]),
+            Ok(Some((Item::Message, _)))
+        )
+    }
+
     /// The next message. Cancel safe: dropped before it returns, it loses nothing.
     pub async fn recv(&mut self) -> Result<Message<'_>, ZmtpError> {
         loop {
