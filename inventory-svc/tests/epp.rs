@@ -544,7 +544,14 @@ async fn a_session_bound_through_the_callout_holds_through_the_picker() {
             ..Req::new(&body)
         };
         let seen = p.ask(mode, &req).await;
-        assert_eq!(seen.pinned(), Some(home.as_str()), "{mode:?}");
+        if seen.pinned() != Some(home.as_str()) {
+            panic!(
+                "{mode:?}: pinned {:?}, the session's home {home}: {seen:?}\n{}\n{}",
+                seen.pinned(),
+                p.svc.metrics().await,
+                p.svc.stderr()
+            );
+        }
     }
     let a = route(&b2, &session, true).await;
     assert_eq!(
