@@ -395,6 +395,65 @@ async fn redis_restart_converges_and_rules_replicate() {
     assert_eq!(b.terminate(), Some(0), "{}", b.stderr());
 }
 
+/// An owner whose lease call fails retries well before the next renewal period: with a 9 s lease
+/// (renewals every 3 s) and Redis killed right after a renewal and back 3.5 s later (so the
+/// renewal due at 3 s fails), the owner holds its lease on the restarted Redis within 1.8 s (a
+/// retry one period later would come 2.5 s after the restart), and its failed renewal is logged.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_owner_retakes_its_lease_soon_after_redis_returns() {
+    let mut redis = Redis::start().unwrap();
+    let (_pubs, rules) = publishers().await;
+    let mut e = env(&redis, "a");
+    for (k, v) in &mut e {
+        if k == "KVROUTE_LEASE_MS" {
+            *v = "9000".to_owned();
+        }
+    }
+    let refs: Vec<(&str, &str)> = e.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+    let a = Service::start("lease-retry", &rules, &refs);
+    // A new Redis's first owner is chosen one lease after start.
+    single_owner(&[&a], 0, 30).await;
+    let key = redis
+        .cli(&["KEYS", "*:lease:0"])
+        .lines()
+        .next()
+        .expect("the lease key")
+        .to_owned();
+    let pttl = |r: &Redis| r.cli(&["PTTL", &key]).trim().parse::<i64>().unwrap_or(-3);
+    let before = pttl(&redis);
+    let renewed = tokio::task::block_in_place(|| {
+        Poll::new("a renewal", Duration::from_secs(10))
+            .every(Duration::from_millis(5))
+            .until_blocking(|| Ok(Probe::from(pttl(&redis) > before)))
+    });
+    assert!(renewed.is_ok(), "{}", a.stderr());
+    redis.kill();
+    tokio::time::sleep(Duration::from_millis(3500)).await;
+    redis.restart().unwrap();
+    let back = std::time::Instant::now();
+    let held = tokio::task::block_in_place(|| {
+        Poll::new(
+            "the lease back on the restarted Redis",
+            Duration::from_secs(10),
+        )
+        .every(Duration::from_millis(10))
+        .until_blocking(|| Ok(Probe::from(pttl(&redis) > 0)))
+    });
+    let took = back.elapsed();
+    assert!(held.is_ok(), "{}", a.stderr());
+    assert!(
+        took < Duration::from_millis(1800),
+        "lease back {took:?} after Redis returned\n{}",
+        a.stderr()
+    );
+    assert!(
+        a.stderr().contains("lease renewal failed"),
+        "{}",
+        a.stderr()
+    );
+    assert_eq!(owners(&[&a], 0).await, vec![0]);
+}
+
 /// Blocks the owner ingests on an engine's host-memory tier reach the other replica through the
 /// log: its answer counts them past the GPU match.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
