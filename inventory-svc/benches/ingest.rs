@@ -1,5 +1,6 @@
 //! Ingest benches without ZMQ: one vLLM `BlockStored` of 16 keys (the message of
-//! tests/ingest_bench.rs: no token ids, parent nil) decoded by the streaming decoder and by the
+//! tests/ingest_bench.rs: no token ids, parent nil; and, for the whole path, as engines send it
+//! mid-prompt: a parent and 16 token ids per block) decoded by the streaming decoder and by the
 //! tree decoder it replaced (`reference`), and the whole per-message path after the socket:
 //! decode, keying (`Keyer::take_ops`, into a reused vector, as the subscriber does) and `Fleet::apply_ops` (index, key cap, gauge).
 //! Throughput is in block events (keys). `ingest_index` stores held keys into a 3M-key index
@@ -32,12 +33,31 @@ const PER: u64 = 16;
 const MESSAGES: u64 = 4096;
 
 fn message(first: u64) -> Vec<u8> {
+    message_of(first, false)
+}
+
+/// A message as a vLLM engine sends it mid-prompt: a parent, and the 16 token ids of each block.
+fn message_with_tokens(first: u64) -> Vec<u8> {
+    message_of(first, true)
+}
+
+fn message_of(first: u64, tokens: bool) -> Vec<u8> {
     let keys = (first..first + PER).map(Mp::from).collect();
+    let (parent, ids) = match tokens {
+        // Token ids of a 151k vocabulary, as the Qwen3 tokenizer's.
+        true => (
+            Mp::from(first.wrapping_sub(1)),
+            (0..PER * 16)
+                .map(|t| Mp::from((first * 7919 + t * 104_729) % 151_000))
+                .collect(),
+        ),
+        false => (Mp::Nil, vec![]),
+    };
     let ev = Mp::Map(vec![
         (Mp::from("type"), Mp::from("BlockStored")),
         (Mp::from("block_hashes"), Mp::Array(keys)),
-        (Mp::from("parent_block_hash"), Mp::Nil),
-        (Mp::from("token_ids"), Mp::Array(vec![])),
+        (Mp::from("parent_block_hash"), parent),
+        (Mp::from("token_ids"), Mp::Array(ids)),
         (Mp::from("block_size"), Mp::from(16)),
         (Mp::from("lora_id"), Mp::Nil),
         (Mp::from("medium"), Mp::from("GPU")),
@@ -87,22 +107,27 @@ fn path(c: &mut Criterion) {
     });
     let spec = kvroute_inventory::rules::parse_rule(&raw, &settings).unwrap();
     let rule = fleet.install(spec, Origin::Local).unwrap().rule;
-    let payloads: Vec<Vec<u8>> = (0..MESSAGES).map(|i| message(1 + i * PER)).collect();
     let mut keyer = Keyer::new(Engine::Vllm, KeyMode::Engine, 16, None, metrics);
     let mut g = c.benchmark_group("ingest_path");
     g.throughput(Throughput::Elements(PER));
-    let (mut i, mut ops) = (0usize, Vec::new());
-    let (mut batch, mut spare) = (EventBatch::default(), Spare::default());
-    g.bench_function("decode_key_apply", |b| {
-        b.iter(|| {
-            let p = &payloads[i % payloads.len()];
-            i += 1;
-            decode_batch_into(black_box(p), BytesKey::Last8, &mut batch, &mut spare).unwrap();
-            keyer.take_ops(&mut batch, &mut ops);
-            fleet.apply_ops(&rule, EndpointId(0), Rank(0), &ops);
-            spare.recycle(&mut ops);
-        })
-    });
+    let (mut ops, mut batch, mut spare) = (Vec::new(), EventBatch::default(), Spare::default());
+    for (name, make) in [
+        ("decode_key_apply", message as fn(u64) -> Vec<u8>),
+        ("decode_key_apply_with_tokens", message_with_tokens),
+    ] {
+        let payloads: Vec<Vec<u8>> = (0..MESSAGES).map(|i| make(1 + i * PER)).collect();
+        let mut i = 0usize;
+        g.bench_function(name, |b| {
+            b.iter(|| {
+                let p = &payloads[i % payloads.len()];
+                i += 1;
+                decode_batch_into(black_box(p), BytesKey::Last8, &mut batch, &mut spare).unwrap();
+                keyer.take_ops(&mut batch, &mut ops, &mut spare);
+                fleet.apply_ops(&rule, EndpointId(0), Rank(0), &ops);
+                spare.recycle(&mut ops);
+            })
+        });
+    }
     g.finish();
 }
 

@@ -223,13 +223,35 @@ const FIELD: u16 = EVENT - 2;
 #[derive(Debug, Default)]
 pub struct Spare {
     keys: Vec<Vec<u64>>,
+    tokens: Vec<Vec<u32>>,
 }
 
 impl Spare {
-    /// Vectors kept at most.
+    /// Vectors kept at most, of each kind.
     const MAX: usize = 256;
-    /// Largest capacity kept (one huge message's vector is not held for good).
+    /// Largest capacity kept (one huge message's vector is not held for good): 4,096 keys, and
+    /// their tokens at 16 per block.
     const MAX_CAPACITY: usize = 4096;
+    const MAX_TOKENS: usize = 16 * 4096;
+
+    /// An empty token vector with room for `n` ids.
+    fn take_tokens(&mut self, n: usize) -> Vec<u32> {
+        match self.tokens.pop() {
+            Some(mut v) => {
+                v.clear();
+                v.reserve(n);
+                v
+            }
+            None => Vec::with_capacity(n),
+        }
+    }
+
+    /// Keeps the token vector `v` for a later message.
+    pub fn give_tokens(&mut self, v: Vec<u32>) {
+        if self.tokens.len() < Self::MAX && (1..=Self::MAX_TOKENS).contains(&v.capacity()) {
+            self.tokens.push(v);
+        }
+    }
 
     /// An empty vector with room for `n` keys.
     fn take(&mut self, n: usize) -> Vec<u64> {
@@ -499,7 +521,7 @@ impl Fields {
                     None => Parent::Bad,
                 }
             }
-            (Field::TokenIds, Head::Array(n)) => self.token_ids = tokens(rd, n)?,
+            (Field::TokenIds, Head::Array(n)) => self.token_ids = tokens(rd, n, spare)?,
             (Field::BlockSize, Head::Pos(n)) => {
                 self.block_size = Some(u32::try_from(n).unwrap_or(u32::MAX))
             }
@@ -664,9 +686,17 @@ fn key<'a>(
 }
 
 /// The elements of a `token_ids` array of `n`: `Err` if one is not an id below 2^32.
-fn tokens(rd: &mut Rd<'_>, n: u32) -> Result<Result<Vec<u32>, ()>, DecodeError> {
-    let mut out = Ok(Vec::with_capacity((n as usize).min(rd.remaining())));
+fn tokens(rd: &mut Rd<'_>, n: u32, spare: &mut Spare) -> Result<Result<Vec<u32>, ()>, DecodeError> {
+    let mut out = Ok(spare.take_tokens((n as usize).min(rd.remaining())));
     for _ in 0..n {
+        // Engines publish ids as unsigned integers: read those without the general head.
+        if let Some(u) = rd.uint() {
+            match (&mut out, u32::try_from(u)) {
+                (Ok(v), Ok(t)) => v.push(t),
+                _ => out = Err(()),
+            }
+            continue;
+        }
         let t = match rd.head(FIELD - 2)? {
             Head::Pos(u) => u32::try_from(u).ok(),
             other => {
@@ -901,8 +931,9 @@ mod tests {
         }
     }
 
-    /// Applied operations hand their key vectors back, and the next batch decodes into them
-    /// (the same allocation: `recycle` converts in place), its events into the batch's vector.
+    /// Applied operations hand their key vectors back (and the keyer its token vectors), and the
+    /// next batch decodes into them (the same allocation: `recycle` converts in place), its
+    /// events into the batch's vector.
     #[test]
     fn a_reused_batch_decodes_into_the_applied_operations_vectors() {
         let v = vectors("vllm-0.33.0.json");
@@ -919,6 +950,9 @@ mod tests {
             })
             .expect("a store");
         let at = s.block_hashes.as_ptr() as usize;
+        let tokens_at = s.token_ids.as_ptr() as usize;
+        assert!(!s.token_ids.is_empty());
+        spare.give_tokens(s.token_ids);
         let events_at = batch.events.as_ptr() as usize;
         let keys: Vec<BlockKey> = s.block_hashes.into_iter().map(BlockKey).collect();
         let mut ops = vec![IndexOp::Store(keys), IndexOp::Clear];
@@ -936,6 +970,11 @@ mod tests {
             })
             .expect("a store");
         assert_eq!(s.block_hashes.as_ptr() as usize, at, "the recycled vector");
+        assert_eq!(
+            s.token_ids.as_ptr() as usize,
+            tokens_at,
+            "the recycled tokens"
+        );
         // A decode error leaves a partial batch that the next decode replaces.
         assert!(decode_batch_into(
             &payload[..payload.len() - 1],

@@ -22,7 +22,7 @@ use kvroute_core::hash::{
     content_keys, trtllm, BlockKey, BlockSize, Engine, ExtraKeys, HashContract,
 };
 
-use super::decode::{EventBatch, GroupKind, KvEvent, Medium, Stored};
+use super::decode::{EventBatch, GroupKind, KvEvent, Medium, Spare, Stored};
 use super::parity::diagnose;
 use super::trtllm::{block_tokens, tapped};
 use crate::fleet::ParityReport;
@@ -126,45 +126,22 @@ impl Keyer {
     /// Operations for one vLLM / SGLang batch ([`Keyer::take_ops`] of a copy).
     pub fn batch_ops(&mut self, batch: &EventBatch) -> Vec<IndexOp> {
         let mut ops = Vec::with_capacity(batch.events.len());
-        self.take_ops(&mut batch.clone(), &mut ops);
+        self.take_ops(&mut batch.clone(), &mut ops, &mut Spare::default());
         ops
     }
 
     /// Appends the operations for one vLLM / SGLang batch to `ops`, taking its events (the
     /// batch's vector is left empty for the next): in `engine` mode their key vectors become
-    /// the operations' (no copy, no allocation).
-    pub fn take_ops(&mut self, batch: &mut EventBatch, ops: &mut Vec<IndexOp>) {
+    /// the operations' (no copy, no allocation); their token vectors go to `spare`.
+    pub fn take_ops(&mut self, batch: &mut EventBatch, ops: &mut Vec<IndexOp>, spare: &mut Spare) {
         ops.reserve(batch.events.len());
         for ev in batch.events.drain(..) {
             match ev {
-                KvEvent::Stored(s) => {
-                    self.count("block_stored");
-                    if s.medium != Medium::Gpu {
-                        self.metrics
-                            .non_gpu_blocks
-                            .with_label_values(&[self.engine.as_str(), s.medium.as_str()])
-                            .inc_by(s.block_hashes.len() as u64);
-                    }
-                    let lower = s.medium.lower();
-                    if s.medium != Medium::Gpu && lower.is_none() {
-                        continue;
-                    }
-                    if let Some(kind) = self.partial_group(s.group, s.kind) {
-                        self.skip_partial(kind, "block_stored", s.block_hashes.len());
-                        continue;
-                    }
-                    let op = match lower {
-                        None => {
-                            if let Some(t) = &self.tap {
-                                t.offer(&s);
-                            }
-                            self.stored(s, ops)
-                        }
-                        Some(l) => self.stored_lower(s, ops).map(|k| IndexOp::StoreLower(l, k)),
-                    };
-                    if let Some(op) = op {
+                KvEvent::Stored(mut s) => {
+                    if let Some(op) = self.stored_event(&mut s, ops) {
                         ops.push(op);
                     }
+                    spare.give_tokens(std::mem::take(&mut s.token_ids));
                 }
                 KvEvent::Removed {
                     block_hashes,
@@ -216,6 +193,34 @@ impl Keyer {
         }
     }
 
+    /// The operation for one `BlockStored` (its key vector taken when it becomes the operation's).
+    fn stored_event(&mut self, s: &mut Stored, ops: &mut Vec<IndexOp>) -> Option<IndexOp> {
+        self.count("block_stored");
+        if s.medium != Medium::Gpu {
+            self.metrics
+                .non_gpu_blocks
+                .with_label_values(&[self.engine.as_str(), s.medium.as_str()])
+                .inc_by(s.block_hashes.len() as u64);
+        }
+        let lower = s.medium.lower();
+        if s.medium != Medium::Gpu && lower.is_none() {
+            return None;
+        }
+        if let Some(kind) = self.partial_group(s.group, s.kind) {
+            self.skip_partial(kind, "block_stored", s.block_hashes.len());
+            return None;
+        }
+        match lower {
+            None => {
+                if let Some(t) = &self.tap {
+                    t.offer(s);
+                }
+                self.stored(s, ops)
+            }
+            Some(l) => self.stored_lower(s, ops).map(|k| IndexOp::StoreLower(l, k)),
+        }
+    }
+
     /// The kind of a group that is not full attention (`None`: index the event). A store's own
     /// kind wins and is remembered per group; an event naming no kind takes its group's
     /// remembered kind; an event naming neither is a single-group engine's (full attention).
@@ -261,7 +266,7 @@ impl Keyer {
     /// The keys of a lower-tier store: as a GPU store's when the event carries its tokens (or
     /// the engine's keys are the index's); in tokens mode without tokens, the keys the GPU
     /// stores of the same engine hashes mapped (blocks never seen on GPU are counted unkeyed).
-    fn stored_lower(&mut self, s: Stored, ops: &mut Vec<IndexOp>) -> Option<Vec<BlockKey>> {
+    fn stored_lower(&mut self, s: &mut Stored, ops: &mut Vec<IndexOp>) -> Option<Vec<BlockKey>> {
         if self.key_mode == KeyMode::Tokens && s.token_ids.is_empty() {
             let keys: Vec<BlockKey> = s
                 .block_hashes
@@ -284,7 +289,7 @@ impl Keyer {
         }
     }
 
-    fn stored(&mut self, s: Stored, ops: &mut Vec<IndexOp>) -> Option<IndexOp> {
+    fn stored(&mut self, s: &mut Stored, ops: &mut Vec<IndexOp>) -> Option<IndexOp> {
         match self.key_mode {
             KeyMode::Engine => {
                 if s.parent.is_none()
@@ -293,11 +298,14 @@ impl Keyer {
                     && !s.has_extra_keys
                     && s.cache_salt.is_none()
                 {
-                    self.check_parity(&s);
+                    self.check_parity(s);
                 }
                 // Collected in place: the same allocation, the same bits.
                 Some(IndexOp::Store(
-                    s.block_hashes.into_iter().map(BlockKey).collect(),
+                    std::mem::take(&mut s.block_hashes)
+                        .into_iter()
+                        .map(BlockKey)
+                        .collect(),
                 ))
             }
             KeyMode::Tokens => {

@@ -514,7 +514,7 @@ fn apply_payload(feed: &Feed, p: &mut Pub, payload: &[u8]) {
                     .inc();
             }
             let at = p.ops.len();
-            p.keyer.take_ops(&mut p.batch, &mut p.ops);
+            p.keyer.take_ops(&mut p.batch, &mut p.ops, &mut p.spare);
             p.op_keys += p.ops[at..].iter().map(IndexOp::key_count).sum::<usize>();
             let (matched, mismatched) = p.keyer.take_parity();
             if let (Some(e), true) = (feed.endpoint(), matched + mismatched > 0) {
