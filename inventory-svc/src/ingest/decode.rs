@@ -227,49 +227,29 @@ pub struct Spare {
 }
 
 impl Spare {
-    /// Vectors kept at most, of each kind.
-    const MAX: usize = 256;
     /// Largest capacity kept (one huge message's vector is not held for good): 4,096 keys, and
     /// their tokens at 16 per block.
-    const MAX_CAPACITY: usize = 4096;
+    const MAX_KEYS: usize = 4096;
     const MAX_TOKENS: usize = 16 * 4096;
+
+    /// An empty key vector with room for `n` keys.
+    fn take(&mut self, n: usize) -> Vec<u64> {
+        pop_or_new(&mut self.keys, n)
+    }
+
+    /// Keeps the key vector `v` for a later message.
+    pub fn give(&mut self, v: Vec<u64>) {
+        keep(&mut self.keys, v, Self::MAX_KEYS);
+    }
 
     /// An empty token vector with room for `n` ids.
     fn take_tokens(&mut self, n: usize) -> Vec<u32> {
-        match self.tokens.pop() {
-            Some(mut v) => {
-                v.clear();
-                v.reserve(n);
-                v
-            }
-            None => Vec::with_capacity(n),
-        }
+        pop_or_new(&mut self.tokens, n)
     }
 
     /// Keeps the token vector `v` for a later message.
     pub fn give_tokens(&mut self, v: Vec<u32>) {
-        if self.tokens.len() < Self::MAX && (1..=Self::MAX_TOKENS).contains(&v.capacity()) {
-            self.tokens.push(v);
-        }
-    }
-
-    /// An empty vector with room for `n` keys.
-    fn take(&mut self, n: usize) -> Vec<u64> {
-        match self.keys.pop() {
-            Some(mut v) => {
-                v.clear();
-                v.reserve(n);
-                v
-            }
-            None => Vec::with_capacity(n),
-        }
-    }
-
-    /// Keeps `v` for a later message.
-    pub fn give(&mut self, v: Vec<u64>) {
-        if self.keys.len() < Self::MAX && (1..=Self::MAX_CAPACITY).contains(&v.capacity()) {
-            self.keys.push(v);
-        }
+        keep(&mut self.tokens, v, Self::MAX_TOKENS);
     }
 
     /// Empties `ops` (applied), keeping their key vectors.
@@ -286,6 +266,28 @@ impl Spare {
                 IndexOp::Clear => {}
             }
         }
+    }
+}
+
+/// Vectors a [`Spare`] keeps at most, of each kind.
+const SPARE_VECTORS: usize = 256;
+
+/// A kept vector emptied with room for `n`, or a new one.
+fn pop_or_new<T>(pool: &mut Vec<Vec<T>>, n: usize) -> Vec<T> {
+    match pool.pop() {
+        Some(mut v) => {
+            v.clear();
+            v.reserve(n);
+            v
+        }
+        None => Vec::with_capacity(n),
+    }
+}
+
+/// Keeps `v` in `pool` unless the pool is full or `v` holds no allocation or one over `max`.
+fn keep<T>(pool: &mut Vec<Vec<T>>, v: Vec<T>, max: usize) {
+    if pool.len() < SPARE_VECTORS && (1..=max).contains(&v.capacity()) {
+        pool.push(v);
     }
 }
 
