@@ -854,6 +854,27 @@ async fn raw_pub_accept(listener: &tokio::net::TcpListener) -> tokio::net::TcpSt
     s
 }
 
+/// The service `tag` with one vLLM rule whose publisher is a raw ZMTP peer: the peer's
+/// listener (for a later connection) and the service's first connection to it.
+async fn raw_publisher(tag: &str) -> (Service, tokio::net::TcpListener, tokio::net::TcpStream) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let svc = Service::start(tag, &json!([vllm_rule(port, json!({}))]), &[]);
+    let s = raw_pub_accept(&listener).await;
+    (svc, listener, s)
+}
+
+/// One message of three short frames on the wire: an empty topic, `seq`, and a batch of `event`.
+fn raw_message(seq: u64, event: rmpv::Value) -> Vec<u8> {
+    let payload = batch(vec![event]);
+    assert!(payload.len() < 256, "a short frame");
+    let mut m = vec![0x01, 0, 0x01, 8];
+    m.extend_from_slice(&seq.to_be_bytes());
+    m.extend_from_slice(&[0x00, payload.len() as u8]);
+    m.extend_from_slice(&payload);
+    m
+}
+
 /// A replay socket that breaks the protocol costs the replay, never the service: a ROUTER whose
 /// reply announces a 1 TiB frame, then a peer that is not a ROUTER, each fail the replay (logged
 /// with the fault), the gap is cleared, and the batch after it is applied.
@@ -933,10 +954,7 @@ async fn a_hostile_replay_socket_fails_the_replay_and_the_gap_is_cleared() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_oversized_frame_drops_the_connection_and_the_next_one_is_applied() {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let port = listener.local_addr().unwrap().port();
-    let svc = Service::start("zmtp-oversize", &json!([vllm_rule(port, json!({}))]), &[]);
-    let mut s = raw_pub_accept(&listener).await;
+    let (svc, listener, mut s) = raw_publisher("zmtp-oversize").await;
     let mut huge = vec![0x02];
     huge.extend_from_slice(&(1u64 << 40).to_be_bytes());
     s.write_all(&huge).await.unwrap();
@@ -948,13 +966,9 @@ async fn an_oversized_frame_drops_the_connection_and_the_next_one_is_applied() {
     assert_eq!(n, 0, "closed without reading on");
     // The next connection: one message of three frames, sequence 0, one stored block.
     let mut s = raw_pub_accept(&listener).await;
-    let payload = batch(vec![stored(&[0xF00D], &[], false)]);
-    let mut msg = vec![0x01, 0];
-    msg.extend_from_slice(&[0x01, 8]);
-    msg.extend_from_slice(&0u64.to_be_bytes());
-    msg.extend_from_slice(&[0x00, payload.len() as u8]);
-    msg.extend_from_slice(&payload);
-    s.write_all(&msg).await.unwrap();
+    s.write_all(&raw_message(0, stored(&[0xF00D], &[], false)))
+        .await
+        .unwrap();
     svc.wait_for("the block of the second connection", 20, || async {
         svc.inventory(RULE, 0).await.contains(&0xF00D)
     })
@@ -972,26 +986,14 @@ async fn an_oversized_frame_drops_the_connection_and_the_next_one_is_applied() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_burst_read_at_once_is_applied_in_order_across_a_restart() {
     use tokio::io::AsyncWriteExt;
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let port = listener.local_addr().unwrap().port();
-    let svc = Service::start("zmtp-burst", &json!([vllm_rule(port, json!({}))]), &[]);
-    let mut s = raw_pub_accept(&listener).await;
-    let message = |seq: u64, event: rmpv::Value| {
-        let payload = batch(vec![event]);
-        assert!(payload.len() < 256, "a short frame");
-        let mut m = vec![0x01, 0, 0x01, 8];
-        m.extend_from_slice(&seq.to_be_bytes());
-        m.extend_from_slice(&[0x00, payload.len() as u8]);
-        m.extend_from_slice(&payload);
-        m
-    };
-    let mut burst = message(10, stored(&[0xA1, 0xA2], &[], false));
-    burst.extend(message(11, removed(&[0xA1])));
+    let (svc, _listener, mut s) = raw_publisher("zmtp-burst").await;
+    let mut burst = raw_message(10, stored(&[0xA1, 0xA2], &[], false));
+    burst.extend(raw_message(11, removed(&[0xA1])));
     // Sequence 0 after 11: the engine restarted, so what it held before is gone.
-    burst.extend(message(0, stored(&[0xB1], &[], false)));
+    burst.extend(raw_message(0, stored(&[0xB1], &[], false)));
     let later: Vec<u64> = (1..=200).map(|i| 0x1000 + i).collect();
     for (i, k) in later.iter().enumerate() {
-        burst.extend(message(i as u64 + 1, stored(&[*k], &[], false)));
+        burst.extend(raw_message(i as u64 + 1, stored(&[*k], &[], false)));
     }
     s.write_all(&burst).await.unwrap();
     let mut want = vec![0xB1];
