@@ -690,8 +690,17 @@ fn key<'a>(
 /// The elements of a `token_ids` array of `n`: `Err` if one is not an id below 2^32.
 fn tokens(rd: &mut Rd<'_>, n: u32, spare: &mut Spare) -> Result<Result<Vec<u32>, ()>, DecodeError> {
     let mut out = Ok(spare.take_tokens((n as usize).min(rd.remaining())));
-    for _ in 0..n {
-        // Engines publish ids as unsigned integers: read those without the general head.
+    let mut left = n as usize;
+    while left > 0 {
+        // Engines publish ids as unsigned integers below 2^32: runs of them take the
+        // width-selecting path, anything else (and the last few bytes) the one below.
+        if let Ok(v) = &mut out {
+            left -= rd.u32_run(left, v);
+            if left == 0 {
+                break;
+            }
+        }
+        left -= 1;
         if let Some(u) = rd.uint() {
             match (&mut out, u32::try_from(u)) {
                 (Ok(v), Ok(t)) => v.push(t),
