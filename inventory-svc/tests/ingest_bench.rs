@@ -21,6 +21,7 @@ use common::{
     batch, cpu_secs, metric, pid_cpu_secs, removed, rule, spread, stored, Publisher, Service,
 };
 use kvroute_test_support::machine;
+use rmpv::Value as Mp;
 use serde_json::json;
 
 const RULE_ID: &str = "10.0.0.1:8080/tcp";
@@ -148,17 +149,52 @@ enum Workload {
     Growth,
     /// Engines at capacity: each endpoint is first filled with `held` blocks (untimed), then its
     /// messages alternate storing 16 new keys and removing its 16 oldest, as an engine's KV cache
-    /// does once full.
-    Steady { held: u64 },
+    /// does once full. `tokens`: each store as vLLM sends it mid-prompt, with a parent and the 16
+    /// token ids of each block ([`stored_mid_prompt`]).
+    Steady { held: u64, tokens: bool },
 }
 
 impl Workload {
     fn name(self) -> String {
         match self {
             Workload::Growth => "growth".into(),
-            Workload::Steady { held } => format!("steady, {held} blocks per endpoint"),
+            Workload::Steady {
+                held,
+                tokens: false,
+            } => format!("steady, {held} blocks per endpoint"),
+            Workload::Steady { held, tokens: true } => {
+                format!("steady, {held} blocks per endpoint, token ids")
+            }
         }
     }
+}
+
+/// How many times the other publishers' batches the hot one sends. With token ids (~1.2 KB a
+/// message instead of ~190 bytes) twice, not ten times: a hot window's batches stay under the
+/// test PUB's 128 KiB send buffer.
+fn hot_factor(workload: Workload) -> u64 {
+    match workload {
+        Workload::Steady { tokens: true, .. } => 2,
+        _ => 10,
+    }
+}
+
+/// A `BlockStored` of `keys` as vLLM sends it mid-prompt: after `parent`, with the 16 token ids of
+/// each block (ids of a 151k vocabulary, as Qwen3's, in the mixed msgpack widths real ids take).
+fn stored_mid_prompt(keys: &[u64], parent: u64) -> Mp {
+    let first = keys.first().copied().unwrap_or(0);
+    let ids: Vec<u32> = (0..keys.len() as u64 * 16)
+        .map(|t| ((first.wrapping_mul(7919) + t * 104_729) % 151_000) as u32)
+        .collect();
+    let mut ev = stored(keys, &ids, false);
+    if let Mp::Map(fields) = &mut ev {
+        for (k, v) in fields.iter_mut() {
+            if k.as_str() == Some("parent_block_hash") {
+                *v = Mp::from(parent);
+            }
+        }
+    }
+    ev
 }
 
 /// Fills every endpoint with `held` blocks of fresh keys (256 per message, bursts the PUB's send
@@ -242,7 +278,7 @@ async fn run_fleet(
     let mut next_key = 1u64;
     let mut fifo = match workload {
         Workload::Growth => Vec::new(),
-        Workload::Steady { held } => {
+        Workload::Steady { held, .. } => {
             preload(&svc, &mut pubs, &mut expect, held, &mut next_key).await
         }
     };
@@ -261,10 +297,15 @@ async fn run_fleet(
         Workload::Steady { .. } => per_window | 1,
     };
     for w in 0..windows {
-        // Odd windows: endpoint 0 is hot (ten times the batches of every other endpoint).
+        // Odd windows: endpoint 0 is hot (ten times the batches of every other endpoint, twice
+        // with token ids).
         let hot = w % 2 == 1;
         let ws = Instant::now();
-        let n = if hot { per_window * 10 + 1 } else { per_window };
+        let n = if hot {
+            per_window * hot_factor(workload) + 1
+        } else {
+            per_window
+        };
         for b in 0..n {
             for (i, p) in pubs.iter_mut().enumerate() {
                 if b >= per_window && i != 0 {
@@ -285,7 +326,12 @@ async fn run_fleet(
                         }
                         next_key += PER;
                         expect[i] += PER;
-                        stored(&keys, &[], false)
+                        match workload {
+                            Workload::Steady { tokens: true, .. } => {
+                                stored_mid_prompt(&keys, keys[0] - 1)
+                            }
+                            _ => stored(&keys, &[], false),
+                        }
                     }
                 };
                 p.send(&batch(vec![event])).await;
@@ -379,11 +425,20 @@ async fn bench_ingest_publishers() {
         .iter()
         .map(|&eps| {
             let held = (fleet_keys / eps.max(1) as u64).max(PER);
-            (eps, Workload::Steady { held })
+            (
+                eps,
+                Workload::Steady {
+                    held,
+                    tokens: false,
+                },
+            )
         })
         .collect();
     if let Some(&eps) = sizes.first() {
         cases.push((eps, Workload::Growth));
+        // What engines send: the same steady fleet, its stores with parents and token ids.
+        let held = (fleet_keys / eps.max(1) as u64).max(PER);
+        cases.push((eps, Workload::Steady { held, tokens: true }));
     }
     let mut all: Vec<Runs> = Vec::new();
     for (eps, workload) in cases {
@@ -424,9 +479,12 @@ async fn bench_ingest_publishers() {
         "Generated by `scripts/bench-ingest.sh{}` (inventory-svc/tests/ingest_bench.rs, release build). One real\n\
          ZMQ PUB per endpoint on 127.0.0.1, each at its own `kvZmqEndpoint`; the service subscribes to all of\n\
          them and every event goes through the real path (frame split, msgpack decode, keying, index apply).\n\
-         Each message is one vLLM event of 16 keys (no token ids). **steady**: engines at capacity, the fleet\n\
+         Each message is one vLLM event of 16 keys. **steady**: engines at capacity, the fleet\n\
          holding {fleet_keys} keys (each endpoint is filled first, untimed; then its messages alternate a\n\
-         `BlockStored` of 16 new keys and a `BlockRemoved` of its 16 oldest, as a full KV cache does).\n\
+         `BlockStored` of 16 new keys and a `BlockRemoved` of its 16 oldest, as a full KV cache does);\n\
+         its stores carry no token ids, except in the **token ids** row, where each store is what vLLM\n\
+         sends mid-prompt: a parent and the 16 token ids of each block (256 ids of a 151k vocabulary, ~1.2 KB),\n\
+         and the hot publisher sends twice, not ten times, the batches (the test PUB's 128 KiB buffer).\n\
          **growth**: every message a `BlockStored` of 16 new keys, the index growing all run long (each\n\
          store a new table entry). The publishers run in the\n\
          benchmark process on the same cores as the service. Windows: every publisher sends its batches,\n\
