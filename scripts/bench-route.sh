@@ -48,10 +48,12 @@ KVROUTE_BENCH_OUT="$table" cargo test --release -p kvroute-inventory --test rout
     echo
     cat "$table"
     echo
-    echo "Where a binary hit's CPU goes (\`perf record -g\` on the service during that case, 2026-12-03):"
-    echo "about 40% in the kernel, most of it the loopback TCP path, which also runs the client's receive"
-    echo "on the sender's CPU; the index match about 20% (512 keys, with the cold-seed credits of the other"
-    echo "endpoints consulted at every key); hyper, axum, allocation and the decision the rest. A JSON"
-    echo "question spends about as much again parsing its 512 decimal keys."
+    echo "Where a binary hit's CPU goes (\`perf record -F 1999 -g -p PID\` on the service during that case alone,"
+    echo "\`KVROUTE_BENCH_ONLY=\"binary, hit\"\`, 14.7 µs CPU per query, 2026-12-07): 50% of the samples in the"
+    echo "kernel, most of it the loopback TCP path, which also runs the client's receive on the sender's CPU;"
+    echo "the index match 19% (512 keys, with the speculative credits consulted at every key); libc 6%;"
+    echo "hyper, axum, allocation and the decision the rest. The kernel's share alone is ~7.3 µs per query,"
+    echo "near the 8.0 µs that would be 4x \`a2f9d51\`'s JSON hit. A JSON question spends about as much again"
+    echo "parsing its 512 decimal keys."
 } >docs/bench-route.md
 cat docs/bench-route.md
