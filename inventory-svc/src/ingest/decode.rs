@@ -692,8 +692,8 @@ fn tokens(rd: &mut Rd<'_>, n: u32, spare: &mut Spare) -> Result<Result<Vec<u32>,
     let mut out = Ok(spare.take_tokens((n as usize).min(rd.remaining())));
     let mut left = n as usize;
     while left > 0 {
-        // Engines publish ids as unsigned integers below 2^32: runs of them take the
-        // width-selecting path, anything else (and the last few bytes) the one below.
+        // Engines publish ids as unsigned integers below 2^32: runs of them are read by
+        // `Rd::u32_run`, anything else (and the last few bytes) one at a time below.
         if let Ok(v) = &mut out {
             left -= rd.u32_run(left, v);
             if left == 0 {
