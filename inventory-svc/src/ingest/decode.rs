@@ -693,7 +693,7 @@ fn tokens(rd: &mut Rd<'_>, n: u32, spare: &mut Spare) -> Result<Result<Vec<u32>,
     let mut left = n as usize;
     while left > 0 {
         // Engines publish ids as unsigned integers below 2^32: runs of them are read by
-        // `Rd::u32_run`, anything else (and the last few bytes) one at a time below.
+        // `Rd::u32_run`, anything else (and the last few bytes) by the general reader below.
         if let Ok(v) = &mut out {
             left -= rd.u32_run(left, v);
             if left == 0 {
@@ -701,13 +701,6 @@ fn tokens(rd: &mut Rd<'_>, n: u32, spare: &mut Spare) -> Result<Result<Vec<u32>,
             }
         }
         left -= 1;
-        if let Some(u) = rd.uint() {
-            match (&mut out, u32::try_from(u)) {
-                (Ok(v), Ok(t)) => v.push(t),
-                _ => out = Err(()),
-            }
-            continue;
-        }
         let t = match rd.head(FIELD - 2)? {
             Head::Pos(u) => u32::try_from(u).ok(),
             other => {

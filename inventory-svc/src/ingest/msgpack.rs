@@ -197,7 +197,7 @@ impl<'a> Rd<'a> {
     /// Reads up to `n` values in a row that are integers below 2^32 (a positive fixint or a
     /// uint 8, 16 or 32) into `out`, as [`Rd::uint`] reads each, and returns how many it read.
     /// It stops before the first other value and where fewer than 5 bytes are left (those go
-    /// through [`Rd::uint`] or [`Rd::head`]). Token ids: one bounds check and one branch on the
+    /// through [`Rd::head`], one at a time). Token ids: one bounds check and one branch on the
     /// width per id, no `Option` and no 64-bit detour; the predicted width lets the next id's
     /// read start before this one's is decoded. (Computing the width without a branch was
     /// slower: it chains every id's read on the previous one's.)
