@@ -95,7 +95,14 @@ pub(super) async fn run(
             .arg(u8::from(ingest.is_some()))
             .invoke_async(&mut conn)
             .await;
-        let failed = held.is_err();
+        let wait = if held.is_err() {
+            let w = retry.min(period);
+            retry = retry.saturating_mul(2);
+            w
+        } else {
+            retry = RETRY_FIRST;
+            period
+        };
         match (held, ingest.is_some()) {
             (Ok(1), false) => {
                 let token = rule.child_token();
@@ -123,20 +130,12 @@ pub(super) async fn run(
             (Err(e), owned) => {
                 state.metrics.redis_error(RedisOp::Lease).inc();
                 if owned {
-                    tracing::warn!(rule = %name, ep = ep.0, retry_ms = retry.min(period).as_millis() as u64, "lease renewal failed: {e}");
+                    tracing::warn!(rule = %name, ep = ep.0, retry_ms = wait.as_millis() as u64, "lease renewal failed: {e}");
                 } else {
                     tracing::debug!(rule = %name, ep = ep.0, "lease call failed: {e}");
                 }
             }
         }
-        let wait = if failed {
-            let w = retry.min(period);
-            retry = retry.saturating_mul(2);
-            w
-        } else {
-            retry = RETRY_FIRST;
-            period
-        };
         tokio::select! {
             _ = rule.stopped() => break,
             _ = tokio::time::sleep(wait) => {}
