@@ -11,6 +11,7 @@
 #
 #   scripts/bench-real-vllm.sh                     # 5 rounds + 5 simulator rounds (about 30 minutes on 2 cores with AVX-512 BF16, about 55 without)
 #   scripts/bench-real-vllm.sh --rounds 1 --out /tmp/b.md --strategies kvroute,sglang-router
+#   scripts/bench-real-vllm.sh --engine-nice 10 ...   # the engines below every other process's priority
 set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

