@@ -33,8 +33,11 @@ impl Redis {
         format!("redis://127.0.0.1:{}", self.port)
     }
 
-    /// Starts (again) on the same port, empty, and waits until it answers PING.
+    /// Stops it if it runs, starts it again on the same port, empty, and waits until the new
+    /// process itself answers (`INFO server` names its pid: a server left on the port does not
+    /// count).
     pub fn restart(&mut self) -> Result<()> {
+        self.kill();
         let child = Command::new("redis-server")
             .args(["--port", &self.port.to_string(), "--bind", "127.0.0.1"])
             .args(["--save", "", "--appendonly", "no"])
@@ -44,10 +47,14 @@ impl Redis {
             .stderr(Stdio::null())
             .spawn()
             .context("redis-server (install it: apt-get install redis-server)")?;
+        let pid = child.id();
         self.child = Some(child);
-        let what = format!("redis-server on port {} to answer PING", self.port);
+        let ours = format!("process_id:{pid}");
+        let what = format!("redis-server on port {} (pid {pid}) to answer", self.port);
         wait_until_blocking(&what, Duration::from_secs(10), || {
-            self.cli(&["PING"]).trim() == "PONG"
+            self.cli(&["INFO", "server"])
+                .lines()
+                .any(|l| l.trim() == ours)
         })
     }
 

@@ -218,6 +218,11 @@ mod tests {
         assert_eq!(call("a", true).await, 1, "renewed");
         // Redis restarts empty while a ingests: b asks first and is refused, a takes it back.
         redis.restart().unwrap();
+        assert_eq!(
+            redis.cli(&["DBSIZE"]).trim(),
+            "0",
+            "a restarted Redis is empty"
+        );
         assert_eq!(call("b", false).await, 0);
         assert_eq!(call("a", true).await, 1);
         assert_eq!(call("b", false).await, 0);
