@@ -54,9 +54,33 @@ else
     ./scripts/fuzz.sh --smoke
 fi
 
+# Every process a test starts, the test stops. The processes tests start (by command name) that
+# run after the tests and did not before are leaks: named, killed, and the run fails.
+test_processes() {
+    ps -eo pid=,comm= | awk '$2 ~ /^(redis-server|envoy|prometheus|kvroute-.*)$/ {print $1}' | sort
+}
+before="$(test_processes)"
+
 step "running tests"
+status=0
 if (($# > 0)); then
-    cargo test "$@"
+    cargo test "$@" || status=$?
 else
-    cargo test --workspace --no-fail-fast
+    cargo test --workspace --no-fail-fast || status=$?
 fi
+
+# A process a test's cleanup signalled may take a moment to exit: up to 10 s.
+for _ in $(seq 50); do
+    leaked="$(comm -13 <(echo "$before") <(test_processes))"
+    [[ -z "$leaked" ]] && break
+    sleep 0.2
+done
+if [[ -n "$leaked" ]]; then
+    step "processes the tests started and left running (killed now):"
+    # shellcheck disable=SC2086
+    ps -o pid=,lstart=,args= -p $leaked || true
+    # shellcheck disable=SC2086
+    kill -9 $leaked 2>/dev/null || true
+    status=1
+fi
+exit "$status"

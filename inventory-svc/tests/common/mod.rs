@@ -35,7 +35,8 @@ pub struct Service {
     pub http: reqwest::Client,
 }
 
-/// A fresh temp directory for one test, left in place afterwards (its logs explain a failure).
+/// A fresh temp directory for one test, left in place afterwards (its logs explain a failure;
+/// a [`Service`]'s own directory is removed when it drops in a passing test).
 pub fn tempdir(tag: &str) -> PathBuf {
     TempDir::new(&format!("inv-{tag}")).unwrap().keep()
 }
@@ -301,10 +302,15 @@ impl Service {
 }
 
 impl Drop for Service {
+    /// Kills the service if it still runs; removes its directory unless the test is failing
+    /// (then the directory stays, with the service's `stderr.log`).
     fn drop(&mut self) {
         if let Ok(None) = self.child.try_wait() {
             let _ = self.child.kill();
             let _ = self.child.wait();
+        }
+        if !std::thread::panicking() {
+            let _ = std::fs::remove_dir_all(&self.dir);
         }
     }
 }
