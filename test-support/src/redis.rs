@@ -47,14 +47,11 @@ impl Redis {
             .stderr(Stdio::null())
             .spawn()
             .context("redis-server (install it: apt-get install redis-server)")?;
-        let pid = child.id();
+        let pid = child.id().to_string();
         self.child = Some(child);
-        let ours = format!("process_id:{pid}");
         let what = format!("redis-server on port {} (pid {pid}) to answer", self.port);
         wait_until_blocking(&what, Duration::from_secs(10), || {
-            self.cli(&["INFO", "server"])
-                .lines()
-                .any(|l| l.trim() == ours)
+            field(&self.cli(&["INFO", "server"]), "process_id").as_deref() == Some(pid.as_str())
         })
     }
 
@@ -286,10 +283,7 @@ impl RedisCluster {
 
     /// `CLUSTER INFO` field `name` of node `i`.
     pub fn info(&self, i: usize, name: &str) -> Option<String> {
-        self.cli(i, &["CLUSTER", "INFO"]).lines().find_map(|l| {
-            l.strip_prefix(&format!("{name}:"))
-                .map(|v| v.trim().to_owned())
-        })
+        field(&self.cli(i, &["CLUSTER", "INFO"]), name)
     }
 
     /// One `redis-cli` command's output on node `i` ("" when it is down).
@@ -310,6 +304,15 @@ impl RedisCluster {
             })
         })
     }
+}
+
+/// Field `name` of an `INFO`-style reply (`name:value` lines).
+fn field(reply: &str, name: &str) -> Option<String> {
+    reply.lines().find_map(|l| {
+        l.strip_prefix(name)?
+            .strip_prefix(':')
+            .map(|v| v.trim().to_owned())
+    })
 }
 
 /// One `redis-cli` command's output against the server on `port` ("" when it is down).

@@ -15,17 +15,12 @@ pub struct Proc {
     child: Child,
     /// Its bound address.
     pub addr: SocketAddr,
-    /// A file written for it alone (its rules), removed once it is stopped.
-    file: Option<PathBuf>,
 }
 
 impl Drop for Proc {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
-        if let Some(f) = &self.file {
-            let _ = std::fs::remove_file(f);
-        }
     }
 }
 
@@ -34,11 +29,7 @@ impl Proc {
     /// handle kills it on drop from now on.
     pub fn spawn_unready(mut cmd: Command, addr: SocketAddr) -> anyhow::Result<Proc> {
         let child = cmd.spawn().with_context(|| format!("spawn {cmd:?}"))?;
-        Ok(Proc {
-            child,
-            addr,
-            file: None,
-        })
+        Ok(Proc { child, addr })
     }
 
     /// The exit status if the process has ended.
@@ -69,11 +60,7 @@ impl Proc {
                 let addr = a
                     .parse()
                     .with_context(|| format!("bad ready address {a:?}"))?;
-                Ok(Proc {
-                    child,
-                    addr,
-                    file: None,
-                })
+                Ok(Proc { child, addr })
             }
             Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
                 // Its stdout closed without the ready line: it exited (its stderr is inherited).
@@ -380,14 +367,5 @@ pub fn start_inventory(
     for (k, v) in opts.env {
         cmd.env(k, v);
     }
-    match Proc::spawn(cmd, Duration::from_secs(60)) {
-        Ok(mut inventory) => {
-            inventory.file = Some(cfg);
-            Ok(inventory)
-        }
-        Err(e) => {
-            let _ = std::fs::remove_file(&cfg);
-            Err(e)
-        }
-    }
+    Proc::spawn(cmd, Duration::from_secs(60))
 }
