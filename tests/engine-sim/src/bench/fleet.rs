@@ -367,5 +367,8 @@ pub fn start_inventory(
     for (k, v) in opts.env {
         cmd.env(k, v);
     }
-    Proc::spawn(cmd, Duration::from_secs(60))
+    let inventory = Proc::spawn(cmd, Duration::from_secs(60));
+    // The service reads its rules file once, before it listens: ready or failed, it is done with it.
+    let _ = std::fs::remove_file(&cfg);
+    inventory
 }
