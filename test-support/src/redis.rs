@@ -228,12 +228,17 @@ impl RedisCluster {
     /// The running node that is the primary of `key`'s slot, as the cluster reports it.
     pub fn master_of(&self, key: &str) -> Option<usize> {
         let live = (0..self.nodes.len()).find(|&i| self.nodes[i].child.is_some())?;
+        self.master_seen_by(live, key)
+    }
+
+    /// The running node that node `seer` names as the primary of `key`'s slot.
+    fn master_seen_by(&self, seer: usize, key: &str) -> Option<usize> {
         let slot: u16 = self
-            .cli(live, &["CLUSTER", "KEYSLOT", key])
+            .cli(seer, &["CLUSTER", "KEYSLOT", key])
             .trim()
             .parse()
             .ok()?;
-        let nodes = self.cli(live, &["CLUSTER", "NODES"]);
+        let nodes = self.cli(seer, &["CLUSTER", "NODES"]);
         for line in nodes.lines() {
             let f: Vec<&str> = line.split(' ').collect();
             if f.len() < 9 || !f[2].contains("master") || f[2].contains("fail") {
@@ -257,6 +262,57 @@ impl RedisCluster {
             }
         }
         None
+    }
+
+    /// Moves `key`'s slot, with its keys, to primary `to` as `redis-cli --cluster reshard` does
+    /// (`IMPORTING` on `to`, `MIGRATING` on the owner, `MIGRATE` of every key, then the new owner
+    /// set on every primary), and waits until every running node names `to` as its primary.
+    /// A client that knew the old owner keeps its slot map until a reply tells it otherwise.
+    pub fn move_slot(&self, key: &str, to: usize) -> Result<()> {
+        let from = self
+            .master_of(key)
+            .with_context(|| format!("no primary serves {key}"))?;
+        anyhow::ensure!(from != to, "node {to} already serves {key}");
+        let slot = self.cli(to, &["CLUSTER", "KEYSLOT", key]).trim().to_owned();
+        let id = |i: usize| self.cli(i, &["CLUSTER", "MYID"]).trim().to_owned();
+        let (from_id, to_id) = (id(from), id(to));
+        let ok = |i: usize, args: &[&str]| -> Result<()> {
+            let out = self.cli(i, args);
+            anyhow::ensure!(out.trim() == "OK", "{args:?} on node {i}: {out}");
+            Ok(())
+        };
+        ok(to, &["CLUSTER", "SETSLOT", &slot, "IMPORTING", &from_id])?;
+        ok(from, &["CLUSTER", "SETSLOT", &slot, "MIGRATING", &to_id])?;
+        let port = self.port(to).to_string();
+        // Bounded: a slot holds the few keys a test writes, 100 per round.
+        for _ in 0..1000 {
+            let keys = self.cli(from, &["CLUSTER", "GETKEYSINSLOT", &slot, "100"]);
+            let keys: Vec<&str> = keys.lines().filter(|k| !k.is_empty()).collect();
+            if keys.is_empty() {
+                break;
+            }
+            let mut args = vec!["MIGRATE", "127.0.0.1", &port, "", "0", "5000", "KEYS"];
+            args.extend(&keys);
+            ok(from, &args)?;
+        }
+        for m in [to, from].into_iter().chain(self.masters()) {
+            ok(m, &["CLUSTER", "SETSLOT", &slot, "NODE", &to_id])?;
+        }
+        let live: Vec<usize> = (0..self.nodes.len())
+            .filter(|&i| self.nodes[i].child.is_some())
+            .collect();
+        Poll::new(
+            format!("every node to name node {to} for {key}"),
+            CLUSTER_STEP,
+        )
+        .until_blocking(|| {
+            let views: Vec<Option<usize>> =
+                live.iter().map(|&i| self.master_seen_by(i, key)).collect();
+            Ok(match views.iter().all(|v| *v == Some(to)) {
+                true => Probe::Ready(()),
+                false => Probe::Pending(format!("{views:?}")),
+            })
+        })
     }
 
     /// SIGKILL node `i` (no goodbye to clients or to the cluster).

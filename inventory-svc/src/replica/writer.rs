@@ -480,21 +480,21 @@ impl Writer {
         };
         let bytes = snap.encode();
         let size = bytes.len();
-        let mut pipe = redis::pipe();
-        pipe.atomic();
-        pipe.cmd("SET")
-            .arg(self.rep.snap_key(rule, usize::from(ep.0)))
-            .arg(bytes)
-            .ignore();
-        xadd(&mut pipe, &log, self.maxlen())
-            .arg("o")
-            .arg(&self.rep.origin)
-            .arg("d")
-            .arg(Entry::Snapshot { ep: ep.0, resync }.encode());
+        let maxlen = self.maxlen();
+        let written = write_snapshot(
+            &mut self.conn,
+            &self.rep.snap_key(rule, usize::from(ep.0)),
+            &log,
+            &bytes,
+            maxlen,
+            &self.rep.origin,
+            &Entry::Snapshot { ep: ep.0, resync }.encode(),
+        )
+        .await;
         let m = &self.state.metrics;
-        match pipe.query_async::<Vec<String>>(&mut self.conn).await {
-            Ok(ids) => {
-                if let Some(id) = ids.first().and_then(|i| StreamId::parse(i)) {
+        match written {
+            Ok(id) => {
+                if let Some(id) = StreamId::parse(&id) {
                     self.last.insert(log.clone(), id);
                     self.appended.insert((log, ep.0), id);
                 }
@@ -514,6 +514,41 @@ impl Writer {
     }
 }
 
+/// KEYS[1] an endpoint's snapshot, KEYS[2] its rule's log; ARGV[1] the snapshot, ARGV[2] the
+/// log's MAXLEN, ARGV[3] this replica's origin, ARGV[4] the marker entry: stores the snapshot
+/// and appends its marker at once, and returns the marker's id.
+const SNAPSHOT: &str = r"
+redis.call('SET', KEYS[1], ARGV[1])
+return redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[2], '*', 'o', ARGV[3], 'd', ARGV[4])
+";
+
+/// Writes a snapshot and its log marker atomically; the marker's stream id.
+///
+/// One script call rather than a `MULTI`: a cluster client follows a `MOVED` or `ASK` reply to
+/// a single command (and reloads its slot map), while inside a transaction the redirected
+/// commands are refused, `EXEC` fails and the client keeps the stale map.
+async fn write_snapshot(
+    conn: &mut Conn,
+    snap_key: &str,
+    log_key: &str,
+    snapshot: &[u8],
+    maxlen: u64,
+    origin: &str,
+    marker: &[u8],
+) -> redis::RedisResult<String> {
+    static SCRIPT: std::sync::LazyLock<redis::Script> =
+        std::sync::LazyLock::new(|| redis::Script::new(SNAPSHOT));
+    SCRIPT
+        .key(snap_key)
+        .key(log_key)
+        .arg(snapshot)
+        .arg(maxlen)
+        .arg(origin)
+        .arg(marker)
+        .invoke_async(conn)
+        .await
+}
+
 /// `XADD key MAXLEN ~ n *` (fields follow).
 fn xadd<'a>(pipe: &'a mut redis::Pipeline, key: &str, maxlen: u64) -> &'a mut redis::Pipeline {
     pipe.cmd("XADD")
@@ -528,6 +563,54 @@ fn mark_dirty(touched: &[(Arc<RuleRuntime>, u16)]) {
     for (rule, ep) in touched {
         if let Some(e) = rule.ep(EndpointId(*ep)) {
             e.mark_dirty();
+        }
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+mod tests {
+    use super::*;
+    use kvroute_test_support::redis::RedisCluster;
+
+    /// After a slot moved to another primary, a client still holding the old slot map gets
+    /// `MOVED`: a `MULTI` of the same two commands fails, and the snapshot script, sent next on
+    /// the same connection, follows the redirect and lands on the new primary.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_snapshot_follows_its_slot_to_a_new_primary() {
+        let cluster = RedisCluster::start(3, 1000).unwrap();
+        let urls: Vec<String> = cluster.urls().split(',').map(str::to_owned).collect();
+        let client = redis::cluster::ClusterClient::new(urls).unwrap();
+        let mut conn = Conn::Cluster(client.get_async_connection().await.unwrap());
+        let (snap, log) = ("kvroute:{t#1}:snap:0", "kvroute:{t#1}:log");
+        let write = async |conn: &mut Conn, n: u8| {
+            write_snapshot(conn, snap, log, &[n; 64], 1000, "a", b"marker").await
+        };
+        let first = write(&mut conn, 1).await.unwrap();
+        assert!(StreamId::parse(&first).is_some(), "{first}");
+
+        let masters = cluster.masters();
+        let mut owners = vec![cluster.master_of(log).unwrap()];
+        for n in 2..=3u8 {
+            let to = *masters.iter().find(|m| !owners.contains(m)).unwrap();
+            tokio::task::block_in_place(|| cluster.move_slot(log, to)).unwrap();
+            owners.push(to);
+            if n == 3 {
+                let mut multi = redis::pipe();
+                multi.atomic().cmd("SET").arg(snap).arg("x").ignore();
+                xadd(&mut multi, log, 1000).arg("o").arg("a");
+                let refused = multi.query_async::<Vec<String>>(&mut conn).await;
+                assert!(refused.is_err(), "a MULTI after the move: {refused:?}");
+            }
+            let id = write(&mut conn, n).await.unwrap();
+            assert!(StreamId::parse(&id).is_some(), "{id}");
+            assert_eq!(
+                cluster.cli(to, &["XLEN", log]).trim(),
+                n.to_string(),
+                "every marker is in the log on the new primary"
+            );
+            let stored = cluster.cli(to, &["STRLEN", snap]);
+            assert_eq!(stored.trim(), "64", "the snapshot is on the new primary");
         }
     }
 }
