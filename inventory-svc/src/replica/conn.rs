@@ -6,6 +6,8 @@
 //!   slot map, follows `MOVED`/`ASK` and refreshes the map after a failover. A command or a
 //!   pipeline may only touch keys of one slot there: callers group keys with [`Backend::group`]
 //!   (the hash tag; every key of one rule generation shares one, see [`super::Replica::rule_tag`]).
+//!   A `MULTI` is not redirected (its `EXEC` fails and the map stays stale), so what must be
+//!   atomic is a script call.
 //!
 //! Both connect lazily: a Redis that is down at start is retried on the first command.
 
