@@ -11,6 +11,10 @@
 //! * both sides report it: the owner's failed writes and its resynchronisation, the other
 //!   replica's failed read and its resynchronisation;
 //! * rule changes still replicate (the rule keys live in their own slot).
+//!
+//! A second test moves the rule's slot to another primary while the owner ingests (a
+//! resharding): both replicas converge with no failed command and no resynchronisation, and the
+//! owner's snapshot and lease are then on the new primary.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 mod common;
@@ -127,34 +131,9 @@ fn sum(m: &str, name: &str, label: &str, values: &[&str]) -> f64 {
         .sum()
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn replication_through_a_cluster_survives_a_primary_failover() {
-    let mut cluster = RedisCluster::start(3, 1000).unwrap();
-    let (mut pubs, port) = bind_same_port(&[EP_IP], 33000).await;
-    let r = rule(
-        8080,
-        "vllm",
-        port,
-        &[(EP_IP.to_string(), 9)],
-        json!({"kvHashAlgo": "sha256_cbor"}),
-    );
-    let rules = json!([r]);
-    let a = replica("cl-a", &cluster, "a", &rules);
-    let b = replica("cl-b", &cluster, "b", &rules);
-    let svcs = [&a, &b];
-    let o = owner(&svcs).await;
-    let (own, other) = (svcs[o], svcs[1 - o]);
-    let mut p = pubs.remove(0);
-    send_until_seen(own, &mut p, 0xC0).await;
-    let mut want: BTreeSet<u64> = [0xC0].into_iter().collect();
-    for k in 1..=20u64 {
-        p.send(&batch(vec![stored(&[0xC0 + k], &[], false)])).await;
-        want.insert(0xC0 + k);
-    }
-    converge(&svcs, &want, 10, "both replicas before the failover").await;
-
-    // One rule's log, snapshot and lease share a slot: all on one primary (KEYS lists a node's
-    // own keys). The owner writes the snapshot at its first tick.
+/// The primary holding the rule's log, snapshot and lease (one slot: all on one primary; KEYS
+/// lists a node's own keys), and the log's key. The owner writes the snapshot at its first tick.
+async fn rule_slot(cluster: &RedisCluster, own: &Service) -> (usize, String) {
     let tagged = |k: &str| k.contains(&format!("{{{RULE_ID}#"));
     let found = Poll::new(
         "the rule's log, snapshot and lease",
@@ -184,14 +163,61 @@ async fn replication_through_a_cluster_survives_a_primary_failover() {
         })
     })
     .await;
-    let (victim, keys) = found.unwrap_or_else(|e| panic!("{e}\n{}", own.stderr()));
+    let (at, keys) = found.unwrap_or_else(|e| panic!("{e}\n{}", own.stderr()));
     let log_key = keys.iter().find(|k| k.ends_with(":log")).unwrap().clone();
-    assert_eq!(cluster.master_of(&log_key), Some(victim));
+    assert_eq!(cluster.master_of(&log_key), Some(at));
+    (at, log_key)
+}
 
-    // Ingest continuously; kill the rule's primary in the middle; keep ingesting through the
-    // failover (every 10 ms, 400 events: ~4 s, longer than detection + election).
+/// Two replicas of one vLLM rule whose endpoint publishes on `ep_ip`, the owner of its endpoint,
+/// and the keys both hold once 21 events went through.
+struct Pair {
+    a: Service,
+    b: Service,
+    /// The owner's index in `[a, b]`.
+    o: usize,
+    p: Publisher,
+    want: BTreeSet<u64>,
+}
+
+impl Pair {
+    async fn start(cluster: &RedisCluster, tag: &str, ep_ip: &str, port_base: u16) -> Pair {
+        let (mut pubs, port) = bind_same_port(&[ep_ip], port_base).await;
+        let r = rule(
+            8080,
+            "vllm",
+            port,
+            &[(ep_ip.to_string(), 9)],
+            json!({"kvHashAlgo": "sha256_cbor"}),
+        );
+        let rules = json!([r]);
+        let a = replica(&format!("{tag}-a"), cluster, "a", &rules);
+        let b = replica(&format!("{tag}-b"), cluster, "b", &rules);
+        let o = owner(&[&a, &b]).await;
+        let mut p = pubs.remove(0);
+        let own = [&a, &b][o];
+        send_until_seen(own, &mut p, 0xC0).await;
+        let mut want: BTreeSet<u64> = [0xC0].into_iter().collect();
+        for k in 1..=20u64 {
+            p.send(&batch(vec![stored(&[0xC0 + k], &[], false)])).await;
+            want.insert(0xC0 + k);
+        }
+        converge(&[&a, &b], &want, 10, "both replicas at start").await;
+        Pair { a, b, o, p, want }
+    }
+}
+
+/// Publishes `n` events (keys from `DURING`), one every 10 ms, and runs `during` once the owner
+/// has ingested 40 of them; returns what `during` returned once all `n` are sent (and in `want`).
+async fn ingest_around<T>(
+    mut p: Publisher,
+    own: &Service,
+    want: &mut BTreeSet<u64>,
+    n: u64,
+    during: impl FnOnce() -> T,
+) -> (T, Publisher) {
     let ingest = tokio::spawn(async move {
-        for i in 0..400u64 {
+        for i in 0..n {
             p.send(&batch(vec![stored(&[DURING + i], &[], false)]))
                 .await;
             tokio::time::sleep(Duration::from_millis(10)).await;
@@ -203,22 +229,72 @@ async fn replication_through_a_cluster_survives_a_primary_failover() {
     })
     .await
     .unwrap();
-    cluster.kill(victim);
-    let promoted = tokio::task::block_in_place(|| {
-        cluster.wait_failover(&log_key, victim, Duration::from_secs(30))
-    })
-    .unwrap();
-    assert_ne!(promoted, victim);
-    let mut p = ingest.await.unwrap();
-    want.extend((0..400u64).map(|i| DURING + i));
-    // The owner itself lost nothing (ingestion does not depend on Redis).
-    converge(&[own], &want, 10, "the owner's own ingestion").await;
-    // After the failover: new events, and everything converges.
+    let out = tokio::task::block_in_place(during);
+    let p = ingest.await.unwrap();
+    want.extend((0..n).map(|i| DURING + i));
+    (out, p)
+}
+
+/// Publishes 20 more events (keys from 0x6_0000), recorded in `want`. The caller keeps the
+/// publisher: the owner's subscriber stays connected.
+async fn send_after(p: &mut Publisher, want: &mut BTreeSet<u64>) {
     for k in 0..20u64 {
         p.send(&batch(vec![stored(&[0x6_0000 + k], &[], false)]))
             .await;
         want.insert(0x6_0000 + k);
     }
+}
+
+/// A replica's metrics `m` show no lease lost and no sequence gap cleared (the owner resumed
+/// without one).
+fn kept_the_endpoint(m: &str) {
+    assert_eq!(
+        metric(
+            m,
+            r#"kvroute_ingest_clears_total{cause="gap",engine="vllm"}"#
+        ),
+        None,
+        "{m}"
+    );
+    assert_eq!(
+        metric(
+            m,
+            r#"kvroute_replication_lease_changes_total{event="lost"}"#
+        )
+        .unwrap_or(0.0),
+        0.0,
+        "{m}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replication_through_a_cluster_survives_a_primary_failover() {
+    let mut cluster = RedisCluster::start(3, 1000).unwrap();
+    let Pair {
+        a,
+        b,
+        o,
+        p,
+        mut want,
+    } = Pair::start(&cluster, "cl", EP_IP, 33000).await;
+    let svcs = [&a, &b];
+    let (own, other) = (svcs[o], svcs[1 - o]);
+
+    let (victim, log_key) = rule_slot(&cluster, own).await;
+
+    // Ingest continuously; kill the rule's primary in the middle; keep ingesting through the
+    // failover (every 10 ms, 400 events: ~4 s, longer than detection + election).
+    let (promoted, mut p) = ingest_around(p, own, &mut want, 400, || {
+        cluster.kill(victim);
+        cluster.wait_failover(&log_key, victim, Duration::from_secs(30))
+    })
+    .await;
+    let promoted = promoted.unwrap();
+    assert_ne!(promoted, victim);
+    // The owner itself lost nothing (ingestion does not depend on Redis).
+    converge(&[own], &want, 10, "the owner's own ingestion").await;
+    // After the failover: new events, and everything converges.
+    send_after(&mut p, &mut want).await;
     converge(&svcs, &want, 20, "both replicas after the failover").await;
 
     // The owner kept its lease and renews it on the promoted primary (its script cache starts
@@ -244,23 +320,7 @@ async fn replication_through_a_cluster_survives_a_primary_failover() {
     });
     assert!(renewed.is_ok(), "{renewed:?}\n{}", own.stderr());
     let m = own.metrics().await;
-    assert_eq!(
-        metric(
-            &m,
-            r#"kvroute_ingest_clears_total{cause="gap",engine="vllm"}"#
-        ),
-        None,
-        "{m}"
-    );
-    assert_eq!(
-        metric(
-            &m,
-            r#"kvroute_replication_lease_changes_total{event="lost"}"#
-        )
-        .unwrap_or(0.0),
-        0.0,
-        "{m}"
-    );
+    kept_the_endpoint(&m);
     let errors = sum(
         &m,
         "kvroute_redis_errors_total",
@@ -307,6 +367,86 @@ async fn replication_through_a_cluster_survives_a_primary_failover() {
                 .contains("8081")
         })
         .await;
+
+    let (mut a, mut b) = (a, b);
+    assert_eq!(a.terminate(), Some(0), "{}", a.stderr());
+    assert_eq!(b.terminate(), Some(0), "{}", b.stderr());
+    drop(cluster);
+}
+
+/// The endpoint address of the resharding test (its own, so both tests of this file can run at
+/// once).
+const RESHARD_EP_IP: &str = "127.0.0.91";
+
+/// A resharding moves the rule's slot (its log, snapshots and leases) to another primary while the
+/// owner ingests: nothing is lost, the owner keeps its endpoint, and its snapshots and lease
+/// renewals follow the slot to the new primary.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replication_through_a_cluster_follows_the_rules_slot_to_another_primary() {
+    let cluster = RedisCluster::start(3, 1000).unwrap();
+    let Pair {
+        a,
+        b,
+        o,
+        p,
+        mut want,
+    } = Pair::start(&cluster, "rs", RESHARD_EP_IP, 34000).await;
+    let svcs = [&a, &b];
+    let own = svcs[o];
+    let (from, log_key) = rule_slot(&cluster, own).await;
+    let to = cluster.masters().into_iter().find(|&m| m != from).unwrap();
+
+    let (moved, mut p) =
+        ingest_around(p, own, &mut want, 200, || cluster.move_slot(&log_key, to)).await;
+    moved.unwrap();
+    let written = |m: &str| metric(m, "kvroute_replication_snapshots_written_total");
+    let after_move = written(&own.metrics().await).unwrap_or(0.0);
+    send_after(&mut p, &mut want).await;
+    converge(&svcs, &want, 20, "both replicas after the move").await;
+
+    // A snapshot written since the move is on the new primary, and so is the renewed lease.
+    let snapped = wait_until(
+        "a snapshot written after the move",
+        Duration::from_secs(10),
+        async || written(&own.metrics().await).is_some_and(|n| n > after_move),
+    )
+    .await;
+    assert!(snapped.is_ok(), "{}", own.stderr());
+    let snap_key = log_key.replace(":log", ":snap:0");
+    let lease_key = log_key.replace(":log", ":lease:0");
+    let len: u64 = cluster
+        .cli(to, &["STRLEN", &snap_key])
+        .trim()
+        .parse()
+        .unwrap();
+    assert!(len > 0, "the snapshot is on the new primary");
+    let pttl: i64 = cluster
+        .cli(to, &["PTTL", &lease_key])
+        .trim()
+        .parse()
+        .unwrap();
+    assert!(pttl > 0, "the lease is on the new primary: PTTL {pttl}");
+    assert_eq!(owner(&svcs).await, o);
+    for s in svcs {
+        let m = s.metrics().await;
+        assert_eq!(metric(&m, "kvroute_redis_connected"), Some(1.0), "{m}");
+        // Every command followed the slot: nothing failed, nothing was resynchronised.
+        let errors = sum(
+            &m,
+            "kvroute_redis_errors_total",
+            "op",
+            &["write", "snapshot", "verify", "ping", "read"],
+        );
+        assert_eq!(errors, 0.0, "{m}\n{}", s.stderr());
+        let resyncs = sum(
+            &m,
+            "kvroute_replication_resyncs_total",
+            "reason",
+            &["writer_reconnect", "lost_writes", "tailer_reconnect"],
+        );
+        assert_eq!(resyncs, 0.0, "{m}\n{}", s.stderr());
+        kept_the_endpoint(&m);
+    }
 
     let (mut a, mut b) = (a, b);
     assert_eq!(a.terminate(), Some(0), "{}", a.stderr());
