@@ -211,10 +211,14 @@ impl RedisCluster {
         self.nodes[i].port
     }
 
+    /// Indexes of the nodes still running (not killed).
+    fn running(&self) -> impl Iterator<Item = usize> + '_ {
+        (0..self.nodes.len()).filter(|&i| self.nodes[i].child.is_some())
+    }
+
     /// Indexes of the running nodes that are primaries serving slots.
     pub fn masters(&self) -> Vec<usize> {
-        (0..self.nodes.len())
-            .filter(|&i| self.nodes[i].child.is_some())
+        self.running()
             .filter(|&i| self.cli(i, &["ROLE"]).lines().next() == Some("master"))
             .filter(|&i| {
                 // A restarted or demoted primary with no slots serves nothing.
@@ -227,7 +231,7 @@ impl RedisCluster {
 
     /// The running node that is the primary of `key`'s slot, as the cluster reports it.
     pub fn master_of(&self, key: &str) -> Option<usize> {
-        let live = (0..self.nodes.len()).find(|&i| self.nodes[i].child.is_some())?;
+        let live = self.running().next()?;
         self.master_seen_by(live, key)
     }
 
@@ -257,8 +261,7 @@ impl RedisCluster {
                 .and_then(|a| a.rsplit_once(':'));
             if serves {
                 let port: u16 = port.and_then(|(_, p)| p.parse().ok())?;
-                return (0..self.nodes.len())
-                    .find(|&i| self.nodes[i].port == port && self.nodes[i].child.is_some());
+                return self.running().find(|&i| self.nodes[i].port == port);
             }
         }
         None
@@ -298,9 +301,7 @@ impl RedisCluster {
         for m in [to, from].into_iter().chain(self.masters()) {
             ok(m, &["CLUSTER", "SETSLOT", &slot, "NODE", &to_id])?;
         }
-        let live: Vec<usize> = (0..self.nodes.len())
-            .filter(|&i| self.nodes[i].child.is_some())
-            .collect();
+        let live: Vec<usize> = self.running().collect();
         Poll::new(
             format!("every node to name node {to} for {key}"),
             CLUSTER_STEP,
@@ -330,9 +331,7 @@ impl RedisCluster {
                     other => Probe::Pending(format!("primary {other:?}")),
                 })
             })?;
-        let live: Vec<usize> = (0..self.nodes.len())
-            .filter(|&i| self.nodes[i].child.is_some())
-            .collect();
+        let live: Vec<usize> = self.running().collect();
         self.wait_ok(&live)?;
         Ok(promoted)
     }
