@@ -198,10 +198,7 @@ impl Pair {
         let own = [&a, &b][o];
         send_until_seen(own, &mut p, 0xC0).await;
         let mut want: BTreeSet<u64> = [0xC0].into_iter().collect();
-        for k in 1..=20u64 {
-            p.send(&batch(vec![stored(&[0xC0 + k], &[], false)])).await;
-            want.insert(0xC0 + k);
-        }
+        send(&mut p, &mut want, 0xC1..=0xD4).await;
         converge(&[&a, &b], &want, 10, "both replicas at start").await;
         Pair { a, b, o, p, want }
     }
@@ -235,13 +232,12 @@ async fn ingest_around<T>(
     (out, p)
 }
 
-/// Publishes 20 more events (keys from 0x6_0000), recorded in `want`. The caller keeps the
-/// publisher: the owner's subscriber stays connected.
-async fn send_after(p: &mut Publisher, want: &mut BTreeSet<u64>) {
-    for k in 0..20u64 {
-        p.send(&batch(vec![stored(&[0x6_0000 + k], &[], false)]))
-            .await;
-        want.insert(0x6_0000 + k);
+/// Publishes one event per key, each key recorded in `want`. The caller keeps the publisher:
+/// the owner's subscriber stays connected.
+async fn send(p: &mut Publisher, want: &mut BTreeSet<u64>, keys: impl IntoIterator<Item = u64>) {
+    for k in keys {
+        p.send(&batch(vec![stored(&[k], &[], false)])).await;
+        want.insert(k);
     }
 }
 
@@ -294,7 +290,7 @@ async fn replication_through_a_cluster_survives_a_primary_failover() {
     // The owner itself lost nothing (ingestion does not depend on Redis).
     converge(&[own], &want, 10, "the owner's own ingestion").await;
     // After the failover: new events, and everything converges.
-    send_after(&mut p, &mut want).await;
+    send(&mut p, &mut want, 0x6_0000..0x6_0014).await;
     converge(&svcs, &want, 20, "both replicas after the failover").await;
 
     // The owner kept its lease and renews it on the promoted primary (its script cache starts
@@ -401,7 +397,7 @@ async fn replication_through_a_cluster_follows_the_rules_slot_to_another_primary
     moved.unwrap();
     let written = |m: &str| metric(m, "kvroute_replication_snapshots_written_total");
     let after_move = written(&own.metrics().await).unwrap_or(0.0);
-    send_after(&mut p, &mut want).await;
+    send(&mut p, &mut want, 0x6_0000..0x6_0014).await;
     converge(&svcs, &want, 20, "both replicas after the move").await;
 
     // A snapshot written since the move is on the new primary, and so is the renewed lease.
