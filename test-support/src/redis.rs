@@ -89,6 +89,17 @@ struct ClusterNode {
 }
 
 /// A bound on each step of bringing a cluster up or over (the test's own deadlines are shorter).
+/// A slot migration opened by [`RedisCluster::begin_move`], closed by
+/// [`RedisCluster::finish_move`].
+#[derive(Debug)]
+pub struct SlotMove {
+    key: String,
+    slot: String,
+    from: usize,
+    to: usize,
+    to_id: String,
+}
+
 const CLUSTER_STEP: Duration = Duration::from_secs(30);
 
 impl RedisCluster {
@@ -268,10 +279,19 @@ impl RedisCluster {
     }
 
     /// Moves `key`'s slot, with its keys, to primary `to` as `redis-cli --cluster reshard` does
-    /// (`IMPORTING` on `to`, `MIGRATING` on the owner, `MIGRATE` of every key, then the new owner
-    /// set on every primary), and waits until every running node names `to` as its primary.
-    /// A client that knew the old owner keeps its slot map until a reply tells it otherwise.
+    /// ([`RedisCluster::begin_move`], then [`RedisCluster::finish_move`]), and waits until every
+    /// running node names `to` as its primary. A client that knew the old owner keeps its slot map
+    /// until a reply tells it otherwise.
     pub fn move_slot(&self, key: &str, to: usize) -> Result<()> {
+        let m = self.begin_move(key, to)?;
+        self.finish_move(m)
+    }
+
+    /// Opens the migration of `key`'s slot to primary `to` and moves its keys: `IMPORTING` on
+    /// `to`, `MIGRATING` on the owner, `MIGRATE` of every key. Until [`RedisCluster::finish_move`]
+    /// the owner answers `ASK` (to `to`) for the moved keys, and `to` serves a command for them
+    /// only right after an `ASKING`.
+    pub fn begin_move(&self, key: &str, to: usize) -> Result<SlotMove> {
         let from = self
             .master_of(key)
             .with_context(|| format!("no primary serves {key}"))?;
@@ -279,13 +299,8 @@ impl RedisCluster {
         let slot = self.cli(to, &["CLUSTER", "KEYSLOT", key]).trim().to_owned();
         let id = |i: usize| self.cli(i, &["CLUSTER", "MYID"]).trim().to_owned();
         let (from_id, to_id) = (id(from), id(to));
-        let ok = |i: usize, args: &[&str]| -> Result<()> {
-            let out = self.cli(i, args);
-            anyhow::ensure!(out.trim() == "OK", "{args:?} on node {i}: {out}");
-            Ok(())
-        };
-        ok(to, &["CLUSTER", "SETSLOT", &slot, "IMPORTING", &from_id])?;
-        ok(from, &["CLUSTER", "SETSLOT", &slot, "MIGRATING", &to_id])?;
+        self.ok(to, &["CLUSTER", "SETSLOT", &slot, "IMPORTING", &from_id])?;
+        self.ok(from, &["CLUSTER", "SETSLOT", &slot, "MIGRATING", &to_id])?;
         let port = self.port(to).to_string();
         // Bounded: a slot holds the few keys a test writes, 100 per round.
         for _ in 0..1000 {
@@ -296,10 +311,29 @@ impl RedisCluster {
             }
             let mut args = vec!["MIGRATE", "127.0.0.1", &port, "", "0", "5000", "KEYS"];
             args.extend(&keys);
-            ok(from, &args)?;
+            self.ok(from, &args)?;
         }
-        for m in [to, from].into_iter().chain(self.masters()) {
-            ok(m, &["CLUSTER", "SETSLOT", &slot, "NODE", &to_id])?;
+        Ok(SlotMove {
+            key: key.to_owned(),
+            slot,
+            from,
+            to,
+            to_id,
+        })
+    }
+
+    /// Closes a migration: the new owner set on `to`, on the old owner, then on every other
+    /// primary; waits until every running node names `to` as the slot's primary.
+    pub fn finish_move(&self, m: SlotMove) -> Result<()> {
+        let SlotMove {
+            key,
+            slot,
+            from,
+            to,
+            to_id,
+        } = m;
+        for p in [to, from].into_iter().chain(self.masters()) {
+            self.ok(p, &["CLUSTER", "SETSLOT", &slot, "NODE", &to_id])?;
         }
         let live: Vec<usize> = self.running().collect();
         Poll::new(
@@ -308,12 +342,19 @@ impl RedisCluster {
         )
         .until_blocking(|| {
             let views: Vec<Option<usize>> =
-                live.iter().map(|&i| self.master_seen_by(i, key)).collect();
+                live.iter().map(|&i| self.master_seen_by(i, &key)).collect();
             Ok(match views.iter().all(|v| *v == Some(to)) {
                 true => Probe::Ready(()),
                 false => Probe::Pending(format!("{views:?}")),
             })
         })
+    }
+
+    /// `redis-cli` on node `i`, which must answer `OK`.
+    fn ok(&self, i: usize, args: &[&str]) -> Result<()> {
+        let out = self.cli(i, args);
+        anyhow::ensure!(out.trim() == "OK", "{args:?} on node {i}: {out}");
+        Ok(())
     }
 
     /// SIGKILL node `i` (no goodbye to clients or to the cluster).
