@@ -7,7 +7,9 @@
 //!   pipeline may only touch keys of one slot there: callers group keys with [`Backend::group`]
 //!   (the hash tag; every key of one rule generation shares one, see [`super::Replica::rule_tag`]).
 //!   A `MULTI` is not redirected (its `EXEC` fails and the map stays stale), so what must be
-//!   atomic is a script call.
+//!   atomic is a script call; and a pipeline of several commands cannot follow an `ASK` while
+//!   its slot migrates (the new owner serves one command per `ASKING`), so a check that must
+//!   answer then is sent command by command.
 //!
 //! Both connect lazily: a Redis that is down at start is retried on the first command.
 

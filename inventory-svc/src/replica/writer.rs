@@ -361,42 +361,30 @@ impl Writer {
         if self.last.is_empty() {
             return;
         }
-        let mut groups = Groups::default();
-        for (key, id) in &self.last {
-            let g = groups.of(&self.rep.backend, key);
-            let at = id.to_string();
-            g.pipe.cmd("XRANGE").arg(key).arg(&at).arg(&at);
-            g.pipe.cmd("XLEN").arg(key);
-            g.replies.push((key.clone(), Vec::new()));
-        }
-        let results = query_all::<Vec<redis::Value>>(&self.conn, &groups.0).await;
+        let maxlen = self.maxlen();
+        let checks = futures::future::join_all(self.last.iter().map(|(key, id)| {
+            let mut c = self.conn.clone();
+            async move { (key.clone(), *id, lost(&mut c, key, *id, maxlen).await) }
+        }))
+        .await;
         let m = &self.state.metrics;
-        for (g, res) in groups.0.into_iter().zip(results) {
-            let replies = match res {
-                Ok(r) => r,
+        for (key, id, res) in checks {
+            match res {
                 Err(e) => {
                     m.redis_error(RedisOp::Verify).inc();
                     self.went_down(&e);
                     return;
                 }
-            };
-            for ((key, _), pair) in g.replies.into_iter().zip(replies.chunks(2)) {
-                let present = matches!(pair.first(), Some(redis::Value::Array(v)) if !v.is_empty());
-                let len = match pair.get(1) {
-                    Some(redis::Value::Int(n)) => u64::try_from(*n).unwrap_or(0),
-                    _ => 0,
-                };
-                if present || len >= self.maxlen() {
-                    continue;
-                }
-                let id = self.last.remove(&key).unwrap_or_default();
-                let Some(rule) = logs.get(&key) else { continue };
-                m.resync(Resync::LostWrites).inc();
-                tracing::warn!(replica = %self.rep.id, rule = %rule.spec.name(), entry = %id, "acknowledged replication entries are gone (failover or restart): rewriting owned snapshots");
-                for e in rule.eps() {
-                    if e.owned() {
-                        e.mark_dirty();
-                    }
+                Ok(false) => continue,
+                Ok(true) => {}
+            }
+            self.last.remove(&key);
+            let Some(rule) = logs.get(&key) else { continue };
+            m.resync(Resync::LostWrites).inc();
+            tracing::warn!(replica = %self.rep.id, rule = %rule.spec.name(), entry = %id, "acknowledged replication entries are gone (failover or restart): rewriting owned snapshots");
+            for e in rule.eps() {
+                if e.owned() {
+                    e.mark_dirty();
                 }
             }
         }
@@ -559,6 +547,25 @@ fn xadd<'a>(pipe: &'a mut redis::Pipeline, key: &str, maxlen: u64) -> &'a mut re
         .arg("*")
 }
 
+/// Whether entry `id` is gone from log `key` (a log of `maxlen` entries or more may have trimmed
+/// it: not a loss). Single commands, not a pipeline: while a slot migrates, the new owner serves
+/// only the one command after an `ASKING`, so a pipeline of two for a moved key bounces between
+/// the nodes until the client's retries run out; a single command follows `ASK` and `MOVED`.
+async fn lost(conn: &mut Conn, key: &str, id: StreamId, maxlen: u64) -> redis::RedisResult<bool> {
+    let at = id.to_string();
+    let entry: Vec<redis::Value> = redis::cmd("XRANGE")
+        .arg(key)
+        .arg(&at)
+        .arg(&at)
+        .query_async(conn)
+        .await?;
+    if !entry.is_empty() {
+        return Ok(false);
+    }
+    let len: u64 = redis::cmd("XLEN").arg(key).query_async(conn).await?;
+    Ok(len < maxlen)
+}
+
 fn mark_dirty(touched: &[(Arc<RuleRuntime>, u16)]) {
     for (rule, ep) in touched {
         if let Some(e) = rule.ep(EndpointId(*ep)) {
@@ -611,5 +618,58 @@ mod tests {
             let stored = cluster.cli(to, &["STRLEN", snap]);
             assert_eq!(stored.trim(), "64", "the snapshot is on the new primary");
         }
+    }
+
+    /// While the log's slot migrates (its keys already on the new primary, the old one answering
+    /// `ASK`), the check of the last appended entry answers; a pipeline of its two commands
+    /// bounces between the two nodes and fails.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_last_entry_is_checked_while_its_slot_migrates() {
+        let cluster = RedisCluster::start(3, 1000).unwrap();
+        let urls: Vec<String> = cluster.urls().split(',').map(str::to_owned).collect();
+        let client = redis::cluster::ClusterClient::new(urls).unwrap();
+        let mut conn = Conn::Cluster(client.get_async_connection().await.unwrap());
+        let log = "kvroute:{t#2}:log";
+        let mut add = redis::pipe();
+        xadd(&mut add, log, 1000).arg("o").arg("a");
+        let ids: Vec<String> = add.query_async(&mut conn).await.unwrap();
+        let id = StreamId::parse(&ids[0]).unwrap();
+        let never = StreamId::parse("1-1").unwrap();
+
+        let from = cluster.master_of(log).unwrap();
+        let to = *cluster.masters().iter().find(|&&m| m != from).unwrap();
+        let open = tokio::task::block_in_place(|| cluster.begin_move(log, to)).unwrap();
+        let mut both = redis::pipe();
+        let at = id.to_string();
+        both.cmd("XRANGE").arg(log).arg(&at).arg(&at);
+        both.cmd("XLEN").arg(log);
+        let bounced = both.query_async::<Vec<redis::Value>>(&mut conn).await;
+        assert!(
+            bounced.is_err(),
+            "a pipeline of two while the slot migrates: {bounced:?}"
+        );
+        assert!(
+            !lost(&mut conn, log, id, 1000).await.unwrap(),
+            "the appended entry"
+        );
+        assert!(
+            lost(&mut conn, log, never, 1000).await.unwrap(),
+            "an entry never appended"
+        );
+        assert!(
+            !lost(&mut conn, log, never, 1).await.unwrap(),
+            "a log at its length limit may have trimmed it"
+        );
+
+        tokio::task::block_in_place(|| cluster.finish_move(open)).unwrap();
+        assert!(
+            !lost(&mut conn, log, id, 1000).await.unwrap(),
+            "after the move"
+        );
+        assert_eq!(
+            cluster.cli(to, &["XLEN", log]).trim(),
+            "1",
+            "the log is on the new primary"
+        );
     }
 }
