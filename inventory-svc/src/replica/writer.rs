@@ -580,16 +580,22 @@ mod tests {
     use super::*;
     use kvroute_test_support::redis::RedisCluster;
 
+    /// A 3-primary cluster (one replica each) and a cluster connection to it.
+    async fn cluster() -> (RedisCluster, Conn) {
+        let cluster = RedisCluster::start(3, 1000).unwrap();
+        let urls: Vec<String> = cluster.urls().split(',').map(str::to_owned).collect();
+        let client = redis::cluster::ClusterClient::new(urls).unwrap();
+        let conn = Conn::Cluster(client.get_async_connection().await.unwrap());
+        (cluster, conn)
+    }
+
     /// After a slot moved to another primary (twice), a client still holding the old slot map
     /// gets `MOVED`: a `MULTI` of the same two commands fails and leaves the map stale, and the
     /// snapshot script, sent next on the same connection, follows the redirect and lands on the
     /// new primary.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_snapshot_follows_its_slot_to_a_new_primary() {
-        let cluster = RedisCluster::start(3, 1000).unwrap();
-        let urls: Vec<String> = cluster.urls().split(',').map(str::to_owned).collect();
-        let client = redis::cluster::ClusterClient::new(urls).unwrap();
-        let mut conn = Conn::Cluster(client.get_async_connection().await.unwrap());
+        let (cluster, mut conn) = cluster().await;
         let (snap, log) = ("kvroute:{t#1}:snap:0", "kvroute:{t#1}:log");
         let write = async |conn: &mut Conn, n: u8| {
             write_snapshot(conn, snap, log, &[n; 64], 1000, "a", b"marker").await
@@ -625,10 +631,7 @@ mod tests {
     /// bounces between the two nodes and fails.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn the_last_entry_is_checked_while_its_slot_migrates() {
-        let cluster = RedisCluster::start(3, 1000).unwrap();
-        let urls: Vec<String> = cluster.urls().split(',').map(str::to_owned).collect();
-        let client = redis::cluster::ClusterClient::new(urls).unwrap();
-        let mut conn = Conn::Cluster(client.get_async_connection().await.unwrap());
+        let (cluster, mut conn) = cluster().await;
         let log = "kvroute:{t#2}:log";
         let mut add = redis::pipe();
         xadd(&mut add, log, 1000).arg("o").arg("a");
