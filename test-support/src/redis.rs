@@ -88,7 +88,6 @@ struct ClusterNode {
     port: u16,
 }
 
-/// A bound on each step of bringing a cluster up or over (the test's own deadlines are shorter).
 /// A slot migration opened by [`RedisCluster::begin_move`], closed by
 /// [`RedisCluster::finish_move`].
 #[derive(Debug)]
@@ -100,6 +99,7 @@ pub struct SlotMove {
     to_id: String,
 }
 
+/// A bound on each step of bringing a cluster up or over (the test's own deadlines are shorter).
 const CLUSTER_STEP: Duration = Duration::from_secs(30);
 
 impl RedisCluster {
