@@ -297,12 +297,7 @@ async fn replication_through_a_cluster_survives_a_primary_failover() {
     // empty: the renewal reloads the script); it resumed without a gap.
     assert_eq!(owner(&svcs).await, o);
     let lease_key = log_key.replace(":log", ":lease:0");
-    let pttl = |c: &RedisCluster| -> i64 {
-        c.cli(promoted, &["PTTL", &lease_key])
-            .trim()
-            .parse()
-            .unwrap_or(-3)
-    };
+    let pttl = |c: &RedisCluster| c.cli_int(promoted, &["PTTL", &lease_key]).unwrap_or(-3);
     let t1 = pttl(&cluster);
     assert!(t1 > 0, "the lease is on the promoted primary: PTTL {t1}");
     // Renewals come every third of the 15 s lease: 20 s leave room for one that fails while the
@@ -410,18 +405,13 @@ async fn replication_through_a_cluster_follows_the_rules_slot_to_another_primary
     assert!(snapped.is_ok(), "{}", own.stderr());
     let snap_key = log_key.replace(":log", ":snap:0");
     let lease_key = log_key.replace(":log", ":lease:0");
-    let len: u64 = cluster
-        .cli(to, &["STRLEN", &snap_key])
-        .trim()
-        .parse()
-        .unwrap();
-    assert!(len > 0, "the snapshot is on the new primary");
-    let pttl: i64 = cluster
-        .cli(to, &["PTTL", &lease_key])
-        .trim()
-        .parse()
-        .unwrap();
-    assert!(pttl > 0, "the lease is on the new primary: PTTL {pttl}");
+    let len = cluster.cli_int(to, &["STRLEN", &snap_key]);
+    assert!(len > Some(0), "the snapshot is on the new primary: {len:?}");
+    let pttl = cluster.cli_int(to, &["PTTL", &lease_key]);
+    assert!(
+        pttl > Some(0),
+        "the lease is on the new primary: PTTL {pttl:?}"
+    );
     assert_eq!(owner(&svcs).await, o);
     for s in svcs {
         let m = s.metrics().await;

@@ -387,6 +387,12 @@ impl RedisCluster {
         cli_port(self.nodes[i].port, args)
     }
 
+    /// A `redis-cli` command's integer reply on node `i` (`None` when it is not one, or the node
+    /// is down).
+    pub fn cli_int(&self, i: usize, args: &[&str]) -> Option<i64> {
+        self.cli(i, args).trim().parse().ok()
+    }
+
     /// Every node in `nodes` reports `cluster_state:ok`.
     fn wait_ok(&self, nodes: &[usize]) -> Result<()> {
         Poll::new("cluster_state:ok on every node", CLUSTER_STEP).until_blocking(|| {

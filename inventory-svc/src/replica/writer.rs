@@ -617,12 +617,12 @@ mod tests {
             let id = write(&mut conn, n).await.unwrap();
             assert!(StreamId::parse(&id).is_some(), "{id}");
             assert_eq!(
-                cluster.cli(to, &["XLEN", log]).trim(),
-                n.to_string(),
+                cluster.cli_int(to, &["XLEN", log]),
+                Some(i64::from(n)),
                 "every marker is in the log on the new primary"
             );
-            let stored = cluster.cli(to, &["STRLEN", snap]);
-            assert_eq!(stored.trim(), "64", "the snapshot is on the new primary");
+            let stored = cluster.cli_int(to, &["STRLEN", snap]);
+            assert_eq!(stored, Some(64), "the snapshot is on the new primary");
         }
     }
 
@@ -670,8 +670,8 @@ mod tests {
             "after the move"
         );
         assert_eq!(
-            cluster.cli(to, &["XLEN", log]).trim(),
-            "1",
+            cluster.cli_int(to, &["XLEN", log]),
+            Some(1),
             "the log is on the new primary"
         );
     }
